@@ -1,0 +1,72 @@
+"""The exception hierarchy of hcapo-store.
+
+Library code raises these; the CLI maps them to messages and exit codes in one place
+(``cli.py``). Foreign exceptions (SQLAlchemy, httpx, json) are translated where they
+enter the library, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class HcapoError(Exception):
+    """Base class of every error hcapo-store raises on purpose."""
+
+
+class StoreError(HcapoError):
+    """The database cannot be opened or used."""
+
+
+class SchemaOutOfDate(StoreError):
+    """The database is behind the code's schema head; the user must upgrade it."""
+
+    def __init__(self, url: str, current: str | None, head: str) -> None:
+        self.url, self.current, self.head = url, current, head
+        super().__init__(
+            f"Database {url} is at schema revision {current or 'none'}, this version of "
+            f"hcapo-store needs {head}: run `hcapo-store --db {url} db upgrade` "
+            "(it backs the file up first)."
+        )
+
+
+class SchemaTooNew(StoreError):
+    """The database was written by a newer hcapo-store."""
+
+
+class IngestError(HcapoError):
+    """One episode could not be read; carries the file (and line) at fault."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None) -> None:
+        self.path, self.line = path, line
+        where = path or ""
+        if line is not None:
+            where = f"{where}:{line}"
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class SkipEpisode(HcapoError):
+    """The input is valid but not ingestable yet (e.g. no reward); not a failure."""
+
+
+class ScoringError(HcapoError):
+    """Scoring cannot start or continue (bad options, unknown scorer, server mismatch)."""
+
+
+class InferenceError(HcapoError):
+    """A request to an inference backend failed.
+
+    ``kind`` is a short machine-readable label stored with the failed attempt
+    (``http_503``, ``timeout``, ``connect``, ``abort``, ``bad_response``, ``mismatch`` …);
+    ``retryable`` says whether the same request may succeed later.
+    """
+
+    def __init__(self, kind: str, message: str, *, retryable: bool, retry_after: float | None = None) -> None:
+        self.kind, self.retryable, self.retry_after = kind, retryable, retry_after
+        super().__init__(f"{kind}: {message}")
+
+
+class CreditError(HcapoError):
+    """A credit run cannot be computed or found."""
+
+
+class ExportError(HcapoError):
+    """An export cannot be written."""

@@ -1,0 +1,258 @@
+"""Typed SQLAlchemy 2.0 models: the schema of a hcapo-store database.
+
+The schema changes only through Alembic revisions in ``migrations/versions``; those
+revisions never import this module (they are frozen history). ``tests/test_migrations.py``
+checks that the models and the revisions agree.
+
+Times that leases are judged by are epoch seconds (floats) so that SQLite and
+PostgreSQL compare them the same way; bookkeeping times are ISO text.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Episode(Base):
+    """One version of one trajectory. A changed source becomes a new row (version + 1)."""
+
+    __tablename__ = "episodes"
+    __table_args__ = (
+        UniqueConstraint("source_key", "version"),
+        Index("ix_episodes_current", "is_current", "source_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source_key: Mapped[str] = mapped_column(Text)
+    version: Mapped[int] = mapped_column(Integer)
+    is_current: Mapped[bool] = mapped_column(Boolean, default=True)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    source_format: Mapped[str] = mapped_column(String(32))
+    external_id: Mapped[str | None] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float] = mapped_column(Float)
+    phase: Mapped[str | None] = mapped_column(Text)
+    plan_score: Mapped[float | None] = mapped_column(Float)
+    frozen_scores: Mapped[str] = mapped_column(Text)  # JSON object id -> score
+    turns: Mapped[int | None] = mapped_column(Integer)
+    tool_call_count: Mapped[int | None] = mapped_column(Integer)
+    reward_backfilled: Mapped[bool] = mapped_column(Boolean, default=False)
+    include_thinking: Mapped[bool] = mapped_column(Boolean)
+    max_tool_result_chars: Mapped[int] = mapped_column(Integer)
+    num_messages: Mapped[int] = mapped_column(Integer)
+    num_steps: Mapped[int] = mapped_column(Integer)
+    warnings: Mapped[str | None] = mapped_column(Text)  # JSON list of ingest warnings
+    raw_source: Mapped[bytes] = mapped_column(LargeBinary)  # zlib-compressed JSON of the inputs
+    ingested_at: Mapped[str] = mapped_column(String(40))
+
+
+class Tag(Base):
+    """Free labels (task=postgres, run=pg-01) for SQL filters and export grouping."""
+
+    __tablename__ = "tags"
+
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Subtask(Base):
+    """One item of the episode's plan (from result.json), with its final frozen score."""
+
+    __tablename__ = "subtasks"
+    __table_args__ = (UniqueConstraint("episode_id", "position"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    subtask_id: Mapped[str] = mapped_column(Text)
+    description: Mapped[str | None] = mapped_column(Text)
+    acceptance_criteria: Mapped[str | None] = mapped_column(Text)
+    frozen_score: Mapped[float | None] = mapped_column(Float)
+
+
+class Message(Base):
+    """The converted message list (the original loader's output, with its fixes)."""
+
+    __tablename__ = "messages"
+    __table_args__ = (UniqueConstraint("episode_id", "message_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    message_index: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str] = mapped_column(Text)
+    tool_calls: Mapped[str | None] = mapped_column(Text)  # JSON list, OpenAI shape
+    name: Mapped[str | None] = mapped_column(Text)
+    tool_call_id: Mapped[str | None] = mapped_column(Text)
+
+
+class Step(Base):
+    """One assistant message: the unit that gets a hindsight score and a credit."""
+
+    __tablename__ = "steps"
+    __table_args__ = (UniqueConstraint("episode_id", "step_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    step_index: Mapped[int] = mapped_column(Integer)
+    message_index: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(16))
+    subtask_id: Mapped[str | None] = mapped_column(Text)
+    subtask_reward: Mapped[float | None] = mapped_column(Float)
+
+
+class Scorer(Base):
+    """Everything that determines a step's logprobs, as canonical JSON; id = its hash."""
+
+    __tablename__ = "scorers"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    label: Mapped[str] = mapped_column(Text)
+    spec: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[str] = mapped_column(String(40))
+
+
+class Score(Base):
+    """A successful result for (step, scorer). Failures never land here."""
+
+    __tablename__ = "scores"
+    __table_args__ = (
+        UniqueConstraint("step_id", "scorer_id"),
+        Index("ix_scores_scorer_step", "scorer_id", "step_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"))
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"))
+    token_logprobs: Mapped[bytes] = mapped_column(LargeBinary)  # little-endian float32
+    token_count: Mapped[int] = mapped_column(Integer)
+    mean_logprob: Mapped[float] = mapped_column(Float)
+    total_action_tokens: Mapped[int] = mapped_column(Integer)
+    skipped_action_tokens: Mapped[int] = mapped_column(Integer)
+    truncated_prefix_tokens: Mapped[int] = mapped_column(Integer)
+    input_tokens: Mapped[int] = mapped_column(Integer)
+    logprob_start_len: Mapped[int] = mapped_column(Integer)
+    flattened: Mapped[bool] = mapped_column(Boolean, default=False)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    server_model: Mapped[str | None] = mapped_column(Text)
+    worker_id: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[str] = mapped_column(String(40))
+
+
+class Attempt(Base):
+    """The queue row of (step, scorer): state, lease and the last error.
+
+    status: pending → leased → done | failed (after the attempt limit); an expired
+    lease is reclaimable by any worker.
+    """
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("step_id", "scorer_id"),
+        Index("ix_attempts_claim", "scorer_id", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"))
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"))
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    step_index: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    lease_owner: Mapped[str | None] = mapped_column(Text)
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    attempt_count: Mapped[int] = mapped_column(Integer, default=0)
+    last_error_kind: Mapped[str | None] = mapped_column(String(64))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class AttemptError(Base):
+    """Every failed attempt, kept for diagnosis (kind, message, time, worker)."""
+
+    __tablename__ = "attempt_errors"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    worker_id: Mapped[str | None] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Worker(Base):
+    """A live or finished ``score`` process, for ``status`` (last heartbeat, leases)."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    scorer_id: Mapped[str | None] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))
+    scored: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class CreditRun(Base):
+    """(scorer, hyperparameters) → credits. Same inputs hash to the same run."""
+
+    __tablename__ = "credit_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"))
+    params: Mapped[str] = mapped_column(Text)  # canonical JSON of the hyperparameters
+    run_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    episodes: Mapped[int] = mapped_column(Integer, default=0)
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    incomplete_episodes: Mapped[int] = mapped_column(Integer, default=0)
+    incomplete: Mapped[str | None] = mapped_column(Text)  # JSON list of incomplete episode ids
+    created_at: Mapped[str] = mapped_column(String(40))
+
+
+class Credit(Base):
+    """Per-step result of a credit run (Eq. 5–7)."""
+
+    __tablename__ = "credits"
+    __table_args__ = (Index("ix_credits_step", "step_id"),)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("credit_runs.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True)
+    mean_logprob: Mapped[float] = mapped_column(Float)
+    token_count: Mapped[int] = mapped_column(Integer)
+    pi_hind: Mapped[float] = mapped_column(Float)
+    rho_raw: Mapped[float] = mapped_column(Float)
+    rho: Mapped[float] = mapped_column(Float)
+    r_t: Mapped[float] = mapped_column(Float)
+    discount: Mapped[float] = mapped_column(Float)
+    q_h: Mapped[float] = mapped_column(Float)
+    q_h_smoothed: Mapped[float] = mapped_column(Float)
