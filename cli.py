@@ -1,0 +1,233 @@
+"""hcapo-store command line: thin Click commands over the ``hcapo_store`` library.
+
+Each command parses options, calls the library, and prints. Library errors
+(``HcapoError``) become one-line messages here, in one place (``_Group.invoke``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hcapo_store import db as dbmod
+from hcapo_store import formatting
+from hcapo_store.errors import HcapoError
+from hcapo_store.store import Store
+
+EXIT_INTERRUPTED = 130
+
+
+class _Group(click.Group):
+    """Maps library errors to clean messages (exit 1) and Ctrl-C to exit 130."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HcapoError as exc:
+            raise click.ClickException(str(exc)) from exc
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+class _Ctx:
+    """Holds the --db location; opens the store only for commands that need it."""
+
+    def __init__(self, db: str | None) -> None:
+        self.db = db
+        self._store: Store | None = None
+
+    def store(self, *, create: bool = True) -> Store:
+        if self._store is None:
+            self._store = Store.open(self.db, create=create)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+pass_ctx = click.make_pass_decorator(_Ctx)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", envvar=dbmod.ENV_DB, metavar="PATH_OR_URL", default=None,
+              help=f"SQLite file or database URL (env {dbmod.ENV_DB}; default ./{dbmod.DEFAULT_DB}).")
+@click.version_option(package_name="hcapo-store")
+@click.pass_context
+def cli(ctx: click.Context, db: str | None) -> None:
+    """Keep agent trajectories, hindsight logprobs and HCAPO credits in SQL.
+
+    Typical flow: ingest → score → credits compute → sql / export.
+    """
+    state = _Ctx(db)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(formatting.dumps(data))
+
+
+# ---------------------------------------------------------------------------
+# database
+
+
+@cli.command()
+@pass_ctx
+def init(state: _Ctx) -> None:
+    """Create a new database (or confirm an existing one is current)."""
+    store = state.store(create=True)
+    click.echo(f"{store.display}: schema at revision {dbmod.current_revision(store.engine)} (head)")
+
+
+@cli.group(cls=_Group)
+def db() -> None:
+    """Schema version of the database: show it, upgrade it."""
+
+
+@db.command("current")
+@pass_ctx
+def db_current(state: _Ctx) -> None:
+    """Print the database's schema revision and the head this version needs."""
+    url = dbmod.resolve_url(state.db)
+    engine = dbmod.make_engine(url)
+    try:
+        current = dbmod.current_revision(engine)
+    finally:
+        engine.dispose()
+    head = dbmod.head_revision()
+    click.echo(f"{dbmod.display_url(url)}: {current or 'empty'} (head {head})"
+               + ("" if current == head else " — run `hcapo-store db upgrade`"))
+
+
+@db.command("upgrade")
+@click.option("--no-backup", is_flag=True, help="Skip the SQLite backup copy taken before upgrading.")
+@pass_ctx
+def db_upgrade(state: _Ctx, no_backup: bool) -> None:
+    """Upgrade the database schema to this version's head (backs up SQLite files first)."""
+    url = dbmod.resolve_url(state.db)
+    engine = dbmod.make_engine(url)
+    try:
+        before = dbmod.current_revision(engine)
+        head = dbmod.head_revision()
+        if before == head:
+            click.echo(f"{dbmod.display_url(url)}: already at head {head}")
+            return
+        if before is not None and not no_backup:
+            copy = dbmod.backup(engine)
+            if copy:
+                click.echo(f"backup: {copy}")
+        dbmod.upgrade(engine)
+        click.echo(f"{dbmod.display_url(url)}: {before or 'empty'} → {head}")
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------
+# ingest / status / sql
+
+
+def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
+    tags = {}
+    for v in values:
+        if "=" not in v or not v.split("=", 1)[0]:
+            raise click.BadParameter(f"{v!r}: expected KEY=VALUE", param_hint="--tag")
+        k, val = v.split("=", 1)
+        tags[k.strip()] = val.strip()
+    return tags
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--include-thinking/--no-thinking", default=True, show_default=True,
+              help="Keep the assistant's thinking as <think>…</think> in its message.")
+@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True,
+              help="Cut tool results longer than this (the original's suffix is added); 0 = never.")
+@click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE",
+              help="Label the ingested episodes (repeatable), e.g. --tag task=postgres --tag run=pg-01.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_tool_result_chars: int,
+           tags: tuple[str, ...], as_json: bool) -> None:
+    """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
+
+    Unchanged episodes are skipped; changed ones become a new version. One bad file never
+    stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
+    """
+    from hcapo_store.ingest import ingest as run_ingest
+    from hcapo_store.progress import EpisodeProgress
+    from hcapo_store.sources import ConvertOptions
+
+    store = state.store()
+    options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
+    with EpisodeProgress("ingest", enabled=not as_json) as progress:
+        report = run_ingest(store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance)
+    if as_json:
+        _echo_json(report.as_dict())
+    else:
+        for source, error in report.failures:
+            click.echo(f"failed: {error}" if source in error else f"failed: {source}: {error}", err=True)
+        click.echo(report.summary())
+    if report.interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+    if report.failed:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def status(state: _Ctx, as_json: bool) -> None:
+    """Counts of episodes, steps, subtasks; per scorer scored / failed / missing; workers."""
+    from hcapo_store.status import status as get_status
+
+    data = get_status(state.store())
+    if as_json:
+        _echo_json(data)
+        return
+    click.echo(f"database     {data['database']}")
+    click.echo(f"episodes     {data['episodes']} (+{data['superseded_versions']} superseded versions)")
+    phases = ", ".join(f"{k} {v}" for k, v in data["steps_by_phase"].items())
+    click.echo(f"steps        {data['steps']}" + (f" ({phases})" if phases else ""))
+    click.echo(f"messages     {data['messages']}")
+    click.echo(f"subtasks     {data['subtasks']}")
+    click.echo(f"credit runs  {data['credit_runs']}")
+    if not data["scorers"]:
+        click.echo(f"scorers      none yet: scored 0 / failed 0 / missing {data['steps']}")
+    for s in data["scorers"]:
+        click.echo(f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
+                   f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})")
+    for w in data["workers"][:20]:
+        click.echo(f"worker {w['id']}: {w['state']}, {w['leases']} lease(s), scored {w['scored']}, "
+                   f"failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
+
+
+@cli.command()
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--write", is_flag=True, help="Allow statements that modify the database.")
+@pass_ctx
+def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
+    """Run one SQL statement against the store (read-only unless --write).
+
+    Tables: episodes, messages, steps, subtasks, tags, scorers, scores, attempts,
+    credit_runs, credits. Views: step_scores, step_credits, subtask_credits.
+    """
+    columns, rows = state.store(create=False).query(query, read_only=not write)
+    if not columns:
+        click.echo("ok")
+    elif fmt == "csv":
+        click.echo(formatting.to_csv(columns, rows), nl=False)
+    elif fmt == "json":
+        click.echo(formatting.to_json(columns, rows))
+    else:
+        click.echo(formatting.table(columns, rows))
+        click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,56 @@
+"""Rendering rows for people (tables) and scripts (CSV, JSON)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from typing import Any, Sequence
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (bytes, memoryview)):
+        return f"<{len(bytes(value))} bytes>"
+    return str(value)
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int = 60) -> str:
+    cells = [[_cell(v)[:max_width] for v in row] for row in rows]
+    widths = [len(c) for c in columns]
+    for row in cells:
+        for i, v in enumerate(row):
+            widths[i] = max(widths[i], len(v))
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join([line, sep, *body])
+
+
+def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    for row in rows:
+        w.writerow(["" if v is None else (f"<{len(bytes(v))} bytes>" if isinstance(v, (bytes, memoryview)) else v) for v in row])
+    return buf.getvalue()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bytes, memoryview)):
+        return f"<{len(bytes(value))} bytes>"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def to_json(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    return json.dumps([{c: _jsonable(v) for c, v in zip(columns, row)} for row in rows], indent=2, default=str)
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str)

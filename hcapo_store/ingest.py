@@ -1,0 +1,246 @@
+"""Incremental ingest: sources → episodes, messages, steps, subtasks, tags.
+
+Keyed by source key + content hash: an unchanged episode is a no-op, a changed one becomes
+a new version (the old version stays, marked not current, with its scores). Each episode
+is parsed completely before anything is written, and episodes are committed in small
+batches, so an interrupt (Ctrl-C, kill) loses at most the uncommitted batch and never
+leaves half an episode. Sources are read one at a time: memory does not grow with the
+number of episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from sqlalchemy import Connection, insert, select, update
+
+from hcapo_store import db
+from hcapo_store.clock import utcnow
+from hcapo_store.errors import IngestError, SkipEpisode
+from hcapo_store.mapping import map_steps
+from hcapo_store.models import Episode, Message, Step, Subtask, Tag
+from hcapo_store.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
+from hcapo_store.store import Store
+
+BATCH_EPISODES = 64
+BATCH_SECONDS = 1.0
+MAX_LISTED = 200  # failures/skips listed by name; counts are always complete
+
+
+@dataclass
+class IngestReport:
+    new: int = 0
+    changed: int = 0
+    unchanged: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    failed: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (source, message)
+    skips: list[tuple[str, str]] = field(default_factory=list)
+    warnings: int = 0
+    steps: int = 0
+    interrupted: bool = False
+
+    @property
+    def seen(self) -> int:
+        return self.new + self.changed + self.unchanged + sum(self.skipped.values()) + self.failed
+
+    def summary(self) -> str:
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common())
+        line = (
+            f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, "
+            f"{skipped} skipped{f' ({reasons})' if reasons else ''}, {self.failed} failed"
+        )
+        if self.warnings:
+            line += f"; {self.warnings} warning(s) stored with the episodes"
+        return line + (" — interrupted" if self.interrupted else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "new": self.new, "changed": self.changed, "unchanged": self.unchanged,
+            "skipped": sum(self.skipped.values()), "skipped_reasons": dict(self.skipped),
+            "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
+            "skips": [{"source": s, "reason": r} for s, r in self.skips],
+            "warnings": self.warnings, "steps": self.steps, "interrupted": self.interrupted,
+        }
+
+
+def _reason_class(reason: str) -> str:
+    """Group skip reasons for the summary ("no reward yet (episode failed: …)" → "no reward yet")."""
+    return reason.split(" (", 1)[0]
+
+
+@dataclass
+class _Pending:
+    """Counts of the open batch; folded into the report only when the batch commits."""
+
+    new: int = 0
+    changed: int = 0
+    steps: int = 0
+    warnings: int = 0
+
+
+def ingest(
+    store: Store,
+    paths: Iterable[Path | str],
+    *,
+    options: ConvertOptions = ConvertOptions(),
+    tags: dict[str, str] | None = None,
+    on_episode: Callable[[str, str], None] | None = None,
+) -> IngestReport:
+    """Ingest every episode under ``paths``; one bad source never stops the others.
+
+    ``on_episode(source, outcome)`` is called after each source (for progress display).
+    """
+    report = IngestReport()
+    tags = dict(tags or {})
+    pending = _Pending()
+    batch_started = time.monotonic()
+    batch_size = 0
+    conn_cm = db.write(store.engine)
+    conn = conn_cm.__enter__()
+    try:
+        for item in iter_sources([Path(p) for p in paths], options):
+            outcome = _ingest_one(conn, item, options, tags, report, pending)
+            if on_episode is not None:
+                on_episode(item.key if isinstance(item, Source) else str(item.path or item), outcome)
+            if outcome in ("new", "changed"):
+                batch_size += 1
+            if batch_size >= BATCH_EPISODES or (batch_size and time.monotonic() - batch_started > BATCH_SECONDS):
+                conn_cm.__exit__(None, None, None)
+                _fold(report, pending)
+                pending, batch_size, batch_started = _Pending(), 0, time.monotonic()
+                conn_cm = db.write(store.engine)
+                conn = conn_cm.__enter__()
+    except KeyboardInterrupt as exc:
+        conn_cm.__exit__(type(exc), exc, exc.__traceback__)  # rolls the open batch back
+        report.interrupted = True
+        return report
+    except BaseException as exc:
+        conn_cm.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    conn_cm.__exit__(None, None, None)
+    _fold(report, pending)
+    return report
+
+
+def _fold(report: IngestReport, pending: _Pending) -> None:
+    report.new += pending.new
+    report.changed += pending.changed
+    report.steps += pending.steps
+    report.warnings += pending.warnings
+
+
+def _ingest_one(
+    conn: Connection, item: Source | IngestError, options: ConvertOptions, tags: dict[str, str],
+    report: IngestReport, pending: _Pending,
+) -> str:
+    if isinstance(item, IngestError):
+        _fail(report, str(item.path or ""), str(item))
+        return "failed"
+    current = conn.execute(
+        select(Episode.id, Episode.content_hash, Episode.version)
+        .where(Episode.source_key == item.key, Episode.is_current.is_(True))
+    ).first()
+    if current is not None and current.content_hash == item.content_hash:
+        report.unchanged += 1
+        if tags:
+            _set_tags(conn, current.id, tags)
+        return "unchanged"
+    try:
+        parsed = item.load()
+    except SkipEpisode as exc:
+        report.skipped[_reason_class(str(exc))] += 1
+        if len(report.skips) < MAX_LISTED:
+            report.skips.append((item.key, str(exc)))
+        return "skipped"
+    except IngestError as exc:
+        _fail(report, item.key, str(exc))
+        return "failed"
+    # A nested transaction: a database error on this episode undoes only this episode.
+    with conn.begin_nested():
+        episode_id = _insert_episode(conn, parsed, options, version=1 if current is None else current.version + 1)
+        if current is not None:
+            conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
+            old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
+            _set_tags(conn, episode_id, {k: v for k, v in old_tags})
+        if tags:
+            _set_tags(conn, episode_id, tags)
+    pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
+    pending.warnings += len(parsed.warnings)
+    if current is None:
+        pending.new += 1
+        return "new"
+    pending.changed += 1
+    return "changed"
+
+
+def _fail(report: IngestReport, source: str, message: str) -> None:
+    report.failed += 1
+    if len(report.failures) < MAX_LISTED:
+        report.failures.append((source, message))
+
+
+def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
+    if not tags:
+        return
+    conn.execute(Tag.__table__.delete().where(Tag.episode_id == episode_id, Tag.key.in_(list(tags))))
+    conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
+
+
+def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, version: int) -> int:
+    steps = map_steps(
+        ep.messages, plan=ep.plan, plan_score=ep.plan_score,
+        frozen_scores=ep.frozen_scores, full_tool_text=ep.full_tool_text,
+    )
+    episode_id = conn.execute(
+        insert(Episode).returning(Episode.id),
+        {
+            "source_key": ep.source_key, "version": version, "is_current": True,
+            "content_hash": ep.content_hash, "source_format": ep.source_format,
+            "external_id": ep.external_id, "name": ep.name, "reward": ep.reward, "phase": ep.phase,
+            "plan_score": ep.plan_score, "frozen_scores": json.dumps(ep.frozen_scores),
+            "turns": ep.turns, "tool_call_count": ep.tool_call_count,
+            "reward_backfilled": ep.reward_backfilled, "include_thinking": options.include_thinking,
+            "max_tool_result_chars": options.max_tool_result_chars, "num_messages": len(ep.messages),
+            "num_steps": len(steps), "warnings": json.dumps(ep.warnings) if ep.warnings else None,
+            "raw_source": ep.raw_source, "ingested_at": utcnow().isoformat(timespec="seconds"),
+        },
+    ).scalar_one()
+    conn.execute(insert(Message), [
+        {
+            "episode_id": episode_id, "message_index": i, "role": m["role"], "content": m.get("content") or "",
+            "tool_calls": json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None,
+            "name": m.get("name"), "tool_call_id": m.get("tool_call_id"),
+        }
+        for i, m in enumerate(ep.messages)
+    ])
+    conn.execute(insert(Step), [
+        {
+            "episode_id": episode_id, "step_index": s.step_index, "message_index": s.message_index,
+            "phase": s.phase, "subtask_id": s.subtask_id, "subtask_reward": s.subtask_reward,
+        }
+        for s in steps
+    ])
+    if ep.plan:
+        conn.execute(insert(Subtask), [
+            {
+                "episode_id": episode_id, "position": pos, "subtask_id": str(p["id"]),
+                "description": _text_or_none(p.get("description")),
+                "acceptance_criteria": _text_or_none(p.get("acceptance_criteria")),
+                "frozen_score": ep.frozen_scores.get(str(p["id"])),
+            }
+            for pos, p in enumerate(ep.plan)
+        ])
+    return episode_id
+
+
+def _text_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

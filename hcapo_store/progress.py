@@ -1,0 +1,74 @@
+"""Progress display: a rich bar with ETA on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+LOG_EVERY_SECONDS = 10.0
+
+
+class Progress:
+    """Counts work items; shows a rich bar (TTY) or a log line every few seconds (pipes, CI).
+
+    ``fields`` are extra counters shown next to the bar (e.g. failures, tokens/s).
+    """
+
+    def __init__(self, label: str, *, total: int | None = None, enabled: bool = True, unit: str = "items") -> None:
+        self.label, self.total, self.unit = label, total, unit
+        self.enabled = enabled
+        self.done = 0
+        self.fields: dict[str, Any] = {}
+        self._tty = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+        self._task: Any = None
+        self._started = time.monotonic()
+        self._last_log = self._started
+
+    def __enter__(self) -> "Progress":
+        if self._tty:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                       SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+            self._bar = RichProgress(
+                SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(self.label, total=self.total, info="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif self.enabled and self.done:
+            self._log()
+
+    def info(self) -> str:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        parts = [f"{self.done / elapsed:.1f} {self.unit}/s"]
+        parts += [f"{k} {v}" for k, v in self.fields.items()]
+        return ", ".join(parts)
+
+    def advance(self, *_: Any, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, advance=n, info=self.info())
+        elif time.monotonic() - self._last_log >= LOG_EVERY_SECONDS:
+            self._log()
+
+    def set(self, **fields: Any) -> None:
+        self.fields.update(fields)
+
+    def _log(self) -> None:
+        self._last_log = time.monotonic()
+        of = f"/{self.total}" if self.total is not None else ""
+        print(f"{self.label}: {self.done}{of} {self.unit} ({self.info()})", file=sys.stderr, flush=True)
+
+
+def EpisodeProgress(label: str, *, enabled: bool = True) -> Progress:
+    return Progress(label, enabled=enabled, unit="episodes")

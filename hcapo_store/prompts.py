@@ -1,0 +1,515 @@
+"""Per-step hindsight prompts with exact token spans (DESIGN §5, steps 1–5).
+
+For step t (assistant message m) the request is ``prefix + action`` where
+``prefix = render(messages[:m] with the hindsight block in message 0, add_generation_prompt=True)``
+and ``full = render(messages[:m + 1])``; both texts are tokenized with
+``add_special_tokens=False`` and the action is ``full_ids[len(prefix_ids):]``.
+
+Two implementations produce the same ids:
+
+* :meth:`PromptBuilder.build_step_reference` renders and tokenizes both texts from scratch,
+  which is what the original ``_build_prompt_pair`` did (minus its bugs, see below);
+* :meth:`PromptBuilder.build_episode` renders the same texts but tokenizes them through
+  :class:`SegmentEncoder`, which reuses the ids of the text shared with the previous render
+  and caches the ids of every text segment between added tokens.
+
+Differences from the original, on purpose:
+
+* truncation works on token ids (the original decoded and re-encoded, which moved the span);
+* a prefix whose ids are not a prefix of the full ids fails with ``alignment`` instead of
+  being assumed;
+* ``total_action_tokens`` is always the untruncated action length;
+* the first scored token can never be position 0 (nothing to condition on): when the
+  action alone fills ``max_context`` and every kept token would be scored, its first token
+  is counted as skipped instead;
+* a null ``plan_score`` prints as ``0`` in the hindsight block (the original crashed on it
+  later); a null or negative step reward prints ``n/a``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PROMPT_BUILDER_VERSION = 1
+
+HINDSIGHT_TEMPLATE = """\
+[HINDSIGHT — This is post-hoc scoring context, not visible during generation]
+Trajectory outcome:
+- Final reward: {reward:.4f}
+- Phase reached: {phase}
+- Plan score: {plan_score}
+- Subtask scores: {scores_summary}
+- Subtasks completed: {scored_count}/{plan_count}
+- Current subtask: {current_subtask}
+- Current subtask score: {current_subtask_score}"""
+
+TRUNCATION_MARKER = (
+    "\n\n[... earlier trajectory context truncated; hindsight outcome preserved above ...]\n\n"
+)
+
+DEFAULT_MAX_CONTEXT = 32768
+DEFAULT_MAX_LOGPROB_TOKENS = 2048
+
+FailureReason = Literal["alignment", "empty_action", "template"]
+
+
+@dataclass(frozen=True)
+class StepPrompt:
+    """One scoring request: ``input_ids[first_scored:]`` are exactly the scored action tokens."""
+
+    step_index: int
+    input_ids: list[int]
+    first_scored: int
+    total_action_tokens: int
+    skipped_action_tokens: int
+    truncated_prefix_tokens: int
+    flattened: bool
+
+    @property
+    def scored_tokens(self) -> int:
+        return len(self.input_ids) - self.first_scored
+
+    @property
+    def logprob_start_len(self) -> int:
+        """SGLang returns a null entry at the start position, so start one token early."""
+        return self.first_scored - 1
+
+
+@dataclass(frozen=True)
+class PromptFailure:
+    step_index: int
+    reason: FailureReason
+    message: str
+
+
+# --------------------------------------------------------------------------- hindsight
+
+
+def template_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    """Outcomes and steps arrive as dicts or as dataclasses/ORM rows."""
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def hindsight_text(outcome: Any, step: Any, template: str = HINDSIGHT_TEMPLATE) -> str:
+    """Fill the hindsight block the way the original ``build_hindsight_info`` did.
+
+    A null ``plan_score`` prints as ``0`` (DESIGN §4: null counts as 0 where a number is needed).
+    """
+    frozen: Mapping[str, float] = _field(outcome, "frozen_scores") or {}
+    plan = _field(outcome, "plan") or frozen
+    plan_score = _field(outcome, "plan_score")
+    score = _field(step, "subtask_reward")
+    return template.format(
+        reward=float(_field(outcome, "reward")),
+        phase=_field(outcome, "phase") or "?",
+        plan_score=0 if plan_score is None else plan_score,
+        scores_summary=", ".join(f"{k}={v:.3f}" for k, v in frozen.items()) or "none",
+        scored_count=len(frozen),
+        plan_count=max(len(plan), 1),
+        current_subtask=_field(step, "subtask_id") or _field(step, "phase"),
+        current_subtask_score=f"{score:.3f}" if score is not None and score >= 0 else "n/a",
+    )
+
+
+def check_hindsight_template(template: str) -> None:
+    """Fail at configuration time, not at step 57, when a user template has unknown fields."""
+    try:
+        hindsight_text(
+            {"reward": 0.0, "phase": "p", "plan_score": 0.0, "frozen_scores": {"S1": 0.0}},
+            {"subtask_id": "S1", "phase": "executing", "subtask_reward": 0.0},
+            template,
+        )
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"hindsight template cannot be filled: {exc!r}") from exc
+
+
+def inject_hindsight(messages: Sequence[dict], hindsight: str) -> list[dict]:
+    out = list(messages)
+    first = dict(out[0])
+    first["content"] = (first.get("content") or "") + "\n\n" + hindsight
+    out[0] = first
+    return out
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _parse_arguments(arguments: Any) -> Any:
+    """JSON-object strings become mappings (templates `tojson` or iterate them); others stay."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def normalize_message(message: Mapping[str, Any]) -> dict:
+    """A template-ready copy: None values dropped, tool-call arguments as mappings."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            call = dict(call)
+            function = dict(call.get("function") or {})
+            if "arguments" in function:
+                function["arguments"] = _parse_arguments(function["arguments"])
+            call["function"] = function
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    return [normalize_message(m) for m in messages]
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The original's fallback: tool traffic as plain text, for templates that reject it."""
+    out: list[dict] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            out.append({
+                "role": "user",
+                "content": f"[Tool Result: {m.get('name', 'tool')}]\n{m.get('content', '')}",
+            })
+        elif m.get("role") == "assistant" and m.get("tool_calls"):
+            parts = [m["content"]] if m.get("content") else []
+            for call in m["tool_calls"]:
+                function = call.get("function", {})
+                parts.append(
+                    f"[Tool Call: {function.get('name', '?')}]\n"
+                    f"{_arguments_text(function.get('arguments', '{}'))}"
+                )
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        else:
+            out.append(dict(m))
+    return out
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def _walk_json(node: Any) -> list[dict]:
+    if isinstance(node, dict):
+        return [node] + [d for v in node.values() for d in _walk_json(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _walk_json(v)]
+    return []
+
+
+class SegmentEncoder:
+    """Tokenizes rendered chat text segment by segment, bit-identical to ``tokenizer.encode``.
+
+    Why it is exact: a ``tokenizers`` backend first cuts the text at added tokens
+    (leftmost-longest match on the raw text when the tokens are not ``normalized``) and then
+    normalizes, pre-tokenizes and runs the model on every other piece on its own. So the ids
+    of a text are the concatenation of the ids of its pieces, and a piece's ids can be cached.
+    The preconditions for that are checked in :meth:`_fast_path_reason`; when one fails,
+    every text is encoded whole.
+
+    Consecutive renders of one episode share long prefixes: a ``_State`` remembers the last
+    text as (piece, added token) pairs and reuses the ids of the pairs the new text starts
+    with. A reused pair must be followed by the same added token in the new text, and no
+    added token contains another, so no match can start inside a reused piece and end in
+    the changed part.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.fast_path_off_reason = self._fast_path_reason(tokenizer)
+        self._token_ids: dict[str, int] = {}
+        self._splitter: re.Pattern[str] | None = None
+        if self.fast_path_off_reason is None:
+            backend = tokenizer.backend_tokenizer
+            self._backend = backend
+            self._token_ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+            tokens = sorted(self._token_ids, key=len, reverse=True)
+            self._splitter = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+        self.pieces: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _fast_path_reason(tokenizer: Any) -> str | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return "tokenizer has no `tokenizers` backend"
+        if getattr(backend, "encode_special_tokens", False) or getattr(tokenizer, "split_special_tokens", False):
+            return "special tokens are split as text"
+        added = list(backend.get_added_tokens_decoder().values())
+        if any(t.normalized or t.lstrip or t.rstrip or t.single_word for t in added):
+            return "an added token is normalized or strips/single-word matched"
+        contents = [t.content for t in added]
+        if any(a != b and a in b for a in contents for b in contents):
+            return "an added token contains another"
+        spec = json.loads(backend.to_str())
+        for node in _walk_json(spec.get("pre_tokenizer")) + _walk_json(spec.get("normalizer")):
+            # Metaspace(prepend_scheme="first") only prefixes the piece at offset 0 of the
+            # whole text, so a piece encoded alone would differ.
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                return "Metaspace pre-tokenizer prepends only at the start of the text"
+        return None
+
+    def encode_whole(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def new_state(self) -> _State:
+        return _State()
+
+    def encode(self, text: str, state: _State) -> list[int]:
+        if self._splitter is None:
+            return self.encode_whole(text) if self.fast_path_off_reason else self._encode_pieces([text])
+        reused_pairs, pos = state.match(text)
+        pairs: list[tuple[str, str]] = []
+        start = pos
+        for match in self._splitter.finditer(text, pos):
+            pairs.append((text[start:match.start()], match.group()))
+            start = match.end()
+        tail = text[start:]
+        self._encode_pieces([p for p, _ in pairs] + [tail])
+        ids = state.ids[: state.counts[reused_pairs - 1]] if reused_pairs else []
+        state.truncate(reused_pairs)
+        for piece, token in pairs:
+            ids.extend(self.pieces[piece])
+            ids.append(self._token_ids[token])
+            state.push(piece, token, len(ids))
+        ids.extend(self.pieces[tail])
+        state.ids = ids
+        return ids
+
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        missing = list({p for p in pieces if p not in self.pieces})
+        if missing:
+            for piece, enc in zip(missing, self._backend.encode_batch(missing, add_special_tokens=False)):
+                self.pieces[piece] = enc.ids
+        return [i for p in pieces for i in self.pieces[p]]
+
+
+class _State:
+    """The previous text of one render sequence, as (piece, added token) pairs."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pairs: list[str] = []  # piece + token, to compare without slicing
+        self.counts: list[int] = []  # ids after each pair
+
+    def match(self, text: str) -> tuple[int, int]:
+        pos = 0
+        for n, pair in enumerate(self.pairs):
+            if not text.startswith(pair, pos):
+                return n, pos
+            pos += len(pair)
+        return len(self.pairs), pos
+
+    def truncate(self, n: int) -> None:
+        del self.pairs[n:], self.counts[n:]
+
+    def push(self, piece: str, token: str, count: int) -> None:
+        self.pairs.append(piece + token)
+        self.counts.append(count)
+
+
+# --------------------------------------------------------------------------- building
+
+
+class _TemplateRejected(Exception):
+    pass
+
+
+@dataclass
+class _StepTexts:
+    prefix_ids: list[int]
+    full_ids: list[int]
+    messages0: dict  # the hindsight-bearing first message as rendered (for the anchor)
+    flattened: bool
+
+
+class PromptBuilder:
+    """Builds :class:`StepPrompt` objects for the steps of one episode at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        hindsight_template: str = HINDSIGHT_TEMPLATE,
+        max_context: int = DEFAULT_MAX_CONTEXT,
+        max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS,
+    ) -> None:
+        if max_context < 2:
+            raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
+        check_hindsight_template(hindsight_template)
+        self.tokenizer = tokenizer
+        self.hindsight_template = hindsight_template
+        self.max_context = max_context
+        self.max_logprob_tokens = max_logprob_tokens
+        self.encoder = SegmentEncoder(tokenizer)
+        self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
+
+    # -- rendering, shared by both paths: only tokenization differs
+
+    def _render(self, messages: list[dict], *, generation: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation
+            )
+        except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
+            raise _TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
+
+    def _render_pair(
+        self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str
+    ) -> tuple[str, str, dict, bool]:
+        """(prefix text, full text, first message, flattened); flattens when the template rejects."""
+        messages = inject_hindsight(normalized[: m + 1], hindsight)
+        try:
+            return (
+                self._render(messages[:m], generation=True),
+                self._render(messages, generation=False),
+                messages[0],
+                False,
+            )
+        except _TemplateRejected:
+            flat = flatten_messages(inject_hindsight(raw[: m + 1], hindsight))
+            return (
+                self._render(flat[:m], generation=True),
+                self._render(flat, generation=False),
+                flat[0],
+                True,
+            )
+
+    # -- public entry points
+
+    def build_episode(
+        self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
+    ) -> list[StepPrompt | PromptFailure]:
+        normalized = normalize_messages(messages)
+        states: dict[tuple[str, bool], tuple[_State, _State]] = {}
+        anchors: dict[tuple[str, bool], list[int]] = {}
+        results: list[StepPrompt | PromptFailure] = []
+        for step in steps:
+            index, m = _field(step, "step_index"), _field(step, "message_index")
+            hindsight = hindsight_text(outcome, step, self.hindsight_template)
+            try:
+                prefix_text, full_text, first, flattened = self._precheck_render(
+                    messages, normalized, m, hindsight
+                )
+            except _TemplateRejected as exc:
+                results.append(PromptFailure(index, "template", str(exc)))
+                continue
+            key = (hindsight, flattened)
+            # Prefix and full renders get separate states: each shares most text with the
+            # same kind of render of the previous step.
+            prefix_state, full_state = states.setdefault(
+                key, (self.encoder.new_state(), self.encoder.new_state())
+            )
+            texts = _StepTexts(
+                self.encoder.encode(prefix_text, prefix_state),
+                self.encoder.encode(full_text, full_state),
+                first,
+                flattened,
+            )
+            results.append(self._finish(index, texts, lambda: self._anchor(anchors, key, first)))
+        self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
+        return results
+
+    def build_step(
+        self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any
+    ) -> StepPrompt | PromptFailure:
+        return self.build_episode(messages, outcome, [step])[0]
+
+    def build_step_reference(
+        self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any
+    ) -> StepPrompt | PromptFailure:
+        """The straightforward render + tokenize of everything, for tests and benchmarks."""
+        index, m = _field(step, "step_index"), _field(step, "message_index")
+        hindsight = hindsight_text(outcome, step, self.hindsight_template)
+        try:
+            prefix_text, full_text, first, flattened = self._precheck_render(
+                messages, normalize_messages(messages), m, hindsight
+            )
+        except _TemplateRejected as exc:
+            return PromptFailure(index, "template", str(exc))
+        encode = self.encoder.encode_whole
+        texts = _StepTexts(encode(prefix_text), encode(full_text), first, flattened)
+        return self._finish(
+            index, texts, lambda: encode(self._render([first], generation=False))
+        )
+
+    # -- span logic, shared by both paths
+
+    def _precheck_render(
+        self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str
+    ) -> tuple[str, str, dict, bool]:
+        if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
+            raise _TemplateRejected(
+                f"message {m} is not an assistant message after the first message"
+            )
+        return self._render_pair(raw, normalized, m, hindsight)
+
+    def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
+        if key not in anchors:
+            anchors[key] = self.encoder.encode_whole(self._render([first], generation=False))
+        return anchors[key]
+
+    def _finish(self, index: int, texts: _StepTexts, anchor: Any) -> StepPrompt | PromptFailure:
+        prefix_ids, full_ids = texts.prefix_ids, texts.full_ids
+        prefix_len = len(prefix_ids)
+        if full_ids[:prefix_len] != prefix_ids:
+            return PromptFailure(
+                index, "alignment",
+                "the tokens of the prefix rendered with a generation prompt are not a prefix "
+                "of the tokens of the full conversation",
+            )
+        action_ids = full_ids[prefix_len:]
+        if not action_ids:
+            return PromptFailure(index, "empty_action", "the action renders to no tokens")
+        try:
+            kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor)
+        except _TemplateRejected as exc:
+            return PromptFailure(index, "template", f"anchor: {exc}")
+        input_ids = kept_prefix + kept_action
+        scored = len(kept_action)
+        if self.max_logprob_tokens > 0:
+            scored = min(scored, self.max_logprob_tokens)
+        # Position 0 has no context, so it cannot be scored.
+        first_scored = max(len(input_ids) - scored, 1)
+        return StepPrompt(
+            step_index=index,
+            input_ids=input_ids,
+            first_scored=first_scored,
+            total_action_tokens=len(action_ids),
+            skipped_action_tokens=len(action_ids) - (len(input_ids) - first_scored),
+            truncated_prefix_tokens=prefix_len - len(kept_prefix),
+            flattened=texts.flattened,
+        )
+
+    def _truncate(
+        self, prefix_ids: list[int], action_ids: list[int], anchor: Any
+    ) -> tuple[list[int], list[int]]:
+        """The original's truncation, on ids: anchor + marker + recent prefix tail + action."""
+        if len(prefix_ids) + len(action_ids) <= self.max_context:
+            return prefix_ids, action_ids
+        max_prefix = self.max_context - len(action_ids)
+        if max_prefix <= 0:
+            return [], action_ids[-self.max_context :]
+        anchor_ids: list[int] = anchor()
+        marker = self._marker_ids
+        tail_budget = max_prefix - len(anchor_ids) - len(marker)
+        if tail_budget > 0:
+            return anchor_ids + marker + prefix_ids[-tail_budget:], action_ids
+        kept = anchor_ids[: max(max_prefix - len(marker), 0)] + marker
+        return kept[:max_prefix], action_ids

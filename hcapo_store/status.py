@@ -1,0 +1,79 @@
+"""Counts for ``hcapo-store status`` and ``scorers list``: one pass of set-based SQL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import text
+
+from hcapo_store.clock import now
+from hcapo_store.store import Store
+
+# Per scorer: steps of current episodes that are scored / failed / leased / missing.
+SCORER_COUNTS_SQL = """
+SELECT sc.id AS scorer_id, sc.label, sc.created_at,
+       (SELECT COUNT(*) FROM scores s JOIN steps st ON st.id = s.step_id
+          JOIN episodes e ON e.id = st.episode_id
+        WHERE s.scorer_id = sc.id AND e.is_current) AS scored,
+       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
+        WHERE a.scorer_id = sc.id AND a.status = 'failed' AND e.is_current) AS failed,
+       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
+        WHERE a.scorer_id = sc.id AND a.status = 'leased' AND a.lease_expires_at > :now
+          AND e.is_current) AS leased
+FROM scorers sc
+ORDER BY sc.created_at
+"""
+
+
+def scorer_counts(store: Store) -> list[dict[str, Any]]:
+    with store.engine.connect() as conn:
+        total = int(conn.execute(text(
+            "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
+        )).scalar_one())
+        rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": now()}).mappings().all()
+    out = []
+    for r in rows:
+        d = dict(r)
+        d["missing"] = total - d["scored"] - d["failed"]
+        out.append(d)
+    return out
+
+
+def status(store: Store) -> dict[str, Any]:
+    with store.engine.connect() as conn:
+        one = lambda sql: int(conn.execute(text(sql)).scalar_one() or 0)  # noqa: E731
+        counts = {
+            "episodes": one("SELECT COUNT(*) FROM episodes WHERE is_current"),
+            "superseded_versions": one("SELECT COUNT(*) FROM episodes WHERE NOT is_current"),
+            "steps": one("SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"),
+            "messages": one("SELECT COUNT(*) FROM messages m JOIN episodes e ON e.id = m.episode_id WHERE e.is_current"),
+            "subtasks": one("SELECT COUNT(*) FROM subtasks t JOIN episodes e ON e.id = t.episode_id WHERE e.is_current"),
+            "credit_runs": one("SELECT COUNT(*) FROM credit_runs"),
+        }
+        phases = conn.execute(text(
+            "SELECT s.phase, COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
+            "WHERE e.is_current GROUP BY s.phase ORDER BY s.phase"
+        )).all()
+        workers = [dict(r) for r in conn.execute(text(
+            "SELECT w.id, w.scorer_id, w.host, w.pid, w.state, w.heartbeat_at, w.scored, w.failed, "
+            "(SELECT COUNT(*) FROM attempts a WHERE a.lease_owner = w.id AND a.status = 'leased' "
+            " AND a.lease_expires_at > :now) AS leases "
+            "FROM workers w ORDER BY w.heartbeat_at DESC"
+        ), {"now": now()}).mappings()]
+    t = now()
+    for w in workers:
+        w["seconds_since_heartbeat"] = round(t - w["heartbeat_at"], 1)
+    return {
+        "database": store.display,
+        **counts,
+        "steps_by_phase": {p: n for p, n in phases},
+        "scorers": scorer_counts(store),
+        "workers": workers,
+    }
+
+
+def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
+    with store.engine.connect() as conn:
+        spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
+    return json.loads(spec) if spec else {}

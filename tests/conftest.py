@@ -1,0 +1,43 @@
+"""Shared fixtures: real SQLite files made by the real migrations, CLI runners, sample data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hcapo_store.store import Store
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+SAMPLES = SHARED / "samples" / "trajectories"
+EXAMPLES = REPO / "examples" / "trajectories"
+TOKENIZERS = SHARED / "tokenizers"
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "store.db"
+
+
+@pytest.fixture
+def store(db_path: Path):
+    s = Store.open(str(db_path))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def samples() -> Path:
+    """The shared sample episodes when present, else the project's own examples."""
+    return SAMPLES if SAMPLES.exists() else EXAMPLES
