@@ -178,7 +178,9 @@ def _decode(data: bytes, path: Path, warnings: list[str]) -> str:
 
 
 def _compress(obj: dict[str, Any]) -> bytes:
-    return zlib.compress(json.dumps(obj, ensure_ascii=False).encode(), 6)
+    # ASCII JSON keeps surrogate-escaped invalid bytes recoverable: the raw source is
+    # lossless (decode the strings with .encode("utf-8", "surrogateescape")).
+    return zlib.compress(json.dumps(obj).encode("ascii"), 6)
 
 
 def parse_episode_dir(

@@ -1,0 +1,77 @@
+"""The CLI through Click's CliRunner and once as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from cli import cli
+
+
+def _commands(group: click.Group, prefix=()):
+    for name, cmd in group.commands.items():
+        yield (*prefix, name)
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*prefix, name))
+
+
+@pytest.mark.parametrize("path", list(_commands(cli)), ids=" ".join)
+def test_every_command_has_help(runner, path):
+    result = runner.invoke(cli, [*path, "--help"], catch_exceptions=False)
+    assert result.exit_code == 0
+    assert "Usage:" in result.output
+    cmd = cli
+    for p in path:
+        cmd = cmd.commands[p]
+    assert (cmd.help or "").strip(), f"{' '.join(path)} has no help text"
+
+
+def test_ingest_status_sql(runner, db_path, samples):
+    r = runner.invoke(cli, ["--db", str(db_path), "ingest", str(samples), "--tag", "task=pg"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "new" in r.output and "0 failed" in r.output
+    r = runner.invoke(cli, ["--db", str(db_path), "status", "--json"], catch_exceptions=False)
+    data = json.loads(r.output)
+    assert data["episodes"] == len(list(samples.glob("episode_*"))) and data["steps"] > 0
+    r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT subtask_id, count(*) AS n FROM steps GROUP BY 1", "--format", "json"])
+    got = json.loads(r.output)
+    assert sum(x["n"] for x in got) == data["steps"]
+    r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT key, value FROM tags LIMIT 1", "--format", "csv"])
+    assert r.output.splitlines() == ["key,value", "task,pg"]
+
+
+def test_sql_is_read_only_by_default(runner, db_path, samples):
+    runner.invoke(cli, ["--db", str(db_path), "ingest", str(samples)])
+    r = runner.invoke(cli, ["--db", str(db_path), "sql", "DELETE FROM steps"])
+    assert r.exit_code == 1 and "readonly" in r.output
+    r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT COUNT(*) FROM steps"])
+    assert "0\n" not in r.output.split("\n", 2)[2]
+
+
+def test_ingest_json_and_failure_exit_status(runner, db_path, tmp_path):
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    r = runner.invoke(cli, ["--db", str(db_path), "ingest", str(tmp_path / "bad.jsonl"), "--json"])
+    assert r.exit_code == 1
+    data = json.loads(r.output)
+    assert data["failed"] == 1 and "bad.jsonl:1" in data["failures"][0]["error"]
+
+
+def test_env_var_selects_database(runner, db_path, samples, monkeypatch):
+    monkeypatch.setenv("HCAPO_STORE_DB", str(db_path))
+    assert runner.invoke(cli, ["init"]).exit_code == 0
+    assert db_path.exists()
+
+
+def test_subprocess_console_script(tmp_path, samples):
+    db = tmp_path / "sub.db"
+    exe = Path(sys.executable).with_name("hcapo-store")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cli"]
+    out = subprocess.run([*cmd, "--db", str(db), "ingest", str(samples)], capture_output=True, text=True, check=True)
+    assert "0 failed" in out.stdout
+    out = subprocess.run([*cmd, "--db", str(db), "status"], capture_output=True, text=True, check=True)
+    assert "episodes" in out.stdout
