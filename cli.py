@@ -229,5 +229,137 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
         click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
 
 
+
+# ---------------------------------------------------------------------------
+# scoring
+
+
+@cli.command()
+@click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm).")
+@click.option("--backend", type=click.Choice(["sglang", "vllm", "transformers"]), default=None,
+              help="Default: sglang with --server, transformers with --model and no --server.")
+@click.option("--model", metavar="NAME_OR_DIR",
+              help="Model directory (transformers backend) or served model name (HTTP backends).")
+@click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's / the server's).")
+@click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
+@click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
+              help="Episodes in flight at once (each sends its steps in order).")
+@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True)
+@click.option("--max-logprob-tokens", type=int, default=2048, show_default=True,
+              help="Score only the last N action tokens (<= 0: all).")
+@click.option("--hindsight-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).")
+@click.option("--include-thinking/--no-thinking", default=True, show_default=True,
+              help="Score episodes ingested with these conversion options.")
+@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True)
+@click.option("--episode", "episodes", multiple=True, metavar="NAME", help="Only these episodes (repeatable).")
+@click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
+@click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
+@click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
+@click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
+@click.option("--max-attempts", type=click.IntRange(1), default=4, show_default=True,
+              help="Attempts per step before it is marked failed.")
+@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True)
+@click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
+@click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
+              help="1 for old SGLang servers that mishandle prefill-only requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
+          hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, as_json) -> None:
+    """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
+
+    The scorer is everything that determines the logprobs (model, tokenizer, templates,
+    limits): the same options resume, different ones start a new scorer.
+    """
+    from hcapo_store.progress import Progress
+    from hcapo_store.queue import Filters
+    from hcapo_store.scheduler import RunOptions
+    from hcapo_store.scoring import ScoreConfig, dry_run as run_dry, prepare, run_scoring
+    from hcapo_store.sources import ConvertOptions
+
+    if backend is None:
+        backend = "transformers" if model and not server else "sglang"
+    cfg = ScoreConfig(
+        backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
+        max_logprob_tokens=max_logprob_tokens,
+        conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
+        max_new_tokens=max_new_tokens,
+    )
+    if hindsight_template:
+        cfg.hindsight_template = hindsight_template.read_text()
+    store = state.store()
+    prep = prepare(store, cfg)
+    filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
+    if dry_run:
+        result = run_dry(store, prep, filters, limit)
+        _echo_json(result.__dict__) if as_json else click.echo(result.summary())
+        return
+    options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
+                         filters=filters, limit=limit, worker_id=worker_id)
+    with Progress("score", enabled=not as_json, unit="steps") as progress:
+        def on_progress(report) -> None:
+            if progress.total is None and report.planned:
+                progress.total = report.planned
+            progress.set(failed=report.failed, prompt_tok_s=f"{report.prompt_tokens / max(progress.elapsed, 1e-9):.0f}")
+            progress.advance(n=report.scored + report.failed - progress.done)
+
+        report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    if as_json:
+        _echo_json(report.as_dict())
+    else:
+        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+    if report.interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+@cli.group(cls=_Group)
+def scorers() -> None:
+    """Scorers: each model/tokenizer/template/limits combination that has scores."""
+
+
+@scorers.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def scorers_list(state: _Ctx, as_json: bool) -> None:
+    """List scorers with their counts (scored / failed / missing) and their spec."""
+    from hcapo_store.status import scorer_counts, scorer_spec
+
+    store = state.store(create=False)
+    rows = scorer_counts(store)
+    if as_json:
+        _echo_json([{**r, "spec": scorer_spec(store, r["scorer_id"])} for r in rows])
+        return
+    if not rows:
+        click.echo("no scorers yet: run `hcapo-store score`")
+        return
+    click.echo(formatting.table(["scorer", "label", "scored", "failed", "missing", "created"],
+                                [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"],
+                                  r["created_at"]) for r in rows]))
+
+
+@cli.command("serve-reference")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Local transformers causal LM directory.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Tokenizer directory (default: the model directory).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=30000, show_default=True)
+def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
+    """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
+
+    Real logprobs from a transformers model on CPU: for tests, the demo, and users without a GPU.
+    """
+    from hcapo_store.refserver import make_server
+
+    server = make_server(model_dir, tokenizer_dir, host=host, port=port)
+    click.echo(f"serving {model_dir} at {server.url} (Ctrl-C to stop)", err=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+
+
 if __name__ == "__main__":
     cli()

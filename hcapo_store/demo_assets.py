@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# The trainer's target; the built-in corpus supports ~1800 tokens (bytes + merges).
 DEMO_VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Not "special": they are ordinary text the model reads and writes, as in Qwen.

@@ -46,8 +46,12 @@ class Progress:
         elif self.enabled and self.done:
             self._log()
 
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
     def info(self) -> str:
-        elapsed = max(time.monotonic() - self._started, 1e-9)
+        elapsed = max(self.elapsed, 1e-9)
         parts = [f"{self.done / elapsed:.1f} {self.unit}/s"]
         parts += [f"{k} {v}" for k, v in self.fields.items()]
         return ", ".join(parts)

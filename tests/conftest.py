@@ -41,3 +41,6 @@ def runner() -> CliRunner:
 def samples() -> Path:
     """The shared sample episodes when present, else the project's own examples."""
     return SAMPLES if SAMPLES.exists() else EXAMPLES
+
+
+from conftest_models import demo_tokenizer_dir, tiny_model_dir  # noqa: E402,F401 - session fixtures

@@ -1,0 +1,73 @@
+"""In-process backend: the same prompts and stored results as a server, no server.
+
+Wraps ``TransformersScorer`` (chunked LM head) and runs it in a worker thread so the
+scheduler's event loop keeps committing results while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+from hcapo_store.backends.base import BackendScore
+from hcapo_store.errors import InferenceError
+from hcapo_store.prompts import StepPrompt
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over config + weight files (names and contents): the model's identity."""
+    h = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "config.json" or path.suffix in WEIGHT_SUFFIXES:
+            h.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+class TransformersBackend:
+    kind = "transformers"
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", chunk_size: int = 512) -> None:
+        self.model_dir = Path(model_dir).resolve()
+        self.device = device
+        self.chunk_size = chunk_size
+        self.scorer: Any = None
+        self._fingerprint: str | None = None
+
+    async def start(self) -> None:
+        from hcapo_store.backends.transformers_backend import TransformersScorer
+
+        if self.scorer is not None:
+            return
+        self.scorer = await asyncio.to_thread(
+            TransformersScorer, self.model_dir, device=self.device, chunk_size=self.chunk_size)
+        self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
+
+    async def close(self) -> None:
+        self.scorer = None
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model_dir.name, "model_sha256": self._fingerprint}
+
+    def context_length(self) -> int | None:
+        value = getattr(self.scorer.model.config, "max_position_embeddings", None) if self.scorer else None
+        return value if isinstance(value, int) else None
+
+    def tokenizer_path(self) -> str:
+        return str(self.model_dir)
+
+    async def score(self, prompt: StepPrompt) -> BackendScore:
+        started = time.monotonic()
+        try:
+            logprobs = await asyncio.to_thread(self.scorer.score, prompt.input_ids, prompt.first_scored)
+        except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
+            raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
+        return BackendScore(logprobs=[float(x) for x in logprobs], prompt_tokens=len(prompt.input_ids),
+                            cached_tokens=0, latency_s=time.monotonic() - started, model_id=str(self.model_dir))

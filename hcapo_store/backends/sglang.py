@@ -1,0 +1,153 @@
+"""SGLang native ``POST /generate`` (reference/SERVERS.md §0–§1).
+
+Pure payload building and response parsing, plus a thin Backend over ``HttpClient``.
+We send ``input_ids`` (never text: the server would re-tokenize and may add BOS) with
+``logprob_start_len = first_scored - 1`` and drop returned entry 0, which SGLang always
+returns as null. Every returned token id and the count are checked; an HTTP 200 whose
+``finish_reason`` is ``abort`` is a failure.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from hcapo_store.backends.base import BackendScore
+from hcapo_store.errors import InferenceError
+from hcapo_store.http_client import HttpClient
+from hcapo_store.prompts import StepPrompt
+
+
+def build_payload(prompt: StepPrompt, *, max_new_tokens: int = 0) -> dict[str, Any]:
+    if prompt.first_scored < 1:
+        raise ValueError("the first scored token needs at least one token of context")
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if max_new_tokens:
+        sampling["temperature"] = 0.0  # old servers: generate one greedy token, ignored
+    return {
+        "input_ids": list(prompt.input_ids),
+        "return_logprob": True,
+        "logprob_start_len": prompt.first_scored - 1,
+        "sampling_params": sampling,
+        "stream": False,
+        "rid": uuid.uuid4().hex,  # fresh per attempt: SGLang aborts match rid prefixes
+    }
+
+
+def _bad(message: str) -> InferenceError:
+    return InferenceError("bad_response", message, retryable=False)
+
+
+def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
+    """Verify and extract the scored logprobs; raise InferenceError on anything off."""
+    if isinstance(body, list):
+        if len(body) != 1:
+            raise _bad(f"expected one result, got a list of {len(body)}")
+        body = body[0]
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise _bad("response has no meta_info")
+    meta = body["meta_info"]
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        status = finish.get("status_code")
+        raise InferenceError("abort", f"server aborted the request: {finish.get('message')!r} (status {status})",
+                             retryable=status is None or status in (408, 429) or (isinstance(status, int) and status >= 500))
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list):
+        raise _bad("response has no input_token_logprobs (was return_logprob honoured?)")
+    ids = prompt.input_ids
+    start = prompt.first_scored - 1
+    expected = len(ids) - start
+    if len(entries) != expected:
+        raise InferenceError("mismatch", f"expected {expected} input_token_logprobs entries, got {len(entries)}",
+                             retryable=False)
+    prompt_tokens = meta.get("prompt_tokens")
+    if isinstance(prompt_tokens, int) and prompt_tokens != len(ids):
+        raise InferenceError("mismatch", f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} "
+                             "(truncated by the server?)", retryable=False)
+    logprobs: list[float] = []
+    for j, entry in enumerate(entries):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise _bad(f"entry {j} is not a [logprob, token_id, text] triple: {entry!r}")
+        if entry[1] != ids[start + j]:
+            raise InferenceError("mismatch", f"position {start + j}: server token id {entry[1]!r}, "
+                                 f"sent {ids[start + j]}", retryable=False)
+        if j == 0:
+            continue  # always null: SGLang does not compute logits before logprob_start_len
+        value = entry[0]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # orjson writes -inf as null, so a null here is not a number we can store.
+            raise _bad(f"position {start + j}: logprob is {value!r}")
+        if not math.isfinite(value) or value > 1e-4:
+            raise _bad(f"position {start + j}: logprob {value!r} is not a log-probability")
+        logprobs.append(min(float(value), 0.0))
+    return BackendScore(
+        logprobs=logprobs,
+        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
+        cached_tokens=meta.get("cached_tokens") if isinstance(meta.get("cached_tokens"), int) else None,
+    )
+
+
+class SGLangBackend:
+    kind = "sglang"
+
+    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
+                 max_new_tokens: int = 0, client: HttpClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.api_key = api_key
+        self.client = client
+        self.model_info: dict[str, Any] = {}
+        self.server_info: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        # A client per event loop: pooled connections belong to the loop that opened them.
+        if self.client is None:
+            self.client = HttpClient(self.url, api_key=self.api_key)
+        try:
+            self.model_info = await self.client.get_json("/model_info")
+        except InferenceError as exc:
+            if not exc.kind.startswith("http_4"):
+                raise
+            self.model_info = await self.client.get_json("/get_model_info")  # older servers
+        try:
+            self.server_info = await self.client.get_json("/server_info")
+        except InferenceError as exc:
+            if not exc.kind.startswith("http_4"):
+                raise
+            self.server_info = {}
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    def server_model_id(self) -> str | None:
+        return self.model_info.get("model_path") or self.model_info.get("served_model_name")
+
+    def tokenizer_path(self) -> str | None:
+        return self.model_info.get("tokenizer_path")
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model, "server_model": self.server_model_id(),
+                "max_new_tokens": self.max_new_tokens}
+
+    def context_length(self) -> int | None:
+        for key in ("context_length", "max_req_input_len"):
+            value = self.server_info.get(key) or self.model_info.get(key)
+            if isinstance(value, int):
+                return value
+        return None
+
+    async def score(self, prompt: StepPrompt) -> BackendScore:
+        started = time.monotonic()
+        body = await self.client.post_json("/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens))
+        result = parse_response(prompt, body)
+        return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
+                            cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
+                            model_id=self.server_model_id())

@@ -1,0 +1,224 @@
+"""The pure math of credits, vectorised with numpy.
+
+Eq. 5–7 (``episode_credits``): the original ``compute_ratios_and_qh`` of
+``compute_hindsight_scores.py`` (FORMATS-ORIGIN §6.1 step 6), applied to many episodes at
+once. Eq. 8 (``hcapo_weights``): the advantage path of ``build_hcapo_dataset.py``
+(FORMATS-ORIGIN §6.3). Nothing here touches the database.
+
+Episodes are passed as flat arrays in (episode, step) order plus the start offset of each
+episode, so a batch of thousands of episodes costs a handful of numpy calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+PI_MEAN_FLOOR = 1e-12  # the original's guard when the episode mean of pi_hind is 0
+
+
+@dataclass(frozen=True)
+class CreditParams:
+    """Hyperparameters of a credit run (defaults = the original script's defaults)."""
+
+    t_temp: float = 5.0
+    gamma: float = 0.95
+    c_min: float = 0.8
+    c_max: float = 1.2
+    alpha: float = 0.5
+    smooth: bool = True
+    dense: bool = True
+    max_logprob_tokens: int | None = None  # None: the stored span's mean
+
+    def __post_init__(self) -> None:
+        if self.t_temp <= 0:
+            raise ValueError("t_temp must be > 0")
+        if self.c_min > self.c_max:
+            raise ValueError("c_min must be <= c_max")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError("alpha must be in [0, 1]")
+        # The original treats <= 0 as "all tokens": normalise so both hash the same.
+        if self.max_logprob_tokens is not None and self.max_logprob_tokens <= 0:
+            object.__setattr__(self, "max_logprob_tokens", None)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("t_temp", "gamma", "c_min", "c_max", "alpha"):
+            d[k] = float(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CreditParams":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @property
+    def is_default(self) -> bool:
+        return self == CreditParams()
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def run_hash(scorer_id: str, params: CreditParams) -> str:
+    """Identity of a credit run: same scorer + same hyperparameters → same hash."""
+    return hashlib.sha256(canonical_json({"scorer_id": scorer_id, "params": params.as_dict()}).encode()).hexdigest()
+
+
+@dataclass
+class EpisodeBatch:
+    """Flat per-step arrays of several episodes, in (episode, step) order.
+
+    ``starts[i]`` is the offset of episode i's first step; ``group`` holds small integer
+    codes of the group key ``subtask_id or phase`` (codes only need to be distinct within
+    an episode); ``subtask_reward`` is NaN where the stored value is NULL.
+    """
+
+    starts: np.ndarray  # int64, one per episode
+    mean_logprob: np.ndarray  # float64, one per step
+    subtask_reward: np.ndarray  # float64, NaN = NULL
+    group: np.ndarray  # int64
+    episode_reward: np.ndarray  # float64, one per episode
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(np.append(self.starts, len(self.mean_logprob)))
+
+
+@dataclass
+class CreditArrays:
+    pi_hind: np.ndarray
+    rho_raw: np.ndarray
+    rho: np.ndarray
+    r_t: np.ndarray
+    discount: np.ndarray
+    q_h: np.ndarray
+    q_h_smoothed: np.ndarray
+    null_rewards: int = 0  # dense steps whose NULL subtask_reward was used as 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def positions(batch: EpisodeBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(episode number of each step, position of each step inside its episode)."""
+    lengths = batch.lengths
+    ep = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(len(ep)) - batch.starts[ep]
+    return ep, pos
+
+
+def episode_credits(batch: EpisodeBatch, p: CreditParams) -> CreditArrays:
+    """Eq. 5–7 for every step of every episode in ``batch``."""
+    n = len(batch.mean_logprob)
+    lengths = batch.lengths
+    ep, pos = positions(batch)
+    pi_hind = np.exp(batch.mean_logprob / p.t_temp)
+    pi_mean = np.add.reduceat(pi_hind, batch.starts) / lengths if n else np.zeros(0)
+    pi_mean[pi_mean == 0] = PI_MEAN_FLOOR
+    rho_raw = pi_hind / pi_mean[ep]
+    rho = np.clip(rho_raw, p.c_min, p.c_max)
+    null_rewards = 0
+    if p.dense:
+        nulls = np.isnan(batch.subtask_reward)
+        null_rewards = int(nulls.sum())
+        r_t = np.where(nulls, 0.0, batch.subtask_reward)
+        exponent = _group_last(ep, pos, batch.group) - pos
+    else:
+        r_t = batch.episode_reward[ep].astype(np.float64)
+        exponent = lengths[ep] - 1 - pos
+    discount = np.power(p.gamma, exponent.astype(np.float64))
+    q_h = rho * discount * r_t
+    q_s = smooth_backwards(q_h, lengths[ep] - 1 - pos, p.alpha) if p.smooth else q_h.copy()
+    return CreditArrays(pi_hind, rho_raw, rho, r_t, discount, q_h, q_s, null_rewards)
+
+
+def _group_last(ep: np.ndarray, pos: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """For each step, the last position in its episode having the same group key.
+
+    The original takes the max index over ALL steps with that key, so a key that comes
+    back later (S1, S2, S1) discounts towards its very last occurrence.
+    """
+    if len(ep) == 0:
+        return np.zeros(0, dtype=np.int64)
+    key = ep.astype(np.int64) * (int(group.max()) + 1) + group
+    # First occurrence in the reversed array = last occurrence in the original.
+    uniq, first_rev, inverse = np.unique(key[::-1], return_index=True, return_inverse=True)
+    last_idx = len(key) - 1 - first_rev
+    return pos[last_idx][inverse.reshape(-1)[::-1]]
+
+
+def smooth_backwards(q: np.ndarray, dist_to_end: np.ndarray, alpha: float) -> np.ndarray:
+    """s[T-1] = q[T-1]; s[t] = alpha·q[t] + (1-alpha)·s[t+1], for all episodes at once.
+
+    Steps are processed by distance to their episode's end: one vector operation per
+    distance value, so the Python loop runs max(T) times, not once per step.
+    """
+    out = q.copy()
+    if len(q) == 0:
+        return out
+    order = np.argsort(dist_to_end, kind="stable")
+    bounds = np.cumsum(np.bincount(dist_to_end))
+    for d in range(1, len(bounds)):
+        idx = order[bounds[d - 1]:bounds[d]]
+        out[idx] = alpha * q[idx] + (1 - alpha) * out[idx + 1]
+    return out
+
+
+def suffix_mean(blob: bytes, n: int) -> float:
+    """Mean of the last ``n`` little-endian float32 logprobs of a stored score."""
+    values = np.frombuffer(blob, dtype="<f4")
+    return float(values[-n:].astype(np.float64).mean())
+
+
+# ---- Eq. 8 ---------------------------------------------------------------------------
+
+
+@dataclass
+class Eq8Result:
+    grpo: np.ndarray  # A_i per episode
+    weights: list[np.ndarray]  # w per step, per episode
+    mu: float
+    sigma: float
+    positive_mean: float
+
+
+def _zscore_stats(x: np.ndarray) -> tuple[float, float]:
+    mu = float(x.mean()) if len(x) else 0.0
+    sigma = float(x.std()) if len(x) else 0.0  # population std, like np.std
+    return mu, (sigma if sigma != 0 else 1.0)
+
+
+def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) -> np.ndarray:
+    """A_i = (R_i − mean R) / std R (population; std 0 → 1), over all or per group."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if groups is None:
+        mu, sd = _zscore_stats(rewards)
+        return (rewards - mu) / sd
+    out = np.empty_like(rewards)
+    keys = np.array([str(g) if g is not None else "\0none" for g in groups], dtype=object)
+    for g in dict.fromkeys(keys):
+        mask = keys == g
+        mu, sd = _zscore_stats(rewards[mask])
+        out[mask] = (rewards[mask] - mu) / sd
+    return out
+
+
+def hcapo_weights(rewards: np.ndarray, q: Sequence[np.ndarray], omega: float = 1.0,
+                  groups: Sequence[Any] | None = None) -> Eq8Result:
+    """Eq. 8 as ``build_hcapo_dataset.py`` implements it (FORMATS-ORIGIN §6.3)."""
+    grpo = grpo_advantages(rewards, groups)
+    flat = np.concatenate(q) if len(q) else np.zeros(0)
+    mu, sigma = _zscore_stats(flat)
+    clamped = []
+    for a_i, qe in zip(grpo, q):
+        micro = (qe - mu) / sigma
+        if a_i > 0:  # do-no-harm: a good episode never gets negative step credit
+            micro = np.maximum(micro, 0.0)
+        clamped.append(np.maximum(a_i + omega * micro, 0.0))
+    all_clamped = np.concatenate(clamped) if clamped else np.zeros(0)
+    positive = all_clamped[all_clamped > 0]
+    pos_mean = float(positive.mean()) if len(positive) else 1.0
+    return Eq8Result(grpo, [c / pos_mean for c in clamped], mu, sigma, pos_mean)

@@ -1,0 +1,467 @@
+"""Credit runs over the database: compute, list, show, diff.
+
+``compute_credits`` streams (episodes ⨝ steps ⟕ scores) for one scorer in a single
+ordered query, computes Eq. 5–7 per batch of whole episodes with numpy
+(``credit_math``), and bulk-inserts the credits with executemany, all inside one write
+transaction: a run either exists with all its credits or not at all. Episodes with a
+step that has no score under the scorer (missing or failed) are listed as incomplete and
+get no credits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from sqlalchemy import Connection, text
+
+from hcapo_store import db
+from hcapo_store.clock import utcnow
+from hcapo_store.credit_math import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash, suffix_mean
+from hcapo_store.errors import CreditError
+from hcapo_store.store import Store
+
+FETCH_ROWS = 50_000  # rows per fetch of the streaming select
+INSERT_ROWS = 100_000  # credits per executemany call
+MAX_LISTED_INCOMPLETE = 10_000  # names kept in credit_runs.incomplete; the count is exact
+
+# One ordered pass over every step of every current episode, with its score (if any).
+STREAM_SQL = """
+SELECT e.id, e.reward, s.id, s.phase, s.subtask_id, s.subtask_reward,
+       sc.mean_logprob, sc.token_count, {blob} AS blob
+FROM episodes e
+JOIN steps s ON s.episode_id = e.id
+LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
+WHERE e.is_current IS TRUE
+ORDER BY e.id, s.step_index
+"""
+
+CREDIT_COLUMNS = ("run_id", "step_id", "mean_logprob", "token_count", "pi_hind", "rho_raw", "rho",
+                  "r_t", "discount", "q_h", "q_h_smoothed")
+
+
+@dataclass
+class RunInfo:
+    id: int
+    name: str
+    scorer_id: str
+    scorer_label: str | None
+    params: dict[str, Any]
+    run_hash: str
+    episodes: int
+    steps: int
+    incomplete_episodes: int
+    incomplete: list[str]
+    created_at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ComputeResult:
+    run: RunInfo
+    created: bool  # False: an existing run with the same scorer + parameters was returned
+    message: str
+    null_reward_steps: int = 0  # dense steps whose NULL subtask_reward counted as 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": self.run.as_dict(), "created": self.created, "message": self.message,
+                "null_reward_steps": self.null_reward_steps, "seconds": round(self.seconds, 3)}
+
+
+# ---- scorer and run lookup ---------------------------------------------------------------
+
+
+def resolve_scorer(conn: Connection, scorer: str | None) -> tuple[str, str]:
+    """The scorer to use: the given id / unique id prefix / label, else the only one."""
+    rows = conn.execute(text("SELECT id, label FROM scorers ORDER BY created_at, id")).all()
+    if not rows:
+        raise CreditError("no scorer in this database: score some steps first")
+    listing = "; ".join(f"{r.id[:12]} ({r.label})" for r in rows)
+    if scorer is None:
+        if len(rows) == 1:
+            return rows[0].id, rows[0].label
+        raise CreditError(f"{len(rows)} scorers in this database, pick one with --scorer: {listing}")
+    exact = [r for r in rows if r.id == scorer or r.label == scorer]
+    matches = exact or [r for r in rows if r.id.startswith(scorer)]
+    if len(matches) != 1:
+        what = "matches several scorers" if matches else "matches no scorer"
+        raise CreditError(f"--scorer {scorer!r} {what}; scorers: {listing}")
+    return matches[0].id, matches[0].label
+
+
+RUN_SQL = """
+SELECT r.id, r.name, r.scorer_id, sc.label, r.params, r.run_hash, r.episodes, r.steps,
+       r.incomplete_episodes, r.incomplete, r.created_at
+FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
+"""
+
+
+def _run_from_row(row: Any) -> RunInfo:
+    return RunInfo(
+        id=row[0], name=row[1], scorer_id=row[2], scorer_label=row[3], params=json.loads(row[4]),
+        run_hash=row[5], episodes=row[6], steps=row[7], incomplete_episodes=row[8],
+        incomplete=json.loads(row[9]) if row[9] else [], created_at=row[10],
+    )
+
+
+def _find_run(conn: Connection, where: str, **params: Any) -> RunInfo | None:
+    row = conn.execute(text(RUN_SQL + " WHERE " + where), params).first()
+    return _run_from_row(row) if row is not None else None
+
+
+def get_run(store: Store, name: str | None = None) -> RunInfo:
+    """A run by name; with no name, the only run (else an error listing them)."""
+    with store.engine.connect() as conn:
+        if name is not None:
+            run = _find_run(conn, "r.name = :name", name=name)
+            if run is not None:
+                return run
+        names = [r[0] for r in conn.execute(text("SELECT name FROM credit_runs ORDER BY id"))]
+    if name is None and len(names) == 1:
+        return get_run(store, names[0])
+    known = ", ".join(names) if names else "none; run `credits compute` first"
+    if name is None:
+        raise CreditError(f"several credit runs, pick one: {known}")
+    raise CreditError(f"no credit run named {name!r} (runs: {known})")
+
+
+def list_runs(store: Store) -> list[RunInfo]:
+    with store.engine.connect() as conn:
+        return [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
+
+
+# ---- compute -------------------------------------------------------------------------------
+
+
+def compute_credits(
+    store: Store,
+    params: CreditParams = CreditParams(),
+    *,
+    name: str | None = None,
+    scorer: str | None = None,
+    replace: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> ComputeResult:
+    """Compute (or find) the credit run of (scorer, params).
+
+    Same scorer + params → the existing run is returned (``created=False``) unless
+    ``replace`` recomputes it (e.g. after more steps were scored). ``on_progress(episodes,
+    steps)`` is called after each batch.
+    """
+    started = time.perf_counter()
+    with db.write(store.engine) as conn:
+        scorer_id, _ = resolve_scorer(conn, scorer)
+        h = run_hash(scorer_id, params)
+        existing = _find_run(conn, "r.run_hash = :h", h=h)
+        if existing is not None and not replace:
+            return ComputeResult(existing, False, _existing_message(existing, name),
+                                 seconds=time.perf_counter() - started)
+        run_name = _choose_name(conn, name, params, h, existing)
+        if existing is not None:
+            conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
+            conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
+        run_id = _insert_run(conn, run_name, scorer_id, params, h)
+        totals = _fill_run(conn, run_id, scorer_id, params, on_progress)
+        conn.execute(
+            text("UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
+                 "incomplete = :inc WHERE id = :id"),
+            {"e": totals.episodes, "s": totals.steps, "ni": totals.incomplete_count,
+             "inc": json.dumps(totals.incomplete), "id": run_id},
+        )
+        run = _find_run(conn, "r.id = :id", id=run_id)
+    assert run is not None
+    verb = "recomputed" if existing is not None else "computed"
+    msg = (f"{verb} credit run {run.name!r}: {run.steps} steps of {run.episodes} episodes"
+           f"; {run.incomplete_episodes} incomplete episode(s) skipped")
+    if totals.null_rewards:
+        msg += f"; warning: {totals.null_rewards} step(s) with NULL subtask_reward used r_t = 0"
+    return ComputeResult(run, True, msg, totals.null_rewards, time.perf_counter() - started)
+
+
+def _existing_message(run: RunInfo, name: str | None) -> str:
+    msg = f"credit run {run.name!r} already has this scorer and these parameters: returned it"
+    if name is not None and name != run.name:
+        msg += f" (the name {name!r} was not used)"
+    return msg + "; use --recompute to compute it again"
+
+
+def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: str,
+                 existing: RunInfo | None) -> str:
+    def taken(n: str) -> bool:
+        other = _find_run(conn, "r.name = :n", n=n)
+        return other is not None and other.run_hash != h
+
+    if name is not None:
+        if taken(name):
+            raise CreditError(f"the name {name!r} is already used by a credit run with other "
+                              "parameters or another scorer; pick another --name")
+        return name
+    if existing is not None:
+        return existing.name
+    if params.is_default and not taken("default"):
+        return "default"
+    return f"run-{h[:8]}"
+
+
+def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str) -> int:
+    return int(conn.execute(
+        text("INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
+             "incomplete_episodes, incomplete, created_at) "
+             "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at) RETURNING id"),
+        {"name": name, "scorer": scorer_id, "params": canonical_json(params.as_dict()), "h": h,
+         "at": utcnow().isoformat(timespec="seconds")},
+    ).scalar_one())
+
+
+@dataclass
+class _Totals:
+    episodes: int = 0
+    steps: int = 0
+    null_rewards: int = 0
+    incomplete_count: int = 0
+    incomplete_ids: list[int] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
+
+
+def _fill_run(conn: Connection, run_id: int, scorer_id: str, params: CreditParams,
+              on_progress: Callable[[int, int], None] | None) -> _Totals:
+    n = params.max_logprob_tokens
+    # The blob is fetched only for scores the suffix re-aggregation actually changes.
+    blob = "CASE WHEN sc.token_count > :n THEN sc.token_logprobs END" if n else "NULL"
+    sql = text(STREAM_SQL.format(blob=blob))
+    bind: dict[str, Any] = {"scorer": scorer_id, **({"n": n} if n else {})}
+    insert_sql = _insert_sql(conn)
+    totals = _Totals()
+    pending: list[tuple] = []
+    for rows in _whole_episodes(_raw_stream(conn, sql, bind)):
+        pending.extend(_batch_credits(rows, run_id, params, totals))
+        if len(pending) >= INSERT_ROWS:
+            conn.exec_driver_sql(insert_sql, pending)
+            pending = []
+        if on_progress is not None:
+            on_progress(totals.episodes, totals.steps)
+    if pending:
+        conn.exec_driver_sql(insert_sql, pending)
+    if totals.incomplete_ids:
+        totals.incomplete = _episode_names(conn, totals.incomplete_ids)
+    return totals
+
+
+def _raw_stream(conn: Connection, sql: Any, bind: dict[str, Any]) -> Iterator[list[tuple]]:
+    """Blocks of plain DB-API tuples: no per-row SQLAlchemy objects for a million rows.
+
+    PostgreSQL gets a named (server-side) cursor so memory stays flat; SQLite's cursor
+    already steps through the result lazily.
+    """
+    compiled = sql.compile(dialect=conn.dialect)
+    params = compiled.construct_params(bind)
+    if compiled.positiontup is not None:
+        params = tuple(params[k] for k in compiled.positiontup)
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    cur = dbapi.cursor(name="hcapo_credit_stream") if conn.dialect.name == "postgresql" else dbapi.cursor()
+    try:
+        cur.execute(compiled.string, params)
+        while block := cur.fetchmany(FETCH_ROWS):
+            yield block
+    finally:
+        cur.close()
+
+
+def _episode_names(conn: Connection, ids: list[int]) -> list[str]:
+    names: dict[int, str] = {}
+    for i in range(0, len(ids), 500):
+        chunk = ids[i:i + 500]
+        marks = ", ".join(str(int(x)) for x in chunk)  # integers from our own query
+        names.update(conn.execute(text(f"SELECT id, name FROM episodes WHERE id IN ({marks})")).all())
+    return [names[i] for i in ids]
+
+
+def _insert_sql(conn: Connection) -> str:
+    """A driver-level INSERT (plain tuples are much cheaper than dicts for a million rows)."""
+    style = conn.dialect.paramstyle
+    marks = ["?" if style == "qmark" else f":{i + 1}" if style == "numeric" else "%s"
+             for i in range(len(CREDIT_COLUMNS))]
+    return f"INSERT INTO credits ({', '.join(CREDIT_COLUMNS)}) VALUES ({', '.join(marks)})"
+
+
+def _whole_episodes(partitions: Iterator[Sequence[Any]]) -> Iterator[list[Any]]:
+    """Re-cut fetched row blocks so that no episode is split across two blocks."""
+    carry: list[Any] = []
+    for part in partitions:
+        rows = carry + list(part)
+        last = rows[-1][0]
+        cut = len(rows) - 1
+        while cut > 0 and rows[cut - 1][0] == last:
+            cut -= 1
+        carry = rows[cut:]
+        if cut:
+            yield rows[:cut]
+    if carry:
+        yield carry
+
+
+def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals: _Totals) -> list[tuple]:
+    """Credits of the complete episodes among ``rows`` (whole episodes, in step order)."""
+    ep_col = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    starts = _starts(ep_col)
+    mean_all = np.asarray([r[6] for r in rows], dtype=np.float64)  # NULL (no score) → NaN
+    missing = np.add.reduceat(np.isnan(mean_all).astype(np.int64), starts) > 0
+    if missing.any():
+        ids = ep_col[starts[missing]].tolist()
+        totals.incomplete_count += len(ids)
+        room = MAX_LISTED_INCOMPLETE - len(totals.incomplete_ids)
+        totals.incomplete_ids.extend(ids[:max(room, 0)])
+        keep = np.repeat(~missing, np.diff(np.append(starts, len(rows))))
+        rows = [r for r, k in zip(rows, keep.tolist()) if k]
+        if not rows:
+            return []
+        ep_col = ep_col[keep]
+        starts = _starts(ep_col)
+        mean_all = mean_all[keep]
+    _, reward, step_id, phase, subtask_id, subtask_reward, _, token_count, blob = zip(*rows)
+    mean = mean_all
+    tokens = np.asarray(token_count, dtype=np.int64)
+    if params.max_logprob_tokens:
+        _reaggregate(mean, tokens, blob, params.max_logprob_tokens)
+    batch = EpisodeBatch(
+        starts=starts, mean_logprob=mean,
+        subtask_reward=np.asarray(subtask_reward, dtype=np.float64),
+        group=_group_codes(subtask_id, phase),
+        episode_reward=np.asarray(reward, dtype=np.float64)[starts],
+    )
+    c = episode_credits(batch, params)
+    totals.episodes += len(starts)
+    totals.steps += len(rows)
+    totals.null_rewards += c.null_rewards
+    return list(zip(
+        [run_id] * len(rows), step_id, mean.tolist(), tokens.tolist(),
+        c.pi_hind.tolist(), c.rho_raw.tolist(), c.rho.tolist(), c.r_t.tolist(), c.discount.tolist(),
+        c.q_h.tolist(), c.q_h_smoothed.tolist(),
+    ))
+
+
+def _starts(ep_col: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.concatenate(([True], ep_col[1:] != ep_col[:-1])))
+
+
+def _reaggregate(mean: np.ndarray, token_count: np.ndarray, blobs: Sequence[bytes | None], n: int) -> None:
+    """In place: the mean of the last ``n`` stored token logprobs where more were scored."""
+    for i, blob in enumerate(blobs):
+        if blob is not None:
+            mean[i] = suffix_mean(blob, n)
+    np.minimum(token_count, n, out=token_count)
+
+
+def _group_codes(subtask_ids: Sequence[str | None], phases: Sequence[str]) -> np.ndarray:
+    """Integer codes of the group key ``subtask_id or phase`` (the original's ``or``)."""
+    codes: dict[str, int] = {}
+    return np.fromiter((codes.setdefault(s or p, len(codes)) for s, p in zip(subtask_ids, phases)),
+                       dtype=np.int64, count=len(phases))
+
+
+# ---- show and diff ---------------------------------------------------------------------------
+
+SUBTASK_SUMMARY_SQL = """
+SELECT COALESCE(s.subtask_id, s.phase) AS subtask, COUNT(*) AS steps,
+       COUNT(DISTINCT s.episode_id) AS episodes, AVG(s.subtask_reward) AS subtask_reward,
+       AVG(c.mean_logprob) AS mean_logprob, AVG(c.pi_hind) AS pi_hind, AVG(c.rho) AS rho,
+       SUM(CASE WHEN c.rho_raw < c.rho THEN 1 ELSE 0 END) AS clipped_low,
+       SUM(CASE WHEN c.rho_raw > c.rho THEN 1 ELSE 0 END) AS clipped_high,
+       AVG(c.q_h) AS q_h, AVG(c.q_h_smoothed) AS q_h_smoothed
+FROM credits c JOIN steps s ON s.id = c.step_id
+WHERE c.run_id = :run
+GROUP BY COALESCE(s.subtask_id, s.phase)
+"""
+
+
+def show_run(store: Store, name: str | None = None) -> dict[str, Any]:
+    """Parameters, counts and a per-subtask summary (planning first, then by subtask id)."""
+    run = get_run(store, name)
+    with store.engine.connect() as conn:
+        rows = [dict(r) for r in conn.execute(text(SUBTASK_SUMMARY_SQL), {"run": run.id}).mappings()]
+    rows.sort(key=lambda r: (r["subtask"] != "planning", str(r["subtask"])))
+    clipped_low = sum(r["clipped_low"] for r in rows)
+    clipped_high = sum(r["clipped_high"] for r in rows)
+    return {**run.as_dict(), "clipped_low": clipped_low, "clipped_high": clipped_high, "subtasks": rows}
+
+
+DIFF_SQL = """
+SELECT a.step_id, a.rho, b.rho, a.q_h_smoothed, b.q_h_smoothed
+FROM credits a JOIN credits b ON b.step_id = a.step_id AND b.run_id = :b
+WHERE a.run_id = :a
+ORDER BY a.step_id
+"""
+
+STEP_DETAILS_SQL = """
+SELECT s.id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase)
+FROM steps s JOIN episodes e ON e.id = s.episode_id
+WHERE s.id IN ({ids})
+"""
+
+
+STEP_DELTAS_SQL = """
+SELECT a.step_id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase),
+       a.rho, b.rho, a.q_h_smoothed, b.q_h_smoothed
+FROM credits a
+JOIN credits b ON b.step_id = a.step_id AND b.run_id = :b
+JOIN steps s ON s.id = a.step_id
+JOIN episodes e ON e.id = s.episode_id
+WHERE a.run_id = :a
+ORDER BY e.id, s.step_index
+"""
+
+
+def iter_step_deltas(store: Store, a: str, b: str) -> Iterator[dict[str, Any]]:
+    """Every common step's rho and q_h_smoothed in runs A and B and the delta B − A."""
+    ra, rb = get_run(store, a), get_run(store, b)
+    with store.engine.connect() as conn:
+        result = conn.execution_options(yield_per=FETCH_ROWS).execute(
+            text(STEP_DELTAS_SQL), {"a": ra.id, "b": rb.id})
+        for step_id, episode, step_index, subtask, rho_a, rho_b, q_a, q_b in result:
+            yield {"step_id": step_id, "episode": episode, "step_index": step_index, "subtask": subtask,
+                   "rho_a": rho_a, "rho_b": rho_b, "delta_rho": rho_b - rho_a,
+                   "q_h_smoothed_a": q_a, "q_h_smoothed_b": q_b, "delta_q_h_smoothed": q_b - q_a}
+
+
+def _quantiles(x: np.ndarray) -> dict[str, float | None]:
+    keys = ("min", "p10", "p50", "p90", "max")
+    if len(x) == 0:
+        return dict.fromkeys(keys)
+    values = np.percentile(x, [0, 10, 50, 90, 100])
+    return {k: float(v) for k, v in zip(keys, values)}
+
+
+def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> dict[str, Any]:
+    """Deltas B − A of rho and q_h_smoothed on the steps both runs credit: quantiles + top movers."""
+    ra, rb = get_run(store, a), get_run(store, b)
+    with store.engine.connect() as conn:
+        data = conn.execute(text(DIFF_SQL), {"a": ra.id, "b": rb.id}).all()
+        step_ids = np.asarray([r[0] for r in data], dtype=np.int64)
+        arr = np.asarray([r[1:] for r in data], dtype=np.float64).reshape(-1, 4)
+        d_rho, d_q = arr[:, 1] - arr[:, 0], arr[:, 3] - arr[:, 2]
+        order = np.argsort(-np.abs(d_q), kind="stable")[:top]
+        details = {}
+        if len(order):
+            ids = ", ".join(str(int(i)) for i in step_ids[order])
+            details = {r[0]: r[1:] for r in conn.execute(text(STEP_DETAILS_SQL.format(ids=ids)))}
+    movers = []
+    for i in order:
+        episode, step_index, subtask = details[int(step_ids[i])]
+        movers.append({"episode": episode, "step_index": step_index, "subtask": subtask,
+                       "rho_a": arr[i, 0], "rho_b": arr[i, 1], "delta_rho": float(d_rho[i]),
+                       "q_h_smoothed_a": arr[i, 2], "q_h_smoothed_b": arr[i, 3],
+                       "delta_q_h_smoothed": float(d_q[i])})
+    return {
+        "a": ra.name, "b": rb.name, "common_steps": len(step_ids),
+        "only_a": ra.steps - len(step_ids), "only_b": rb.steps - len(step_ids),
+        "params_a": ra.params, "params_b": rb.params,
+        "delta_rho": _quantiles(d_rho), "delta_q_h_smoothed": _quantiles(d_q),
+        "top_moved": movers,
+    }

@@ -1,0 +1,76 @@
+"""Reading stored episodes back: converted messages, outcome and steps, for prompts and exports."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from hcapo_store.mapping import StepInfo
+from hcapo_store.models import Episode, Message, Step, Subtask
+
+
+@dataclass(frozen=True)
+class Outcome:
+    reward: float
+    phase: str | None
+    plan_score: float | None
+    frozen_scores: dict[str, float]
+    plan: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StoredEpisode:
+    id: int
+    name: str
+    outcome: Outcome
+    messages: list[dict[str, Any]]
+    steps: list[StepInfo]
+    step_ids: list[int]
+
+
+def message_dict(role: str, content: str, tool_calls: str | None, name: str | None,
+                 tool_call_id: str | None) -> dict[str, Any]:
+    """A stored message in the original loader's shape (tool_calls only when present)."""
+    m: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls:
+        m["tool_calls"] = json.loads(tool_calls)
+    if role == "tool":
+        m["name"] = name
+        m["tool_call_id"] = tool_call_id
+    return m
+
+
+def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        select(Message.role, Message.content, Message.tool_calls, Message.name, Message.tool_call_id)
+        .where(Message.episode_id == episode_id).order_by(Message.message_index)
+    ).all()
+    return [message_dict(*r) for r in rows]
+
+
+def load_episode(conn: Connection, episode_id: int) -> StoredEpisode:
+    ep = conn.execute(
+        select(Episode.id, Episode.name, Episode.reward, Episode.phase, Episode.plan_score, Episode.frozen_scores)
+        .where(Episode.id == episode_id)
+    ).one()
+    plan = [
+        {"id": sid, "description": d, "acceptance_criteria": a}
+        for sid, d, a in conn.execute(
+            select(Subtask.subtask_id, Subtask.description, Subtask.acceptance_criteria)
+            .where(Subtask.episode_id == episode_id).order_by(Subtask.position)
+        )
+    ]
+    steps = conn.execute(
+        select(Step.id, Step.step_index, Step.message_index, Step.phase, Step.subtask_id, Step.subtask_reward)
+        .where(Step.episode_id == episode_id).order_by(Step.step_index)
+    ).all()
+    outcome = Outcome(reward=ep.reward, phase=ep.phase, plan_score=ep.plan_score,
+                      frozen_scores=json.loads(ep.frozen_scores), plan=plan)
+    return StoredEpisode(
+        id=ep.id, name=ep.name, outcome=outcome, messages=load_messages(conn, episode_id),
+        steps=[StepInfo(s.step_index, s.message_index, s.phase, s.subtask_id, s.subtask_reward) for s in steps],
+        step_ids=[s.id for s in steps],
+    )

@@ -1,0 +1,81 @@
+"""The HTTP side of every server backend: httpx, timeouts, and error classification.
+
+Backends build payloads and parse responses; this module owns the connection pool and
+turns transport failures and HTTP statuses into ``InferenceError`` with a ``retryable``
+flag (DESIGN.md §5: retry connect errors, timeouts, 408/429/5xx and "queue full";
+fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
+every failed attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+
+from hcapo_store.errors import InferenceError
+
+RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+
+
+def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
+    """Exponential backoff with full jitter; a server's Retry-After wins (bounded by cap)."""
+    if retry_after is not None:
+        return min(max(retry_after, 0.0), cap)
+    return random.uniform(0, min(cap, base * 2 ** max(attempt - 1, 0)))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+class HttpClient:
+    """One pooled async client per server, with an API key sent as a Bearer token."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+                 max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def get_json(self, path: str) -> Any:
+        return await self._request("GET", path, None)
+
+    async def post_json(self, path: str, payload: Any) -> Any:
+        return await self._request("POST", path, payload)
+
+    async def _request(self, method: str, path: str, payload: Any) -> Any:
+        try:
+            response = await self._client.request(method, path, json=payload)
+        except httpx.TimeoutException as exc:
+            raise InferenceError("timeout", f"{method} {self.base_url}{path}: {type(exc).__name__}", retryable=True) from exc
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise InferenceError("connect", f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}",
+                                 retryable=True) from exc
+        except httpx.HTTPError as exc:
+            raise InferenceError("http", f"{method} {self.base_url}{path}: {exc}", retryable=True) from exc
+        if response.status_code != 200:
+            body = response.text[:300]
+            retryable = response.status_code in RETRYABLE_STATUS or "queue is full" in body.lower()
+            raise InferenceError(f"http_{response.status_code}", f"{method} {path}: {body}",
+                                 retryable=retryable, retry_after=_retry_after(response))
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InferenceError("bad_response", f"{method} {path}: malformed JSON: {response.text[:200]!r}",
+                                 retryable=False) from exc

@@ -1,0 +1,239 @@
+"""The scoring queue in SQL: enqueue, claim with a lease, heartbeat, complete, fail, release.
+
+Every (step, scorer) pair has one ``attempts`` row. Claims take all claimable steps of
+one episode (its requests go in step order, so the server's prefix cache reuses the
+shared prefix) in one short write transaction. Completion is race-tolerant: the first
+result for a step wins, a late one is discarded without error. Per-dialect SQL lives
+here only (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: ``FOR UPDATE SKIP LOCKED``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, text
+
+from hcapo_store import db
+from hcapo_store.store import Store
+
+PENDING, LEASED, DONE, FAILED = "pending", "leased", "done", "failed"
+
+ENQUEUE_SQL = """
+INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at)
+SELECT s.id, :scorer, s.episode_id, s.step_index, 'pending', 0, :now
+FROM steps s JOIN episodes e ON e.id = s.episode_id
+WHERE e.is_current AND e.include_thinking = :include_thinking
+  AND e.max_tool_result_chars = :max_tool_result_chars
+  AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer)
+"""
+
+CLAIMABLE = "(a.status = 'pending' OR (a.status = 'leased' AND a.lease_expires_at < :now))"
+
+
+@dataclass(frozen=True)
+class Filters:
+    episodes: tuple[str, ...] = ()  # episode names, source keys or ids
+    min_reward: float | None = None
+
+    def sql(self, params: dict[str, Any]) -> str:
+        parts = []
+        if self.episodes:
+            keys = []
+            for i, e in enumerate(self.episodes):
+                params[f"ep{i}"] = e
+                keys.append(f":ep{i}")
+            names = ", ".join(keys)
+            parts.append(f"(e.name IN ({names}) OR e.source_key IN ({names}) OR CAST(e.id AS TEXT) IN ({names}))")
+        if self.min_reward is not None:
+            params["min_reward"] = self.min_reward
+            parts.append("e.reward >= :min_reward")
+        return "".join(f" AND {p}" for p in parts)
+
+
+@dataclass(frozen=True)
+class Lease:
+    attempt_id: int
+    step_id: int
+    step_index: int
+    attempt_count: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    episode_id: int
+    leases: list[Lease]
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def enqueue(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_result_chars: int) -> int:
+    """Create queue rows for steps of current episodes that have none (set-based)."""
+    with db.write(store.engine) as conn:
+        result = conn.execute(text(ENQUEUE_SQL), {
+            "scorer": scorer_id, "now": db.sql_now(conn), "include_thinking": include_thinking,
+            "max_tool_result_chars": max_tool_result_chars})
+        return result.rowcount or 0
+
+
+def requeue_failed(store: Store, scorer_id: str, filters: Filters) -> int:
+    params: dict[str, Any] = {"scorer": scorer_id}
+    where = filters.sql(params)
+    with db.write(store.engine) as conn:
+        params["now"] = db.sql_now(conn)
+        return conn.execute(text(
+            "UPDATE attempts SET status = 'pending', attempt_count = 0, lease_owner = NULL, "
+            "lease_expires_at = NULL, updated_at = :now WHERE scorer_id = :scorer AND status = 'failed' "
+            f"AND episode_id IN (SELECT e.id FROM episodes e WHERE e.is_current{where})"
+        ), params).rowcount or 0
+
+
+def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
+    params: dict[str, Any] = {"scorer": scorer_id}
+    where = filters.sql(params)
+    with store.engine.connect() as conn:
+        params["now"] = db.sql_now(conn)
+        return int(conn.execute(text(
+            f"SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
+            f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where}"
+        ), params).scalar_one())
+
+
+def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, filters: Filters,
+          max_steps: int | None = None, exclude: Sequence[int] = ()) -> Claim | None:
+    """Lease the claimable steps of one episode (at most ``max_steps``, in step order)."""
+    params: dict[str, Any] = {"scorer": scorer_id, "me": worker}
+    where = filters.sql(params)
+    if exclude:
+        where += f" AND e.id NOT IN ({', '.join(str(int(x)) for x in exclude)})"
+    with db.write(store.engine) as conn:
+        now = db.sql_now(conn)
+        params.update(now=now, expires=now + lease_seconds)
+        lock = " FOR UPDATE OF a SKIP LOCKED" if conn.dialect.name == "postgresql" else ""
+        row = conn.execute(text(
+            f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
+            f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
+            f"ORDER BY a.episode_id, a.step_index LIMIT 1{lock}"
+        ), params).first()
+        if row is None:
+            return None
+        params["episode"] = row[0]
+        limit = f" LIMIT {int(max_steps)}" if max_steps is not None else ""
+        rows = conn.execute(text(
+            "UPDATE attempts SET status = 'leased', lease_owner = :me, lease_expires_at = :expires, "
+            "updated_at = :now WHERE id IN (SELECT a.id FROM attempts a WHERE a.scorer_id = :scorer "
+            f"AND a.episode_id = :episode AND {CLAIMABLE} ORDER BY a.step_index{limit}) AND {CLAIMABLE.replace('a.', '')} "
+            "RETURNING id, step_id, step_index, attempt_count"
+        ), params).all()
+    leases = sorted((Lease(*r) for r in rows), key=lambda lease: lease.step_index)
+    return Claim(episode_id=row[0], leases=leases)
+
+
+def heartbeat(store: Store, worker: str, *, lease_seconds: float, scored: int, failed: int) -> None:
+    with db.write(store.engine) as conn:
+        now = db.sql_now(conn)
+        conn.execute(text("UPDATE attempts SET lease_expires_at = :exp WHERE lease_owner = :me AND status = 'leased'"),
+                     {"exp": now + lease_seconds, "me": worker})
+        conn.execute(text("UPDATE workers SET heartbeat_at = :now, scored = :scored, failed = :failed WHERE id = :me"),
+                     {"now": now, "me": worker, "scored": scored, "failed": failed})
+
+
+def register_worker(store: Store, worker: str, scorer_id: str) -> None:
+    host, _, pid = worker.rpartition(":")
+    with db.write(store.engine) as conn:
+        now = db.sql_now(conn)
+        conn.execute(text("DELETE FROM workers WHERE id = :id"), {"id": worker})
+        conn.execute(text(
+            "INSERT INTO workers (id, scorer_id, host, pid, started_at, heartbeat_at, state, scored, failed) "
+            "VALUES (:id, :scorer, :host, :pid, :now, :now, 'running', 0, 0)"
+        ), {"id": worker, "scorer": scorer_id, "host": host or socket.gethostname(),
+            "pid": int(pid) if pid.isdigit() else os.getpid(), "now": now})
+
+
+def finish_worker(store: Store, worker: str, state: str) -> int:
+    """Mark the worker stopped and give back the steps it still holds; returns how many."""
+    with db.write(store.engine) as conn:
+        now = db.sql_now(conn)
+        released = conn.execute(text(
+            "UPDATE attempts SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
+            "WHERE lease_owner = :me AND status = 'leased'"), {"me": worker, "now": now}).rowcount or 0
+        conn.execute(text("UPDATE workers SET state = :state, heartbeat_at = :now WHERE id = :me"),
+                     {"state": state, "now": now, "me": worker})
+    return released
+
+
+def reap_dead_local_workers(store: Store) -> int:
+    """Release leases of workers on this host whose process is gone (e.g. kill -9).
+
+    Other hosts' workers are judged by lease expiry only: we cannot see their processes.
+    """
+    host = socket.gethostname()
+    with store.engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, pid FROM workers WHERE host = :host AND state = 'running'"),
+                            {"host": host}).all()
+    dead = [wid for wid, pid in rows if pid != os.getpid() and not _alive(pid)]
+    released = 0
+    for wid in dead:
+        released += finish_worker(store, wid, "dead")
+    return released
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Outcome:
+    """One finished attempt, to be written by the single writer."""
+
+    attempt_id: int
+    step_id: int
+    score_row: dict[str, Any] | None = None  # success
+    error_kind: str | None = None
+    error: str | None = None
+    final: bool = False  # the step is failed for good
+
+
+def write_outcomes(conn: Connection, scorer_id: str, worker: str, outcomes: list[Outcome]) -> tuple[int, int, int]:
+    """Apply a batch in the caller's transaction; returns (scored, failed, discarded)."""
+    now = db.sql_now(conn)
+    scored = failed = discarded = 0
+    for o in outcomes:
+        if o.score_row is not None:
+            won = conn.execute(text(
+                "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
+                "WHERE id = :id AND status <> 'done'"), {"id": o.attempt_id, "now": now}).rowcount
+            if won:
+                conn.execute(text(SCORE_INSERT_SQL), {**o.score_row, "step_id": o.step_id, "scorer_id": scorer_id,
+                                                       "worker_id": worker})
+                scored += 1
+            else:
+                discarded += 1  # someone else finished this step first
+            continue
+        conn.execute(text(
+            "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"),
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": o.error, "me": worker, "now": now})
+        status_sql = ", status = 'failed', lease_owner = NULL, lease_expires_at = NULL" if o.final else ""
+        conn.execute(text(
+            f"UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
+            f"updated_at = :now{status_sql} WHERE id = :id AND status <> 'done'"),
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": o.error, "now": now})
+        failed += int(o.final)
+    return scored, failed, discarded
+
+
+SCORE_COLUMNS = ("step_id", "scorer_id", "token_logprobs", "token_count", "mean_logprob", "total_action_tokens",
+                 "skipped_action_tokens", "truncated_prefix_tokens", "input_tokens", "logprob_start_len", "flattened",
+                 "prompt_tokens", "cached_tokens", "latency_s", "server_model", "worker_id", "created_at")
+SCORE_INSERT_SQL = (f"INSERT INTO scores ({', '.join(SCORE_COLUMNS)}) "
+                    f"VALUES ({', '.join(':' + c for c in SCORE_COLUMNS)})")

@@ -1,0 +1,514 @@
+"""A small SGLang-compatible HTTP server over a local transformers causal LM.
+
+It gives tests, the demo and CPU-only users a real endpoint with real log-probabilities.
+It speaks the scoring subset of SGLang's native ``POST /generate`` (and of vLLM's
+``POST /v1/completions`` with ``prompt_logprobs``) with the same JSON shapes, so the HTTP
+backends are exercised exactly as against the real servers. Generation is limited to one
+greedy token: this server scores, it does not chat.
+
+Standard library only (``http.server``); one forward pass at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from hcapo_store.backends.transformers_backend import PositionScores, TransformersScorer
+
+log = logging.getLogger(__name__)
+
+SERVER_VERSION = "hcapo-reference-1"
+VLLM_LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf prompt logprobs to this value
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+_MAX_BODY = 256 * 1024 * 1024
+
+JSON = dict[str, Any]
+
+
+class BadRequest(ValueError):
+    """The request is invalid; answered with HTTP 400 and SGLang's error body."""
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One sequence of a /generate request, normalised."""
+
+    input_ids: list[int]
+    rid: str
+    return_logprob: bool
+    logprob_start_len: int
+    max_new_tokens: int
+
+
+class ReferenceServer:
+    """The HTTP server plus the model; ``requests`` counts /generate and /v1/completions
+    calls, ``sequences`` the sequences that went through the model."""
+
+    def __init__(
+        self,
+        scorer: TransformersScorer,
+        tokenizer: Any | None,
+        *,
+        tokenizer_path: str | None,
+        host: str,
+        port: int,
+    ) -> None:
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.tokenizer_path = tokenizer_path
+        self.model_path = str(scorer.model_dir)
+        config = scorer.model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.requests = 0
+        self.sequences = 0
+        self._count_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd.daemon_threads = True
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> ReferenceServer:
+        """Serve from a background thread; returns self."""
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hcapo-refserver", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> ReferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- endpoints -------------------------------------------------------------------
+
+    def model_info(self) -> JSON:
+        config = self.scorer.model.config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "served_model_name": self.model_path,
+            "weight_version": "default",
+            "model_type": config.model_type,
+            "architectures": list(getattr(config, "architectures", None) or []),
+        }
+
+    def server_info(self) -> JSON:
+        return {
+            "version": SERVER_VERSION,
+            "status": "ready",
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.model_path,
+            "context_length": self.context_length,
+            "max_req_input_len": self.context_length - 1 if self.context_length else None,
+            "max_total_num_tokens": self.context_length,
+            "skip_tokenizer_init": self.tokenizer is None,
+            "scorer": self.scorer.model_info(),
+        }
+
+    def models(self) -> JSON:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_path,
+                    "object": "model",
+                    "owned_by": "hcapo-store",
+                    "root": self.model_path,
+                    "max_model_len": self.context_length,
+                }
+            ],
+        }
+
+    def generate(self, body: JSON) -> JSON | list[JSON]:
+        """SGLang ``/generate``: a dict for one request, a list in input order for a batch."""
+        self._count_request()
+        batch, items = self._generate_items(body)
+        text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
+        outputs = [self._generate_one(item, text_in_logprobs) for item in items]
+        return outputs if batch else outputs[0]
+
+    def completions(self, body: JSON) -> JSON:
+        """vLLM ``/v1/completions`` with ``prompt_logprobs`` and ``max_tokens: 1``."""
+        self._count_request()
+        prompts = self._completion_prompts(body.get("prompt"))
+        max_tokens = body.get("max_tokens", 16)
+        if max_tokens != 1:
+            raise BadRequest(f"max_tokens must be 1 on the reference server, got {max_tokens!r}")
+        k = body.get("prompt_logprobs")
+        if k is not None and (not _is_int(k) or k < 0):
+            raise BadRequest(f"prompt_logprobs must be a non-negative integer, got {k!r}")
+        if body.get("logprobs") is not None:
+            raise BadRequest("sample logprobs are not supported by the reference server; use prompt_logprobs")
+        if body.get("stream"):
+            raise BadRequest("prompt_logprobs are not available when stream=True")
+        choices = [self._completion_choice(i, ids, k) for i, ids in enumerate(prompts)]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_path,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(prompts),
+                "total_tokens": prompt_tokens + len(prompts),
+            },
+        }
+
+    # --- /generate ---------------------------------------------------------------------
+
+    def _generate_items(self, body: JSON) -> tuple[bool, list[_Item]]:
+        for field in ("input_embeds", "token_ids_logprob"):
+            if body.get(field) is not None:
+                raise BadRequest(f"{field} is not supported by the reference server")
+        if body.get("top_logprobs_num"):
+            raise BadRequest("top_logprobs_num is not supported by the reference server")
+        if body.get("stream"):
+            raise BadRequest("stream is not supported by the reference server")
+        batch, sequences = self._generate_inputs(body)
+        n = len(sequences)
+        sampling = _per_item(body.get("sampling_params"), n, "sampling_params", dict, {})
+        return_logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool, False)
+        starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", int, -1)
+        rids = _rids(body.get("rid"), n, batch)
+        items = []
+        for i, ids in enumerate(sequences):
+            max_new = sampling[i].get("max_new_tokens", 128)
+            if max_new not in (0, 1) or isinstance(max_new, bool):
+                raise BadRequest(
+                    f"max_new_tokens must be 0 (prefill only) or 1 on the reference server, got {max_new!r}"
+                )
+            items.append(
+                _Item(ids, rids[i], return_logprob[i], self._start(ids, return_logprob[i], starts[i]), max_new)
+            )
+        return batch, items
+
+    def _generate_inputs(self, body: JSON) -> tuple[bool, list[list[int]]]:
+        """(is_batch, token id lists) from exactly one of ``input_ids`` / ``text``."""
+        input_ids, text = body.get("input_ids"), body.get("text")
+        if (input_ids is None) == (text is None):
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        if text is not None:
+            batch = isinstance(text, list)
+            texts = text if batch else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise BadRequest("text must be a string or a non-empty list of strings")
+            return batch, [self._tokenize(t) for t in texts]
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest("input_ids cannot be empty.")
+        batch = isinstance(input_ids[0], list)
+        sequences = input_ids if batch else [input_ids]
+        for ids in sequences:
+            self._check_ids(ids)
+        return batch, sequences
+
+    def _start(self, ids: list[int], return_logprob: bool, start: int) -> int:
+        """Resolve ``logprob_start_len`` as SGLang's scheduler does (-1 = no input logprobs)."""
+        if not return_logprob or start == -1:
+            return len(ids)
+        if start < -1:
+            raise BadRequest(f"logprob_start_len must be >= -1, got {start}")
+        if start > len(ids):
+            raise BadRequest(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len."
+            )
+        return start
+
+    def _generate_one(self, item: _Item, text_in_logprobs: bool) -> JSON:
+        began = time.perf_counter()
+        ids, start = item.input_ids, item.logprob_start_len
+        generate = item.max_new_tokens == 1
+        # Entry 0 is always null (SGLang computes no logits for the position before
+        # logprob_start_len), so the scored tokens start at start + 1.
+        first_scored = start + 1 if item.return_logprob and start < len(ids) else len(ids)
+        scores = self._run(ids, first_scored, next_token=generate) if generate or first_scored < len(ids) else None
+        output_ids = [scores.next_token[0]] if scores and scores.next_token else []
+        meta: JSON = {
+            "id": item.rid,
+            "finish_reason": {"type": "length", "length": item.max_new_tokens},
+            "prompt_tokens": len(ids),
+            "weight_version": "default",
+            "completion_tokens": len(output_ids),
+            "cached_tokens": 0,
+        }
+        if item.return_logprob:
+            decode = self._decode_one if text_in_logprobs else _no_text
+            logprobs = scores.logprobs if scores else []
+            meta["input_token_logprobs"] = [[None, ids[start], decode(ids[start])]] if start < len(ids) else []
+            meta["input_token_logprobs"] += [
+                [_finite_or_none(lp), tok, decode(tok)] for lp, tok in zip(logprobs, ids[first_scored:])
+            ]
+            meta["output_token_logprobs"] = (
+                [[_finite_or_none(scores.next_token[1]), output_ids[0], decode(output_ids[0])]]
+                if output_ids and scores and scores.next_token
+                else []
+            )
+        meta["e2e_latency"] = time.perf_counter() - began
+        return {"text": self._decode(output_ids), "output_ids": output_ids, "meta_info": meta}
+
+    # --- /v1/completions ---------------------------------------------------------------
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._tokenize(prompt)]
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest("prompt must be a non-empty list of token ids, a list of such lists, or a string")
+        if all(isinstance(p, str) for p in prompt):
+            return [self._tokenize(p) for p in prompt]
+        prompts = prompt if isinstance(prompt[0], list) else [prompt]
+        for ids in prompts:
+            self._check_ids(ids)
+        return prompts
+
+    def _completion_choice(self, index: int, ids: list[int], k: int | None) -> JSON:
+        # Without prompt_logprobs only the last position (the generated token) is needed.
+        first_scored = 1 if k is not None else len(ids)
+        scores = self._run(ids, first_scored, top_k=k or 0, ranks=k is not None, next_token=True)
+        assert scores.next_token is not None  # always set when next_token=True
+        token = scores.next_token[0]
+        prompt_logprobs = None
+        if k is not None:
+            tops = scores.top or [[] for _ in scores.logprobs]
+            prompt_logprobs = [None] + [
+                self._vllm_position(tok, lp, rank, top)
+                for tok, lp, rank, top in zip(ids[1:], scores.logprobs, scores.ranks or [], tops)
+            ]
+        return {
+            "index": index,
+            "text": self._decode([token]),
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [token],
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": ids,
+        }
+
+    def _vllm_position(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> JSON:
+        """One prompt_logprobs entry: the actual token first, then the top-k (vLLM order)."""
+        entry = {str(token): self._vllm_logprob(token, logprob, rank)}
+        for r, (tok, lp) in enumerate(top, start=1):
+            entry.setdefault(str(tok), self._vllm_logprob(tok, lp, r))
+        return entry
+
+    def _vllm_logprob(self, token: int, logprob: float, rank: int) -> JSON:
+        value = logprob if math.isfinite(logprob) else VLLM_LOGPROB_FLOOR
+        return {"logprob": value, "rank": rank, "decoded_token": self._decode_one(token)}
+
+    # --- shared ------------------------------------------------------------------------
+
+    def _run(self, ids: list[int], first_scored: int, **options: Any) -> PositionScores:
+        with self._count_lock:
+            self.sequences += 1
+        return self.scorer.score_positions(ids, first_scored, **options)
+
+    def _count_request(self) -> None:
+        with self._count_lock:
+            self.requests += 1
+
+    def _check_ids(self, ids: Any) -> None:
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids cannot be empty.")
+        for token in ids:
+            if not _is_int(token) or not 0 <= token < self.scorer.vocab_size:
+                raise BadRequest(f"token id {token!r} is not in the model's vocabulary [0, {self.scorer.vocab_size})")
+        if self.context_length and len(ids) >= self.context_length:
+            raise BadRequest(
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BadRequest("text input needs a tokenizer; start the server with --tokenizer or send token ids")
+        # Special tokens added by default (e.g. BOS), as SGLang does for text.
+        ids = list(self.tokenizer(text)["input_ids"])
+        self._check_ids(ids)
+        return ids
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None and ids else ""
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+
+def make_server(
+    model_dir: str | os.PathLike[str],
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    device: str = "cpu",
+    chunk_size: int = 512,
+) -> ReferenceServer:
+    """Load the model (and tokenizer: ``tokenizer_dir``, else the model dir if it holds
+    one) and bind the server; port 0 picks a free port. Call ``start()`` or
+    ``serve_forever()`` to serve."""
+    from transformers import AutoTokenizer
+
+    scorer = TransformersScorer(model_dir, device=device, chunk_size=chunk_size)
+    if tokenizer_dir is None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
+        tokenizer_dir = model_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None
+    return ReferenceServer(
+        scorer,
+        tokenizer,
+        tokenizer_path=str(tokenizer_dir) if tokenizer_dir is not None else None,
+        host=host,
+        port=port,
+    )
+
+
+# --- HTTP plumbing ---------------------------------------------------------------------
+
+_GET_ROUTES: dict[str, Callable[[ReferenceServer], JSON]] = {
+    "/model_info": ReferenceServer.model_info,
+    "/server_info": ReferenceServer.server_info,
+    "/v1/models": ReferenceServer.models,
+}
+_POST_ROUTES: dict[str, Callable[[ReferenceServer, JSON], JSON | list[JSON]]] = {
+    "/generate": ReferenceServer.generate,
+    "/v1/completions": ReferenceServer.completions,
+}
+
+
+def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as HTTP clients expect of SGLang
+        server_version = SERVER_VERSION
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path in ("/health", "/health_generate"):
+                self._send(HTTPStatus.OK, b"", "text/plain")
+            elif path in _GET_ROUTES:
+                self._send_json(HTTPStatus.OK, _GET_ROUTES[path](server))
+            else:
+                self._send_error(HTTPStatus.NOT_FOUND, f"Not Found: {path}")
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                body = self._read_json()  # first: an unread body would poison keep-alive
+                route = _POST_ROUTES.get(path)
+                if route is None:
+                    self._send_error(HTTPStatus.NOT_FOUND, f"Not Found: {path}")
+                    return
+                self._send_json(HTTPStatus.OK, route(server, body))
+            except ValueError as exc:  # BadRequest, and the scorer's own input checks
+                self._send_error(HTTPStatus.BAD_REQUEST, str(exc))
+            except Exception as exc:  # noqa: BLE001 - answer 500 instead of dropping the connection
+                log.exception("reference server: %s failed", path)
+                self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+
+        do_PUT = do_POST  # SGLang routes /generate for POST and PUT
+
+        def _read_json(self) -> JSON:
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+            except ValueError:
+                length = -1
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower() or not 0 <= length <= _MAX_BODY:
+                self.close_connection = True  # the body cannot be skipped reliably
+                raise BadRequest(f"send the body with a Content-Length of at most {_MAX_BODY} bytes")
+            raw = self.rfile.read(length)
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise BadRequest(f"malformed JSON body: {exc}") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            return body
+
+        def _send_json(self, status: HTTPStatus, payload: Any) -> None:
+            self._send(status, json.dumps(payload, allow_nan=False).encode(), "application/json")
+
+        def _send_error(self, status: HTTPStatus, message: str) -> None:
+            # A 400 from SGLang has exactly this body; other statuses use the same shape.
+            self._send_json(status, {"error": {"message": message}})
+
+        def _send(self, status: HTTPStatus, data: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            log.debug("%s %s", self.address_string(), format % args)
+
+    return Handler
+
+
+# --- request normalisation -------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _per_item(value: Any, n: int, name: str, kind: type, default: Any) -> list[Any]:
+    """Broadcast a scalar to every batch item, or check a per-item list (SGLang rules)."""
+    if value is None:
+        return [default] * n
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise BadRequest(f"{name} has {len(values)} entries for a batch of {n}")
+    for v in values:
+        ok = _is_int(v) if kind is int else isinstance(v, kind)
+        if not ok:
+            raise BadRequest(f"{name} must be {kind.__name__} or a list of {kind.__name__}, got {v!r}")
+    return [default if v is None else v for v in values]
+
+
+def _rids(rid: Any, n: int, batch: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(n)] if batch else [rid]
+    if not isinstance(rid, list) or len(rid) != n or not all(isinstance(r, str) for r in rid):
+        raise BadRequest(f"rid must be a string or a list of {n} strings")
+    if len(set(rid)) != n:
+        raise BadRequest(f"Duplicate request IDs detected within the request: {rid}")
+    return rid
+
+
+def _finite_or_none(value: float) -> float | None:
+    # SGLang serialises with orjson, which writes -inf as null.
+    return value if math.isfinite(value) else None
+
+
+def _no_text(token: int) -> None:
+    return None
+

@@ -1,0 +1,179 @@
+"""The ``score`` service: choose the backend and tokenizer, fix the scorer identity,
+queue the missing steps, and run the scheduler (or count the work for ``--dry-run``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sqlalchemy import text
+
+from hcapo_store import queue
+from hcapo_store.backends.base import Backend
+from hcapo_store.episodes import load_episode
+from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
+                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
+from hcapo_store.scheduler import RunOptions, Scheduler, ScoreReport
+from hcapo_store.scorers import register, scorer_label
+from hcapo_store.sources import ConvertOptions
+from hcapo_store.store import Store
+from hcapo_store.tokens import load_tokenizer, tokenizer_fingerprint
+
+
+@dataclass
+class ScoreConfig:
+    backend: str = "sglang"  # sglang | transformers | vllm
+    server: str | None = None
+    model: str | None = None  # served model name (HTTP) or model directory (transformers)
+    tokenizer: str | None = None
+    api_key: str | None = None
+    max_context: int = DEFAULT_MAX_CONTEXT
+    max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS
+    hindsight_template: str = HINDSIGHT_TEMPLATE
+    conversion: ConvertOptions = field(default_factory=ConvertOptions)
+    max_new_tokens: int = 0
+    device: str = "cpu"
+
+
+def make_backend(cfg: ScoreConfig) -> Backend:
+    if cfg.backend == "transformers":
+        if not cfg.model:
+            raise ScoringError("--backend transformers needs --model DIR (a local transformers model)")
+        from hcapo_store.backends.inprocess import TransformersBackend
+
+        return TransformersBackend(cfg.model, device=cfg.device)
+    if not cfg.server:
+        raise ScoringError(f"--backend {cfg.backend} needs --server URL (e.g. http://127.0.0.1:30000)")
+    if cfg.backend == "sglang":
+        from hcapo_store.backends.sglang import SGLangBackend
+
+        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens)
+    if cfg.backend == "vllm":
+        from hcapo_store.backends.vllm import VLLMBackend
+
+        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key)
+    raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
+
+
+def _tokenizer_location(cfg: ScoreConfig, backend: Backend) -> str:
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.backend == "transformers":
+        return str(cfg.model)
+    reported = getattr(backend, "tokenizer_path", lambda: None)()
+    if reported and Path(reported).is_dir():
+        return reported
+    raise ScoringError(
+        f"the server reports tokenizer {reported!r}, which is not a directory here: pass --tokenizer DIR "
+        "(the same tokenizer the server uses)")
+
+
+@dataclass
+class Prepared:
+    scorer_id: str
+    spec: dict[str, Any]
+    backend: Backend
+    builder: PromptBuilder
+
+
+async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> None:
+    try:
+        await backend.start()
+        if close:  # prepare() only reads the server's facts; run_scoring() starts it again
+            await backend.close()
+    except InferenceError as exc:
+        where = cfg.server or cfg.model
+        raise ScoringError(f"cannot reach the {cfg.backend} backend at {where}: {exc}; is the server up?") from exc
+
+
+def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
+    backend = make_backend(cfg)
+    asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
+    ctx = backend.context_length()
+    if ctx is not None and ctx < cfg.max_context:
+        raise ScoringError(f"the server's context length is {ctx} < --max-context {cfg.max_context}: "
+                           f"pass --max-context {ctx} or less")
+    location = _tokenizer_location(cfg, backend)
+    try:
+        tokenizer = load_tokenizer(location)
+    except (OSError, ValueError) as exc:
+        raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
+    builder = PromptBuilder(tokenizer, hindsight_template=cfg.hindsight_template, max_context=cfg.max_context,
+                            max_logprob_tokens=cfg.max_logprob_tokens)
+    spec = {
+        "backend": backend.identity(),
+        "tokenizer": tokenizer_fingerprint(tokenizer, location),
+        "hindsight_template_sha256": template_hash(cfg.hindsight_template),
+        "conversion": cfg.conversion.as_dict(),
+        "max_context": cfg.max_context,
+        "max_logprob_tokens": cfg.max_logprob_tokens,
+        "prompt_builder_version": PROMPT_BUILDER_VERSION,
+    }
+    return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
+
+
+@dataclass
+class DryRun:
+    scorer_id: str
+    label: str
+    steps: int
+    episodes: int
+    prompt_tokens: int
+    scored_tokens: int
+    prompt_failures: int
+
+    def summary(self) -> str:
+        return (f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
+                f"{self.episodes} episode(s) to score, {self.prompt_tokens} prompt tokens "
+                f"({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); nothing was sent")
+
+
+def dry_run(store: Store, prep: Prepared, filters: queue.Filters, limit: int | None) -> DryRun:
+    """Count the steps and prompt tokens a run would send; writes nothing, calls nothing."""
+    params: dict[str, Any] = {"scorer": prep.scorer_id, "thinking": prep.spec["conversion"]["include_thinking"],
+                              "chars": prep.spec["conversion"]["max_tool_result_chars"]}
+    where = filters.sql(params)
+    sql = ("SELECT s.episode_id, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "
+           "WHERE e.is_current AND e.include_thinking = :thinking AND e.max_tool_result_chars = :chars"
+           f"{where} AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer "
+           "AND a.status IN ('done', 'failed')) ORDER BY s.episode_id, s.step_index")
+    with store.engine.connect() as conn:
+        rows = conn.execute(text(sql), params).all()
+        if limit is not None:
+            rows = rows[:limit]
+        by_episode: dict[int, set[int]] = {}
+        for ep, idx in rows:
+            by_episode.setdefault(ep, set()).add(idx)
+        tokens = scored = failures = 0
+        for ep, wanted in by_episode.items():
+            episode = load_episode(conn, ep)
+            for p in prep.builder.build_episode(episode.messages, episode.outcome,
+                                                [s for s in episode.steps if s.step_index in wanted]):
+                if isinstance(p, PromptFailure):
+                    failures += 1
+                else:
+                    tokens += len(p.input_ids)
+                    scored += p.scored_tokens
+    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), tokens, scored, failures)
+
+
+def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
+                on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
+    conv = prep.spec["conversion"]
+    queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
+                  max_tool_result_chars=conv["max_tool_result_chars"])
+    if retry_failed:
+        queue.requeue_failed(store, prep.scorer_id, options.filters)
+    scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
+
+    async def main() -> ScoreReport:
+        await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
+        try:
+            return await scheduler.run()
+        finally:
+            await prep.backend.close()
+
+    return asyncio.run(main())
