@@ -361,5 +361,40 @@ def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port
         server.shutdown()
 
 
+
+@cli.command()
+@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".hcapo-demo"),
+              show_default=True, help="Where the demo model (and episodes, outside a checkout) are built.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_context
+def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
+    """Run the main job end to end on a tiny local model: ingest, score, credits.
+
+    Builds a tiny random model and tokenizer (no download, no GPU), ingests the example
+    episodes, scores every step through the reference server over HTTP, computes the
+    default credits, and prints the scored steps per subtask. Uses --db if given, else
+    DIR/demo.db.
+    """
+    from hcapo_store.demo import demo_summary, run_demo
+
+    state: _Ctx = ctx.obj
+    if state.db is None:
+        state.db = str(workdir / "demo.db")
+    store = state.store()
+    result = run_demo(store, workdir, on_step=(lambda _: None) if as_json else (lambda m: click.echo(f"• {m}", err=True)))
+    if as_json:
+        _echo_json(demo_summary(result))
+        return
+    click.echo(f"ingest: {result.ingest.summary()}")
+    click.echo(f"score:  {result.score.summary()}")
+    click.echo(f"\nscored steps per subtask (scorer {result.scorer_id[:12]}):")
+    click.echo(formatting.table(*result.subtasks))
+    if result.credits:
+        click.echo("\ncredits per subtask (run 'default'):")
+        click.echo(formatting.table(*result.credits))
+    click.echo(f"\ndatabase: {store.display} — try: hcapo-store --db {store.display} sql "
+               "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\"")
+
+
 if __name__ == "__main__":
     cli()

@@ -371,7 +371,6 @@ class _TemplateRejected(Exception):
 class _StepTexts:
     prefix_ids: list[int]
     full_ids: list[int]
-    messages0: dict  # the hindsight-bearing first message as rendered (for the anchor)
     flattened: bool
 
 
@@ -441,7 +440,7 @@ class PromptBuilder:
             index, m = _field(step, "step_index"), _field(step, "message_index")
             hindsight = hindsight_text(outcome, step, self.hindsight_template)
             try:
-                prefix_text, full_text, first, flattened = self._precheck_render(
+                prefix_text, full_text, first, flattened = self._render_step(
                     messages, normalized, m, hindsight
                 )
             except _TemplateRejected as exc:
@@ -456,7 +455,6 @@ class PromptBuilder:
             texts = _StepTexts(
                 self.encoder.encode(prefix_text, prefix_state),
                 self.encoder.encode(full_text, full_state),
-                first,
                 flattened,
             )
             results.append(self._finish(index, texts, lambda: self._anchor(anchors, key, first)))
@@ -475,20 +473,20 @@ class PromptBuilder:
         index, m = _field(step, "step_index"), _field(step, "message_index")
         hindsight = hindsight_text(outcome, step, self.hindsight_template)
         try:
-            prefix_text, full_text, first, flattened = self._precheck_render(
+            prefix_text, full_text, first, flattened = self._render_step(
                 messages, normalize_messages(messages), m, hindsight
             )
         except _TemplateRejected as exc:
             return PromptFailure(index, "template", str(exc))
         encode = self.encoder.encode_whole
-        texts = _StepTexts(encode(prefix_text), encode(full_text), first, flattened)
+        texts = _StepTexts(encode(prefix_text), encode(full_text), flattened)
         return self._finish(
             index, texts, lambda: encode(self._render([first], generation=False))
         )
 
     # -- span logic, shared by both paths
 
-    def _precheck_render(
+    def _render_step(
         self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str
     ) -> tuple[str, str, dict, bool]:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":

@@ -48,6 +48,9 @@ class TransformersScorer:
         chunk_size: int = 512,
     ) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress display owns the terminal
 
         if chunk_size < 1:
             raise ScoringError(f"chunk_size must be at least 1, got {chunk_size}")
