@@ -1,0 +1,23 @@
+"""The README's first command: the main job end to end on the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+
+from cli import cli
+
+
+def test_demo_end_to_end(runner, tmp_path):
+    db = tmp_path / "demo.db"
+    r = runner.invoke(cli, ["--db", str(db), "demo", "--dir", str(tmp_path / "d"), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["ingest"]["new"] == 4 and out["ingest"]["failed"] == 0
+    assert out["score"]["failed"] == 0 and out["score"]["scored"] == out["ingest"]["steps"]
+    assert {row["subtask"] for row in out["subtasks"]} >= {"planning", "S1", "S2"}
+    assert sum(row["steps"] for row in out["subtasks"]) == out["ingest"]["steps"]
+    assert all(row["mean_logprob"] < 0 for row in out["subtasks"])
+    # a rerun resumes: nothing is missing, so nothing is scored again
+    r = runner.invoke(cli, ["--db", str(db), "demo", "--dir", str(tmp_path / "d"), "--json"], catch_exceptions=False)
+    again = json.loads(r.output)
+    assert again["ingest"]["unchanged"] == 4 and again["score"]["scored"] == 0
