@@ -396,5 +396,175 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
                "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\"")
 
 
+
+# ---------------------------------------------------------------------------
+# credits, exports, report
+
+
+@cli.group(cls=_Group)
+def credits() -> None:
+    """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
+
+
+@credits.command("compute")
+@click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
+@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
+@click.option("--t-temp", type=float, default=5.0, show_default=True)
+@click.option("--gamma", type=float, default=0.95, show_default=True)
+@click.option("--c-min", type=float, default=0.8, show_default=True)
+@click.option("--c-max", type=float, default=1.2, show_default=True)
+@click.option("--alpha", type=float, default=0.5, show_default=True)
+@click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
+@click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
+@click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")
+@click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alpha, no_smooth, no_dense_rewards,
+                    max_logprob_tokens, recompute, as_json) -> None:
+    """Compute pi_hind, rho, q_h, q_h_smoothed for every completely scored episode.
+
+    Same scorer + same hyperparameters is the same run (returned, not recomputed).
+    Episodes with missing or failed steps are listed as incomplete and get no credits.
+    """
+    from hcapo_store.credit_math import CreditParams
+    from hcapo_store.credits import compute_credits
+
+    try:
+        params = CreditParams(t_temp=t_temp, gamma=gamma, c_min=c_min, c_max=c_max, alpha=alpha,
+                              smooth=not no_smooth, dense=not no_dense_rewards,
+                              max_logprob_tokens=max_logprob_tokens)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
+    _echo_json(result.as_dict()) if as_json else click.echo(result.message)
+
+
+@credits.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_list(state: _Ctx, as_json: bool) -> None:
+    """List credit runs: name, scorer, hyperparameters, episodes, steps, incomplete."""
+    from hcapo_store.credits import list_runs
+
+    runs = list_runs(state.store(create=False))
+    if as_json:
+        _echo_json([r.as_dict() for r in runs])
+        return
+    if not runs:
+        click.echo("no credit runs yet: run `hcapo-store credits compute`")
+        return
+    click.echo(formatting.table(
+        ["name", "scorer", "params", "episodes", "steps", "incomplete", "created"],
+        [(r.name, r.scorer_label, formatting.params_text(r.params), r.episodes, r.steps, r.incomplete_episodes,
+          r.created_at) for r in runs], max_width=80))
+
+
+@credits.command("show")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_show(state: _Ctx, name: str | None, as_json: bool) -> None:
+    """Show one run: hyperparameters, counts, and a per-subtask summary."""
+    from hcapo_store.credits import show_run
+
+    data = show_run(state.store(create=False), name)
+    if as_json:
+        _echo_json(data)
+        return
+    for key, value in data.items():
+        if key != "subtasks":
+            click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
+    rows = data.get("subtasks") or []
+    if rows:
+        cols = list(rows[0])
+        click.echo("")
+        click.echo(formatting.table(cols, [[r[c] for c in cols] for r in rows]))
+
+
+@credits.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--top", type=int, default=10, show_default=True, help="How many most-moved steps to list.")
+@click.option("--all", "all_steps", is_flag=True, help="With --json: every common step's deltas.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_diff(state: _Ctx, a: str, b: str, top: int, all_steps: bool, as_json: bool) -> None:
+    """Compare two runs step by step: deltas of rho and q_h_smoothed (B - A)."""
+    from hcapo_store.credits import diff_runs, iter_step_deltas
+
+    store = state.store(create=False)
+    if as_json and all_steps:
+        _echo_json(list(iter_step_deltas(store, a, b)))
+        return
+    data = diff_runs(store, a, b, top=top)
+    if as_json:
+        _echo_json(data)
+        return
+    for key, value in data.items():
+        if isinstance(value, dict) and all(isinstance(v, (int, float, type(None))) for v in value.values()):
+            click.echo(f"{key:<20} " + "  ".join(f"{k}={formatting.cell(v)}" for k, v in value.items()))
+        elif not isinstance(value, (list, dict)):
+            click.echo(f"{key:<20} {value}")
+    moved = data.get("top_moved") or []
+    if moved:
+        cols = list(moved[0])
+        click.echo("\nsteps that moved most:")
+        click.echo(formatting.table(cols, [[r[c] for c in cols] for r in moved]))
+
+
+@cli.group(cls=_Group)
+def export() -> None:
+    """Write training data and per-episode files from a credit run."""
+
+
+@export.command("hindsight-json")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@pass_ctx
+def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
+    """Write OUT_DIR/<episode>/hindsight_scores.json in the original script's schema."""
+    from hcapo_store.export import export_hindsight_json
+
+    result = export_hindsight_json(state.store(create=False), out_dir, run)
+    click.echo(f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
+               f"(credit run {result['run']!r})")
+
+
+@export.command("dataset")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("--omega", type=float, default=1.0, show_default=True, help="Weight of the micro (step) advantage.")
+@click.option("--min-reward", type=float, default=0.2, show_default=True, help="Only episodes with reward >= X.")
+@click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
+@click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, group_by, no_smooth, as_json) -> None:
+    """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
+    from hcapo_store.export import export_dataset
+
+    summary = export_dataset(state.store(create=False), out, run, omega=omega, min_reward=min_reward,
+                             group_by=group_by, fmt=fmt, use_smoothed=not no_smooth)
+    if as_json:
+        _echo_json(summary)
+    else:
+        click.echo(f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
+                   f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero)")
+
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@pass_ctx
+def report(state: _Ctx, out: Path, run: str | None) -> None:
+    """Write one self-contained HTML page: histograms, Q_H by subtask, coverage, failures."""
+    from hcapo_store.report import write_report
+
+    result = write_report(state.store(create=False), out, run)
+    click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
+
+
 if __name__ == "__main__":
     cli()

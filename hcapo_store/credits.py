@@ -20,7 +20,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store import db
 from hcapo_store.clock import utcnow
-from hcapo_store.credit_math import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash, suffix_mean
+from hcapo_store.credit_math import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash
 from hcapo_store.errors import CreditError
 from hcapo_store.store import Store
 
@@ -352,10 +352,19 @@ def _starts(ep_col: np.ndarray) -> np.ndarray:
 
 
 def _reaggregate(mean: np.ndarray, token_count: np.ndarray, blobs: Sequence[bytes | None], n: int) -> None:
-    """In place: the mean of the last ``n`` stored token logprobs where more were scored."""
-    for i, blob in enumerate(blobs):
-        if blob is not None:
-            mean[i] = suffix_mean(blob, n)
+    """In place: the mean of the last ``n`` stored token logprobs where more were scored.
+
+    Only rows scored beyond ``n`` tokens carry a blob (see STREAM_SQL); their blobs are
+    joined into one float32 array and each suffix is summed with one ``reduceat``.
+    """
+    rows = [i for i, b in enumerate(blobs) if b is not None]
+    if rows:
+        values = np.frombuffer(b"".join(blobs[i] for i in rows), dtype="<f4").astype(np.float64)  # type: ignore[misc]
+        ends = np.cumsum([len(blobs[i]) // 4 for i in rows])  # type: ignore[arg-type]
+        bounds = np.empty(2 * len(rows), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = ends - n, ends
+        sums = np.add.reduceat(np.append(values, 0.0), bounds)[0::2]
+        mean[rows] = sums / n
     np.minimum(token_count, n, out=token_count)
 
 

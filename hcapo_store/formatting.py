@@ -9,7 +9,7 @@ import math
 from typing import Any, Sequence
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
@@ -20,7 +20,7 @@ def _cell(value: Any) -> str:
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int = 60) -> str:
-    cells = [[_cell(v)[:max_width] for v in row] for row in rows]
+    cells = [[cell(v)[:max_width] for v in row] for row in rows]
     widths = [len(c) for c in columns]
     for row in cells:
         for i, v in enumerate(row):
@@ -54,3 +54,8 @@ def to_json(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def dumps(data: Any) -> str:
     return json.dumps(data, indent=2, default=str)
+
+
+def params_text(params: dict[str, Any]) -> str:
+    """Hyperparameters on one line: ``gamma=0.95 t_temp=5 …``."""
+    return " ".join(f"{k}={cell(v)}" for k, v in params.items())

@@ -1,0 +1,335 @@
+"""Exports of a credit run: per-episode ``hindsight_scores.json`` and the Eq. 8 dataset.
+
+Both stream from the database in episode order and write atomically (a temporary file in
+the target directory, then ``os.replace``), so a reader never sees a half-written file.
+
+Dataset rows are readable by the original trainer (FORMATS-ORIGIN §6.3/§6.4). Parquet
+stores ``messages`` as a list of structs {role, content, tool_calls, name, tool_call_id}
+(absent keys are null; ``tool_calls[].function.arguments`` stays a JSON string), which
+``datasets.load_dataset("parquet", ...)`` loads as a list of dicts without any decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import numpy as np
+from sqlalchemy import Connection, text
+
+from hcapo_store.credit_math import CreditParams, hcapo_weights
+from hcapo_store.credits import RunInfo, get_run
+from hcapo_store.errors import ExportError
+from hcapo_store.status import scorer_spec
+from hcapo_store.store import Store
+
+FETCH_ROWS = 20_000
+PARQUET_BATCH = 256
+_INT = re.compile(r"-?\d+")
+
+
+# ---- atomic files ------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write through ``write(fileobj)`` into a temp file beside ``path``, then rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_json(path: Path, data: Any) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2, ensure_ascii=False).encode()))
+
+
+def episode_id_value(external_id: str | None, name: str) -> int | str:
+    """The original's int episode id when the external id is an integer string."""
+    ident = external_id if external_id is not None else name
+    return int(ident) if _INT.fullmatch(ident) else ident
+
+
+def _safe_dirname(name: str) -> str:
+    cleaned = re.sub(r"[\\/\x00]", "_", name).strip()
+    return "_" if cleaned in ("", ".", "..") else cleaned
+
+
+# ---- hindsight_scores.json ---------------------------------------------------------------------
+
+HINDSIGHT_SQL = """
+SELECT e.id, e.name, e.external_id, e.reward, e.frozen_scores,
+       s.step_index, s.message_index, s.subtask_id, s.subtask_reward, s.phase,
+       c.mean_logprob, c.token_count, sc.token_count, sc.total_action_tokens,
+       sc.skipped_action_tokens, sc.logprob_start_len, c.pi_hind, c.rho, c.q_h, c.q_h_smoothed
+FROM credits c
+JOIN steps s ON s.id = c.step_id
+JOIN episodes e ON e.id = s.episode_id
+LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
+WHERE c.run_id = :run
+ORDER BY e.id, s.step_index
+"""
+
+
+def _stream(conn: Connection, sql: str, params: dict[str, Any]) -> Iterator[Any]:
+    result = conn.execution_options(stream_results=True).execute(text(sql), params)
+    for block in result.partitions(FETCH_ROWS):
+        yield from block
+
+
+def _hyperparams(run: RunInfo, store: Store) -> dict[str, Any]:
+    p = CreditParams.from_dict(run.params)
+    # No re-aggregation: the span the scorer itself was limited to (the original's field).
+    mlt = p.max_logprob_tokens
+    if mlt is None:
+        mlt = scorer_spec(store, run.scorer_id).get("max_logprob_tokens")
+    return {"t_temp": p.t_temp, "gamma": p.gamma, "c_min": p.c_min, "c_max": p.c_max, "alpha": p.alpha,
+            "smooth": p.smooth, "dense_rewards": p.dense, "max_logprob_tokens": mlt}
+
+
+def _hindsight_step(r: Any) -> dict[str, Any]:
+    # Fewer tokens aggregated than scored (max_logprob_tokens): the span starts later.
+    dropped = (r[12] or 0) - r[11]
+    return {
+        "mean_logprob": r[10], "action_token_count": r[11], "total_action_tokens": r[13],
+        "skipped_action_tokens": (r[14] or 0) + dropped, "logprob_start_len": (r[15] or 0) + dropped,
+        "step_index": r[5], "message_index": r[6], "subtask_id": r[7], "subtask_reward": r[8],
+        "phase": r[9], "pi_hind": r[16], "rho": r[17], "q_h": r[18], "q_h_smoothed": r[19],
+    }
+
+
+def _hindsight_doc(rows: list[Any], hyper: dict[str, Any]) -> dict[str, Any]:
+    first = rows[0]
+    steps = [_hindsight_step(r) for r in rows]
+    rewards = [s["subtask_reward"] for s in steps if s["subtask_reward"] is not None]
+    return {
+        "episode_id": episode_id_value(first[2], first[1]),
+        "reward": first[3],
+        "frozen_scores": json.loads(first[4] or "{}"),
+        "dense_rewards_used": hyper["dense_rewards"],  # truthful, unlike the original (quirk Q13)
+        "num_steps": len(steps),
+        "num_subtasks_covered": len({s["subtask_id"] or s["phase"] for s in steps}),
+        "subtask_reward_range": [min(rewards), max(rewards)] if rewards else [0.0, 0.0],
+        "steps": steps,
+        "pi_hind_mean": sum(s["pi_hind"] for s in steps) / len(steps),
+        "hyperparams": hyper,
+    }
+
+
+def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | None = None) -> dict[str, Any]:
+    """``out_dir/<episode name>/hindsight_scores.json`` for every episode the run credits."""
+    run = get_run(store, run_name)
+    hyper = _hyperparams(run, store)
+    out = Path(out_dir)
+    written = 0
+    with store.engine.connect() as conn:
+        rows = _stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
+        for _, group in itertools.groupby(rows, key=lambda r: r[0]):
+            ep_rows = list(group)
+            _write_json(out / _safe_dirname(ep_rows[0][1]) / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper))
+            written += 1
+    return {"run": run.name, "out_dir": str(out), "episodes": written}
+
+
+# ---- Eq. 8 dataset --------------------------------------------------------------------------------
+
+SELECT_SQL = """
+SELECT e.id, e.name, e.external_id, e.reward, s.message_index, c.{q}
+FROM credits c
+JOIN steps s ON s.id = c.step_id
+JOIN episodes e ON e.id = s.episode_id
+WHERE c.run_id = :run AND e.reward >= :min_reward
+ORDER BY e.name, e.id, s.step_index
+"""
+
+MESSAGES_SQL = """
+SELECT m.episode_id, m.message_index, m.role, m.content, m.tool_calls, m.name, m.tool_call_id
+FROM messages m
+JOIN episodes e ON e.id = m.episode_id
+WHERE e.reward >= :min_reward
+  AND e.id IN (SELECT s.episode_id FROM credits c JOIN steps s ON s.id = c.step_id WHERE c.run_id = :run)
+ORDER BY e.name, e.id, m.message_index
+"""
+
+
+def loader_message(role: str, content: str, tool_calls: str | None, name: str | None,
+                   tool_call_id: str | None) -> dict[str, Any]:
+    """One message in the original loader's shape (FORMATS-ORIGIN §5)."""
+    if role == "tool":
+        return {"role": "tool", "name": name or "unknown", "tool_call_id": tool_call_id or "", "content": content}
+    msg: dict[str, Any] = {"role": role, "content": content}
+    calls = json.loads(tool_calls) if tool_calls else None
+    if calls:
+        for call in calls:
+            fn = call.get("function") or {}
+            if not isinstance(fn.get("arguments"), str):  # the trainer expects JSON strings
+                fn["arguments"] = json.dumps(fn.get("arguments") or {}, ensure_ascii=False)
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _selected(conn: Connection, run: RunInfo, min_reward: float, use_smoothed: bool) -> list[dict[str, Any]]:
+    sql = SELECT_SQL.format(q="q_h_smoothed" if use_smoothed else "q_h")
+    episodes: list[dict[str, Any]] = []
+    rows = _stream(conn, sql, {"run": run.id, "min_reward": min_reward})
+    for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
+        g = list(group)
+        episodes.append({"id": ep_id, "name": g[0][1], "external_id": g[0][2], "reward": g[0][3],
+                         "indices": [r[4] for r in g], "q": np.asarray([r[5] for r in g], dtype=np.float64)})
+    return episodes
+
+
+def _groups(conn: Connection, episodes: list[dict[str, Any]], group_by: str | None) -> list[Any] | None:
+    if group_by is None:
+        return None
+    tags = dict(conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all())
+    return [tags.get(e["id"]) for e in episodes]
+
+
+def _episode_ids(episodes: list[dict[str, Any]]) -> list[int | str]:
+    """Ints when every id is an integer string, else all strings (one column type)."""
+    ids = [episode_id_value(e["external_id"], e["name"]) for e in episodes]
+    return ids if all(isinstance(i, int) for i in ids) else [str(i) for i in ids]
+
+
+def _rows(conn: Connection, run: RunInfo, episodes: list[dict[str, Any]], weights: list[np.ndarray],
+          grpo: np.ndarray, min_reward: float) -> Iterator[dict[str, Any]]:
+    ids = _episode_ids(episodes)
+    by_id = {e["id"]: i for i, e in enumerate(episodes)}
+    msgs = _stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": min_reward})
+    for ep_id, group in itertools.groupby(msgs, key=lambda r: r[0]):
+        i = by_id[ep_id]
+        w = weights[i]
+        if not (w > 0).any():  # the original drops rows whose weights are all 0
+            continue
+        messages = [loader_message(*r[2:]) for r in group]
+        ep = episodes[i]
+        for idx in ep["indices"]:
+            if not 0 <= idx < len(messages) or messages[idx]["role"] != "assistant":
+                raise ExportError(f"episode {ep['name']}: step message_index {idx} is not an assistant "
+                                  f"message of its {len(messages)} messages; the store is inconsistent")
+        yield {
+            "messages": messages,
+            "step_advantages": [round(x, 6) for x in w.tolist()],
+            "step_message_indices": list(ep["indices"]),
+            "_episode_id": ids[i],
+            "_reward": ep["reward"],
+            "_grpo_advantage": round(float(grpo[i]), 6),
+            "_num_steps": len(w),
+        }
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.rows = self.steps = self.nonzero = 0
+        self.total = self.nonzero_total = 0.0
+        self.min: float | None = None
+        self.max: float | None = None
+
+    def add(self, row: dict[str, Any]) -> dict[str, Any]:
+        w = row["step_advantages"]
+        self.rows += 1
+        self.steps += len(w)
+        nz = [x for x in w if x > 0]
+        self.nonzero += len(nz)
+        self.total += sum(w)
+        self.nonzero_total += sum(nz)
+        self.min = min(w) if self.min is None else min(self.min, min(w))
+        self.max = max(w) if self.max is None else max(self.max, max(w))
+        return row
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"min": self.min or 0.0, "max": self.max or 0.0,
+                "mean": self.total / self.steps if self.steps else 0.0,
+                "nonzero_mean": self.nonzero_total / self.nonzero if self.nonzero else 0.0}
+
+
+def export_dataset(
+    store: Store,
+    out_path: Path | str,
+    run_name: str | None = None,
+    *,
+    omega: float = 1.0,
+    min_reward: float = 0.2,
+    group_by: str | None = None,
+    fmt: str = "jsonl",
+    use_smoothed: bool = True,
+) -> dict[str, Any]:
+    """Eq. 8 rows (one per episode) + ``<out stem>_summary.json``; returns the summary."""
+    if fmt not in ("jsonl", "parquet"):
+        raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
+    run = get_run(store, run_name)
+    out = Path(out_path)
+    stats = _Stats()
+    with store.engine.connect() as conn:
+        episodes = _selected(conn, run, min_reward, use_smoothed)
+        eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
+                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by))
+        rows = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+        if fmt == "jsonl":
+            atomic_write(out, lambda f: _write_jsonl(f, rows))
+        else:
+            atomic_write(out, lambda f: _write_parquet(f, rows))
+    summary = {
+        "total_episodes_loaded": len(episodes),
+        "episodes_in_dataset": stats.rows,
+        "total_steps": stats.steps,
+        "nonzero_steps": stats.nonzero,
+        "advantage_stats": stats.as_dict(),
+        "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
+                   "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
+                   "credit_params": run.params, "format": fmt},
+    }
+    _write_json(out.with_name(f"{out.stem}_summary.json"), summary)
+    return {"path": str(out), **summary}
+
+
+def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
+    for row in rows:
+        f.write(json.dumps(row, ensure_ascii=False).encode())
+        f.write(b"\n")
+
+
+def _parquet_schema(id_type: Any) -> Any:
+    import pyarrow as pa
+
+    call = pa.struct([("id", pa.string()), ("type", pa.string()),
+                      ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
+                         ("name", pa.string()), ("tool_call_id", pa.string())])
+    return pa.schema([("messages", pa.list_(message)), ("step_advantages", pa.list_(pa.float64())),
+                      ("step_message_indices", pa.list_(pa.int64())), ("_episode_id", id_type),
+                      ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
+
+
+def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
+        raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
+    writer = None
+    for batch in _batched(rows, PARQUET_BATCH):
+        if writer is None:
+            id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
+            writer = pq.ParquetWriter(f, _parquet_schema(id_type))
+        writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
+    if writer is None:
+        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64()))
+    writer.close()
+
+
+def _batched(rows: Iterator[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
+    while batch := list(itertools.islice(rows, n)):
+        yield batch

@@ -1,0 +1,62 @@
+"""The HTML report: one self-contained file with its sections and inline charts."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from sqlalchemy import text
+
+from hcapo_store import db
+from hcapo_store.credit_math import CreditParams
+from hcapo_store.credits import compute_credits
+from hcapo_store.ingest import ingest
+from hcapo_store.report import write_report
+from hcapo_store.store import Store
+from test_credits import add_scorer, add_scores
+
+
+def _failures(store: Store, scorer: str, episode: str, kinds: list[str]) -> None:
+    with db.write(store.engine) as conn:
+        step = conn.execute(text("SELECT s.id, s.episode_id, s.step_index FROM steps s JOIN episodes e ON "
+                                 "e.id = s.episode_id WHERE e.name = :n AND s.step_index = 0"), {"n": episode}).one()
+        attempt = conn.execute(text(
+            "INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at) "
+            "VALUES (:s, :sc, :e, :i, 'failed', :n, 0) RETURNING id"),
+            {"s": step[0], "sc": scorer, "e": step[1], "i": step[2], "n": len(kinds)}).scalar_one()
+        conn.execute(text("INSERT INTO attempt_errors (attempt_id, kind, message, at) VALUES (:a, :k, 'boom', 0)"),
+                     [{"a": attempt, "k": k} for k in kinds])
+
+
+def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path) -> None:
+    ingest(store, [samples])
+    add_scorer(store, "scorer-a", "model-a")
+    add_scores(store, "scorer-a", seed=2, skip={("episode_003", 0)})
+    _failures(store, "scorer-a", "episode_003", ["http_503", "http_503", "timeout"])
+    compute_credits(store, CreditParams(c_min=0.9, c_max=1.1), name="tight")
+    out = write_report(store, tmp_path / "report.html", "tight")
+    page = Path(out["path"]).read_text()
+
+    for section in ("run", "hyperparameters", "distributions", "subtasks", "coverage", "failures"):
+        assert f'id="{section}"' in page
+    svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
+    assert len(svgs) == 8  # 5 histograms, subtask positions, coverage, failure kinds
+    for svg in svgs:
+        ET.fromstring(svg)  # well-formed
+    assert "c_min 0.9" in page and "c_max 1.1" in page  # the clip bounds are marked
+    assert ">planning<" in page and ">0<" in page and ">2<" in page  # subtask positions
+    assert "http_503" in page and "timeout" in page
+    assert "episode_003" in page  # listed as incomplete
+    assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert re.search(r"<td>t_temp</td><td>5.0</td>", page)
+
+
+def test_report_without_failures(store: Store, samples: Path, tmp_path: Path) -> None:
+    ingest(store, [samples])
+    add_scorer(store, "s")
+    add_scores(store, "s")
+    compute_credits(store)
+    page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
+    assert "No failed attempts recorded." in page
+    assert len(re.findall(r"<svg", page)) == 7
