@@ -4,7 +4,8 @@ Every (step, scorer) pair has one ``attempts`` row. Claims take all claimable st
 one episode (its requests go in step order, so the server's prefix cache reuses the
 shared prefix) in one short write transaction. Completion is race-tolerant: the first
 result for a step wins, a late one is discarded without error. Per-dialect SQL lives
-here only (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: ``FOR UPDATE SKIP LOCKED``).
+here only (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: the episode row locked
+``FOR NO KEY UPDATE SKIP LOCKED``, leases judged by the server's clock).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from hcapo_store.store import Store
 
 PENDING, LEASED, DONE, FAILED = "pending", "leased", "done", "failed"
 
+# :scorer_value is :scorer again under another name: PostgreSQL infers one type per
+# parameter, and the select list (text) and the comparison (varchar) disagree.
 ENQUEUE_SQL = """
 INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at)
-SELECT s.id, :scorer, s.episode_id, s.step_index, 'pending', 0, :now
+SELECT s.id, :scorer_value, s.episode_id, s.step_index, 'pending', 0, :now
 FROM steps s JOIN episodes e ON e.id = s.episode_id
 WHERE e.is_current AND e.include_thinking = :include_thinking
   AND e.max_tool_result_chars = :max_tool_result_chars
@@ -75,7 +78,7 @@ def enqueue(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_re
     """Create queue rows for steps of current episodes that have none (set-based)."""
     with db.write(store.engine) as conn:
         result = conn.execute(text(ENQUEUE_SQL), {
-            "scorer": scorer_id, "now": db.sql_now(conn), "include_thinking": include_thinking,
+            "scorer": scorer_id, "scorer_value": scorer_id, "now": db.sql_now(conn), "include_thinking": include_thinking,
             "max_tool_result_chars": max_tool_result_chars})
         return result.rowcount or 0
 
@@ -113,20 +116,34 @@ def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, fi
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
         params.update(now=now, expires=now + lease_seconds)
-        lock = " FOR UPDATE OF a SKIP LOCKED" if conn.dialect.name == "postgresql" else ""
-        row = conn.execute(text(
-            f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
-            f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
-            f"ORDER BY a.episode_id, a.step_index LIMIT 1{lock}"
-        ), params).first()
+        pg = conn.dialect.name == "postgresql"
+        if pg:
+            # The episode row is the claim's mutex (NO KEY UPDATE: FK checks of concurrent
+            # inserts are not blocked); SKIP LOCKED moves on to the next episode instead of
+            # waiting. Locking attempt rows one by one would deadlock: two claimers could each
+            # hold one step of the same episode and wait for the other's.
+            row = conn.execute(text(
+                f"SELECT e.id FROM episodes e WHERE e.is_current{where} AND EXISTS (SELECT 1 FROM attempts a "
+                f"WHERE a.episode_id = e.id AND a.scorer_id = :scorer AND {CLAIMABLE}) "
+                "ORDER BY e.id LIMIT 1 FOR NO KEY UPDATE OF e SKIP LOCKED"
+            ), params).first()
+        else:  # SQLite: BEGIN IMMEDIATE already serialises claimers
+            row = conn.execute(text(
+                f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
+                f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
+                f"ORDER BY a.episode_id, a.step_index LIMIT 1"
+            ), params).first()
         if row is None:
             return None
         params["episode"] = row[0]
         limit = f" LIMIT {int(max_steps)}" if max_steps is not None else ""
+        # PostgreSQL: rows a heartbeat or a result write holds right now are skipped, not waited for.
+        skip = " FOR UPDATE SKIP LOCKED" if pg else ""
         rows = conn.execute(text(
             "UPDATE attempts SET status = 'leased', lease_owner = :me, lease_expires_at = :expires, "
             "updated_at = :now WHERE id IN (SELECT a.id FROM attempts a WHERE a.scorer_id = :scorer "
-            f"AND a.episode_id = :episode AND {CLAIMABLE} ORDER BY a.step_index{limit}) AND {CLAIMABLE.replace('a.', '')} "
+            f"AND a.episode_id = :episode AND {CLAIMABLE} ORDER BY a.step_index{limit}{skip}) "
+            f"AND {CLAIMABLE.replace('a.', '')} "
             "RETURNING id, step_id, step_index, attempt_count"
         ), params).all()
     leases = sorted((Lease(*r) for r in rows), key=lambda lease: lease.step_index)
@@ -154,15 +171,21 @@ def register_worker(store: Store, worker: str, scorer_id: str) -> None:
             "pid": int(pid) if pid.isdigit() else os.getpid(), "now": now})
 
 
-def finish_worker(store: Store, worker: str, state: str) -> int:
-    """Mark the worker stopped and give back the steps it still holds; returns how many."""
+def finish_worker(store: Store, worker: str, state: str, *, scored: int | None = None,
+                  failed: int | None = None) -> int:
+    """Mark the worker stopped and give back the steps it still holds; returns how many.
+
+    ``scored``/``failed``: the worker's final counts (the heartbeat's are up to a third of
+    a lease old); None keeps the stored ones (e.g. when reaping a dead worker).
+    """
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
         released = conn.execute(text(
             "UPDATE attempts SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
             "WHERE lease_owner = :me AND status = 'leased'"), {"me": worker, "now": now}).rowcount or 0
-        conn.execute(text("UPDATE workers SET state = :state, heartbeat_at = :now WHERE id = :me"),
-                     {"state": state, "now": now, "me": worker})
+        conn.execute(text("UPDATE workers SET state = :state, heartbeat_at = :now, scored = COALESCE(:scored, scored), "
+                          "failed = COALESCE(:failed, failed) WHERE id = :me"),
+                     {"state": state, "now": now, "me": worker, "scored": scored, "failed": failed})
     return released
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
@@ -115,6 +116,17 @@ class Scheduler:
     # -- main loop -------------------------------------------------------------
 
     async def run(self) -> ScoreReport:
+        # Each response allocates thousands of small lists; with a large heap (transformers,
+        # tokenizer) the cyclic GC's full collections then cost more than the bookkeeping
+        # itself. Objects alive now (modules, tokenizer, caches) are exempted for the run.
+        gc.collect()
+        gc.freeze()
+        try:
+            return await self._run()
+        finally:
+            gc.unfreeze()
+
+    async def _run(self) -> ScoreReport:
         started = time.monotonic()
         queue.reap_dead_local_workers(self.store)
         self.report.planned = queue.count_claimable(self.store, self.scorer_id, self.options.filters)
@@ -139,7 +151,8 @@ class Scheduler:
                 loop.remove_signal_handler(signal.SIGINT)
             self.report.interrupted = self._stopping.is_set()
             self.report.released = queue.finish_worker(
-                self.store, self.worker, "stopped" if self.report.interrupted else state)
+                self.store, self.worker, "stopped" if self.report.interrupted else state,
+                scored=self.report.scored, failed=self.report.failed)
             self.report.elapsed_s = time.monotonic() - started
         return self.report
 
@@ -148,12 +161,15 @@ class Scheduler:
             remaining = None if self.options.limit is None else self.options.limit - self._claimed
             if remaining is not None and remaining <= 0:
                 return
+            # Reserve before the (awaited) claim so that concurrent workers cannot all
+            # claim the same remaining budget; give back what the claim did not use.
+            self._claimed += remaining or 0
             claim = await asyncio.to_thread(
                 queue.claim, self.store, self.scorer_id, self.worker, lease_seconds=self.options.lease_seconds,
                 filters=self.options.filters, max_steps=remaining)
+            self._claimed += (len(claim.leases) if claim is not None else 0) - (remaining or 0)
             if claim is None:
                 return
-            self._claimed += len(claim.leases)
             await self._score_episode(claim)
 
     async def _score_episode(self, claim: queue.Claim) -> None:

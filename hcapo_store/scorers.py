@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
 
 from hcapo_store import db
 from hcapo_store.clock import utcnow
@@ -37,11 +38,16 @@ def scorer_label(spec: dict[str, Any]) -> str:
 def register(store: Store, spec: dict[str, Any]) -> str:
     """Insert the scorer if new; return its id."""
     sid = scorer_id(spec)
-    with db.write(store.engine) as conn:
-        exists = conn.execute(select(Scorer.id).where(Scorer.id == sid)).first()
-        if exists is None:
-            conn.execute(insert(Scorer), {"id": sid, "label": scorer_label(spec), "spec": canonical_json(spec),
-                                          "created_at": utcnow().isoformat(timespec="seconds")})
+    try:
+        with db.write(store.engine) as conn:
+            exists = conn.execute(select(Scorer.id).where(Scorer.id == sid)).first()
+            if exists is None:
+                conn.execute(insert(Scorer), {"id": sid, "label": scorer_label(spec), "spec": canonical_json(spec),
+                                              "created_at": utcnow().isoformat(timespec="seconds")})
+    except IntegrityError:
+        # PostgreSQL: workers starting together race to insert the same scorer (SQLite
+        # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
+        pass
     return sid
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from hcapo_store.clock import now
+from hcapo_store.db import sql_now
 from hcapo_store.store import Store
 
 # Per scorer: steps of current episodes that are scored / failed / leased / missing.
@@ -31,7 +31,7 @@ def scorer_counts(store: Store) -> list[dict[str, Any]]:
         total = int(conn.execute(text(
             "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
         )).scalar_one())
-        rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": now()}).mappings().all()
+        rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": sql_now(conn)}).mappings().all()
     out = []
     for r in rows:
         d = dict(r)
@@ -55,13 +55,14 @@ def status(store: Store) -> dict[str, Any]:
             "SELECT s.phase, COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
             "WHERE e.is_current GROUP BY s.phase ORDER BY s.phase"
         )).all()
+        # Leases and heartbeats are written in the database's clock (PostgreSQL: the server's).
+        t = sql_now(conn)
         workers = [dict(r) for r in conn.execute(text(
             "SELECT w.id, w.scorer_id, w.host, w.pid, w.state, w.heartbeat_at, w.scored, w.failed, "
             "(SELECT COUNT(*) FROM attempts a WHERE a.lease_owner = w.id AND a.status = 'leased' "
             " AND a.lease_expires_at > :now) AS leases "
             "FROM workers w ORDER BY w.heartbeat_at DESC"
-        ), {"now": now()}).mappings()]
-    t = now()
+        ), {"now": t}).mappings()]
     for w in workers:
         w["seconds_since_heartbeat"] = round(t - w["heartbeat_at"], 1)
     return {

@@ -54,13 +54,22 @@ class Store:
         self.close()
 
     def query(self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True) -> tuple[list[str], list[tuple]]:
-        """Run one SQL statement; read-only unless asked (SQLite: ``query_only`` pragma)."""
+        """Run one SQL statement; read-only unless asked (SQLite: ``query_only`` pragma;
+        PostgreSQL: a ``READ ONLY`` transaction). ``params`` are named (``:name``)."""
         try:
             with self.engine.connect() as conn:
                 if read_only:
                     _enter_read_only(conn)
                 try:
-                    result = conn.exec_driver_sql(sql, params or {}) if params else conn.exec_driver_sql(sql)
+                    if params:
+                        # Named :params, the same on every engine.
+                        result = conn.execute(text(sql), params)
+                    elif conn.dialect.name == "postgresql":
+                        cols, rows = _pg_raw(conn, sql, read_only=read_only)
+                        conn.commit()
+                        return cols, rows
+                    else:
+                        result = conn.exec_driver_sql(sql)
                     if not result.returns_rows:
                         conn.commit()
                         return [], []
@@ -74,6 +83,24 @@ class Store:
         except SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
             raise StoreError(f"SQL error: {orig}") from exc
+        except Exception as exc:
+            if type(exc).__module__.startswith("psycopg"):  # from _pg_raw
+                raise StoreError(f"SQL error: {exc}") from exc
+            raise
+
+
+def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
+    """User SQL on PostgreSQL, sent as written (a ``%`` is not a placeholder).
+
+    Read-only statements go through the extended protocol (``prepare=True``), which
+    accepts exactly one statement: ``COMMIT; DELETE …`` cannot escape the read-only
+    transaction the way it could with the simple protocol.
+    """
+    with conn.connection.driver_connection.cursor() as cur:
+        cur.execute(sql, prepare=True if read_only else None)
+        if cur.description is None:
+            return [], []
+        return [d.name for d in cur.description], [tuple(r) for r in cur.fetchall()]
 
 
 def _enter_read_only(conn) -> None:  # noqa: ANN001

@@ -14,9 +14,12 @@ import time
 import uuid
 from typing import Any
 
+import httpx
+import numpy as np
+
 from hcapo_store.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
-from hcapo_store.http_client import HttpClient
+from hcapo_store.http_client import DEFAULT_TIMEOUT, HttpClient
 from hcapo_store.prompts import StepPrompt
 
 
@@ -67,6 +70,38 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     if isinstance(prompt_tokens, int) and prompt_tokens != len(ids):
         raise InferenceError("mismatch", f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} "
                              "(truncated by the server?)", retryable=False)
+    logprobs = _fast_logprobs(entries, ids, start)
+    if logprobs is None:
+        logprobs = _checked_logprobs(entries, ids, start)
+    return BackendScore(
+        logprobs=logprobs,
+        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
+        cached_tokens=meta.get("cached_tokens") if isinstance(meta.get("cached_tokens"), int) else None,
+    )
+
+
+_NUMBER_TYPES = frozenset((int, float))  # exact types: bool (a subclass of int) is not a logprob
+_ENTRY_TYPES = frozenset((list, tuple))
+
+
+def _fast_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float] | None:
+    """The whole check in a few C-level passes; None when anything is off (the slow path
+    then finds the first bad entry and raises with its position)."""
+    if not entries or not set(map(type, entries)) <= _ENTRY_TYPES or min(map(len, entries)) < 2:
+        return None
+    if [e[1] for e in entries] != ids[start:]:
+        return None
+    values = [e[0] for e in entries[1:]]
+    if not set(map(type, values)) <= _NUMBER_TYPES:
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    if not (np.isfinite(array).all() and (array <= 1e-4).all()):
+        return None
+    return np.minimum(array, 0.0).tolist()
+
+
+def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float]:
+    """Entry by entry; raises InferenceError at the first entry that is not as sent."""
     logprobs: list[float] = []
     for j, entry in enumerate(entries):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
@@ -83,18 +118,15 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
         if not math.isfinite(value) or value > 1e-4:
             raise _bad(f"position {start + j}: logprob {value!r} is not a log-probability")
         logprobs.append(min(float(value), 0.0))
-    return BackendScore(
-        logprobs=logprobs,
-        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
-        cached_tokens=meta.get("cached_tokens") if isinstance(meta.get("cached_tokens"), int) else None,
-    )
+    return logprobs
 
 
 class SGLangBackend:
     kind = "sglang"
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
-                 max_new_tokens: int = 0, client: HttpClient | None = None) -> None:
+                 max_new_tokens: int = 0, client: HttpClient | None = None,
+                 timeout: float | httpx.Timeout | None = None) -> None:
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
@@ -102,13 +134,15 @@ class SGLangBackend:
         self.max_new_tokens = max_new_tokens
         self.api_key = api_key
         self.client = client
+        self.timeout = timeout  # for the clients start() creates; None: http_client.DEFAULT_TIMEOUT
         self.model_info: dict[str, Any] = {}
         self.server_info: dict[str, Any] = {}
 
     async def start(self) -> None:
         # A client per event loop: pooled connections belong to the loop that opened them.
         if self.client is None:
-            self.client = HttpClient(self.url, api_key=self.api_key)
+            self.client = HttpClient(self.url, api_key=self.api_key,
+                                     timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
         try:
             self.model_info = await self.client.get_json("/model_info")
         except InferenceError as exc:

@@ -1,0 +1,331 @@
+"""Benchmark: scoring bookkeeping (claim → build prompt → request → verify → commit) in
+steps/s against a zero-latency server (budget: ≥ 500 steps/s, DESIGN.md §9).
+
+    python bench/bookkeeping.py --episodes 20
+    python bench/bookkeeping.py --episodes 20 --db postgresql://postgres@127.0.0.1:5432/postgres
+
+The server is a raw-asyncio HTTP/1.1 server in a child process (its own core): it answers
+``/generate`` at once with correctly shaped ``input_token_logprobs`` echoing the sent ids
+(value -0.5), so everything measured is the client. Synthetic episodes have long assistant
+turns, so every step's scored span is ``--max-logprob-tokens`` (2048) tokens. The real
+Scheduler runs through ``scoring.prepare`` / ``run_scoring``; the time inside prompt
+building, the HTTP round trip (+ verification) and the database is measured by wrapping
+those calls (they overlap across the ``--concurrency`` workers, so they are shares of work,
+not of wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+try:
+    import orjson
+
+    _dumps, _loads = orjson.dumps, orjson.loads
+except ImportError:  # pragma: no cover
+    orjson = None
+    _dumps, _loads = (lambda o: json.dumps(o).encode()), json.loads
+
+QWEN3 = REPO.parent / "shared" / "tokenizers" / "qwen3"
+
+
+# --------------------------------------------------------------------------- the zero-latency server
+
+
+_CACHE: dict[bytes, bytes] = {}  # request body without its rid -> response: repeated prompts cost nothing
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: bytes) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            method, path, _ = lines[0].split(b" ", 2)
+            length = 0
+            for line in lines[1:]:
+                if line[:15].lower() == b"content-length:":
+                    length = int(line[15:])
+            body = await reader.readexactly(length) if length else b""
+            cut = body.rfind(b',"rid"')
+            key = body[:cut] if cut > 0 else None
+            if path.startswith(b"/generate") and key in _CACHE:
+                out = _CACHE[key]
+            elif path.startswith(b"/generate"):
+                req = _loads(body)
+                ids = req["input_ids"]
+                start = req["logprob_start_len"]
+                entries = [[None, ids[start], None]] + [[-0.5, t, None] for t in ids[start + 1:]]
+                out = _dumps({"text": "", "output_ids": [], "meta_info": {
+                    "id": req.get("rid"), "finish_reason": {"type": "length", "length": 0},
+                    "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
+                    "input_token_logprobs": entries, "output_token_logprobs": []}})
+                if key is not None:
+                    _CACHE[key] = out
+            elif path.startswith(b"/model_info") or path.startswith(b"/server_info"):
+                out = info
+            else:
+                out = b'{"ok": true}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(out)).encode() + b"\r\n\r\n" + out)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def _serve(sock: socket.socket, tokenizer_path: str) -> None:
+    info = _dumps({"model_path": "bench-model", "tokenizer_path": tokenizer_path, "context_length": 1 << 20})
+
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: _handle(r, w, info), sock=sock)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- synthetic episodes
+
+
+def write_long_episodes(root: Path, n: int, *, words_per_action: int, steps_per_subtask: int) -> None:
+    """Standard episodes whose every assistant turn carries a long thinking block."""
+    import random
+
+    from hcapo_store.synth import EpisodeBuilder, words
+
+    for i in range(1, n + 1):
+        b = EpisodeBuilder(seed=i, episode_id=i, reward=round(random.Random(i).random(), 4))
+        b.standard(steps_per_subtask=steps_per_subtask, output_words=60)
+        rng = random.Random(1000 + i)
+        for entry in b.entries:
+            message = entry.get("message") or {}
+            if message.get("role") == "assistant":
+                message["content"].insert(0, {"type": "thinking", "thinking": words(rng, words_per_action),
+                                              "thinkingSignature": "reasoning_content"})
+        b.write(root / f"episode_{i:03d}")
+
+
+# --------------------------------------------------------------------------- timing hooks
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, dt: float) -> None:
+        with self._lock:
+            self.seconds[name] += dt
+            self.calls[name] += 1
+
+    def wrap_sync(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(name, time.perf_counter() - t)
+
+        setattr(owner, attr, wrapped)
+
+    def wrap_async(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        async def wrapped(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                self.add(name, time.perf_counter() - t)
+
+        setattr(owner, attr, wrapped)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--episodes", type=int, default=20)
+    ap.add_argument("--steps-per-subtask", type=int, default=1, help="15 steps per episode with 1")
+    ap.add_argument("--words-per-action", type=int, default=2300, help="thinking words added to every action")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--max-logprob-tokens", type=int, default=2048)
+    ap.add_argument("--tokenizer", default=str(QWEN3) if QWEN3.is_dir() else None,
+                    help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)")
+    ap.add_argument("--db", default=None, help="database URL or SQLite path (default: a fresh temporary SQLite file)")
+    ap.add_argument("--no-timers", action="store_true", help="do not wrap calls to time the parts")
+    ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the scoring run to FILE")
+    ap.add_argument("--only-bookkeeping", action="store_true", help="skip the end-to-end run (e.g. to profile)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from sqlalchemy import text
+
+    from hcapo_store import queue, scheduler as scheduler_mod
+    from hcapo_store.backends.sglang import SGLangBackend
+    from hcapo_store.ingest import ingest
+    from hcapo_store.prompts import PromptBuilder
+    from hcapo_store.scheduler import RunOptions
+    from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
+    from hcapo_store.store import Store
+
+    tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-bookkeeping-"))
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from hcapo_store.demo_assets import build_demo_tokenizer
+
+        tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    port = sock.getsockname()[1]
+    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
+    server.start()
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+
+    t = time.perf_counter()
+    write_long_episodes(tmp / "episodes", args.episodes, words_per_action=args.words_per_action,
+                        steps_per_subtask=args.steps_per_subtask)
+    store = Store.open(args.db or str(tmp / "bench.db"))
+    report = ingest(store, [tmp / "episodes"])
+    setup_s = time.perf_counter() - t
+
+    cfg = ScoreConfig(backend="sglang", server=url, tokenizer=tokenizer, max_context=args.max_context,
+                      max_logprob_tokens=args.max_logprob_tokens)
+    prep = prepare(store, cfg)
+    if args.db:  # a reused database: start this scorer from scratch
+        _reset_scorer(store, prep.scorer_id)
+
+    timers = Timers()
+    if not args.no_timers:
+        timers.wrap_sync(PromptBuilder, "build_episode", "prompt building")
+        timers.wrap_async(SGLangBackend, "score", "HTTP request + verify")
+        timers.wrap_sync(queue, "claim", "DB claim")
+        timers.wrap_sync(queue, "write_outcomes", "DB commit (write_outcomes)")
+        timers.wrap_sync(queue, "heartbeat", "DB heartbeat")
+        timers.wrap_sync(scheduler_mod, "score_row", "score_row (numpy)")
+        timers.wrap_sync(scheduler_mod.Scheduler, "_flush", "flush (commit + progress)")
+
+    options = RunOptions(concurrency=args.concurrency)
+    runs = {}
+    for mode in (("bookkeeping",) if args.only_bookkeeping else ("end_to_end", "bookkeeping")):
+        if mode == "bookkeeping":
+            # The same run again with every prompt built beforehand: claim → request →
+            # verify → commit only (client-side preparation has its own budget, bench/prep.py).
+            prebuilt = _prebuild(store, prep.builder)
+            _reset_scorer(store, prep.scorer_id)
+            prep.builder = _PrebuiltBuilder(prebuilt)
+        timers.seconds.clear()
+        timers.calls.clear()
+        if args.profile and mode == "bookkeeping":
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        t, cpu = time.perf_counter(), time.process_time()
+        result = run_scoring(store, prep, options)
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+        if args.profile and mode == "bookkeeping":
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+        runs[mode] = {
+            "steps": result.scored, "failed": result.failed, "wall_s": round(wall, 3),
+            "steps_per_s": round(result.scored / wall, 1) if wall else 0.0,
+            # The client's own CPU time (all threads): what it could sustain on a free core.
+            "client_cpu_s": round(cpu, 3), "steps_per_client_cpu_s": round(result.scored / cpu, 1) if cpu else 0.0,
+            "parts_s": {k: round(v, 3) for k, v in timers.seconds.items()},
+            "parts_calls": dict(timers.calls),
+        }
+
+    with store.engine.connect() as conn:
+        tokens = conn.execute(text("SELECT MIN(token_count), AVG(token_count), AVG(input_tokens) FROM scores "
+                                   "WHERE scorer_id = :s"), {"s": prep.scorer_id}).one()
+    server.terminate()
+    store.close()
+
+    out = {
+        "episodes": args.episodes, "concurrency": args.concurrency, "db": store.display,
+        "min_scored_tokens": tokens[0], "mean_scored_tokens": float(tokens[1] or 0),
+        "mean_input_tokens": float(tokens[2] or 0), "budget_steps_per_s": 500, "setup_s": round(setup_s, 2),
+        "ingested": report.new, "timing_hooks": not args.no_timers, **runs,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"{args.episodes} episodes, scored span min {tokens[0]} / mean {out['mean_scored_tokens']:.0f} tokens, "
+          f"mean input {out['mean_input_tokens']:.0f} tokens, concurrency {args.concurrency}, {out['db']}")
+    for mode, run in runs.items():
+        label = ("end to end (prompts built during the run)" if mode == "end_to_end"
+                 else "bookkeeping only (prompts prebuilt): claim, request, verify, commit")
+        print(f"{label}: {run['steps']} steps ({run['failed']} failed) in {run['wall_s']:.2f} s → "
+              f"{run['steps_per_s']:.0f} steps/s; client CPU {run['client_cpu_s']:.2f} s → "
+              f"{run['steps_per_client_cpu_s']:.0f} steps per CPU-second"
+              + ("" if args.no_timers else " [with timing hooks]"))
+        for name, seconds in sorted(run["parts_s"].items(), key=lambda kv: -kv[1]):
+            print(f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
+                  f"  ({run['parts_calls'][name]} calls)")
+    print("budget (DESIGN.md §9): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
+
+
+def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
+    from sqlalchemy import text
+
+    from hcapo_store.episodes import load_episode
+
+    out = {}
+    with store.engine.connect() as conn:
+        for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current")).all():
+            episode = load_episode(conn, episode_id)
+            for p in builder.build_episode(episode.messages, episode.outcome, episode.steps):
+                out[(episode.outcome.reward, episode.messages[0]["content"][:200], p.step_index)] = p
+    return out
+
+
+class _PrebuiltBuilder:
+    """Answers build_episode from prompts built before the run."""
+
+    def __init__(self, prompts: dict[tuple[Any, ...], Any]) -> None:
+        self.prompts = prompts
+
+    def build_episode(self, messages: Any, outcome: Any, steps: Any) -> list[Any]:
+        head = (outcome.reward, messages[0]["content"][:200])
+        return [self.prompts[(*head, s.step_index)] for s in steps]
+
+
+def _reset_scorer(store: Any, scorer_id: str) -> None:
+    from sqlalchemy import text
+
+    with store.engine.begin() as conn:
+        conn.execute(text("DELETE FROM scores WHERE scorer_id = :s"), {"s": scorer_id})
+        conn.execute(text("DELETE FROM attempt_errors WHERE attempt_id IN "
+                          "(SELECT id FROM attempts WHERE scorer_id = :s)"), {"s": scorer_id})
+        conn.execute(text("DELETE FROM attempts WHERE scorer_id = :s"), {"s": scorer_id})
+
+
+if __name__ == "__main__":
+    main()

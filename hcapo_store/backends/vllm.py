@@ -1,0 +1,196 @@
+"""vLLM OpenAI-compatible ``POST /v1/completions`` with ``prompt_logprobs`` (reference/SERVERS.md §4, §6).
+
+Pure payload building and response parsing, plus a thin Backend over ``HttpClient``.
+We send the token ids as ``prompt`` (no tokenizer runs, so no BOS is added),
+``max_tokens: 1`` (vLLM rejects 0 outside the echo path), ``temperature: 0`` and
+``prompt_logprobs``. vLLM computes logprobs for the whole prompt (there is no start
+offset): entry 0 is null, and entry ``i`` is a dict keyed by token id *as a string*
+that always contains the prompt token at ``i`` (plus the top-k). We keep entries
+``first_scored:`` and check everything we can: the count, every position's token id,
+``prompt_token_ids`` and ``usage.prompt_tokens`` when present, and ``-9999.0`` (vLLM's
+clamp of ``-inf``), which is not a log-probability we can store.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from hcapo_store.backends.base import BackendScore
+from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.http_client import HttpClient
+from hcapo_store.prompts import StepPrompt
+
+VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
+DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (SERVERS.md §4.3)
+
+
+def build_payload(prompt: StepPrompt, *, model: str | None = None,
+                  prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS) -> dict[str, Any]:
+    if prompt.first_scored < 1:
+        raise ValueError("the first scored token needs at least one token of context")
+    payload: dict[str, Any] = {
+        "prompt": list(prompt.input_ids),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": prompt_logprobs,
+        "stream": False,
+    }
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
+def _bad(message: str) -> InferenceError:
+    return InferenceError("bad_response", message, retryable=False)
+
+
+def _mismatch(message: str) -> InferenceError:
+    return InferenceError("mismatch", message, retryable=False)
+
+
+def _logprob_value(value: Any) -> Any:
+    """A ``Logprob`` object ``{"logprob": x, "rank": r, …}``, or a bare number."""
+    if isinstance(value, dict):
+        return value.get("logprob")
+    return value
+
+
+def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
+    """Verify and extract the scored logprobs; raise InferenceError on anything off."""
+    if not isinstance(body, dict):
+        raise _bad(f"response is not a JSON object: {str(body)[:200]!r}")
+    if "choices" not in body and ("error" in body or body.get("object") == "error"):
+        err = body.get("error", body)
+        message = err.get("message") if isinstance(err, dict) else err
+        raise _bad(f"server returned an error with HTTP 200: {str(message)[:300]!r}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        n = len(choices) if isinstance(choices, list) else None
+        raise _bad(f"expected exactly one choice, got {n if n is not None else repr(choices)[:100]}")
+    choice = choices[0]
+    ids = prompt.input_ids
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list):
+        raise _bad("response has no prompt_logprobs (was prompt_logprobs honoured? it is a vLLM extra parameter)")
+    if len(entries) != len(ids):
+        raise _mismatch(f"expected {len(ids)} prompt_logprobs entries, got {len(entries)} (truncated by the server?)")
+    token_ids = choice.get("prompt_token_ids")
+    if token_ids is not None:
+        if not isinstance(token_ids, list) or len(token_ids) != len(ids):
+            raise _mismatch(f"server prompt_token_ids has {len(token_ids) if isinstance(token_ids, list) else '?'} "
+                            f"entries, we sent {len(ids)}")
+        for i, (got, sent) in enumerate(zip(token_ids, ids)):
+            if got != sent:
+                raise _mismatch(f"position {i}: server prompt token id {got!r}, sent {sent}")
+    usage = body.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) and prompt_tokens != len(ids):
+        raise _mismatch(f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} (truncated by the server?)")
+    if entries[0] is not None:
+        raise _bad(f"prompt_logprobs entry 0 should be null (no context before the first token), got {entries[0]!r:.100}")
+    logprobs: list[float] = []
+    for i in range(1, len(ids)):
+        entry = entries[i]
+        if not isinstance(entry, dict):
+            raise _bad(f"position {i}: prompt_logprobs entry is {entry!r:.100}, not a dict keyed by token id")
+        key = str(ids[i])
+        if key not in entry:
+            raise _mismatch(f"position {i}: sent token id {ids[i]} is not among the returned ids "
+                            f"{list(entry)[:5]} (token alignment is off)")
+        if i < prompt.first_scored:
+            continue  # context: only the alignment matters
+        value = _logprob_value(entry[key])
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(f"position {i}: logprob is {value!r}")
+        if value <= VLLM_LOGPROB_FLOOR:
+            raise _bad(f"position {i}: logprob {value!r} is vLLM's clamp of -inf (probability 0 under the model)")
+        if not math.isfinite(value) or value > 1e-4:
+            raise _bad(f"position {i}: logprob {value!r} is not a log-probability")
+        logprobs.append(min(float(value), 0.0))
+    cached = None
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
+        c = usage["prompt_tokens_details"].get("cached_tokens")
+        cached = c if isinstance(c, int) and not isinstance(c, bool) else None
+    return BackendScore(
+        logprobs=logprobs,
+        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) else None,
+        cached_tokens=cached,
+    )
+
+
+class VLLMBackend:
+    kind = "vllm"
+
+    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
+                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None) -> None:
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.requested_model = model
+        self.model = model  # the served model name sent with every request (learned in start())
+        self.api_key = api_key
+        self.prompt_logprobs = prompt_logprobs
+        self.client = client
+        self.model_card: dict[str, Any] = {}
+        self.version: str | None = None
+
+    async def start(self) -> None:
+        # A client per event loop: pooled connections belong to the loop that opened them.
+        if self.client is None:
+            self.client = HttpClient(self.url, api_key=self.api_key)
+        body = await self.client.get_json("/v1/models")
+        cards = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(cards, list):
+            raise InferenceError("bad_response", f"GET /v1/models: no data list in {str(body)[:200]!r}", retryable=False)
+        cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        served = [c["id"] for c in cards]
+        if self.requested_model is None:
+            if len(cards) != 1:
+                raise ScoringError(f"the vLLM server at {self.url} serves {served or 'no models'}: "
+                                   "pass --model NAME to choose one")
+            self.model_card = cards[0]
+        else:
+            match = [c for c in cards if c["id"] == self.requested_model]
+            if not match:
+                raise ScoringError(f"the vLLM server at {self.url} serves {served}, not {self.requested_model!r}")
+            self.model_card = match[0]
+        self.model = self.model_card["id"]
+        try:
+            info = await self.client.get_json("/version")
+            self.version = info.get("version") if isinstance(info, dict) else None
+        except InferenceError as exc:
+            if not exc.kind.startswith("http_4"):
+                raise
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    def server_model_id(self) -> str | None:
+        return self.model_card.get("root") or self.model
+
+    def tokenizer_path(self) -> str | None:
+        """vLLM's ``root`` is the model path or hub id; used as the tokenizer when it is a local dir."""
+        return self.model_card.get("root")
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model, "server_model": self.server_model_id(),
+                "prompt_logprobs": self.prompt_logprobs}
+
+    def context_length(self) -> int | None:
+        value = self.model_card.get("max_model_len")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    async def score(self, prompt: StepPrompt) -> BackendScore:
+        if self.client is None:
+            raise RuntimeError("VLLMBackend.score() before start()")
+        started = time.monotonic()
+        body = await self.client.post_json(
+            "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs))
+        result = parse_response(prompt, body)
+        return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
+                            cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
+                            model_id=self.server_model_id())

@@ -1,0 +1,330 @@
+"""A fault-injecting SGLang-compatible HTTP server for scoring tests.
+
+It wraps a real :class:`hcapo_store.refserver.ReferenceServer` *in-process*: correct
+answers come from ``ref.generate(body)`` (real logprobs of a real model), and faults are
+injected around them on a deterministic schedule. ``/model_info``, ``/server_info`` and
+``/health`` are served from the reference server.
+
+Every ``/generate`` request is logged, keyed by a hash of its ``input_ids``
+(:func:`input_key`), so that tests can count requests per distinct input (per step) even
+when the clients are other processes.
+
+Faults (``FAULTS``)::
+
+    http_500 http_503 http_429   retryable statuses (429 carries Retry-After: 0.1)
+    abort abort_503              HTTP 200 with finish_reason.type == "abort" (retryable)
+    timeout                      sleeps ``timeout_sleep`` s, then drops the connection
+    drop                         closes the socket without any response
+    http_400                     SGLang's 400 body (permanent)
+    malformed_json               200 with a truncated JSON body (permanent)
+    missing_logprobs             200 without meta_info.input_token_logprobs (permanent)
+    wrong_ids                    one returned token id differs from the one sent (permanent)
+    wrong_count                  one entry too few (permanent)
+    null_logprob                 a scored logprob is null (orjson's -inf; permanent)
+    positive_logprob             a scored logprob is > 0 (permanent)
+
+A schedule is ``schedule(key, n) -> fault name | None`` where ``n`` counts the earlier
+requests with the same key (0 for the first one).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import threading
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from hcapo_store.refserver import ReferenceServer
+
+Schedule = Callable[[str, int], "str | None"]
+
+RETRYABLE = {
+    "http_500": "http_500",
+    "http_503": "http_503",
+    "http_429": "http_429",
+    "abort": "abort",
+    "abort_503": "abort",
+    "timeout": "timeout",
+    "drop": "connect",
+}
+PERMANENT = {
+    "http_400": "http_400",
+    "malformed_json": "bad_response",
+    "missing_logprobs": "bad_response",
+    "wrong_ids": "mismatch",
+    "wrong_count": "mismatch",
+    "null_logprob": "bad_response",
+    "positive_logprob": "bad_response",
+}
+# fault -> the error kind the client must record for it
+ERROR_KIND = {**RETRYABLE, **PERMANENT}
+FAULTS = tuple(ERROR_KIND)
+
+
+def input_key(input_ids: Sequence[int]) -> str:
+    """A short stable hash of a token id list (the same in every process)."""
+    return hashlib.sha1(array("q", input_ids).tobytes()).hexdigest()[:20]
+
+
+def no_faults(key: str, n: int) -> None:
+    return None
+
+
+def plan_schedule(plan: Mapping[str, Sequence[str]]) -> Schedule:
+    """Per key, the faults of its first requests in order; later requests are answered."""
+
+    def schedule(key: str, n: int) -> str | None:
+        faults = plan.get(key, ())
+        return faults[n] if n < len(faults) else None
+
+    return schedule
+
+
+def random_schedule(seed: int, rate: float, faults: Iterable[str] = FAULTS) -> Schedule:
+    """A fault with probability ``rate``, drawn from an RNG seeded by (seed, key, n):
+    the same request gets the same answer whatever the arrival order."""
+    pool = tuple(faults)
+
+    def schedule(key: str, n: int) -> str | None:
+        rng = random.Random(f"{seed}:{key}:{n}")
+        return rng.choice(pool) if rng.random() < rate else None
+
+    return schedule
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    key: str
+    n: int
+    fault: str | None
+    at: float
+
+
+class FaultServer:
+    """Serve /generate from ``ref.generate`` with faults; ``delay`` adds latency to every
+    /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request."""
+
+    def __init__(self, ref: ReferenceServer, schedule: Schedule = no_faults, *, host: str = "127.0.0.1",
+                 port: int = 0, timeout_sleep: float = 3.0, delay: float = 0.0) -> None:
+        self.ref = ref
+        self.schedule = schedule
+        self.timeout_sleep = timeout_sleep
+        self.delay = delay
+        self.log: list[LogEntry] = []
+        self.counts: Counter[str] = Counter()  # /generate requests per input key
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.httpd = _QuietServer((host, port), _make_handler(self))
+        self.httpd.daemon_threads = True
+
+    # -- lifecycle
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FaultServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="faultserver", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> FaultServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- bookkeeping
+
+    def reset(self, schedule: Schedule | None = None) -> None:
+        with self._lock:
+            self.log.clear()
+            self.counts.clear()
+            if schedule is not None:
+                self.schedule = schedule
+
+    @property
+    def requests(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+    def faults_for(self, key: str) -> list[str | None]:
+        """What each request with this key got, in arrival order (None: a correct answer)."""
+        with self._lock:
+            return [e.fault for e in sorted(self.log, key=lambda e: e.n) if e.key == key]
+
+    def _arrive(self, ids: Any) -> tuple[str, str | None]:
+        key = input_key(ids) if isinstance(ids, list) and ids and isinstance(ids[0], int) else "?"
+        with self._lock:
+            n = self.counts[key]
+            self.counts[key] += 1
+            fault = self.schedule(key, n)
+            self.log.append(LogEntry(key, n, fault, time.monotonic()))
+        return key, fault
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client killed with -9 or timed out: expected in these tests
+        super().handle_error(request, client_address)
+
+
+def _corrupt(fault: str, response: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(response)
+    meta = out["meta_info"]
+    entries = meta.get("input_token_logprobs") or []
+    if fault == "missing_logprobs":
+        meta.pop("input_token_logprobs", None)
+    elif fault == "wrong_ids":
+        last = entries[-1]
+        entries[-1] = [last[0], last[1] + 1, last[2]]
+    elif fault == "wrong_count":
+        del entries[-1]
+    elif fault == "null_logprob":
+        entries[-1] = [None, entries[-1][1], entries[-1][2]]
+    elif fault == "positive_logprob":
+        entries[-1] = [0.25, entries[-1][1], entries[-1][2]]
+    else:  # pragma: no cover - a typo in a test's plan
+        raise ValueError(f"unknown corruption {fault!r}")
+    return out
+
+
+def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path in ("/health", "/health_generate"):
+                self._send(HTTPStatus.OK, b"", "text/plain")
+            elif path in ("/model_info", "/get_model_info"):
+                self._json(HTTPStatus.OK, server.ref.model_info())
+            elif path in ("/server_info", "/get_server_info"):
+                self._json(HTTPStatus.OK, server.ref.server_info())
+            else:
+                self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"Not Found: {path}"}})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            raw = self.rfile.read(length)  # always read the body: keep-alive stays sane
+            if self.path.split("?", 1)[0] != "/generate":
+                self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"Not Found: {self.path}"}})
+                return
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed JSON body: {exc}"}})
+                return
+            _, fault = server._arrive(body.get("input_ids"))
+            if server.delay:
+                time.sleep(server.delay)
+            if fault == "drop":
+                self.close_connection = True  # no status line, no headers: the socket just closes
+                return
+            if fault == "timeout":
+                time.sleep(server.timeout_sleep)
+                self.close_connection = True
+                return
+            if fault in ("http_500", "http_503"):
+                code = int(fault[5:])
+                self._json(HTTPStatus(code), {"object": "error", "message": "injected failure",
+                                              "type": str(code), "code": code})
+                return
+            if fault == "http_429":
+                self._json(HTTPStatus.TOO_MANY_REQUESTS, {"error": {"message": "slow down"}},
+                           headers={"Retry-After": "0.1"})
+                return
+            if fault == "http_400":
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": "injected bad request"}})
+                return
+            if fault == "malformed_json":
+                self._send(HTTPStatus.OK, b'{"text": "", "output_ids": [], "meta_info": {"input_token_logp',
+                           "application/json")
+                return
+            if fault in ("abort", "abort_503"):
+                status = 503 if fault == "abort_503" else None
+                self._json(HTTPStatus.OK, {"text": "", "output_ids": [], "meta_info": {
+                    "id": body.get("rid"), "prompt_tokens": len(body.get("input_ids") or []),
+                    "finish_reason": {"type": "abort", "message": "Abort before prefill", "status_code": status},
+                    "input_token_logprobs": [], "output_token_logprobs": []}})
+                return
+            try:
+                response = server.ref.generate(body)
+            except ValueError as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+                return
+            if fault is not None:
+                response = _corrupt(fault, response)
+            self._json(HTTPStatus.OK, response)
+
+        def _json(self, status: HTTPStatus, payload: Any, headers: Mapping[str, str] | None = None) -> None:
+            self._send(status, json.dumps(payload).encode(), "application/json", headers)
+
+        def _send(self, status: HTTPStatus, data: bytes, content_type: str,
+                  headers: Mapping[str, str] | None = None) -> None:
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            pass
+
+    return Handler
+
+
+# --------------------------------------------------------------------------- test helpers
+
+
+def step_prompts(store: Any, builder: Any) -> dict[tuple[str, int], Any]:
+    """(episode name, step index) -> StepPrompt | PromptFailure for every current step."""
+    from sqlalchemy import text
+
+    from hcapo_store.episodes import load_episode
+
+    out: dict[tuple[str, int], Any] = {}
+    with store.engine.connect() as conn:
+        ids = [r for (r,) in conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id"))]
+        for episode_id in ids:
+            episode = load_episode(conn, episode_id)
+            for p in builder.build_episode(episode.messages, episode.outcome, episode.steps):
+                out[(episode.name, p.step_index)] = p
+    return out
+
+
+def stored_scores(store: Any, scorer_id: str) -> dict[tuple[str, int], tuple[float, bytes, int]]:
+    """(episode name, step index) -> (mean_logprob, token_logprobs blob, token_count)."""
+    from sqlalchemy import text
+
+    with store.engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT e.name, st.step_index, s.mean_logprob, s.token_logprobs, s.token_count FROM scores s "
+            "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id "
+            "WHERE s.scorer_id = :sc"), {"sc": scorer_id}).all()
+    return {(name, idx): (mean, bytes(blob), n) for name, idx, mean, blob, n in rows}

@@ -1,0 +1,263 @@
+"""Scoring end to end: real SQLite files, the real reference server over real HTTP (in a
+thread), the library and the CLI; stored values checked against an independent forward
+pass of the same tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sqlalchemy import text
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cli import cli
+from faultserver import step_prompts, stored_scores
+from hcapo_store.episodes import load_episode
+from hcapo_store.ingest import ingest
+from hcapo_store.prompts import PromptBuilder, hindsight_text
+from hcapo_store.refserver import ReferenceServer, make_server
+from hcapo_store.scheduler import RunOptions
+from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
+from hcapo_store.store import Store, count
+from hcapo_store.synth import write_standard_episodes
+
+MAX_CONTEXT = 2048
+EPISODES = 3
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def episodes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("episodes")
+    write_standard_episodes(root, EPISODES, steps_per_subtask=1, output_words=20)
+    return root
+
+
+def _cfg(ref: ReferenceServer, tiny_model_dir: Path, **kw: Any) -> ScoreConfig:
+    return ScoreConfig(backend="sglang", server=ref.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT, **kw)
+
+
+def _new_store(path: Path, episodes_dir: Path) -> Store:
+    store = Store.open(str(path))
+    report = ingest(store, [episodes_dir])
+    assert report.new == EPISODES and report.failed == 0
+    return store
+
+
+def _steps(store: Store) -> int:
+    return count(store, "SELECT COUNT(*) FROM steps")
+
+
+def _attempt_states(store: Store, scorer_id: str) -> dict[str, int]:
+    with store.engine.connect() as conn:
+        return dict(conn.execute(text("SELECT status, COUNT(*) FROM attempts WHERE scorer_id = :s GROUP BY status"),
+                                 {"s": scorer_id}).all())
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory, episodes_dir: Path, ref: ReferenceServer,
+           tiny_model_dir: Path) -> Iterator[tuple[Store, Any, Any]]:
+    """A database scored once through the library against the reference server."""
+    store = _new_store(tmp_path_factory.mktemp("scored") / "x.db", episodes_dir)
+    prep = prepare(store, _cfg(ref, tiny_model_dir))
+    report = run_scoring(store, prep, RunOptions(concurrency=4))
+    yield store, prep, report
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+
+
+def _normalize(message: dict[str, Any]) -> dict[str, Any]:
+    """Written here from DESIGN §5 step 1, independently of hcapo_store.prompts."""
+    out = {k: v for k, v in message.items() if v is not None}
+    calls = []
+    for call in out.get("tool_calls") or []:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                parsed = json.loads(function["arguments"])
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+            except json.JSONDecodeError:
+                pass
+        calls.append({**call, "function": function})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _expected_by_hand(tokenizer: Any, messages: list[dict], outcome: Any, step: Any) -> tuple[list[int], int]:
+    """(full ids, first scored position) for an untruncated step, straight from the chat template."""
+    m = step.message_index
+    msgs = [_normalize(x) for x in messages[: m + 1]]
+    msgs[0] = {**msgs[0], "content": (msgs[0].get("content") or "") + "\n\n" + hindsight_text(outcome, step)}
+    prefix = tokenizer.apply_chat_template(msgs[:m], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(msgs, tokenize=False)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert full_ids[: len(prefix_ids)] == prefix_ids
+    action = len(full_ids) - len(prefix_ids)
+    assert 0 < action and len(full_ids) <= MAX_CONTEXT, "pick an untruncated step"
+    return full_ids, len(full_ids) - min(action, 2048)
+
+
+def _forward_logprobs(model: Any, ids: list[int], first_scored: int) -> np.ndarray:
+    with torch.inference_mode():
+        logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    positions = torch.arange(first_scored, len(ids))
+    return logp[positions - 1, torch.tensor(ids[first_scored:])].numpy()
+
+
+def test_library_scores_every_step_with_values_of_a_direct_forward_pass(scored, tiny_model_dir, model):
+    store, prep, report = scored
+    n = _steps(store)
+    assert n == 15 * EPISODES
+    assert (report.planned, report.scored, report.failed, report.retried) == (n, n, 0, 0)
+    assert count(store, "SELECT COUNT(*) FROM scores WHERE scorer_id = :s", s=prep.scorer_id) == n
+    assert _attempt_states(store, prep.scorer_id) == {"done": n}
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    reference_builder = PromptBuilder(tokenizer, max_context=MAX_CONTEXT)
+    stored = stored_scores(store, prep.scorer_id)
+    checked = {"by_hand": 0, "truncated": 0}
+    with store.engine.connect() as conn:
+        episode_ids = [r for (r,) in conn.execute(text("SELECT id FROM episodes ORDER BY id"))]
+        episodes = [load_episode(conn, e) for e in episode_ids]
+    for episode in episodes[:2]:
+        for step in (episode.steps[0], episode.steps[len(episode.steps) // 2], episode.steps[-1]):
+            mean, blob, token_count = stored[(episode.name, step.step_index)]
+            # The fast builder's prompt agrees with the straightforward one...
+            ref_prompt = reference_builder.build_step_reference(episode.messages, episode.outcome, step)
+            if ref_prompt.truncated_prefix_tokens == 0:
+                # ... and, untruncated, with the chat template applied by hand.
+                ids, first = _expected_by_hand(tokenizer, episode.messages, episode.outcome, step)
+                assert (ids, first) == (ref_prompt.input_ids, ref_prompt.first_scored)
+                checked["by_hand"] += 1
+            else:
+                ids, first = ref_prompt.input_ids, ref_prompt.first_scored
+                assert len(ids) <= MAX_CONTEXT
+                checked["truncated"] += 1
+            expected = _forward_logprobs(model, ids, first)
+            values = np.frombuffer(blob, dtype="<f4")
+            assert token_count == len(values) == len(expected) > 0
+            np.testing.assert_allclose(values, expected, atol=1e-4, rtol=0)
+            assert mean == pytest.approx(float(expected.astype(np.float64).mean()), abs=1e-4)
+            assert mean == pytest.approx(float(values.astype(np.float64).mean()), abs=1e-12)
+    assert checked["by_hand"] >= 2
+
+
+def test_rerun_sends_no_request(scored, ref, tiny_model_dir):
+    store, prep, _ = scored
+    before = ref.requests
+    again = prepare(store, _cfg(ref, tiny_model_dir))
+    assert again.scorer_id == prep.scorer_id  # same options, same scorer: the run resumes
+    report = run_scoring(store, again, RunOptions(concurrency=4))
+    assert (report.planned, report.scored, report.failed) == (0, 0, 0)
+    assert ref.requests == before
+
+
+def test_cli_dry_run_limit_resume(tmp_path, runner, episodes_dir, ref, tiny_model_dir, scored):
+    db = str(tmp_path / "x.db")
+    store = _new_store(tmp_path / "x.db", episodes_dir)
+    n = _steps(store)
+    base = ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir),
+            "--max-context", str(MAX_CONTEXT)]
+
+    before = ref.requests
+    r = runner.invoke(cli, [*base, "--dry-run", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    dry = json.loads(r.output)
+    assert ref.requests == before  # nothing sent
+    assert (dry["steps"], dry["episodes"], dry["prompt_failures"]) == (n, EPISODES, 0)
+    prompts = step_prompts(store, scored[1].builder)
+    assert dry["prompt_tokens"] == sum(len(p.input_ids) for p in prompts.values())
+    assert dry["scored_tokens"] == sum(p.scored_tokens for p in prompts.values())
+    assert count(store, "SELECT COUNT(*) FROM scores") == 0
+    r = runner.invoke(cli, [*base, "--dry-run"], catch_exceptions=False)
+    assert f"{n} step(s) in {EPISODES} episode(s)" in r.output and "nothing was sent" in r.output
+    assert ref.requests == before
+
+    # --limit with several workers in flight: at most N steps, exactly N requests.
+    r = runner.invoke(cli, [*base, "--limit", "5", "--concurrency", "4", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["scored"] == 5
+    assert count(store, "SELECT COUNT(*) FROM scores") == 5
+    assert ref.requests == before + 5
+    r = runner.invoke(cli, [*base, "--dry-run", "--json"], catch_exceptions=False)
+    assert json.loads(r.output)["steps"] == n - 5
+
+    # The rest, resumed: exactly the missing steps are requested.
+    r = runner.invoke(cli, base, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert f"scored {n - 5}, failed 0" in r.output
+    assert ref.requests == before + n
+    r = runner.invoke(cli, base, catch_exceptions=False)
+    assert "scored 0, failed 0" in r.output
+    assert ref.requests == before + n
+
+    # Same scorer as the library run, same values.
+    library_store, library_prep, _ = scored
+    sid = store.query("SELECT id FROM scorers")[1]
+    assert sid == [(library_prep.scorer_id,)]
+    assert stored_scores(store, library_prep.scorer_id) == stored_scores(library_store, library_prep.scorer_id)
+    r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
+    assert f"scored {n} / failed 0 / missing 0" in r.output
+    store.close()
+
+
+def test_transformers_backend_stores_the_same_values(scored, tiny_model_dir, runner):
+    store, server_prep, _ = scored
+    n = _steps(store)
+    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), max_context=MAX_CONTEXT))
+    assert prep.scorer_id != server_prep.scorer_id  # another backend kind is another scorer
+    report = run_scoring(store, prep, RunOptions(concurrency=2))
+    assert (report.scored, report.failed) == (n, 0)
+    local, served = stored_scores(store, prep.scorer_id), stored_scores(store, server_prep.scorer_id)
+    assert local.keys() == served.keys() and len(local) == n
+    for key, (mean, blob, token_count) in served.items():
+        assert local[key][2] == token_count
+        np.testing.assert_allclose(np.frombuffer(local[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=1e-5, rtol=0)
+        assert local[key][0] == pytest.approx(mean, abs=1e-5)
+
+    r = runner.invoke(cli, ["--db", store.url[len("sqlite:///"):], "scorers", "list", "--json"],
+                      catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = {row["scorer_id"]: row for row in json.loads(r.output)}
+    for sid in (prep.scorer_id, server_prep.scorer_id):
+        assert (rows[sid]["scored"], rows[sid]["failed"], rows[sid]["missing"]) == (n, 0, 0)
+    assert rows[prep.scorer_id]["spec"]["backend"]["kind"] == "transformers"
+    r = runner.invoke(cli, ["--db", store.url[len("sqlite:///"):], "scorers", "list"], catch_exceptions=False)
+    assert prep.scorer_id[:12] in r.output and server_prep.scorer_id[:12] in r.output
+
+
+def test_scorer_identity_and_max_logprob_tokens(scored, ref, tiny_model_dir):
+    store, prep, _ = scored
+    assert prepare(store, _cfg(ref, tiny_model_dir)).scorer_id == prep.scorer_id
+    short = prepare(store, _cfg(ref, tiny_model_dir, max_logprob_tokens=8))
+    assert short.scorer_id != prep.scorer_id and short.spec["max_logprob_tokens"] == 8
+    report = run_scoring(store, short, RunOptions(concurrency=4))
+    n = _steps(store)
+    assert report.scored == n
+    full, tail = stored_scores(store, prep.scorer_id), stored_scores(store, short.scorer_id)
+    for key, (mean, blob, token_count) in tail.items():
+        assert token_count == 8
+        # Same input ids (truncation depends on max_context only): the last 8 values agree.
+        np.testing.assert_allclose(np.frombuffer(blob, "<f4"), np.frombuffer(full[key][1], "<f4")[-8:],
+                                   atol=1e-5, rtol=0)
+    with store.engine.connect() as conn:
+        skipped = conn.execute(text("SELECT MIN(skipped_action_tokens) FROM scores WHERE scorer_id = :s"),
+                               {"s": short.scorer_id}).scalar_one()
+    assert skipped > 0
