@@ -49,9 +49,14 @@ def test_schema_out_of_date_message_names_the_command():
     assert "hcapo-store --db x.db db upgrade" in str(err)
 
 
-@pytest.mark.parametrize("frozen", sorted(DATA.glob("rev*.db")), ids=lambda p: p.name)
+FROZEN = sorted(DATA.glob("rev*.db"))
+
+
+@pytest.mark.parametrize("frozen", FROZEN or [None], ids=lambda p: p.name if p else "none-yet")
 def test_upgrade_frozen_old_databases(tmp_path, frozen):
     """Files created at earlier revisions (kept under tests/data/) upgrade with their data."""
+    if frozen is None:
+        pytest.skip("only one schema revision so far: tests/data/rev*.db files start with the second")
     path = tmp_path / frozen.name
     shutil.copy(frozen, path)
     with pytest.raises(SchemaOutOfDate):
