@@ -347,3 +347,27 @@ def test_four_workers_one_killed_on_postgres(pg_url: str, tiny_model_dir: Path, 
 def test_two_workers_one_killed_on_sqlite(tiny_model_dir: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _multiworker(str(tmp_path / "multi.db"), tiny_model_dir, tmp_path, monkeypatch, workers=2, kill=True)
+
+
+# --- the main job on PostgreSQL ---------------------------------------------------------
+
+
+def test_demo_end_to_end_on_postgres_matches_sqlite(pg_url: str, tmp_path) -> None:
+    """Ingest, score (reference server over HTTP) and credits compute, set-based on PG."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cli import cli
+
+    runner = CliRunner()
+    outs = []
+    for db_arg in (pg_url, str(tmp_path / "lite.db")):
+        r = runner.invoke(cli, ["--db", db_arg, "demo", "--dir", str(tmp_path / "d"), "--json"], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.output))
+    pg, lite = outs
+    assert pg["score"]["scored"] == lite["score"]["scored"] > 0 and pg["score"]["failed"] == 0
+    by = lambda rows: {x["subtask"]: x for x in rows}  # noqa: E731
+    for key, row in by(lite["credits"]).items():
+        assert abs(float(by(pg["credits"])[key]["q_h_smoothed"]) - row["q_h_smoothed"]) < 1e-9
