@@ -31,6 +31,8 @@ FROM steps s JOIN episodes e ON e.id = s.episode_id
 WHERE e.is_current AND e.include_thinking = :include_thinking
   AND e.max_tool_result_chars = :max_tool_result_chars
   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer)
+-- workers starting together race to enqueue the same steps (PostgreSQL, READ COMMITTED)
+ON CONFLICT (step_id, scorer_id) DO NOTHING
 """
 
 CLAIMABLE = "(a.status = 'pending' OR (a.status = 'leased' AND a.lease_expires_at < :now))"
