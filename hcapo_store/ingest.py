@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from sqlalchemy import Connection, insert, select, update
 
@@ -99,34 +99,36 @@ def ingest(
     """
     report = IngestReport()
     tags = dict(tags or {})
-    pending = _Pending()
-    batch_started = time.monotonic()
-    batch_size = 0
-    conn_cm = db.write(store.engine)
-    conn = conn_cm.__enter__()
+    sources = iter_sources([Path(p) for p in paths], options)
     try:
-        for item in iter_sources([Path(p) for p in paths], options):
-            outcome = _ingest_one(conn, item, options, tags, report, pending)
-            if on_episode is not None:
-                on_episode(item.key if isinstance(item, Source) else str(item.path or item), outcome)
-            if outcome in ("new", "changed"):
-                batch_size += 1
-            if batch_size >= BATCH_EPISODES or (batch_size and time.monotonic() - batch_started > BATCH_SECONDS):
-                conn_cm.__exit__(None, None, None)
-                _fold(report, pending)
-                pending, batch_size, batch_started = _Pending(), 0, time.monotonic()
-                conn_cm = db.write(store.engine)
-                conn = conn_cm.__enter__()
-    except KeyboardInterrupt as exc:
-        conn_cm.__exit__(type(exc), exc, exc.__traceback__)  # rolls the open batch back
+        while True:
+            pending = _Pending()
+            with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
+                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode)
+            _fold(report, pending)
+            if not more:
+                return report
+    except KeyboardInterrupt:
         report.interrupted = True
         return report
-    except BaseException as exc:
-        conn_cm.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-    conn_cm.__exit__(None, None, None)
-    _fold(report, pending)
-    return report
+
+
+def _ingest_batch(
+    conn: Connection, sources: Iterator[Source | IngestError], options: ConvertOptions, tags: dict[str, str],
+    report: IngestReport, pending: _Pending, on_episode: Callable[[str, str], None] | None,
+) -> bool:
+    """Ingest sources until the batch is full (True) or the sources run out (False)."""
+    started = time.monotonic()
+    written = 0
+    for item in sources:
+        outcome = _ingest_one(conn, item, options, tags, report, pending)
+        if on_episode is not None:
+            on_episode(item.key if isinstance(item, Source) else str(item.path or item), outcome)
+        if outcome in ("new", "changed"):
+            written += 1
+        if written >= BATCH_EPISODES or (written and time.monotonic() - started > BATCH_SECONDS):
+            return True
+    return False
 
 
 def _fold(report: IngestReport, pending: _Pending) -> None:
