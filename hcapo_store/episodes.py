@@ -31,16 +31,21 @@ class StoredEpisode:
     step_ids: list[int]
 
 
-def message_dict(role: str, content: str, tool_calls: str | None, name: str | None,
-                 tool_call_id: str | None) -> dict[str, Any]:
-    """A stored message in the original loader's shape (tool_calls only when present)."""
-    m: dict[str, Any] = {"role": role, "content": content}
-    if tool_calls:
-        m["tool_calls"] = json.loads(tool_calls)
+def loader_message(role: str, content: str, tool_calls: str | None, name: str | None,
+                   tool_call_id: str | None) -> dict[str, Any]:
+    """A stored message in the original loader's shape (FORMATS-ORIGIN §5): tool_calls only
+    when present, arguments as JSON strings (what the trainer expects)."""
     if role == "tool":
-        m["name"] = name
-        m["tool_call_id"] = tool_call_id
-    return m
+        return {"role": "tool", "name": name or "unknown", "tool_call_id": tool_call_id or "", "content": content}
+    msg: dict[str, Any] = {"role": role, "content": content}
+    calls = json.loads(tool_calls) if tool_calls else None
+    if calls:
+        for call in calls:
+            fn = call.get("function") or {}
+            if not isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.dumps(fn.get("arguments") or {}, ensure_ascii=False)
+        msg["tool_calls"] = calls
+    return msg
 
 
 def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
@@ -48,7 +53,7 @@ def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
         select(Message.role, Message.content, Message.tool_calls, Message.name, Message.tool_call_id)
         .where(Message.episode_id == episode_id).order_by(Message.message_index)
     ).all()
-    return [message_dict(*r) for r in rows]
+    return [loader_message(*r) for r in rows]
 
 
 def load_episode(conn: Connection, episode_id: int) -> StoredEpisode:

@@ -24,6 +24,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.credit_math import CreditParams, hcapo_weights
 from hcapo_store.credits import RunInfo, get_run
+from hcapo_store.episodes import loader_message
 from hcapo_store.errors import ExportError
 from hcapo_store.status import scorer_spec
 from hcapo_store.store import Store
@@ -161,22 +162,6 @@ WHERE e.reward >= :min_reward
   AND e.id IN (SELECT s.episode_id FROM credits c JOIN steps s ON s.id = c.step_id WHERE c.run_id = :run)
 ORDER BY e.name, e.id, m.message_index
 """
-
-
-def loader_message(role: str, content: str, tool_calls: str | None, name: str | None,
-                   tool_call_id: str | None) -> dict[str, Any]:
-    """One message in the original loader's shape (FORMATS-ORIGIN §5)."""
-    if role == "tool":
-        return {"role": "tool", "name": name or "unknown", "tool_call_id": tool_call_id or "", "content": content}
-    msg: dict[str, Any] = {"role": role, "content": content}
-    calls = json.loads(tool_calls) if tool_calls else None
-    if calls:
-        for call in calls:
-            fn = call.get("function") or {}
-            if not isinstance(fn.get("arguments"), str):  # the trainer expects JSON strings
-                fn["arguments"] = json.dumps(fn.get("arguments") or {}, ensure_ascii=False)
-        msg["tool_calls"] = calls
-    return msg
 
 
 def _selected(conn: Connection, run: RunInfo, min_reward: float, use_smoothed: bool) -> list[dict[str, Any]]:

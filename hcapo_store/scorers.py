@@ -16,7 +16,6 @@ from sqlalchemy.exc import IntegrityError
 
 from hcapo_store import db
 from hcapo_store.clock import utcnow
-from hcapo_store.errors import ScoringError
 from hcapo_store.models import Scorer
 from hcapo_store.store import Store
 
@@ -49,19 +48,3 @@ def register(store: Store, spec: dict[str, Any]) -> str:
         # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
         pass
     return sid
-
-
-def resolve(store: Store, prefix: str | None) -> str:
-    """A scorer id from a unique prefix; with no prefix, the only scorer."""
-    with store.engine.connect() as conn:
-        ids = [r for (r,) in conn.execute(select(Scorer.id).order_by(Scorer.created_at))]
-    if prefix:
-        matches = [i for i in ids if i.startswith(prefix)]
-        if len(matches) == 1:
-            return matches[0]
-        raise ScoringError(f"scorer {prefix!r} matches {len(matches)} scorers; see `hcapo-store scorers list`")
-    if len(ids) == 1:
-        return ids[0]
-    if not ids:
-        raise ScoringError("no scorer yet: run `hcapo-store score` first")
-    raise ScoringError(f"{len(ids)} scorers exist; pick one with --scorer (see `hcapo-store scorers list`)")

@@ -66,7 +66,7 @@ def test_hindsight_json_reaggregated_span(scored: Store, tmp_path: Path) -> None
 
 def _reference_inputs(store: Store, run: str) -> list[dict]:
     """What the original builder reads: loader messages, reward, and the per-step q values."""
-    from hcapo_store.export import loader_message
+    from hcapo_store.episodes import loader_message
 
     cols, rows = store.query("SELECT e.name, e.external_id, e.reward, m.role, m.content, m.tool_calls, m.name, "
                              "m.tool_call_id FROM messages m JOIN episodes e ON e.id = m.episode_id "
