@@ -22,13 +22,11 @@ from hcapo_store.synth import write_examples
 EXAMPLES = Path("examples") / "trajectories"
 
 SUMMARY_SQL = """
-SELECT COALESCE(s.subtask_id, s.phase) AS subtask, COUNT(*) AS steps,
-       AVG(sc.mean_logprob) AS mean_logprob, AVG(sc.token_count) AS tokens_per_step
-FROM steps s JOIN episodes e ON e.id = s.episode_id
-JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
-WHERE e.is_current
-GROUP BY COALESCE(s.subtask_id, s.phase)
-ORDER BY MIN(CASE WHEN s.phase = 'planning' THEN 0 ELSE 1 END), 1
+SELECT COALESCE(subtask_id, phase) AS subtask, COUNT(*) AS steps,
+       AVG(mean_logprob) AS mean_logprob, AVG(token_count) AS tokens_per_step
+FROM step_scores WHERE scorer_id = :scorer
+GROUP BY COALESCE(subtask_id, phase)
+ORDER BY MIN(CASE WHEN phase = 'planning' THEN 0 ELSE 1 END), 1
 """
 
 

@@ -22,14 +22,17 @@ from hcapo_store.store import Store
 
 PENDING, LEASED, DONE, FAILED = "pending", "leased", "done", "failed"
 
+# The steps a scorer may score: those of current episodes converted with its options.
+ELIGIBLE_STEPS = """FROM steps s JOIN episodes e ON e.id = s.episode_id
+WHERE e.is_current AND e.include_thinking = :include_thinking
+  AND e.max_tool_result_chars = :max_tool_result_chars"""
+
 # :scorer_value is :scorer again under another name: PostgreSQL infers one type per
 # parameter, and the select list (text) and the comparison (varchar) disagree.
-ENQUEUE_SQL = """
+ENQUEUE_SQL = f"""
 INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at)
 SELECT s.id, :scorer_value, s.episode_id, s.step_index, 'pending', 0, :now
-FROM steps s JOIN episodes e ON e.id = s.episode_id
-WHERE e.is_current AND e.include_thinking = :include_thinking
-  AND e.max_tool_result_chars = :max_tool_result_chars
+{ELIGIBLE_STEPS}
   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer)
 -- workers starting together race to enqueue the same steps (PostgreSQL, READ COMMITTED)
 ON CONFLICT (step_id, scorer_id) DO NOTHING
@@ -83,6 +86,20 @@ def enqueue(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_re
             "scorer": scorer_id, "scorer_value": scorer_id, "now": db.sql_now(conn), "include_thinking": include_thinking,
             "max_tool_result_chars": max_tool_result_chars})
         return result.rowcount or 0
+
+
+def unscored_steps(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_result_chars: int,
+                   filters: Filters, limit: int | None = None) -> list[tuple[int, int]]:
+    """(episode_id, step_index) of eligible steps not yet done or failed, in queue order; read-only."""
+    params: dict[str, Any] = {"scorer": scorer_id, "include_thinking": include_thinking,
+                              "max_tool_result_chars": max_tool_result_chars}
+    where = filters.sql(params)
+    sql = (f"SELECT s.episode_id, s.step_index {ELIGIBLE_STEPS}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
+           "WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status IN ('done', 'failed')) "
+           "ORDER BY s.episode_id, s.step_index")
+    with store.engine.connect() as conn:
+        rows = [(ep, idx) for ep, idx in conn.execute(text(sql), params)]
+    return rows if limit is None else rows[:limit]
 
 
 def requeue_failed(store: Store, scorer_id: str, filters: Filters) -> int:

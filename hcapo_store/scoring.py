@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from sqlalchemy import text
 
 from hcapo_store import queue
 from hcapo_store.backends.base import Backend
@@ -133,17 +132,10 @@ class DryRun:
 
 def dry_run(store: Store, prep: Prepared, filters: queue.Filters, limit: int | None) -> DryRun:
     """Count the steps and prompt tokens a run would send; writes nothing, calls nothing."""
-    params: dict[str, Any] = {"scorer": prep.scorer_id, "thinking": prep.spec["conversion"]["include_thinking"],
-                              "chars": prep.spec["conversion"]["max_tool_result_chars"]}
-    where = filters.sql(params)
-    sql = ("SELECT s.episode_id, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "
-           "WHERE e.is_current AND e.include_thinking = :thinking AND e.max_tool_result_chars = :chars"
-           f"{where} AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer "
-           "AND a.status IN ('done', 'failed')) ORDER BY s.episode_id, s.step_index")
+    conv = prep.spec["conversion"]
+    rows = queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
+                                max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
     with store.engine.connect() as conn:
-        rows = conn.execute(text(sql), params).all()
-        if limit is not None:
-            rows = rows[:limit]
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
             by_episode.setdefault(ep, set()).add(idx)
