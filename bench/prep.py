@@ -25,7 +25,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hcapo_store.prompts import PromptBuilder, PromptFailure, StepPrompt  # noqa: E402
+from hcapo_store.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, PromptFailure, StepPrompt  # noqa: E402
 from hcapo_store.tokens import load_tokenizer  # noqa: E402
 
 # --------------------------------------------------------------------------- synthetic data
@@ -92,16 +92,8 @@ def synthetic_episode(seed: int, steps: int = 100) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the original procedure
 # Re-implemented from compute_hindsight_scores.py @ f8e68b68 (FORMATS-ORIGIN.md §6.1).
 
-ORIGINAL_TEMPLATE = """\
-[HINDSIGHT — This is post-hoc scoring context, not visible during generation]
-Trajectory outcome:
-- Final reward: {reward:.4f}
-- Phase reached: {phase}
-- Plan score: {plan_score}
-- Subtask scores: {scores_summary}
-- Subtasks completed: {scored_count}/{plan_count}
-- Current subtask: {current_subtask}
-- Current subtask score: {current_subtask_score}"""
+# The template text is the original's verbatim (tests/test_prompts.py pins the literal).
+ORIGINAL_TEMPLATE = HINDSIGHT_TEMPLATE
 
 
 def _orig_unwrap_arguments(arguments: Any) -> str:
