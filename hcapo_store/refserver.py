@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hcapo_store.backends.transformers_backend import PositionScores, TransformersScorer
 
@@ -52,7 +52,46 @@ class _Item:
     max_new_tokens: int
 
 
-class ReferenceServer:
+_S = TypeVar("_S", bound="BackgroundHTTPServer")
+
+
+class BackgroundHTTPServer:
+    """An ``httpd`` served from a background thread: ``url``, ``start()``, ``shutdown()``,
+    and use as a context manager. Subclasses set ``self.httpd`` in ``__init__``."""
+
+    httpd: ThreadingHTTPServer
+    thread_name = "hcapo-http"
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self: _S) -> _S:
+        """Serve from a background thread; returns self."""
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class ReferenceServer(BackgroundHTTPServer):
     """The HTTP server plus the model; ``requests`` counts /generate and /v1/completions
     calls, ``sequences`` the sequences that went through the model."""
 
@@ -74,36 +113,9 @@ class ReferenceServer:
         self.requests = 0
         self.sequences = 0
         self._count_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.thread_name = "hcapo-refserver"
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> ReferenceServer:
-        """Serve from a background thread; returns self."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hcapo-refserver", daemon=True)
-        self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever()
-
-    def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> ReferenceServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # --- endpoints -------------------------------------------------------------------
 

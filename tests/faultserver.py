@@ -43,7 +43,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hcapo_store.refserver import ReferenceServer
+from hcapo_store.refserver import BackgroundHTTPServer, ReferenceServer
 
 Schedule = Callable[[str, int], "str | None"]
 
@@ -109,7 +109,7 @@ class LogEntry:
     at: float
 
 
-class FaultServer:
+class FaultServer(BackgroundHTTPServer):
     """Serve /generate from ``ref.generate`` with faults; ``delay`` adds latency to every
     /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request."""
 
@@ -122,34 +122,9 @@ class FaultServer:
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self.thread_name = "faultserver"
         self.httpd = _QuietServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
-
-    # -- lifecycle
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> FaultServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="faultserver", daemon=True)
-        self._thread.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> FaultServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # -- bookkeeping
 
