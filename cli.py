@@ -477,9 +477,8 @@ def credits_show(state: _Ctx, name: str | None, as_json: bool) -> None:
             click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
     rows = data.get("subtasks") or []
     if rows:
-        cols = list(rows[0])
         click.echo("")
-        click.echo(formatting.table(cols, [[r[c] for c in cols] for r in rows]))
+        click.echo(formatting.records_table(rows))
 
 
 @credits.command("diff")
@@ -508,9 +507,8 @@ def credits_diff(state: _Ctx, a: str, b: str, top: int, all_steps: bool, as_json
             click.echo(f"{key:<20} {value}")
     moved = data.get("top_moved") or []
     if moved:
-        cols = list(moved[0])
         click.echo("\nsteps that moved most:")
-        click.echo(formatting.table(cols, [[r[c] for c in cols] for r in moved]))
+        click.echo(formatting.records_table(moved))
 
 
 @cli.group(cls=_Group)

@@ -31,6 +31,12 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: i
     return "\n".join([line, sep, *body])
 
 
+def records_table(records: Sequence[dict[str, Any]]) -> str:
+    """A table of dicts that share their keys (columns in the first record's order)."""
+    cols = list(records[0])
+    return table(cols, [[r[c] for c in cols] for r in records])
+
+
 def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
