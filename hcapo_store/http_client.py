@@ -90,3 +90,38 @@ class HttpClient:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # orjson's error is a JSONDecodeError
             raise InferenceError("bad_response", f"{method} {path}: malformed JSON: {response.text[:200]!r}",
                                  retryable=False) from exc
+
+
+class HttpBackend:
+    """What the server backends share: the server root URL, and one ``HttpClient`` per
+    event loop (pooled connections belong to the loop that opened them), opened by
+    ``start()`` and dropped by ``close()``."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, client: HttpClient | None = None,
+                 timeout: float | httpx.Timeout | None = None) -> None:
+        self.url = url.rstrip("/")
+        if self.url.endswith("/v1"):
+            self.url = self.url[:-3]
+        self.api_key = api_key
+        self.client = client
+        self.timeout = timeout  # for the clients start() creates; None: DEFAULT_TIMEOUT
+
+    def _open(self) -> HttpClient:
+        if self.client is None:
+            self.client = HttpClient(self.url, api_key=self.api_key,
+                                     timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
+        return self.client
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    async def get_optional(self, path: str) -> Any | None:
+        """GET an endpoint that older or other servers may lack: None on a 4xx."""
+        try:
+            return await self._open().get_json(path)
+        except InferenceError as exc:
+            if not exc.kind.startswith("http_4"):
+                raise
+            return None

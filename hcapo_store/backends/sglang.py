@@ -19,7 +19,7 @@ import numpy as np
 
 from hcapo_store.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
-from hcapo_store.http_client import DEFAULT_TIMEOUT, HttpClient
+from hcapo_store.http_client import HttpBackend, HttpClient
 from hcapo_store.prompts import StepPrompt
 
 
@@ -121,45 +121,22 @@ def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[fl
     return logprobs
 
 
-class SGLangBackend:
+class SGLangBackend(HttpBackend):
     kind = "sglang"
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
                  max_new_tokens: int = 0, client: HttpClient | None = None,
                  timeout: float | httpx.Timeout | None = None) -> None:
-        self.url = url.rstrip("/")
-        if self.url.endswith("/v1"):
-            self.url = self.url[:-3]
+        super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         self.model = model
         self.max_new_tokens = max_new_tokens
-        self.api_key = api_key
-        self.client = client
-        self.timeout = timeout  # for the clients start() creates; None: http_client.DEFAULT_TIMEOUT
         self.model_info: dict[str, Any] = {}
         self.server_info: dict[str, Any] = {}
 
     async def start(self) -> None:
-        # A client per event loop: pooled connections belong to the loop that opened them.
-        if self.client is None:
-            self.client = HttpClient(self.url, api_key=self.api_key,
-                                     timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
-        try:
-            self.model_info = await self.client.get_json("/model_info")
-        except InferenceError as exc:
-            if not exc.kind.startswith("http_4"):
-                raise
-            self.model_info = await self.client.get_json("/get_model_info")  # older servers
-        try:
-            self.server_info = await self.client.get_json("/server_info")
-        except InferenceError as exc:
-            if not exc.kind.startswith("http_4"):
-                raise
-            self.server_info = {}
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        info = await self.get_optional("/model_info")
+        self.model_info = info if info is not None else await self._open().get_json("/get_model_info")  # older servers
+        self.server_info = await self.get_optional("/server_info") or {}
 
     def server_model_id(self) -> str | None:
         return self.model_info.get("model_path") or self.model_info.get("served_model_name")

@@ -19,7 +19,7 @@ from typing import Any
 
 from hcapo_store.backends.base import BackendScore
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.http_client import HttpClient
+from hcapo_store.http_client import HttpBackend, HttpClient
 from hcapo_store.prompts import StepPrompt
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
@@ -120,27 +120,20 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     )
 
 
-class VLLMBackend:
+class VLLMBackend(HttpBackend):
     kind = "vllm"
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
                  prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None) -> None:
-        self.url = url.rstrip("/")
-        if self.url.endswith("/v1"):
-            self.url = self.url[:-3]
+        super().__init__(url, api_key=api_key, client=client)
         self.requested_model = model
         self.model = model  # the served model name sent with every request (learned in start())
-        self.api_key = api_key
         self.prompt_logprobs = prompt_logprobs
-        self.client = client
         self.model_card: dict[str, Any] = {}
         self.version: str | None = None
 
     async def start(self) -> None:
-        # A client per event loop: pooled connections belong to the loop that opened them.
-        if self.client is None:
-            self.client = HttpClient(self.url, api_key=self.api_key)
-        body = await self.client.get_json("/v1/models")
+        body = await self._open().get_json("/v1/models")
         cards = body.get("data") if isinstance(body, dict) else None
         if not isinstance(cards, list):
             raise InferenceError("bad_response", f"GET /v1/models: no data list in {str(body)[:200]!r}", retryable=False)
@@ -157,17 +150,8 @@ class VLLMBackend:
                 raise ScoringError(f"the vLLM server at {self.url} serves {served}, not {self.requested_model!r}")
             self.model_card = match[0]
         self.model = self.model_card["id"]
-        try:
-            info = await self.client.get_json("/version")
-            self.version = info.get("version") if isinstance(info, dict) else None
-        except InferenceError as exc:
-            if not exc.kind.startswith("http_4"):
-                raise
-
-    async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        info = await self.get_optional("/version")
+        self.version = info.get("version") if isinstance(info, dict) else None
 
     def server_model_id(self) -> str | None:
         return self.model_card.get("root") or self.model
