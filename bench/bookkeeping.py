@@ -3,6 +3,7 @@ steps/s against a zero-latency server (budget: ≥ 500 steps/s, DESIGN.md §9).
 
     python bench/bookkeeping.py --episodes 20
     python bench/bookkeeping.py --episodes 20 --db postgresql://postgres@127.0.0.1:5432/postgres
+    python bench/bookkeeping.py --episodes 40 --workers 4 --db postgresql://…   # + N worker processes
 
 The server is a raw-asyncio HTTP/1.1 server in a child process (its own core): it answers
 ``/generate`` at once with correctly shaped ``input_token_logprobs`` echoing the sent ids
@@ -179,6 +180,8 @@ def main() -> None:
     ap.add_argument("--no-timers", action="store_true", help="do not wrap calls to time the parts")
     ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the scoring run to FILE")
     ap.add_argument("--only-bookkeeping", action="store_true", help="skip the end-to-end run (e.g. to profile)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="also run bookkeeping with N separate worker processes sharing the queue")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -262,6 +265,9 @@ def main() -> None:
             "parts_calls": dict(timers.calls),
         }
 
+    if args.workers:
+        runs[f"workers_{args.workers}"] = _run_workers(store, prep, options, args.workers)
+
     with store.engine.connect() as conn:
         tokens = conn.execute(text("SELECT MIN(token_count), AVG(token_count), AVG(input_tokens) FROM scores "
                                    "WHERE scorer_id = :s"), {"s": prep.scorer_id}).one()
@@ -280,8 +286,9 @@ def main() -> None:
     print(f"{args.episodes} episodes, scored span min {tokens[0]} / mean {out['mean_scored_tokens']:.0f} tokens, "
           f"mean input {out['mean_input_tokens']:.0f} tokens, concurrency {args.concurrency}, {out['db']}")
     for mode, run in runs.items():
-        label = ("end to end (prompts built during the run)" if mode == "end_to_end"
-                 else "bookkeeping only (prompts prebuilt): claim, request, verify, commit")
+        label = {"end_to_end": "end to end (prompts built during the run)",
+                 "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit"}.get(
+            mode, f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
         print(f"{label}: {run['steps']} steps ({run['failed']} failed) in {run['wall_s']:.2f} s → "
               f"{run['steps_per_s']:.0f} steps/s; client CPU {run['client_cpu_s']:.2f} s → "
               f"{run['steps_per_client_cpu_s']:.0f} steps per CPU-second"
@@ -290,6 +297,48 @@ def main() -> None:
             print(f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
                   f"  ({run['parts_calls'][name]} calls)")
     print("budget (DESIGN.md §9): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
+
+
+def _worker(url: str, prep: Any, options: Any, out: Any) -> None:
+    """One forked worker process: its own engine, the shared queue, prebuilt prompts."""
+    from hcapo_store.scoring import run_scoring
+    from hcapo_store.store import Store
+
+    store = Store.open(url, create=False)
+    t, cpu = time.perf_counter(), time.process_time()
+    report = run_scoring(store, prep, options)
+    out.send((report.scored, report.failed, time.perf_counter() - t, time.process_time() - cpu))
+    store.close()
+
+
+def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
+    """N processes on one queue; wall time from the first start to the last exit."""
+    from dataclasses import replace
+
+    _reset_scorer(store, prep.scorer_id)
+    store.engine.dispose()  # forked children must not inherit open database connections
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    t = time.perf_counter()
+    for i in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        opts = replace(options, worker_id=f"bench-w{i + 1}")
+        proc = ctx.Process(target=_worker, args=(store.url, prep, opts, send))
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    results = [p.recv() for p in pipes]
+    for proc in procs:
+        proc.join()
+    wall = time.perf_counter() - t
+    scored = sum(r[0] for r in results)
+    cpu = sum(r[3] for r in results)
+    return {
+        "steps": scored, "failed": sum(r[1] for r in results), "wall_s": round(wall, 3),
+        "steps_per_s": round(scored / wall, 1) if wall else 0.0, "client_cpu_s": round(cpu, 3),
+        "steps_per_client_cpu_s": round(scored / cpu, 1) if cpu else 0.0,
+        "per_worker_steps": [r[0] for r in results], "parts_s": {}, "parts_calls": {},
+    }
 
 
 def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
