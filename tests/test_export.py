@@ -164,3 +164,8 @@ def test_datasets_loads_jsonl(scored: Store, tmp_path: Path) -> None:
     export_dataset(scored, tmp_path / "d.jsonl", min_reward=0.0)
     ds = datasets.load_dataset("json", data_files=str(tmp_path / "d.jsonl"), split="train")
     assert len(ds) > 0 and "step_advantages" in ds.column_names
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [r["step_advantages"] for r in rows] == ds["step_advantages"]
+    export_dataset(scored, tmp_path / "d.parquet", min_reward=0.0, fmt="parquet")
+    pq = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train")
+    assert pq["step_advantages"] == ds["step_advantages"] and pq["_episode_id"] == ds["_episode_id"]
