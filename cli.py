@@ -12,10 +12,10 @@ from typing import Any
 
 import click
 
-from hcapo_store import db as dbmod
+from hcapo_store.storage import db as dbmod
 from hcapo_store import formatting
 from hcapo_store.errors import HcapoError
-from hcapo_store.store import Store
+from hcapo_store.storage.store import Store
 
 EXIT_INTERRUPTED = 130
 
@@ -109,22 +109,13 @@ def db_current(state: _Ctx) -> None:
 @pass_ctx
 def db_upgrade(state: _Ctx, no_backup: bool) -> None:
     """Upgrade the database schema to this version's head (backs up SQLite files first)."""
-    url = dbmod.resolve_url(state.db)
-    engine = dbmod.make_engine(url)
-    try:
-        before = dbmod.current_revision(engine)
-        head = dbmod.head_revision()
-        if before == head:
-            click.echo(f"{dbmod.display_url(url)}: already at head {head}")
-            return
-        if before is not None and not no_backup:
-            copy = dbmod.backup(engine)
-            if copy:
-                click.echo(f"backup: {copy}")
-        dbmod.upgrade(engine)
-        click.echo(f"{dbmod.display_url(url)}: {before or 'empty'} → {head}")
-    finally:
-        engine.dispose()
+    result = dbmod.upgrade_database(state.db, take_backup=not no_backup)
+    if not result.changed:
+        click.echo(f"{result.url}: already at head {result.head}")
+        return
+    if result.backup:
+        click.echo(f"backup: {result.backup}")
+    click.echo(f"{result.url}: {result.before or 'empty'} → {result.head}")
 
 
 # ---------------------------------------------------------------------------
@@ -158,9 +149,9 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
     Unchanged episodes are skipped; changed ones become a new version. One bad file never
     stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
     """
-    from hcapo_store.ingest import ingest as run_ingest
+    from hcapo_store.ingestion.pipeline import ingest as run_ingest
     from hcapo_store.progress import EpisodeProgress
-    from hcapo_store.sources import ConvertOptions
+    from hcapo_store.ingestion.sources import ConvertOptions
 
     store = state.store()
     options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
@@ -183,7 +174,7 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
 @pass_ctx
 def status(state: _Ctx, as_json: bool) -> None:
     """Counts of episodes, steps, subtasks; per scorer scored / failed / missing; workers."""
-    from hcapo_store.status import status as get_status
+    from hcapo_store.storage.status import status as get_status
 
     data = get_status(state.store())
     if as_json:
@@ -274,13 +265,11 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     limits): the same options resume, different ones start a new scorer.
     """
     from hcapo_store.progress import Progress
-    from hcapo_store.queue import Filters
-    from hcapo_store.scheduler import RunOptions
-    from hcapo_store.scoring import ScoreConfig, dry_run as run_dry, prepare, run_scoring
-    from hcapo_store.sources import ConvertOptions
+    from hcapo_store.scoring.work_queue import Filters
+    from hcapo_store.scoring.runner import RunOptions
+    from hcapo_store.scoring.job import ScoreConfig, dry_run as run_dry, prepare, run_scoring
+    from hcapo_store.ingestion.sources import ConvertOptions
 
-    if backend is None:
-        backend = "transformers" if model and not server else "sglang"
     cfg = ScoreConfig(
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
@@ -324,7 +313,7 @@ def scorers() -> None:
 @pass_ctx
 def scorers_list(state: _Ctx, as_json: bool) -> None:
     """List scorers with their counts (scored / failed / missing) and their spec."""
-    from hcapo_store.status import scorer_counts, scorer_spec
+    from hcapo_store.scoring.identity import scorer_counts, scorer_spec
 
     store = state.store(create=False)
     rows = scorer_counts(store)
@@ -351,7 +340,7 @@ def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port
 
     Real logprobs from a transformers model on CPU: for tests, the demo, and users without a GPU.
     """
-    from hcapo_store.refserver import make_server
+    from hcapo_store.local.refserver import make_server
 
     server = make_server(model_dir, tokenizer_dir, host=host, port=port)
     click.echo(f"serving {model_dir} at {server.url} (Ctrl-C to stop)", err=True)
@@ -375,7 +364,7 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     default credits, and prints the scored steps per subtask. Uses --db if given, else
     DIR/demo.db.
     """
-    from hcapo_store.demo import demo_summary, run_demo
+    from hcapo_store.local.demo import demo_summary, run_demo
 
     state: _Ctx = ctx.obj
     if state.db is None:
@@ -427,8 +416,8 @@ def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alph
     Same scorer + same hyperparameters is the same run (returned, not recomputed).
     Episodes with missing or failed steps are listed as incomplete and get no credits.
     """
-    from hcapo_store.credit_math import CreditParams
-    from hcapo_store.credits import compute_credits
+    from hcapo_store.credits.equations import CreditParams
+    from hcapo_store.credits.runs import compute_credits
 
     try:
         params = CreditParams(t_temp=t_temp, gamma=gamma, c_min=c_min, c_max=c_max, alpha=alpha,
@@ -445,7 +434,7 @@ def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alph
 @pass_ctx
 def credits_list(state: _Ctx, as_json: bool) -> None:
     """List credit runs: name, scorer, hyperparameters, episodes, steps, incomplete."""
-    from hcapo_store.credits import list_runs
+    from hcapo_store.credits.runs import list_runs
 
     runs = list_runs(state.store(create=False))
     if as_json:
@@ -466,7 +455,7 @@ def credits_list(state: _Ctx, as_json: bool) -> None:
 @pass_ctx
 def credits_show(state: _Ctx, name: str | None, as_json: bool) -> None:
     """Show one run: hyperparameters, counts, and a per-subtask summary."""
-    from hcapo_store.credits import show_run
+    from hcapo_store.credits.runs import show_run
 
     data = show_run(state.store(create=False), name)
     if as_json:
@@ -490,7 +479,7 @@ def credits_show(state: _Ctx, name: str | None, as_json: bool) -> None:
 @pass_ctx
 def credits_diff(state: _Ctx, a: str, b: str, top: int, all_steps: bool, as_json: bool) -> None:
     """Compare two runs step by step: deltas of rho and q_h_smoothed (B - A)."""
-    from hcapo_store.credits import diff_runs, iter_step_deltas
+    from hcapo_store.credits.runs import diff_runs, iter_step_deltas
 
     store = state.store(create=False)
     if as_json and all_steps:
@@ -522,7 +511,7 @@ def export() -> None:
 @pass_ctx
 def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
     """Write OUT_DIR/<episode>/hindsight_scores.json in the original script's schema."""
-    from hcapo_store.export import export_hindsight_json
+    from hcapo_store.outputs.export import export_hindsight_json
 
     result = export_hindsight_json(state.store(create=False), out_dir, run)
     click.echo(f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
@@ -541,7 +530,7 @@ def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
 @pass_ctx
 def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, group_by, no_smooth, as_json) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
-    from hcapo_store.export import export_dataset
+    from hcapo_store.outputs.export import export_dataset
 
     summary = export_dataset(state.store(create=False), out, run, omega=omega, min_reward=min_reward,
                              group_by=group_by, fmt=fmt, use_smoothed=not no_smooth)
@@ -558,7 +547,7 @@ def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, grou
 @pass_ctx
 def report(state: _Ctx, out: Path, run: str | None) -> None:
     """Write one self-contained HTML page: histograms, Q_H by subtask, coverage, failures."""
-    from hcapo_store.report import write_report
+    from hcapo_store.outputs.report import write_report
 
     result = write_report(state.store(create=False), out, run)
     click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")

@@ -110,7 +110,7 @@ def write_long_episodes(root: Path, n: int, *, words_per_action: int, steps_per_
     """Standard episodes whose every assistant turn carries a long thinking block."""
     import random
 
-    from hcapo_store.synth import EpisodeBuilder, words
+    from hcapo_store.local.synth import EpisodeBuilder, words
 
     for i in range(1, n + 1):
         b = EpisodeBuilder(seed=i, episode_id=i, reward=round(random.Random(i).random(), 4))
@@ -187,18 +187,19 @@ def main() -> None:
 
     from sqlalchemy import text
 
-    from hcapo_store import queue, scheduler as scheduler_mod
-    from hcapo_store.backends.sglang import SGLangBackend
-    from hcapo_store.ingest import ingest
-    from hcapo_store.prompts import PromptBuilder
-    from hcapo_store.scheduler import RunOptions
-    from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
-    from hcapo_store.store import Store
+    from hcapo_store.scoring import work_queue
+    from hcapo_store.scoring import runner as scheduler_mod
+    from hcapo_store.scoring.backends.sglang import SGLangBackend
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.scoring.prompts import PromptBuilder
+    from hcapo_store.scoring.runner import RunOptions
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.storage.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-bookkeeping-"))
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from hcapo_store.demo_assets import build_demo_tokenizer
+        from hcapo_store.local.tiny_model import build_demo_tokenizer
 
         tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
 
@@ -228,9 +229,9 @@ def main() -> None:
     if not args.no_timers:
         timers.wrap_sync(PromptBuilder, "build_episode", "prompt building")
         timers.wrap_async(SGLangBackend, "score", "HTTP request + verify")
-        timers.wrap_sync(queue, "claim", "DB claim")
-        timers.wrap_sync(queue, "write_outcomes", "DB commit (write_outcomes)")
-        timers.wrap_sync(queue, "heartbeat", "DB heartbeat")
+        timers.wrap_sync(work_queue, "claim", "DB claim")
+        timers.wrap_sync(work_queue, "write_results", "DB commit (write_results)")
+        timers.wrap_sync(work_queue, "heartbeat", "DB heartbeat")
         timers.wrap_sync(scheduler_mod, "score_row", "score_row (numpy)")
         timers.wrap_sync(scheduler_mod.Scheduler, "_flush", "flush (commit + progress)")
 
@@ -301,8 +302,8 @@ def main() -> None:
 
 def _worker(url: str, prep: Any, options: Any, out: Any) -> None:
     """One forked worker process: its own engine, the shared queue, prebuilt prompts."""
-    from hcapo_store.scoring import run_scoring
-    from hcapo_store.store import Store
+    from hcapo_store.scoring.job import run_scoring
+    from hcapo_store.storage.store import Store
 
     store = Store.open(url, create=False)
     t, cpu = time.perf_counter(), time.process_time()
@@ -344,7 +345,7 @@ def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
 def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
     from sqlalchemy import text
 
-    from hcapo_store.episodes import load_episode
+    from hcapo_store.storage.episodes import load_episode
 
     out = {}
     with store.engine.connect() as conn:

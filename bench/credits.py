@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from hcapo_store import db  # noqa: E402
-from hcapo_store.credit_math import CreditParams  # noqa: E402
-from hcapo_store.credits import compute_credits  # noqa: E402
-from hcapo_store.store import Store  # noqa: E402
+from hcapo_store.credits.equations import CreditParams  # noqa: E402
+from hcapo_store.credits.runs import compute_credits  # noqa: E402
+from hcapo_store.storage.store import Store  # noqa: E402
 
 SCORER = "bench-scorer"
 TOKENS = 16  # stored logprobs per step (small: the blob is read only when re-aggregating)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def write_episodes(root: Path, n: int) -> None:
     """100-step episodes: a few distinct sessions, each result.json different (so every hash is new)."""
-    from hcapo_store.synth import EpisodeBuilder
+    from hcapo_store.local.synth import EpisodeBuilder
 
     bases = []
     for seed in range(8):
@@ -39,8 +39,8 @@ def write_episodes(root: Path, n: int) -> None:
 
 
 def child(root: str, db: str) -> None:
-    from hcapo_store.ingest import ingest
-    from hcapo_store.store import Store
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.storage.store import Store
 
     store = Store.open(db)
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from hcapo_store.models import Base
+from hcapo_store.storage.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -33,7 +33,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from hcapo_store.db import resolve_url
+    from hcapo_store.storage.db import resolve_url
 
     db = context.get_x_argument(as_dictionary=True).get("db")
     if not db:

@@ -31,7 +31,7 @@ def real_tokenizer(name: str):
     path = SHARED_TOKENIZERS / name
     if not path.is_dir():
         pytest.skip(f"real tokenizer directory {path} is absent")
-    from hcapo_store.tokens import load_tokenizer
+    from hcapo_store.scoring.tokens import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -59,7 +59,7 @@ def bos_tokenizer(tmp_path: Path, *, template: str = CHATML_WITH_BOS):
     )
     fast.chat_template = template
     fast.save_pretrained(tmp_path)
-    from hcapo_store.tokens import load_tokenizer
+    from hcapo_store.scoring.tokens import load_tokenizer
 
     return load_tokenizer(tmp_path)
 

@@ -1,6 +1,6 @@
 """A fault-injecting SGLang-compatible HTTP server for scoring tests.
 
-It wraps a real :class:`hcapo_store.refserver.ReferenceServer` *in-process*: correct
+It wraps a real :class:`hcapo_store.local.refserver.ReferenceServer` *in-process*: correct
 answers come from ``ref.generate(body)`` (real logprobs of a real model), and faults are
 injected around them on a deterministic schedule. ``/model_info``, ``/server_info`` and
 ``/health`` are served from the reference server.
@@ -43,7 +43,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hcapo_store.refserver import BackgroundHTTPServer, ReferenceServer
+from hcapo_store.http_server import BackgroundHTTPServer
+from hcapo_store.local.refserver import ReferenceServer
 
 Schedule = Callable[[str, int], "str | None"]
 
@@ -281,7 +282,7 @@ def step_prompts(store: Any, builder: Any) -> dict[tuple[str, int], Any]:
     """(episode name, step index) -> StepPrompt | PromptFailure for every current step."""
     from sqlalchemy import text
 
-    from hcapo_store.episodes import load_episode
+    from hcapo_store.storage.episodes import load_episode
 
     out: dict[tuple[str, int], Any] = {}
     with store.engine.connect() as conn:

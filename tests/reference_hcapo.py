@@ -2,7 +2,7 @@
 
 Written straight from FORMATS-ORIGIN §6.1 step 6 (``compute_ratios_and_qh``) and §6.3
 (``build_hcapo_dataset.py``): lists, dicts and loops, no numpy, no code shared with
-``hcapo_store.credit_math``. Tests and ``bench/credits.py`` compare against it.
+``hcapo_store.credits.equations``. Tests and ``bench/credits.py`` compare against it.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from hcapo_store import db
-from hcapo_store.credit_math import CreditParams
-from hcapo_store.credits import compute_credits, diff_runs, get_run, iter_step_deltas, list_runs, show_run
+from hcapo_store.storage import db
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, iter_step_deltas, list_runs, show_run
 from hcapo_store.errors import CreditError
-from hcapo_store.ingest import ingest
-from hcapo_store.store import Store
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.storage.store import Store
 from reference_hcapo import compute_ratios_and_qh
 
 NOW = "2025-01-01T00:00:00+00:00"

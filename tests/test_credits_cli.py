@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cli import cli
-from hcapo_store.refserver import make_server
+from hcapo_store.local.refserver import make_server
 
 
 @pytest.fixture(scope="module")

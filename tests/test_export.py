@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hcapo_store.credit_math import CreditParams
-from hcapo_store.credits import compute_credits
-from hcapo_store.export import export_dataset, export_hindsight_json
-from hcapo_store.ingest import ingest
-from hcapo_store.store import Store
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.runs import compute_credits
+from hcapo_store.outputs.export import export_dataset, export_hindsight_json
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.storage.store import Store
 from reference_hcapo import build_hcapo_rows
 from test_credits import add_scorer, add_scores, add_synthetic_episodes, read_credits
 
@@ -66,7 +66,7 @@ def test_hindsight_json_reaggregated_span(scored: Store, tmp_path: Path) -> None
 
 def _reference_inputs(store: Store, run: str) -> list[dict]:
     """What the original builder reads: loader messages, reward, and the per-step q values."""
-    from hcapo_store.episodes import loader_message
+    from hcapo_store.storage.episodes import loader_message
 
     cols, rows = store.query("SELECT e.name, e.external_id, e.reward, m.role, m.content, m.tool_calls, m.name, "
                              "m.tool_call_id FROM messages m JOIN episodes e ON e.id = m.episode_id "

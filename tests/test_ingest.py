@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from builders import EpisodeBuilder, write_bad_episodes, write_standard_episodes
-from hcapo_store.ingest import ingest
-from hcapo_store.sources import ConvertOptions
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.ingestion.sources import ConvertOptions
 
 
 def rows(store, sql):
@@ -193,7 +193,7 @@ def test_interrupted_ingest_leaves_database_consistent(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode in (0, 130), err
-    from hcapo_store.store import Store
+    from hcapo_store.storage.store import Store
 
     with Store.open(str(db)) as s:
         assert s.query("PRAGMA integrity_check")[1] == [("ok",)]

@@ -29,12 +29,14 @@ from click.testing import CliRunner
 from sqlalchemy import text
 
 from cli import cli
-from hcapo_store import clock, db, queue
-from hcapo_store.ingest import ingest
-from hcapo_store.scorers import register
-from hcapo_store.status import status
-from hcapo_store.store import Store
-from hcapo_store.synth import write_standard_episodes
+from hcapo_store import clock
+from hcapo_store.storage import db
+from hcapo_store.scoring import work_queue
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.identity import register
+from hcapo_store.storage.status import status
+from hcapo_store.storage.store import Store
+from hcapo_store.local.synth import write_standard_episodes
 
 import pg
 
@@ -138,29 +140,29 @@ def _queued(store: Store, root: Path, n: int = 6) -> tuple[str, int]:
     write_standard_episodes(root, n)
     ingest(store, [root])
     scorer = register(store, {"backend": {"kind": "test"}, "max_context": 1, "max_logprob_tokens": 1})
-    added = queue.enqueue(store, scorer, include_thinking=True, max_tool_result_chars=4000)
+    added = work_queue.enqueue(store, scorer, include_thinking=True, max_tool_result_chars=4000)
     return scorer, added
 
 
-def _done_outcome(lease: queue.Lease) -> queue.Outcome:
+def _done_outcome(lease: work_queue.Lease) -> work_queue.StepResult:
     row = {"token_logprobs": b"\0\0\0\0", "token_count": 1, "mean_logprob": 0.0, "total_action_tokens": 1,
            "skipped_action_tokens": 0, "truncated_prefix_tokens": 0, "input_tokens": 2, "logprob_start_len": 0,
            "flattened": False, "prompt_tokens": 2, "cached_tokens": None, "latency_s": 0.0, "server_model": "m",
            "created_at": "2026-01-01T00:00:00"}
-    return queue.Outcome(lease.attempt_id, lease.step_id, score_row=row)
+    return work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=row)
 
 
 def test_concurrent_claims_are_disjoint_on_postgres(pg_store: Store, tmp_path: Path) -> None:
     scorer, added = _queued(pg_store, tmp_path / "eps", n=8)
     assert added == _one(pg_store, "SELECT COUNT(*) FROM steps") > 0
-    assert queue.enqueue(pg_store, scorer, include_thinking=True, max_tool_result_chars=4000) == 0
-    assert queue.enqueue(pg_store, scorer, include_thinking=False, max_tool_result_chars=4000) == 0
+    assert work_queue.enqueue(pg_store, scorer, include_thinking=True, max_tool_result_chars=4000) == 0
+    assert work_queue.enqueue(pg_store, scorer, include_thinking=False, max_tool_result_chars=4000) == 0
     barrier = threading.Barrier(8)
 
     def grab(i: int) -> list[int]:
         got = []
         barrier.wait()
-        while (c := queue.claim(pg_store, scorer, f"t{i}", lease_seconds=60, filters=queue.Filters(),
+        while (c := work_queue.claim(pg_store, scorer, f"t{i}", lease_seconds=60, filters=work_queue.Filters(),
                                 max_steps=3)) is not None:
             got += [lease.attempt_id for lease in c.leases]
         return got
@@ -177,32 +179,32 @@ def test_leases_use_server_clock_and_late_results_are_discarded(pg_store: Store,
     scorer, _ = _queued(pg_store, tmp_path / "eps", n=2)
     # A worker host whose clock is an hour off must not matter on PostgreSQL.
     monkeypatch.setattr(clock, "now", lambda: 3600.0)
-    queue.register_worker(pg_store, "slow", scorer)
-    first = queue.claim(pg_store, scorer, "slow", lease_seconds=0.5, filters=queue.Filters())
+    work_queue.register_worker(pg_store, "slow", scorer)
+    first = work_queue.claim(pg_store, scorer, "slow", lease_seconds=0.5, filters=work_queue.Filters())
     assert first is not None and first.leases
     server_now = float(_one(pg_store, "SELECT extract(epoch FROM clock_timestamp())"))
     expires = _one(pg_store, "SELECT MAX(lease_expires_at) FROM attempts WHERE lease_owner = 'slow'")
     assert abs(expires - (server_now + 0.5)) < 5
-    queue.heartbeat(pg_store, "slow", lease_seconds=0.5, scored=0, failed=0)
+    work_queue.heartbeat(pg_store, "slow", lease_seconds=0.5, scored=0, failed=0)
     hb = _one(pg_store, "SELECT heartbeat_at FROM workers WHERE id = 'slow'")
     assert abs(hb - server_now) < 5
     info = status(pg_store)
     assert info["workers"][0]["id"] == "slow" and info["workers"][0]["leases"] == len(first.leases)
     assert 0 <= info["workers"][0]["seconds_since_heartbeat"] < 5
     time.sleep(0.7)  # the lease expires; another worker reclaims the same steps
-    second = queue.claim(pg_store, scorer, "fast", lease_seconds=60, filters=queue.Filters())
+    second = work_queue.claim(pg_store, scorer, "fast", lease_seconds=60, filters=work_queue.Filters())
     assert second is not None and second.episode_id == first.episode_id
     assert [x.step_id for x in second.leases] == [x.step_id for x in first.leases]
     with db.write(pg_store.engine) as conn:
-        assert queue.write_outcomes(conn, scorer, "fast", [_done_outcome(x) for x in second.leases]) == (
+        assert work_queue.write_results(conn, scorer, "fast", [_done_outcome(x) for x in second.leases]) == (
             len(second.leases), 0, 0)
     with db.write(pg_store.engine) as conn:  # the slow worker's late results: discarded, no error
-        assert queue.write_outcomes(conn, scorer, "slow", [_done_outcome(x) for x in first.leases]) == (
+        assert work_queue.write_results(conn, scorer, "slow", [_done_outcome(x) for x in first.leases]) == (
             0, 0, len(first.leases))
     assert _one(pg_store, "SELECT COUNT(*) FROM scores WHERE worker_id = 'slow'") == 0
     assert _one(pg_store, "SELECT COUNT(*) FROM scores") == len(first.leases)
-    assert queue.finish_worker(pg_store, "slow", "finished") == 0
-    assert queue.count_claimable(pg_store, scorer, queue.Filters()) == (
+    assert work_queue.finish_worker(pg_store, "slow", "finished") == 0
+    assert work_queue.count_claimable(pg_store, scorer, work_queue.Filters()) == (
         _one(pg_store, "SELECT COUNT(*) FROM steps") - len(first.leases))
 
 
@@ -214,7 +216,7 @@ class CountingServer:
     slowed down a little so that a worker can be killed mid-run."""
 
     def __init__(self, model_dir: Path, delay: float, monkeypatch: pytest.MonkeyPatch) -> None:
-        from hcapo_store import refserver
+        from hcapo_store.local import refserver
 
         self.counts: Counter[tuple[int, ...]] = Counter()
         self.lock = threading.Lock()

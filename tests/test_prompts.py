@@ -7,7 +7,7 @@ import json
 import pytest
 
 from _tokenizers import bos_tokenizer, episode, real_tokenizer
-from hcapo_store.prompts import (
+from hcapo_store.scoring.prompts import (
     HINDSIGHT_TEMPLATE,
     TRUNCATION_MARKER,
     PromptBuilder,
@@ -18,7 +18,7 @@ from hcapo_store.prompts import (
     normalize_messages,
     template_hash,
 )
-from hcapo_store.tokens import tokenizer_fingerprint
+from hcapo_store.scoring.tokens import tokenizer_fingerprint
 
 OUTCOME = {"reward": 0.4795, "phase": "executing", "plan_score": 0.72, "plan": [{"id": "S1"}, {"id": "S2"}],
            "frozen_scores": {"S1": 0.5845, "S2": 0.412}}

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from hcapo_store import db
-from hcapo_store.credit_math import CreditParams
-from hcapo_store.credits import compute_credits
-from hcapo_store.ingest import ingest
-from hcapo_store.report import write_report
-from hcapo_store.store import Store
+from hcapo_store.storage import db
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.runs import compute_credits
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.outputs.report import write_report
+from hcapo_store.storage.store import Store
 from test_credits import add_scorer, add_scores
 
 

@@ -17,14 +17,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import cli
 from faultserver import step_prompts, stored_scores
-from hcapo_store.episodes import load_episode
-from hcapo_store.ingest import ingest
-from hcapo_store.prompts import PromptBuilder, hindsight_text
-from hcapo_store.refserver import ReferenceServer, make_server
-from hcapo_store.scheduler import RunOptions
-from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
-from hcapo_store.store import Store, count
-from hcapo_store.synth import write_standard_episodes
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
+from hcapo_store.local.refserver import ReferenceServer, make_server
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.storage.store import Store, count
+from hcapo_store.local.synth import write_standard_episodes
 
 MAX_CONTEXT = 2048
 EPISODES = 3
@@ -81,7 +81,7 @@ def model(tiny_model_dir: Path) -> Any:
 
 
 def _normalize(message: dict[str, Any]) -> dict[str, Any]:
-    """Written here from DESIGN §5 step 1, independently of hcapo_store.prompts."""
+    """Written here from DESIGN §5 step 1, independently of hcapo_store.scoring.prompts."""
     out = {k: v for k, v in message.items() if v is not None}
     calls = []
     for call in out.get("tool_calls") or []:

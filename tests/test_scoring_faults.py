@@ -21,13 +21,13 @@ from sqlalchemy import text
 from cli import cli
 from faultserver import (ERROR_KIND, FAULTS, PERMANENT, FaultServer, input_key, plan_schedule, random_schedule,
                          step_prompts, stored_scores)
-from hcapo_store.backends.sglang import build_payload, parse_response
-from hcapo_store.ingest import ingest
-from hcapo_store.refserver import ReferenceServer, make_server
-from hcapo_store.scheduler import RunOptions
-from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
-from hcapo_store.store import Store
-from hcapo_store.synth import write_standard_episodes
+from hcapo_store.scoring.backends.sglang import build_payload, parse_response
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.local.refserver import ReferenceServer, make_server
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.storage.store import Store
+from hcapo_store.local.synth import write_standard_episodes
 
 MAX_CONTEXT = 2048
 MAX_ATTEMPTS = 4
@@ -247,7 +247,7 @@ def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_pat
     fault_server.reset(plan_schedule({input_key(clean["prompts"][key].input_ids): ["http_429"] * 3}))
     prep, report = _score_through(store, fault_server.url, tiny_model_dir,
                                   RunOptions(concurrency=1, max_attempts=4, backoff_base=0.001, backoff_cap=1.0,
-                                             filters=__import__("hcapo_store.queue", fromlist=["Filters"]).Filters(
+                                             filters=__import__("hcapo_store.scoring.work_queue", fromlist=["Filters"]).Filters(
                                                  episodes=(key[0],)), limit=1))
     assert (report.scored, report.retried) == (1, 3)
     times = [e.at for e in sorted(fault_server.log, key=lambda e: e.n)]
@@ -276,7 +276,7 @@ def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_pat
 ])
 def test_parse_response_rejects_what_the_fast_path_must_not_accept(bad, kind):
     from hcapo_store.errors import InferenceError
-    from hcapo_store.prompts import StepPrompt
+    from hcapo_store.scoring.prompts import StepPrompt
 
     prompt = StepPrompt(step_index=0, input_ids=[7, 8, 9, 10, 11], first_scored=2, total_action_tokens=3,
                         skipped_action_tokens=0, truncated_prefix_tokens=0, flattened=False)

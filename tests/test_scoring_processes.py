@@ -19,12 +19,12 @@ import pytest
 from sqlalchemy import text
 
 from faultserver import FaultServer, stored_scores
-from hcapo_store.ingest import ingest
-from hcapo_store.refserver import make_server
-from hcapo_store.scheduler import FLUSH_SECONDS, RunOptions
-from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
-from hcapo_store.store import Store, count
-from hcapo_store.synth import write_standard_episodes
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.local.refserver import make_server
+from hcapo_store.scoring.runner import FLUSH_SECONDS, RunOptions
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.storage.store import Store, count
+from hcapo_store.local.synth import write_standard_episodes
 
 MAX_CONTEXT = 2048
 CONCURRENCY = 2

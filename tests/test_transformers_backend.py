@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hcapo_store.backends.transformers_backend import TransformersScorer
-from hcapo_store.demo_assets import build_demo_tokenizer, build_tiny_model, ensure_demo_model
+from hcapo_store.scoring.forward import LogprobModel
+from hcapo_store.local.tiny_model import build_demo_tokenizer, build_tiny_model, ensure_demo_model
 
 TOL = 1e-5
 QWEN25_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen2.5"
@@ -51,7 +51,7 @@ def full(tiny_model_dir: Path, chat_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 512])
 def test_score_matches_full_forward(tiny_model_dir: Path, chat_ids: list[int], full: torch.Tensor, chunk_size: int) -> None:
-    scorer = TransformersScorer(tiny_model_dir, chunk_size=chunk_size)
+    scorer = LogprobModel(tiny_model_dir, chunk_size=chunk_size)
     n = len(chat_ids)
     assert n > 40  # the scored spans below are longer than the small chunks
     for first_scored in (1, 2, n // 2, n - 1, n):
@@ -60,7 +60,7 @@ def test_score_matches_full_forward(tiny_model_dir: Path, chat_ids: list[int], f
 
 
 def test_score_batch_and_positions(tiny_model_dir: Path, chat_ids: list[int], full: torch.Tensor) -> None:
-    scorer = TransformersScorer(tiny_model_dir, chunk_size=5)
+    scorer = LogprobModel(tiny_model_dir, chunk_size=5)
     short = chat_ids[:12]
     assert scorer.score_batch([(chat_ids, 3), (short, 11)]) == [scorer.score(chat_ids, 3), scorer.score(short, 11)]
 
@@ -77,14 +77,14 @@ def test_score_batch_and_positions(tiny_model_dir: Path, chat_ids: list[int], fu
 
 
 def test_score_rejects_bad_input(tiny_model_dir: Path) -> None:
-    scorer = TransformersScorer(tiny_model_dir)
+    scorer = LogprobModel(tiny_model_dir)
     for ids, first in (([], 1), ([1, 2], 0), ([1, 2], 3), ([1, scorer.vocab_size], 1)):
         with pytest.raises(ValueError):
             scorer.score(ids, first)
 
 
 def test_model_info(tiny_model_dir: Path) -> None:
-    info = TransformersScorer(tiny_model_dir, chunk_size=64).model_info()
+    info = LogprobModel(tiny_model_dir, chunk_size=64).model_info()
     assert info["model_type"] == "qwen2" and info["architectures"] == ["Qwen2ForCausalLM"]
     assert info["num_hidden_layers"] == 2 and info["hidden_size"] == 64
     assert info["dtype"] == "float32" and info["chunk_size"] == 64 and info["device"] == "cpu"
@@ -150,7 +150,7 @@ def test_qwen_vocabulary_model_scores_correctly(tmp_path: Path) -> None:
     assert len(tokenizer) == 151665
     ids = tokenizer(tokenizer.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids
-    scorer = TransformersScorer(model_dir, chunk_size=16)
+    scorer = LogprobModel(model_dir, chunk_size=16)
     assert scorer.vocab_size >= 151665
     first_scored = len(ids) // 2
     expected = _expected(_full_logprobs(model_dir, ids), ids, first_scored)

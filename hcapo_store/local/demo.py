@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hcapo_store.demo_assets import ensure_demo_model
-from hcapo_store.ingest import IngestReport, ingest
-from hcapo_store.scheduler import RunOptions, ScoreReport
-from hcapo_store.scoring import ScoreConfig, prepare, run_scoring
-from hcapo_store.store import Store
-from hcapo_store.synth import write_examples
+from hcapo_store.local.tiny_model import ensure_demo_model
+from hcapo_store.ingestion.pipeline import IngestReport, ingest
+from hcapo_store.scoring.runner import RunOptions, ScoreReport
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.storage.store import Store
+from hcapo_store.local.synth import write_examples
 
 EXAMPLES = Path("examples") / "trajectories"
 
@@ -52,7 +52,7 @@ def find_episodes(workdir: Path) -> Path:
 
 
 def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = lambda _: None) -> DemoResult:
-    from hcapo_store.refserver import make_server
+    from hcapo_store.local.refserver import make_server
 
     workdir.mkdir(parents=True, exist_ok=True)
     on_step("building the tiny demo model (random weights, local tokenizer)")
@@ -71,7 +71,7 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
     subtasks = store.query(SUMMARY_SQL, {"scorer": prep.scorer_id})
     credits = None
     try:
-        from hcapo_store.credits import compute_credits
+        from hcapo_store.credits.runs import compute_credits
 
         on_step("computing credits (Eq. 5-7, default hyperparameters)")
         compute_credits(store, scorer=prep.scorer_id, replace=True)

@@ -19,13 +19,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 from sqlalchemy import Connection, insert, select, update
 
-from hcapo_store import db
+from hcapo_store.storage import db
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode
-from hcapo_store.mapping import map_steps
-from hcapo_store.models import Episode, Message, Step, Subtask, Tag
-from hcapo_store.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
-from hcapo_store.store import Store
+from hcapo_store.ingestion.mapping import map_steps
+from hcapo_store.storage.models import Episode, Message, Step, Subtask, Tag
+from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
+from hcapo_store.storage.store import Store
 
 BATCH_EPISODES = 64
 BATCH_SECONDS = 1.0

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from hcapo_store import db
+from hcapo_store.storage import db
 from hcapo_store.errors import StoreError
 
 

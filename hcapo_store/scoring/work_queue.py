@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, text
 
-from hcapo_store import db
-from hcapo_store.store import Store
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
 
 PENDING, LEASED, DONE, FAILED = "pending", "leased", "done", "failed"
 
@@ -235,7 +235,7 @@ def _alive(pid: int) -> bool:
 
 
 @dataclass
-class Outcome:
+class StepResult:
     """One finished attempt, to be written by the single writer."""
 
     attempt_id: int
@@ -246,7 +246,7 @@ class Outcome:
     final: bool = False  # the step is failed for good
 
 
-def write_outcomes(conn: Connection, scorer_id: str, worker: str, outcomes: list[Outcome]) -> tuple[int, int, int]:
+def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[StepResult]) -> tuple[int, int, int]:
     """Apply a batch in the caller's transaction; returns (scored, failed, discarded)."""
     now = db.sql_now(conn)
     scored = failed = discarded = 0

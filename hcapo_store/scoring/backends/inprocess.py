@@ -1,6 +1,6 @@
 """In-process backend: the same prompts and stored results as a server, no server.
 
-Wraps ``TransformersScorer`` (chunked LM head) and runs it in a worker thread so the
+Wraps ``LogprobModel`` (chunked LM head) and runs it in a worker thread so the
 scheduler's event loop keeps committing results while the model computes.
 """
 
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hcapo_store.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
-from hcapo_store.prompts import StepPrompt
+from hcapo_store.scoring.prompts import StepPrompt
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -31,7 +31,7 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-class TransformersBackend:
+class InProcessBackend:
     kind = "transformers"
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", chunk_size: int = 512) -> None:
@@ -42,12 +42,12 @@ class TransformersBackend:
         self._fingerprint: str | None = None
 
     async def start(self) -> None:
-        from hcapo_store.backends.transformers_backend import TransformersScorer
+        from hcapo_store.scoring.forward import LogprobModel
 
         if self.scorer is not None:
             return
         self.scorer = await asyncio.to_thread(
-            TransformersScorer, self.model_dir, device=self.device, chunk_size=self.chunk_size)
+            LogprobModel, self.model_dir, device=self.device, chunk_size=self.chunk_size)
         self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
 
     async def close(self) -> None:

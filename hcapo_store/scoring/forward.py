@@ -35,7 +35,7 @@ class PositionScores:
     next_token: tuple[int, float] | None = None
 
 
-class TransformersScorer:
+class LogprobModel:
     """Teacher-forced log-probabilities from a local causal LM. Thread-safe: one forward
     pass runs at a time."""
 

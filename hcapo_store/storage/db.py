@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -87,12 +88,14 @@ def write(engine: Engine) -> Iterator[Connection]:
 
 
 def _migrations_dir() -> str:
-    try:
-        from importlib.resources import files
+    # A source checkout's own migrations/ first (editable installs, worktrees); an
+    # installed wheel carries them as the hcapo_store.migrations package.
+    checkout = Path(__file__).resolve().parents[2] / "migrations"
+    if (checkout / "env.py").is_file():
+        return str(checkout)
+    from importlib.resources import files
 
-        return str(files("hcapo_store.migrations"))
-    except ModuleNotFoundError:  # running from a checkout that was never installed
-        return str(Path(__file__).resolve().parent.parent / "migrations")
+    return str(files("hcapo_store.migrations"))
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -157,6 +160,35 @@ def backup(engine: Engine) -> Path | None:
     with engine.connect() as conn:
         conn.connection.driver_connection.execute("VACUUM INTO ?", (str(target),))
     return target
+
+
+@dataclass(frozen=True)
+class UpgradeResult:
+    url: str  # for display: credentials masked
+    before: str | None
+    head: str
+    backup: Path | None
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.head
+
+
+def upgrade_database(db: str | os.PathLike[str] | None, *, take_backup: bool = True) -> UpgradeResult:
+    """``db upgrade``: bring a database to head; a SQLite file is copied first unless told not to."""
+    url = resolve_url(db)
+    engine = make_engine(url)
+    try:
+        before = current_revision(engine)
+        head = head_revision()
+        copy = None
+        if before != head:
+            if before is not None and take_backup:
+                copy = backup(engine)
+            upgrade(engine)
+        return UpgradeResult(display_url(url), before, head, copy)
+    finally:
+        engine.dispose()
 
 
 def check_schema(engine: Engine, *, create: bool = True) -> None:

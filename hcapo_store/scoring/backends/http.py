@@ -10,7 +10,6 @@ every failed attempt.
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
 import httpx
@@ -24,13 +23,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
-
-
-def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
-    """Exponential backoff with full jitter; a server's Retry-After wins (bounded by cap)."""
-    if retry_after is not None:
-        return min(max(retry_after, 0.0), cap)
-    return random.uniform(0, min(cap, base * 2 ** max(attempt - 1, 0)))
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -1,46 +1,17 @@
-"""Counts for ``hcapo-store status`` and ``scorers list``: one pass of set-based SQL."""
+"""Counts for ``hcapo-store status``: one pass of set-based SQL."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sqlalchemy import text
 
-from hcapo_store.db import sql_now
-from hcapo_store.store import Store
-
-# Per scorer: steps of current episodes that are scored / failed / leased / missing.
-SCORER_COUNTS_SQL = """
-SELECT sc.id AS scorer_id, sc.label, sc.created_at,
-       (SELECT COUNT(*) FROM scores s JOIN steps st ON st.id = s.step_id
-          JOIN episodes e ON e.id = st.episode_id
-        WHERE s.scorer_id = sc.id AND e.is_current) AS scored,
-       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
-        WHERE a.scorer_id = sc.id AND a.status = 'failed' AND e.is_current) AS failed,
-       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
-        WHERE a.scorer_id = sc.id AND a.status = 'leased' AND a.lease_expires_at > :now
-          AND e.is_current) AS leased
-FROM scorers sc
-ORDER BY sc.created_at
-"""
-
-
-def scorer_counts(store: Store) -> list[dict[str, Any]]:
-    with store.engine.connect() as conn:
-        total = int(conn.execute(text(
-            "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
-        )).scalar_one())
-        rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": sql_now(conn)}).mappings().all()
-    out = []
-    for r in rows:
-        d = dict(r)
-        d["missing"] = total - d["scored"] - d["failed"]
-        out.append(d)
-    return out
-
+from hcapo_store.storage.db import sql_now
+from hcapo_store.scoring.identity import scorer_counts
+from hcapo_store.storage.store import Store
 
 def status(store: Store) -> dict[str, Any]:
+    """Counts of episodes, steps, subtasks, per-scorer progress and workers."""
     with store.engine.connect() as conn:
         one = lambda sql: int(conn.execute(text(sql)).scalar_one() or 0)  # noqa: E731
         counts = {
@@ -72,9 +43,3 @@ def status(store: Store) -> dict[str, Any]:
         "scorers": scorer_counts(store),
         "workers": workers,
     }
-
-
-def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
-    with store.engine.connect() as conn:
-        spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
-    return json.loads(spec) if spec else {}

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from hcapo_store.backends.transformers_backend import PositionScores, TransformersScorer
+from hcapo_store.http_server import BackgroundHTTPServer
+from hcapo_store.scoring.forward import PositionScores, LogprobModel
 
 log = logging.getLogger(__name__)
 
@@ -52,52 +53,13 @@ class _Item:
     max_new_tokens: int
 
 
-_S = TypeVar("_S", bound="BackgroundHTTPServer")
-
-
-class BackgroundHTTPServer:
-    """An ``httpd`` served from a background thread: ``url``, ``start()``, ``shutdown()``,
-    and use as a context manager. Subclasses set ``self.httpd`` in ``__init__``."""
-
-    httpd: ThreadingHTTPServer
-    thread_name = "hcapo-http"
-    _thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self: _S) -> _S:
-        """Serve from a background thread; returns self."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name=self.thread_name, daemon=True)
-        self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever()
-
-    def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self: _S) -> _S:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
 class ReferenceServer(BackgroundHTTPServer):
     """The HTTP server plus the model; ``requests`` counts /generate and /v1/completions
     calls, ``sequences`` the sequences that went through the model."""
 
     def __init__(
         self,
-        scorer: TransformersScorer,
+        scorer: LogprobModel,
         tokenizer: Any | None,
         *,
         tokenizer_path: str | None,
@@ -389,7 +351,7 @@ def make_server(
     ``serve_forever()`` to serve."""
     from transformers import AutoTokenizer
 
-    scorer = TransformersScorer(model_dir, device=device, chunk_size=chunk_size)
+    scorer = LogprobModel(model_dir, device=device, chunk_size=chunk_size)
     if tokenizer_dir is None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         tokenizer_dir = model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None

@@ -9,22 +9,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from hcapo_store import queue
-from hcapo_store.backends.base import Backend
-from hcapo_store.episodes import load_episode
+from hcapo_store.scoring import work_queue
+from hcapo_store.scoring.backends.base import Backend
+from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
+from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
-from hcapo_store.scheduler import RunOptions, Scheduler, ScoreReport
-from hcapo_store.scorers import register, scorer_label
-from hcapo_store.sources import ConvertOptions
-from hcapo_store.store import Store
-from hcapo_store.tokens import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
+from hcapo_store.scoring.identity import register, scorer_label
+from hcapo_store.ingestion.sources import ConvertOptions
+from hcapo_store.storage.store import Store
+from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+
+
+def default_backend(server: str | None, model: str | None) -> str:
+    """In process when only a model directory is given; SGLang whenever there is a server."""
+    return "transformers" if model and not server else "sglang"
 
 
 @dataclass
 class ScoreConfig:
-    backend: str = "sglang"  # sglang | transformers | vllm
+    backend: str | None = None  # sglang | transformers | vllm; None: default_backend(server, model)
     server: str | None = None
     model: str | None = None  # served model name (HTTP) or model directory (transformers)
     tokenizer: str | None = None
@@ -36,22 +41,26 @@ class ScoreConfig:
     max_new_tokens: int = 0
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = default_backend(self.server, self.model)
+
 
 def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "transformers":
         if not cfg.model:
             raise ScoringError("--backend transformers needs --model DIR (a local transformers model)")
-        from hcapo_store.backends.inprocess import TransformersBackend
+        from hcapo_store.scoring.backends.inprocess import InProcessBackend
 
-        return TransformersBackend(cfg.model, device=cfg.device)
+        return InProcessBackend(cfg.model, device=cfg.device)
     if not cfg.server:
         raise ScoringError(f"--backend {cfg.backend} needs --server URL (e.g. http://127.0.0.1:30000)")
     if cfg.backend == "sglang":
-        from hcapo_store.backends.sglang import SGLangBackend
+        from hcapo_store.scoring.backends.sglang import SGLangBackend
 
         return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens)
     if cfg.backend == "vllm":
-        from hcapo_store.backends.vllm import VLLMBackend
+        from hcapo_store.scoring.backends.vllm import VLLMBackend
 
         return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key)
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
@@ -89,6 +98,7 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
 
 
 def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
+    """Start the backend, load the tokenizer, build the scorer spec and register the scorer."""
     backend = make_backend(cfg)
     asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
     ctx = backend.context_length()
@@ -130,10 +140,10 @@ class DryRun:
                 f"({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); nothing was sent")
 
 
-def dry_run(store: Store, prep: Prepared, filters: queue.Filters, limit: int | None) -> DryRun:
+def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None) -> DryRun:
     """Count the steps and prompt tokens a run would send; writes nothing, calls nothing."""
     conv = prep.spec["conversion"]
-    rows = queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
+    rows = work_queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                                 max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
     with store.engine.connect() as conn:
         by_episode: dict[int, set[int]] = {}
@@ -154,11 +164,12 @@ def dry_run(store: Store, prep: Prepared, filters: queue.Filters, limit: int | N
 
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
                 on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
+    """Queue every unscored step of the scorer and score them; returns the run's report."""
     conv = prep.spec["conversion"]
-    queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
+    work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                   max_tool_result_chars=conv["max_tool_result_chars"])
     if retry_failed:
-        queue.requeue_failed(store, prep.scorer_id, options.filters)
+        work_queue.requeue_failed(store, prep.scorer_id, options.filters)
     scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
 
     async def main() -> ScoreReport:

@@ -22,34 +22,17 @@ from typing import IO, Any, Callable, Iterator
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credit_math import CreditParams, hcapo_weights
-from hcapo_store.credits import RunInfo, get_run
-from hcapo_store.episodes import loader_message
+from hcapo_store.credits.equations import CreditParams, hcapo_weights
+from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.storage.episodes import loader_message
 from hcapo_store.errors import ExportError
-from hcapo_store.status import scorer_spec
-from hcapo_store.store import Store
+from hcapo_store.scoring.identity import scorer_spec
+from hcapo_store.outputs.files import atomic_write
+from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000
 PARQUET_BATCH = 256
 _INT = re.compile(r"-?\d+")
-
-
-# ---- atomic files ------------------------------------------------------------------------------
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through ``write(fileobj)`` into a temp file beside ``path``, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_json(path: Path, data: Any) -> None:

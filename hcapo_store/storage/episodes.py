@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from hcapo_store.mapping import StepInfo
-from hcapo_store.models import Episode, Message, Step, Subtask
+from hcapo_store.ingestion.mapping import StepInfo
+from hcapo_store.storage.models import Episode, Message, Step, Subtask
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store import db
+from hcapo_store.storage import db
 from hcapo_store.clock import utcnow
-from hcapo_store.credit_math import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash
+from hcapo_store.credits.equations import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash
 from hcapo_store.errors import CreditError
-from hcapo_store.store import Store
+from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 50_000  # rows per fetch of the streaming select
 INSERT_ROWS = 100_000  # credits per executemany call
@@ -77,24 +78,6 @@ class ComputeResult:
 # ---- scorer and run lookup ---------------------------------------------------------------
 
 
-def resolve_scorer(conn: Connection, scorer: str | None) -> tuple[str, str]:
-    """The scorer to use: the given id / unique id prefix / label, else the only one."""
-    rows = conn.execute(text("SELECT id, label FROM scorers ORDER BY created_at, id")).all()
-    if not rows:
-        raise CreditError("no scorer in this database: score some steps first")
-    listing = "; ".join(f"{r.id[:12]} ({r.label})" for r in rows)
-    if scorer is None:
-        if len(rows) == 1:
-            return rows[0].id, rows[0].label
-        raise CreditError(f"{len(rows)} scorers in this database, pick one with --scorer: {listing}")
-    exact = [r for r in rows if r.id == scorer or r.label == scorer]
-    matches = exact or [r for r in rows if r.id.startswith(scorer)]
-    if len(matches) != 1:
-        what = "matches several scorers" if matches else "matches no scorer"
-        raise CreditError(f"--scorer {scorer!r} {what}; scorers: {listing}")
-    return matches[0].id, matches[0].label
-
-
 RUN_SQL = """
 SELECT r.id, r.name, r.scorer_id, sc.label, r.params, r.run_hash, r.episodes, r.steps,
        r.incomplete_episodes, r.incomplete, r.created_at
@@ -132,6 +115,7 @@ def get_run(store: Store, name: str | None = None) -> RunInfo:
 
 
 def list_runs(store: Store) -> list[RunInfo]:
+    """Every credit run, oldest first."""
     with store.engine.connect() as conn:
         return [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
 

@@ -17,10 +17,10 @@ import math
 import time
 from typing import Any
 
-from hcapo_store.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.http_client import HttpBackend, HttpClient
-from hcapo_store.prompts import StepPrompt
+from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
+from hcapo_store.scoring.prompts import StepPrompt
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
 DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (SERVERS.md §4.3)

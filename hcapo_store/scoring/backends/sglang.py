@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hcapo_store.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
-from hcapo_store.http_client import HttpBackend, HttpClient
-from hcapo_store.prompts import StepPrompt
+from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
+from hcapo_store.scoring.prompts import StepPrompt
 
 
 def build_payload(prompt: StepPrompt, *, max_new_tokens: int = 0) -> dict[str, Any]:

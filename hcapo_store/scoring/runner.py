@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import gc
 import signal
 import threading
@@ -22,25 +23,34 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hcapo_store import db, queue
-from hcapo_store.backends.base import Backend, BackendScore
+from hcapo_store.storage import db
+from hcapo_store.scoring import work_queue
+from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.clock import utcnow
-from hcapo_store.episodes import load_episode
+from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError
-from hcapo_store.http_client import backoff_delay
-from hcapo_store.prompts import PromptBuilder, PromptFailure, StepPrompt
-from hcapo_store.store import Store
+from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
+from hcapo_store.storage.store import Store
 
 FLUSH_SECONDS = 0.2
 FLUSH_RESULTS = 256
 
 
+def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
+    """Exponential backoff with full jitter; a server's Retry-After wins (bounded by cap)."""
+    if retry_after is not None:
+        return min(max(retry_after, 0.0), cap)
+    return random.uniform(0, min(cap, base * 2 ** max(attempt - 1, 0)))
+
+
 @dataclass(frozen=True)
 class RunOptions:
+    """How one ``score`` process runs: concurrency, retries, leases, filters, limit."""
+
     concurrency: int = 4
     max_attempts: int = 4
     lease_seconds: float = 120.0
-    filters: queue.Filters = queue.Filters()
+    filters: work_queue.Filters = work_queue.Filters()
     limit: int | None = None
     worker_id: str | None = None
     backoff_base: float = 0.5
@@ -100,10 +110,10 @@ class Scheduler:
                  on_progress: Callable[[ScoreReport], None] | None = None) -> None:
         self.store, self.scorer_id, self.backend, self.builder = store, scorer_id, backend, builder
         self.options = options
-        self.worker = options.worker_id or queue.default_worker_id()
+        self.worker = options.worker_id or work_queue.default_worker_id()
         self.on_progress = on_progress
         self.report = ScoreReport(scorer_id=scorer_id, worker_id=self.worker)
-        self._pending: list[queue.Outcome] = []
+        self._pending: list[work_queue.StepResult] = []
         self._pending_tokens = 0
         self._stopping = threading.Event()
         self._claimed = 0
@@ -128,11 +138,11 @@ class Scheduler:
 
     async def _run(self) -> ScoreReport:
         started = time.monotonic()
-        queue.reap_dead_local_workers(self.store)
-        self.report.planned = queue.count_claimable(self.store, self.scorer_id, self.options.filters)
+        work_queue.reap_dead_local_workers(self.store)
+        self.report.planned = work_queue.count_claimable(self.store, self.scorer_id, self.options.filters)
         if self.options.limit is not None:
             self.report.planned = min(self.report.planned, self.options.limit)
-        queue.register_worker(self.store, self.worker, self.scorer_id)
+        work_queue.register_worker(self.store, self.worker, self.scorer_id)
         loop = asyncio.get_running_loop()
         installed = _install_sigint(loop, self.stop)
         flusher = asyncio.create_task(self._flush_loop())
@@ -150,7 +160,7 @@ class Scheduler:
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
             self.report.interrupted = self._stopping.is_set()
-            self.report.released = queue.finish_worker(
+            self.report.released = work_queue.finish_worker(
                 self.store, self.worker, "stopped" if self.report.interrupted else state,
                 scored=self.report.scored, failed=self.report.failed)
             self.report.elapsed_s = time.monotonic() - started
@@ -165,26 +175,26 @@ class Scheduler:
             # claim the same remaining budget; give back what the claim did not use.
             self._claimed += remaining or 0
             claim = await asyncio.to_thread(
-                queue.claim, self.store, self.scorer_id, self.worker, lease_seconds=self.options.lease_seconds,
+                work_queue.claim, self.store, self.scorer_id, self.worker, lease_seconds=self.options.lease_seconds,
                 filters=self.options.filters, max_steps=remaining)
             self._claimed += (len(claim.leases) if claim is not None else 0) - (remaining or 0)
             if claim is None:
                 return
             await self._score_episode(claim)
 
-    async def _score_episode(self, claim: queue.Claim) -> None:
+    async def _score_episode(self, claim: work_queue.Claim) -> None:
         prompts = await asyncio.to_thread(self._prompts_for, claim)
         for lease in claim.leases:
             if self._stopping.is_set():
                 return  # unstarted leases are released at the end
             prompt = prompts[lease.step_index]
             if isinstance(prompt, PromptFailure):
-                self._record(queue.Outcome(lease.attempt_id, lease.step_id, error_kind=prompt.reason,
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=prompt.reason,
                                            error=prompt.message, final=True))
                 continue
             await self._score_step(lease, prompt)
 
-    def _prompts_for(self, claim: queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
+    def _prompts_for(self, claim: work_queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
         with self.store.engine.connect() as conn:
             episode = load_episode(conn, claim.episode_id)
         wanted = {lease.step_index for lease in claim.leases}
@@ -193,7 +203,7 @@ class Scheduler:
             built = self.builder.build_episode(episode.messages, episode.outcome, steps)
         return {p.step_index: p for p in built}
 
-    async def _score_step(self, lease: queue.Lease, prompt: StepPrompt) -> None:
+    async def _score_step(self, lease: work_queue.Lease, prompt: StepPrompt) -> None:
         attempt = lease.attempt_count
         while True:
             attempt += 1
@@ -204,7 +214,7 @@ class Scheduler:
                                          f"{prompt.scored_tokens} scored tokens", retryable=False)
             except InferenceError as exc:
                 final = not exc.retryable or attempt >= self.options.max_attempts
-                self._record(queue.Outcome(lease.attempt_id, lease.step_id, error_kind=exc.kind,
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
                                            error=str(exc)[:2000], final=final))
                 if final or self._stopping.is_set():
                     return
@@ -212,13 +222,13 @@ class Scheduler:
                 await asyncio.sleep(backoff_delay(attempt, base=self.options.backoff_base,
                                                   cap=self.options.backoff_cap, retry_after=exc.retry_after))
                 continue
-            self._record(queue.Outcome(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result)))
+            self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result)))
             self._pending_tokens += len(prompt.input_ids)
             return
 
     # -- the single writer -------------------------------------------------------
 
-    def _record(self, outcome: queue.Outcome) -> None:
+    def _record(self, outcome: work_queue.StepResult) -> None:
         if outcome.error_kind is not None and outcome.final:
             self.report.failure_kinds[outcome.error_kind] += 1
         self._pending.append(outcome)
@@ -231,7 +241,7 @@ class Scheduler:
         batch, self._pending = self._pending, []
         tokens, self._pending_tokens = self._pending_tokens, 0
         with db.write(self.store.engine) as conn:
-            scored, failed, discarded = queue.write_outcomes(conn, self.scorer_id, self.worker, batch)
+            scored, failed, discarded = work_queue.write_results(conn, self.scorer_id, self.worker, batch)
         self.report.scored += scored
         self.report.failed += failed
         self.report.discarded += discarded
@@ -247,7 +257,7 @@ class Scheduler:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(max(self.options.lease_seconds / 3, 0.05))
-            await asyncio.to_thread(queue.heartbeat, self.store, self.worker, lease_seconds=self.options.lease_seconds,
+            await asyncio.to_thread(work_queue.heartbeat, self.store, self.worker, lease_seconds=self.options.lease_seconds,
                                     scored=self.report.scored, failed=self.report.failed)
 
 

@@ -17,10 +17,10 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.clock import utcnow
-from hcapo_store.credits import get_run
-from hcapo_store.export import atomic_write
-from hcapo_store.status import scorer_counts
-from hcapo_store.store import Store
+from hcapo_store.credits.runs import get_run
+from hcapo_store.outputs.files import atomic_write
+from hcapo_store.scoring.identity import scorer_counts
+from hcapo_store.storage.store import Store
 
 W, H = 560, 250  # chart size in px
 PAD_L, PAD_R, PAD_T, PAD_B = 56, 16, 28, 42

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hcapo_store.prompts import StepPrompt
+from hcapo_store.scoring.prompts import StepPrompt
 
 
 @dataclass(frozen=True)

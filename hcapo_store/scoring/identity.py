@@ -1,0 +1,106 @@
+"""Scorer identity: everything that determines a step's logprobs → canonical JSON → id.
+
+Same options → the same id (a rerun resumes); any change → a new scorer, and old
+results stay valid for the old one. The server URL is not part of it: two servers of
+the same model and tokenizer are the same scorer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, text
+from sqlalchemy.exc import IntegrityError
+
+from hcapo_store.storage import db
+from hcapo_store.clock import utcnow
+from hcapo_store.errors import CreditError
+from hcapo_store.storage.db import sql_now
+from hcapo_store.storage.models import Scorer
+from hcapo_store.storage.store import Store
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def scorer_id(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(spec).encode()).hexdigest()
+
+
+def scorer_label(spec: dict[str, Any]) -> str:
+    b = spec["backend"]
+    model = b.get("model") or b.get("server_model") or "?"
+    return f"{b['kind']}:{model} ctx={spec['max_context']} lp={spec['max_logprob_tokens']}"
+
+
+def register(store: Store, spec: dict[str, Any]) -> str:
+    """Insert the scorer if new; return its id."""
+    sid = scorer_id(spec)
+    try:
+        with db.write(store.engine) as conn:
+            exists = conn.execute(select(Scorer.id).where(Scorer.id == sid)).first()
+            if exists is None:
+                conn.execute(insert(Scorer), {"id": sid, "label": scorer_label(spec), "spec": canonical_json(spec),
+                                              "created_at": utcnow().isoformat(timespec="seconds")})
+    except IntegrityError:
+        # PostgreSQL: workers starting together race to insert the same scorer (SQLite
+        # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
+        pass
+    return sid
+
+
+def resolve_scorer(conn: Connection, scorer: str | None) -> tuple[str, str]:
+    """The scorer to use: the given id / unique id prefix / label, else the only one."""
+    rows = conn.execute(text("SELECT id, label FROM scorers ORDER BY created_at, id")).all()
+    if not rows:
+        raise CreditError("no scorer in this database: score some steps first")
+    listing = "; ".join(f"{r.id[:12]} ({r.label})" for r in rows)
+    if scorer is None:
+        if len(rows) == 1:
+            return rows[0].id, rows[0].label
+        raise CreditError(f"{len(rows)} scorers in this database, pick one with --scorer: {listing}")
+    exact = [r for r in rows if r.id == scorer or r.label == scorer]
+    matches = exact or [r for r in rows if r.id.startswith(scorer)]
+    if len(matches) != 1:
+        what = "matches several scorers" if matches else "matches no scorer"
+        raise CreditError(f"--scorer {scorer!r} {what}; scorers: {listing}")
+    return matches[0].id, matches[0].label
+
+
+# Per scorer: steps of current episodes that are scored / failed / leased / missing.
+SCORER_COUNTS_SQL = """
+SELECT sc.id AS scorer_id, sc.label, sc.created_at,
+       (SELECT COUNT(*) FROM scores s JOIN steps st ON st.id = s.step_id
+          JOIN episodes e ON e.id = st.episode_id
+        WHERE s.scorer_id = sc.id AND e.is_current) AS scored,
+       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
+        WHERE a.scorer_id = sc.id AND a.status = 'failed' AND e.is_current) AS failed,
+       (SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id
+        WHERE a.scorer_id = sc.id AND a.status = 'leased' AND a.lease_expires_at > :now
+          AND e.is_current) AS leased
+FROM scorers sc
+ORDER BY sc.created_at
+"""
+
+
+def scorer_counts(store: Store) -> list[dict[str, Any]]:
+    with store.engine.connect() as conn:
+        total = int(conn.execute(text(
+            "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
+        )).scalar_one())
+        rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": sql_now(conn)}).mappings().all()
+    out = []
+    for r in rows:
+        d = dict(r)
+        d["missing"] = total - d["scored"] - d["failed"]
+        out.append(d)
+    return out
+
+
+def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
+    with store.engine.connect() as conn:
+        spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
+    return json.loads(spec) if spec else {}
