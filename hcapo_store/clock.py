@@ -18,9 +18,3 @@ def now() -> float:
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")

@@ -214,7 +214,7 @@ def test_action_alone_over_budget_keeps_its_tail_and_never_scores_position_zero(
     messages, step = _single_step(20, 400)
     action_len = PromptBuilder(tok).build_step(messages, OUTCOME, step).total_action_tokens
     cut = PromptBuilder(tok, max_context=100, max_logprob_tokens=0).build_step(messages, OUTCOME, step)
-    assert len(cut.input_ids) == 100 and cut.first_scored == 1 and cut.logprob_start_len == 0
+    assert len(cut.input_ids) == 100 and cut.first_scored == 1  # SGLang starts one earlier: position 0
     assert cut.skipped_action_tokens == action_len - 99
     capped = PromptBuilder(tok, max_context=100, max_logprob_tokens=30).build_step(messages, OUTCOME, step)
     assert capped.first_scored == 70 and capped.scored_tokens == 30

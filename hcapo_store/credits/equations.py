@@ -11,12 +11,12 @@ episode, so a batch of thousands of episodes costs a handful of numpy calls.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
+
+from hcapo_store.canonical import content_hash
 
 PI_MEAN_FLOOR = 1e-12  # the original's guard when the episode mean of pi_hind is 0
 
@@ -60,13 +60,9 @@ class CreditParams:
         return self == CreditParams()
 
 
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 def run_hash(scorer_id: str, params: CreditParams) -> str:
     """Identity of a credit run: same scorer + same hyperparameters → same hash."""
-    return hashlib.sha256(canonical_json({"scorer_id": scorer_id, "params": params.as_dict()}).encode()).hexdigest()
+    return content_hash({"scorer_id": scorer_id, "params": params.as_dict()}, ascii_only=True)
 
 
 @dataclass
@@ -99,7 +95,6 @@ class CreditArrays:
     q_h: np.ndarray
     q_h_smoothed: np.ndarray
     null_rewards: int = 0  # dense steps whose NULL subtask_reward was used as 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def positions(batch: EpisodeBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -165,12 +160,6 @@ def smooth_backwards(q: np.ndarray, dist_to_end: np.ndarray, alpha: float) -> np
         idx = order[bounds[d - 1]:bounds[d]]
         out[idx] = alpha * q[idx] + (1 - alpha) * out[idx + 1]
     return out
-
-
-def suffix_mean(blob: bytes, n: int) -> float:
-    """Mean of the last ``n`` little-endian float32 logprobs of a stored score."""
-    values = np.frombuffer(blob, dtype="<f4")
-    return float(values[-n:].astype(np.float64).mean())
 
 
 # ---- Eq. 8 ---------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.storage import db
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.equations import CreditParams, EpisodeBatch, canonical_json, episode_credits, run_hash
+from hcapo_store.canonical import canonical_json
+from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, run_hash
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.identity import resolve_scorer
 from hcapo_store.storage.store import Store
@@ -198,7 +199,7 @@ def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParam
         text("INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
              "incomplete_episodes, incomplete, created_at) "
              "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at) RETURNING id"),
-        {"name": name, "scorer": scorer_id, "params": canonical_json(params.as_dict()), "h": h,
+        {"name": name, "scorer": scorer_id, "params": canonical_json(params.as_dict(), ascii_only=True), "h": h,
          "at": utcnow().isoformat(timespec="seconds")},
     ).scalar_one())
 

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
+from hcapo_store.scoring.backends.vllm import VLLM_LOGPROB_FLOOR
 from hcapo_store.scoring.forward import PositionScores, LogprobModel
 
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "hcapo-reference-1"
-VLLM_LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf prompt logprobs to this value
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 _MAX_BODY = 256 * 1024 * 1024
 

@@ -7,27 +7,23 @@ the same model and tokenizer are the same scorer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
-from hcapo_store.storage import db
+from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import CreditError
+from hcapo_store.storage import db
 from hcapo_store.storage.db import sql_now
 from hcapo_store.storage.models import Scorer
 from hcapo_store.storage.store import Store
 
 
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def scorer_id(spec: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(spec).encode()).hexdigest()
+    return content_hash(spec)
 
 
 def scorer_label(spec: dict[str, Any]) -> str:

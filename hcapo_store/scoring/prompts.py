@@ -74,11 +74,6 @@ class StepPrompt:
     def scored_tokens(self) -> int:
         return len(self.input_ids) - self.first_scored
 
-    @property
-    def logprob_start_len(self) -> int:
-        """SGLang returns a null entry at the start position, so start one token early."""
-        return self.first_scored - 1
-
 
 @dataclass(frozen=True)
 class PromptFailure:

@@ -126,12 +126,10 @@ def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
 
 
 def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, filters: Filters,
-          max_steps: int | None = None, exclude: Sequence[int] = ()) -> Claim | None:
+          max_steps: int | None = None) -> Claim | None:
     """Lease the claimable steps of one episode (at most ``max_steps``, in step order)."""
     params: dict[str, Any] = {"scorer": scorer_id, "me": worker}
     where = filters.sql(params)
-    if exclude:
-        where += f" AND e.id NOT IN ({', '.join(str(int(x)) for x in exclude)})"
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
         params.update(now=now, expires=now + lease_seconds)

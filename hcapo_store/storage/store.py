@@ -18,7 +18,7 @@ class Store:
     engine: Engine
 
     @classmethod
-    def open(cls, location: str | None = None, *, create: bool = True, check: bool = True) -> "Store":
+    def open(cls, location: str | None = None, *, create: bool = True) -> "Store":
         """Open (and, when blank and ``create``, initialise) a database.
 
         A database behind the code's schema is refused with the command that upgrades it.
@@ -26,8 +26,7 @@ class Store:
         url = db.resolve_url(location)
         engine = db.make_engine(url)
         try:
-            if check:
-                db.check_schema(engine, create=create)
+            db.check_schema(engine, create=create)
         except SQLAlchemyError as exc:
             engine.dispose()
             raise StoreError(f"cannot open database {db.display_url(url)}: {exc}") from exc

@@ -39,11 +39,11 @@ class HttpClient:
     """One pooled async client per server, with an API key sent as a Bearer token."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
-                 max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 max_connections: int = 64) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self._client = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport,
+            base_url=self.base_url, headers=headers, timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
