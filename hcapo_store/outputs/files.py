@@ -14,7 +14,13 @@ _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def _umask() -> int:
-    # No getter exists: set and restore (the CLI is single-threaded when it writes outputs).
+    """The process umask: read from /proc on Linux, else set and restored (no getter exists)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

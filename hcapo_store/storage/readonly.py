@@ -99,7 +99,8 @@ _LEADING = re.compile(r"(\s+|--[^\n]*(\n|$)|/\*.*?\*/|\()*", re.S)
 # Server functions whose effects a rollback does not undo (or that run SQL given as text,
 # which could name them out of sight of this check).
 _SIDE_EFFECTS = re.compile(
-    r"\b(lo_\w+|loread|lowrite|pg_terminate_backend|pg_cancel_backend|pg_reload_conf|pg_rotate_logfile\w*"
+    r"\b(lo_(import|export|unlink|from_bytea|creat|create|put|truncate\w*|open|close|lseek\w*|tell\w*)|loread|lowrite"
+    r"|pg_terminate_backend|pg_cancel_backend|pg_reload_conf|pg_rotate_logfile\w*"
     r"|set_config|pg_(try_)?advisory\w*|dblink\w*|pg_read_(binary_)?file|pg_ls_\w+|pg_stat_file|pg_file_\w+"
     r"|pg_logdir_ls|pg_switch_(wal|xlog)|pg_create_restore_point|pg_promote|pg_\w*replication_\w+"
     r"|pg_logical_emit_message|pg_stat_reset\w*|pg_(start|stop)_backup|pg_backup_(start|stop)"
