@@ -368,3 +368,31 @@ def test_null_rewards_give_a_null_range(store: Store, tmp_path: Path) -> None:
     (doc,) = [json.loads(p.read_text()) for p in (tmp_path / "hs").rglob("hindsight_scores.json")]
     assert [s["subtask_reward"] for s in doc["steps"]] == [None, None]
     assert doc["subtask_reward_range"] is None
+
+
+def test_postgres_select_only_role_cannot_make_large_objects_through_sql(pg_store: Store) -> None:
+    """The issue's reproduction: a role with only SELECT grants could still create large objects."""
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from pg import _libpq
+
+    admin = _libpq(pg_store.url.replace("+psycopg", ""))
+    role = f"hcapo_ro_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    try:
+        url = make_url(admin).set(username=role, password="pw").render_as_string(hide_password=False)
+        before = _pg(pg_store, "SELECT count(*) FROM pg_largeobject_metadata")
+        r = CliRunner().invoke(cli, ["--db", url, "sql", "SELECT lo_from_bytea(0, 'x'::bytea)"])
+        assert "read-only" in _one_line_failure(r) and "pw" not in r.output
+        assert _pg(pg_store, "SELECT count(*) FROM pg_largeobject_metadata") == before
+        r = CliRunner().invoke(cli, ["--db", url, "sql", "SELECT count(*) AS n FROM steps", "--format", "json"])
+        assert r.exit_code == 0 and json.loads(r.output) == [{"n": 0}], r.output
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
