@@ -72,6 +72,11 @@ def _echo_json(data: Any) -> None:
     click.echo(formatting.dumps(data))
 
 
+def _warn(warnings: list[str]) -> None:
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
 # ---------------------------------------------------------------------------
 # database
 
@@ -176,7 +181,7 @@ def status(state: _Ctx, as_json: bool) -> None:
     """Counts of episodes, steps, subtasks; per scorer scored / failed / missing; workers."""
     from hcapo_store.storage.status import status as get_status
 
-    data = get_status(state.store())
+    data = get_status(state.store(create=False))
     if as_json:
         _echo_json(data)
         return
@@ -216,7 +221,7 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
     elif fmt == "json":
         click.echo(formatting.to_json(columns, rows))
     else:
-        click.echo(formatting.table(columns, rows))
+        click.echo(formatting.table(columns, rows, full="--format json (or csv)"))
         click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
 
 
@@ -419,12 +424,9 @@ def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alph
     from hcapo_store.credits.equations import CreditParams
     from hcapo_store.credits.runs import compute_credits
 
-    try:
-        params = CreditParams(t_temp=t_temp, gamma=gamma, c_min=c_min, c_max=c_max, alpha=alpha,
-                              smooth=not no_smooth, dense=not no_dense_rewards,
-                              max_logprob_tokens=max_logprob_tokens)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+    # Invalid values are refused by CreditParams itself (one line, with the valid range).
+    params = CreditParams(t_temp=t_temp, gamma=gamma, c_min=c_min, c_max=c_max, alpha=alpha,
+                          smooth=not no_smooth, dense=not no_dense_rewards, max_logprob_tokens=max_logprob_tokens)
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
     _echo_json(result.as_dict()) if as_json else click.echo(result.message)
 
@@ -444,9 +446,10 @@ def credits_list(state: _Ctx, as_json: bool) -> None:
         click.echo("no credit runs yet: run `hcapo-store credits compute`")
         return
     click.echo(formatting.table(
-        ["name", "scorer", "params", "episodes", "steps", "incomplete", "created"],
+        ["name", "scorer", "params", "episodes", "steps", "incomplete", "stale", "created"],
         [(r.name, r.scorer_label, formatting.params_text(r.params), r.episodes, r.steps, r.incomplete_episodes,
-          r.created_at) for r in runs], max_width=80))
+          "STALE" if r.stale else "", r.created_at) for r in runs], max_width=None))
+    _warn([r.stale for r in runs if r.stale])
 
 
 @credits.command("show")
@@ -462,7 +465,9 @@ def credits_show(state: _Ctx, name: str | None, as_json: bool) -> None:
         _echo_json(data)
         return
     for key, value in data.items():
-        if key != "subtasks":
+        if key == "stale":
+            click.echo(f"{key:<20} {value or 'no'}")
+        elif key != "subtasks":
             click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
     rows = data.get("subtasks") or []
     if rows:
@@ -514,8 +519,11 @@ def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
     from hcapo_store.outputs.export import export_hindsight_json
 
     result = export_hindsight_json(state.store(create=False), out_dir, run)
+    _warn(result["warnings"])
     click.echo(f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
                f"(credit run {result['run']!r})")
+    if not result["episodes"]:
+        sys.exit(1)
 
 
 @export.command("dataset")
@@ -534,11 +542,15 @@ def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, grou
 
     summary = export_dataset(state.store(create=False), out, run, omega=omega, min_reward=min_reward,
                              group_by=group_by, fmt=fmt, use_smoothed=not no_smooth)
+    _warn(summary["warnings"])
     if as_json:
         _echo_json(summary)
     else:
         click.echo(f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
-                   f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero)")
+                   f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero); "
+                   f"summary {summary['summary_path']}")
+    if not summary["episodes_in_dataset"]:
+        sys.exit(1)
 
 
 @cli.command()
@@ -550,6 +562,7 @@ def report(state: _Ctx, out: Path, run: str | None) -> None:
     from hcapo_store.outputs.report import write_report
 
     result = write_report(state.store(create=False), out, run)
+    _warn(result["warnings"])
     click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
 
 

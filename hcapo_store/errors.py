@@ -68,5 +68,9 @@ class CreditError(HcapoError):
     """A credit run cannot be computed or found."""
 
 
+class InvalidCreditParams(CreditError, ValueError):
+    """A hyperparameter outside its valid range (still a ValueError for library callers)."""
+
+
 class ExportError(HcapoError):
     """An export cannot be written."""

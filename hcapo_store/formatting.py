@@ -19,8 +19,21 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int = 60) -> str:
-    cells = [[cell(v)[:max_width] for v in row] for row in rows]
+CUT_MARK = "…"
+
+
+def _cut(text: str, max_width: int | None) -> str:
+    if max_width is None or len(text) <= max_width:
+        return text
+    return text[:max_width - 1] + CUT_MARK
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int | None = 60,
+          full: str = "--json") -> str:
+    """A padded text table. Cells longer than ``max_width`` are cut, marked with …, and a
+    last line says so and how to see whole values (``full``); None never cuts."""
+    whole = [[cell(v) for v in row] for row in rows]
+    cells = [[_cut(v, max_width) for v in row] for row in whole]
     widths = [len(c) for c in columns]
     for row in cells:
         for i, v in enumerate(row):
@@ -28,13 +41,16 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: i
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    if cells != whole:
+        body.append(f"(cells longer than {max_width} characters are cut and end in {CUT_MARK}; "
+                    f"{full} shows whole values)")
     return "\n".join([line, sep, *body])
 
 
-def records_table(records: Sequence[dict[str, Any]]) -> str:
+def records_table(records: Sequence[dict[str, Any]], *, full: str = "--json") -> str:
     """A table of dicts that share their keys (columns in the first record's order)."""
     cols = list(records[0])
-    return table(cols, [[r[c] for c in cols] for r in records])
+    return table(cols, [[r[c] for c in cols] for r in records], full=full)
 
 
 def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

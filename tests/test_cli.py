@@ -48,7 +48,7 @@ def test_ingest_status_sql(runner, db_path, samples):
 def test_sql_is_read_only_by_default(runner, db_path, samples):
     runner.invoke(cli, ["--db", str(db_path), "ingest", str(samples)])
     r = runner.invoke(cli, ["--db", str(db_path), "sql", "DELETE FROM steps"])
-    assert r.exit_code == 1 and "readonly" in r.output
+    assert r.exit_code == 1 and "read-only" in r.output
     r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT COUNT(*) FROM steps"])
     assert "0\n" not in r.output.split("\n", 2)[2]
 

@@ -107,7 +107,7 @@ def test_dataset_matches_reference(store: Store, tmp_path: Path, use_smoothed: b
         assert summary["advantage_stats"][key] == pytest.approx(value, abs=1e-5)
     positive = [w for r in rows for w in r["step_advantages"] if w > 0]
     assert sum(positive) / len(positive) == pytest.approx(1.0, abs=1e-5)
-    on_disk = json.loads((tmp_path / "hcapo_train_summary.json").read_text())
+    on_disk = json.loads((tmp_path / "hcapo_train.jsonl.summary.json").read_text())  # one per output
     assert on_disk["config"]["omega"] == 0.7 and on_disk["config"]["credits"] == "r"
     assert on_disk["config"]["use_smoothed"] is use_smoothed
 

@@ -11,12 +11,14 @@ episode, so a batch of thousands of episodes costs a handful of numpy calls.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from hcapo_store.canonical import content_hash
+from hcapo_store.errors import InvalidCreditParams
 
 PI_MEAN_FLOOR = 1e-12  # the original's guard when the episode mean of pi_hind is 0
 
@@ -35,12 +37,16 @@ class CreditParams:
     max_logprob_tokens: int | None = None  # None: the stored span's mean
 
     def __post_init__(self) -> None:
-        if self.t_temp <= 0:
-            raise ValueError("t_temp must be > 0")
-        if self.c_min > self.c_max:
-            raise ValueError("c_min must be <= c_max")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError("alpha must be in [0, 1]")
+        # NaN fails every comparison, so each check is written as "inside the range".
+        _check("t_temp", self.t_temp, self.t_temp > 0 and math.isfinite(self.t_temp), "a finite number > 0")
+        _check("gamma", self.gamma, 0.0 <= self.gamma <= 1.0, "in [0, 1]")
+        _check("c_min", self.c_min, 0.0 <= self.c_min and math.isfinite(self.c_min), "a finite number >= 0")
+        _check("c_max", self.c_max, self.c_min <= self.c_max and math.isfinite(self.c_max),
+               f"a finite number >= c_min ({self.c_min:g})")
+        _check("alpha", self.alpha, 0.0 <= self.alpha <= 1.0, "in [0, 1]")
+        mlt = self.max_logprob_tokens
+        _check("max_logprob_tokens", mlt, mlt is None or (isinstance(mlt, int) and not isinstance(mlt, bool)),
+               "an integer (<= 0 or none: all stored tokens)")
         # The original treats <= 0 as "all tokens": normalise so both hash the same.
         if self.max_logprob_tokens is not None and self.max_logprob_tokens <= 0:
             object.__setattr__(self, "max_logprob_tokens", None)
@@ -58,6 +64,12 @@ class CreditParams:
     @property
     def is_default(self) -> bool:
         return self == CreditParams()
+
+
+def _check(name: str, value: Any, ok: bool, valid: str) -> None:
+    if not ok:
+        flag = name.replace("_", "-")
+        raise InvalidCreditParams(f"{name} (--{flag}) must be {valid}, got {value!r}")
 
 
 def run_hash(scorer_id: str, params: CreditParams) -> str:

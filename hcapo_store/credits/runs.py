@@ -58,9 +58,25 @@ class RunInfo:
     incomplete_episodes: int
     incomplete: list[str]
     created_at: str
+    # Staleness, filled by get_run / list_runs (see ``run_staleness``).
+    superseded_episodes: int = 0  # credited episodes that have a newer version since
+    uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "stale": self.stale}
+
+    @property
+    def stale(self) -> str | None:
+        """Why the run no longer matches the store, or None when it is fresh."""
+        why = []
+        if self.superseded_episodes:
+            why.append(f"{self.superseded_episodes} credited episode(s) have a newer version")
+        if self.uncredited_complete_episodes:
+            why.append(f"{self.uncredited_complete_episodes} completely scored episode(s) are not in it")
+        if not why:
+            return None
+        return (f"credit run {self.name!r} is stale: {'; '.join(why)}; run `hcapo-store credits compute "
+                f"--recompute` with its parameters")
 
 
 @dataclass
@@ -99,13 +115,39 @@ def _find_run(conn: Connection, where: str, **params: Any) -> RunInfo | None:
     return _run_from_row(row) if row is not None else None
 
 
+STALE_SUPERSEDED_SQL = """
+SELECT COUNT(DISTINCT s.episode_id)
+FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
+WHERE c.run_id = :run AND e.is_current IS NOT TRUE
+"""
+
+STALE_UNCREDITED_SQL = """
+SELECT COUNT(*) FROM episodes e
+WHERE e.is_current IS TRUE
+  AND EXISTS (SELECT 1 FROM steps s WHERE s.episode_id = e.id)
+  AND NOT EXISTS (SELECT 1 FROM steps s JOIN credits c ON c.step_id = s.id AND c.run_id = :run
+                  WHERE s.episode_id = e.id)
+  AND NOT EXISTS (SELECT 1 FROM steps s LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
+                  WHERE s.episode_id = e.id AND sc.id IS NULL)
+"""
+
+
+def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
+    """Fill in what changed since the run was computed: credited episodes superseded by a
+    new version, and episodes completely scored (e.g. after the run) that it lacks."""
+    bind = {"run": run.id, "scorer": run.scorer_id}
+    run.superseded_episodes = int(conn.execute(text(STALE_SUPERSEDED_SQL), bind).scalar() or 0)
+    run.uncredited_complete_episodes = int(conn.execute(text(STALE_UNCREDITED_SQL), bind).scalar() or 0)
+    return run
+
+
 def get_run(store: Store, name: str | None = None) -> RunInfo:
-    """A run by name; with no name, the only run (else an error listing them)."""
+    """A run by name (with its staleness); with no name, the only run (else an error listing them)."""
     with store.engine.connect() as conn:
         if name is not None:
             run = _find_run(conn, "r.name = :name", name=name)
             if run is not None:
-                return run
+                return run_staleness(conn, run)
         names = [r[0] for r in conn.execute(text("SELECT name FROM credit_runs ORDER BY id"))]
     if name is None and len(names) == 1:
         return get_run(store, names[0])
@@ -118,7 +160,8 @@ def get_run(store: Store, name: str | None = None) -> RunInfo:
 def list_runs(store: Store) -> list[RunInfo]:
     """Every credit run, oldest first."""
     with store.engine.connect() as conn:
-        return [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
+        runs = [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
+        return [run_staleness(conn, r) for r in runs]
 
 
 # ---- compute -------------------------------------------------------------------------------
@@ -145,6 +188,7 @@ def compute_credits(
         h = run_hash(scorer_id, params)
         existing = _find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
+            run_staleness(conn, existing)
             return ComputeResult(existing, False, _existing_message(existing, name),
                                  seconds=time.perf_counter() - started)
         run_name = _choose_name(conn, name, params, h, existing)
@@ -173,6 +217,8 @@ def _existing_message(run: RunInfo, name: str | None) -> str:
     msg = f"credit run {run.name!r} already has this scorer and these parameters: returned it"
     if name is not None and name != run.name:
         msg += f" (the name {name!r} was not used)"
+    if run.stale:
+        return f"{msg}; warning: {run.stale}"
     return msg + "; use --recompute to compute it again"
 
 

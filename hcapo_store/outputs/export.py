@@ -27,16 +27,17 @@ from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.storage.episodes import loader_message
 from hcapo_store.errors import ExportError
 from hcapo_store.scoring.identity import scorer_spec
-from hcapo_store.outputs.files import atomic_write
+from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000
 PARQUET_BATCH = 256
+PARQUET_METADATA_KEY = "hcapo_store"  # schema metadata: JSON provenance (run, scorer, parameters, version)
 _INT = re.compile(r"-?\d+")
 
 
-def _write_json(path: Path, data: Any) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2, ensure_ascii=False).encode()))
+def _write_json(path: Path, data: Any, inputs: list[Path]) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2, ensure_ascii=False).encode()), inputs=inputs)
 
 
 def episode_id_value(external_id: str | None, name: str) -> int | str:
@@ -104,7 +105,8 @@ def _hindsight_doc(rows: list[Any], hyper: dict[str, Any]) -> dict[str, Any]:
         "dense_rewards_used": hyper["dense_rewards"],  # truthful, unlike the original (quirk Q13)
         "num_steps": len(steps),
         "num_subtasks_covered": len({s["subtask_id"] or s["phase"] for s in steps}),
-        "subtask_reward_range": [min(rewards), max(rewards)] if rewards else [0.0, 0.0],
+        # null when no step has a reward (e.g. a null plan_score), agreeing with the steps' nulls
+        "subtask_reward_range": [min(rewards), max(rewards)] if rewards else None,
         "steps": steps,
         "pi_hind_mean": sum(s["pi_hind"] for s in steps) / len(steps),
         "hyperparams": hyper,
@@ -116,14 +118,18 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
     run = get_run(store, run_name)
     hyper = _hyperparams(run, store)
     out = Path(out_dir)
+    check_output(out, store.files)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a directory: pick another output directory")
     written = 0
     with store.engine.connect() as conn:
         rows = _stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
         for _, group in itertools.groupby(rows, key=lambda r: r[0]):
             ep_rows = list(group)
-            _write_json(out / _safe_dirname(ep_rows[0][1]) / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper))
+            _write_json(out / _safe_dirname(ep_rows[0][1]) / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper),
+                        store.files)
             written += 1
-    return {"run": run.name, "out_dir": str(out), "episodes": written}
+    return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": _run_warnings(run)}
 
 
 # ---- Eq. 8 dataset --------------------------------------------------------------------------------
@@ -158,11 +164,25 @@ def _selected(conn: Connection, run: RunInfo, min_reward: float, use_smoothed: b
     return episodes
 
 
-def _groups(conn: Connection, episodes: list[dict[str, Any]], group_by: str | None) -> list[Any] | None:
+def _groups(conn: Connection, episodes: list[dict[str, Any]], group_by: str | None,
+            warnings: list[str]) -> list[Any] | None:
     if group_by is None:
         return None
     tags = dict(conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all())
-    return [tags.get(e["id"]) for e in episodes]
+    groups = [tags.get(e["id"]) for e in episodes]
+    untagged = groups.count(None)
+    if episodes and untagged == len(episodes):
+        known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
+        warnings.append(f"--group-by {group_by}: no exported episode has this tag, so all form one group "
+                        f"(tags: {', '.join(known) or 'none'})")
+    elif untagged:
+        warnings.append(f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this tag "
+                        "and form one group of their own")
+    return groups
+
+
+def _run_warnings(run: RunInfo) -> list[str]:
+    return [run.stale] if run.stale else []
 
 
 def _episode_ids(episodes: list[dict[str, Any]]) -> list[int | str]:
@@ -234,21 +254,35 @@ def export_dataset(
     fmt: str = "jsonl",
     use_smoothed: bool = True,
 ) -> dict[str, Any]:
-    """Eq. 8 rows (one per episode) + ``<out stem>_summary.json``; returns the summary."""
+    """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns the summary.
+
+    ``summary["warnings"]`` says what the caller should know: a stale run, a ``group_by``
+    tag the episodes lack, an empty dataset.
+    """
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
-    run = get_run(store, run_name)
     out = Path(out_path)
+    summary_path = summary_path_for(out)
+    for path in (out, summary_path):
+        check_output(path, store.files)
+    run = get_run(store, run_name)
+    warnings = _run_warnings(run)
+    provenance = _provenance(run)
     stats = _Stats()
     with store.engine.connect() as conn:
         episodes = _selected(conn, run, min_reward, use_smoothed)
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
-                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by))
+                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
         rows = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
         if fmt == "jsonl":
-            atomic_write(out, lambda f: _write_jsonl(f, rows))
+            atomic_write(out, lambda f: _write_jsonl(f, rows), inputs=store.files)
         else:
-            atomic_write(out, lambda f: _write_parquet(f, rows))
+            config = {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed, "group_by": group_by}
+            atomic_write(out, lambda f: _write_parquet(f, rows, {**provenance, "config": config}),
+                         inputs=store.files)
+    if stats.rows == 0:
+        warnings.append(f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
+                        f"{min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)")
     summary = {
         "total_episodes_loaded": len(episodes),
         "episodes_in_dataset": stats.rows,
@@ -258,9 +292,30 @@ def export_dataset(
         "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
                    "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
                    "credit_params": run.params, "format": fmt},
+        "provenance": provenance,
+        "warnings": warnings,
     }
-    _write_json(out.with_name(f"{out.stem}_summary.json"), summary)
-    return {"path": str(out), **summary}
+    _write_json(summary_path, summary, store.files)
+    return {"path": str(out), "summary_path": str(summary_path), **summary}
+
+
+def summary_path_for(out: Path) -> Path:
+    """One summary per output file: ``train.jsonl`` → ``train.jsonl.summary.json`` (the
+    JSONL and Parquet exports of one stem no longer share one)."""
+    return out.with_name(f"{out.name}.summary.json")
+
+
+def _provenance(run: RunInfo) -> dict[str, Any]:
+    """Where the rows come from; in the summary and in the Parquet schema metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("hcapo-store")
+    except PackageNotFoundError:  # pragma: no cover - a source tree without an install
+        ours = "unknown"
+    return {"credit_run": run.name, "run_hash": run.run_hash, "run_created_at": run.created_at,
+            "scorer_id": run.scorer_id, "scorer_label": run.scorer_label, "credit_params": run.params,
+            "hcapo_store_version": ours}
 
 
 def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
@@ -281,20 +336,21 @@ def _parquet_schema(id_type: Any) -> Any:
                       ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
 
 
-def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
+def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], provenance: dict[str, Any]) -> None:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
+    metadata = {PARQUET_METADATA_KEY: json.dumps(provenance, ensure_ascii=False)}
     writer = None
     for batch in _batched(rows, PARQUET_BATCH):
         if writer is None:
             id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, _parquet_schema(id_type))
+            writer = pq.ParquetWriter(f, _parquet_schema(id_type).with_metadata(metadata))
         writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
     if writer is None:
-        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64()))
+        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64()).with_metadata(metadata))
     writer.close()
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.runs import get_run
-from hcapo_store.outputs.files import atomic_write
+from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.identity import scorer_counts
 from hcapo_store.storage.store import Store
 
@@ -290,6 +290,8 @@ def build_report(store: Store, run_name: str | None = None) -> str:
     if run.incomplete:
         shown = ", ".join(run.incomplete[:50]) + (" …" if len(run.incomplete) > 50 else "")
         sections.insert(4, f"<p>Incomplete (not credited): {html.escape(shown)}</p>")
+    if run.stale:
+        sections.insert(2, f'<p class="meta"><strong>Warning: {html.escape(run.stale)}</strong></p>')
     body = "\n".join(sections)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>hcapo-store report: {html.escape(run.name)}</title><style>{CSS}</style></head>"
@@ -297,8 +299,12 @@ def build_report(store: Store, run_name: str | None = None) -> str:
 
 
 def write_report(store: Store, out_html: Path | str, run_name: str | None = None) -> dict[str, Any]:
-    """Write the report atomically; returns the path and the run it describes."""
-    page = build_report(store, run_name)
+    """Write the report atomically (never over the database or another SQLite file);
+    returns the path, the run it describes, and warnings (a stale run)."""
     out = Path(out_html)
-    atomic_write(out, lambda f: f.write(page.encode()))
-    return {"path": str(out), "run": get_run(store, run_name).name, "bytes": len(page.encode())}
+    check_output(out, store.files)
+    page = build_report(store, run_name)
+    atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
+    run = get_run(store, run_name)
+    return {"path": str(out), "run": run.name, "bytes": len(page.encode()),
+            "warnings": [run.stale] if run.stale else []}

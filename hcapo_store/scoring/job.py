@@ -12,6 +12,7 @@ from typing import Any, Callable
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.storage.episodes import load_episode
+from hcapo_store.masking import mask_url
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
@@ -93,7 +94,7 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
         if close:  # prepare() only reads the server's facts; run_scoring() starts it again
             await backend.close()
     except InferenceError as exc:
-        where = cfg.server or cfg.model
+        where = mask_url(cfg.server or cfg.model or "")
         raise ScoringError(f"cannot reach the {cfg.backend} backend at {where}: {exc}; is the server up?") from exc
 
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, text
 
+from hcapo_store.masking import mask_credentials
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
@@ -260,14 +261,15 @@ def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[
             else:
                 discarded += 1  # someone else finished this step first
             continue
+        message = mask_credentials(o.error or "")  # a server URL's password never reaches the database
         conn.execute(text(
             "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": o.error, "me": worker, "now": now})
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "me": worker, "now": now})
         status_sql = ", status = 'failed', lease_owner = NULL, lease_expires_at = NULL" if o.final else ""
         conn.execute(text(
             f"UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
             f"updated_at = :now{status_sql} WHERE id = :id AND status <> 'done'"),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": o.error, "now": now})
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "now": now})
         failed += int(o.final)
     return scored, failed, discarded
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from hcapo_store.storage import db
+from hcapo_store.storage import db, readonly
 from hcapo_store.errors import StoreError
 
 
@@ -24,6 +25,8 @@ class Store:
         A database behind the code's schema is refused with the command that upgrades it.
         """
         url = db.resolve_url(location)
+        if not create:
+            _require_existing(url)
         engine = db.make_engine(url)
         try:
             db.check_schema(engine, create=create)
@@ -53,39 +56,61 @@ class Store:
         self.close()
 
     def query(self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True) -> tuple[list[str], list[tuple]]:
-        """Run one SQL statement; read-only unless asked (SQLite: ``query_only`` pragma;
-        PostgreSQL: a ``READ ONLY`` transaction). ``params`` are named (``:name``)."""
+        """Run one SQL statement; read-only unless asked (``storage/readonly.py``: SQLite's
+        authorizer; PostgreSQL: a rolled-back ``READ ONLY`` transaction without server
+        functions that have side effects). ``params`` are named (``:name``)."""
+        if read_only and self.dialect == "postgresql":
+            readonly.pg_check(sql)
+        guard = None
         try:
             with self.engine.connect() as conn:
                 if read_only:
-                    _enter_read_only(conn)
+                    guard = _enter_read_only(conn)
                 try:
-                    if params:
-                        # Named :params, the same on every engine.
-                        result = conn.execute(text(sql), params)
-                    elif conn.dialect.name == "postgresql":
-                        cols, rows = _pg_raw(conn, sql, read_only=read_only)
-                        conn.commit()
-                        return cols, rows
-                    else:
-                        result = conn.exec_driver_sql(sql)
-                    if not result.returns_rows:
-                        conn.commit()
-                        return [], []
-                    cols = list(result.keys())
-                    rows = [tuple(r) for r in result]
-                    conn.commit()
+                    cols, rows = _run(conn, sql, params, read_only=read_only)
+                    # Read-only work is never committed: what a READ ONLY transaction still
+                    # allows (large objects, set_config) is rolled back.
+                    conn.rollback() if read_only else conn.commit()
                     return cols, rows
                 finally:
                     if read_only:
                         _leave_read_only(conn)
         except SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
-            raise StoreError(f"SQL error: {orig}") from exc
+            raise _read_only_error(guard, orig) or StoreError(f"SQL error: {orig}") from exc
         except Exception as exc:
             if type(exc).__module__.startswith("psycopg"):  # from _pg_raw
                 raise StoreError(f"SQL error: {exc}") from exc
             raise
+
+    @property
+    def files(self) -> list[Path]:
+        """The database's file (SQLite), to keep outputs from overwriting it."""
+        return [Path(self.display)] if self.dialect == "sqlite" else []
+
+
+def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
+    if params:
+        result = conn.execute(text(sql), params)  # named :params, the same on every engine
+    elif conn.dialect.name == "postgresql":
+        return _pg_raw(conn, sql, read_only=read_only)
+    else:
+        result = conn.exec_driver_sql(sql)
+    if not result.returns_rows:
+        return [], []
+    return list(result.keys()), [tuple(r) for r in result]
+
+
+def _read_only_error(guard, orig: BaseException) -> StoreError | None:  # noqa: ANN001
+    return readonly.sqlite_error(guard, orig) if guard is not None else None
+
+
+def _require_existing(url: str) -> None:
+    """Read-only commands never create a database (nor its directory) by accident."""
+    path = db.display_url(url)
+    if url.startswith("sqlite:///") and path != ":memory:" and not Path(path).is_file():
+        raise StoreError(f"no database at {path}: check --db (or {db.ENV_DB}); "
+                         f"`hcapo-store --db {path} init` creates one")
 
 
 def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
@@ -102,16 +127,16 @@ def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]
         return [d.name for d in cur.description], [tuple(r) for r in cur.fetchall()]
 
 
-def _enter_read_only(conn) -> None:  # noqa: ANN001
+def _enter_read_only(conn):  # noqa: ANN001, ANN202
     if conn.dialect.name == "sqlite":
-        conn.connection.driver_connection.execute("PRAGMA query_only = ON")
-    else:
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        return readonly.sqlite_enter(conn.connection.driver_connection)
+    readonly.pg_enter(conn)
+    return None
 
 
 def _leave_read_only(conn) -> None:  # noqa: ANN001
     if conn.dialect.name == "sqlite":
-        conn.connection.driver_connection.execute("PRAGMA query_only = OFF")
+        readonly.sqlite_leave(conn.connection.driver_connection)
 
 
 def count(store: Store, sql: str, **params: Any) -> int:

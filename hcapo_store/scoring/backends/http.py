@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from hcapo_store.errors import InferenceError
+from hcapo_store.masking import mask_credentials, mask_url
 
 try:  # optional: 3-4x faster than json on the large id lists and logprob arrays
     import orjson
@@ -41,7 +42,8 @@ class HttpClient:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
                  max_connections: int = 64) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base_url = base_url.rstrip("/")
+        self.base_url = base_url.rstrip("/")  # may carry user:password (sent as basic auth)
+        self.display_url = mask_url(self.base_url)  # what messages show
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
@@ -66,14 +68,16 @@ class HttpClient:
             else:
                 response = await self._client.request(method, path, json=payload)
         except httpx.TimeoutException as exc:
-            raise InferenceError("timeout", f"{method} {self.base_url}{path}: {type(exc).__name__}", retryable=True) from exc
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise InferenceError("connect", f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}",
+            raise InferenceError("timeout", f"{method} {self.display_url}{path}: {type(exc).__name__}",
                                  retryable=True) from exc
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise InferenceError("connect", mask_credentials(f"{method} {self.display_url}{path}: "
+                                                             f"{type(exc).__name__}: {exc}"), retryable=True) from exc
         except httpx.HTTPError as exc:
-            raise InferenceError("http", f"{method} {self.base_url}{path}: {exc}", retryable=True) from exc
+            raise InferenceError("http", mask_credentials(f"{method} {self.display_url}{path}: {exc}"),
+                                 retryable=True) from exc
         if response.status_code != 200:
-            body = response.text[:300]
+            body = mask_credentials(response.text[:300])
             retryable = response.status_code in RETRYABLE_STATUS or "queue is full" in body.lower()
             raise InferenceError(f"http_{response.status_code}", f"{method} {path}: {body}",
                                  retryable=retryable, retry_after=_retry_after(response))
@@ -94,6 +98,7 @@ class HttpBackend:
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
+        self.display_url = mask_url(self.url)  # for messages: credentials masked
         self.api_key = api_key
         self.client = client
         self.timeout = timeout  # for the clients start() creates; None: DEFAULT_TIMEOUT

@@ -141,13 +141,13 @@ class VLLMBackend(HttpBackend):
         served = [c["id"] for c in cards]
         if self.requested_model is None:
             if len(cards) != 1:
-                raise ScoringError(f"the vLLM server at {self.url} serves {served or 'no models'}: "
+                raise ScoringError(f"the vLLM server at {self.display_url} serves {served or 'no models'}: "
                                    "pass --model NAME to choose one")
             self.model_card = cards[0]
         else:
             match = [c for c in cards if c["id"] == self.requested_model]
             if not match:
-                raise ScoringError(f"the vLLM server at {self.url} serves {served}, not {self.requested_model!r}")
+                raise ScoringError(f"the vLLM server at {self.display_url} serves {served}, not {self.requested_model!r}")
             self.model_card = match[0]
         self.model = self.model_card["id"]
         info = await self.get_optional("/version")

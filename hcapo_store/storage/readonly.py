@@ -1,0 +1,129 @@
+"""Read-only user SQL, enforced by the engines themselves.
+
+SQLite: an authorizer callback (``sqlite3.Connection.set_authorizer``) on top of
+``PRAGMA query_only``: the engine asks it about every action while compiling a
+statement, and it allows only reads, functions, transactions and introspection pragmas.
+``ATTACH`` (which creates files anywhere, and is how ``VACUUM INTO`` writes) is denied.
+
+PostgreSQL: a ``READ ONLY`` transaction that is always rolled back, never committed, so
+transactional side effects that a read-only transaction still allows (large objects made
+or unlinked by ``lo_from_bytea``/``lo_unlink``, ``set_config``, ``NOTIFY``) vanish. What
+a rollback cannot undo (signalling other sessions, reloading the configuration, server
+files, advisory locks kept by the pooled session, connections to elsewhere) is refused
+before the statement is sent: only a query statement is accepted, and it may not name a
+server function with side effects or one that runs SQL given as text. A dedicated
+restricted role would also stop these, but it needs CREATEROLE and is cluster-wide, so
+it is not something a ``sql`` command can set up on a user's server.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from typing import Any
+
+from hcapo_store.errors import StoreError
+
+WRITE_HINT = "read-only: {what} is not allowed (add --write to modify the database)"
+
+# ---- SQLite ------------------------------------------------------------------------------------
+
+_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                    sqlite3.SQLITE_RECURSIVE, sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT}
+# Pragmas that only describe the schema or check it; any argument is a table/index name.
+_INTROSPECTION_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                          "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check",
+                          "function_list", "pragma_list", "collation_list", "module_list", "database_list",
+                          "compile_options"}
+# Pragmas that only read a setting when given no value (with a value they change it).
+_SETTING_PRAGMAS = {"user_version", "schema_version", "application_id", "page_count", "page_size",
+                    "freelist_count", "journal_mode", "encoding", "foreign_keys", "query_only", "data_version",
+                    "cache_size", "busy_timeout", "synchronous", "auto_vacuum", "max_page_count"}
+_ACTIONS = ("CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
+            "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE "
+            "DROP_TEMP_TRIGGER DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT UPDATE ATTACH DETACH ALTER_TABLE "
+            "REINDEX ANALYZE CREATE_VTABLE DROP_VTABLE").split()
+_ACTION_NAMES = {getattr(sqlite3, f"SQLITE_{a}"): a.replace("_", " ") for a in _ACTIONS}
+
+
+class _SqliteGuard:
+    """The authorizer; remembers what it denied so the error can name it."""
+
+    def __init__(self) -> None:
+        self.denied: str | None = None
+
+    def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None,
+                 _trigger: str | None) -> int:
+        if action in _ALLOWED_ACTIONS and not (action == sqlite3.SQLITE_FUNCTION and arg2 == "load_extension"):
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_UPDATE and arg1 in ("sqlite_master", "sqlite_temp_master"):
+            # Asked while SQLite reloads its schema (e.g. for pragma_table_info()); changing the
+            # schema table needs writable_schema, a pragma refused below, and query_only holds.
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA:
+            name = (arg1 or "").lower()
+            if name in _INTROSPECTION_PRAGMAS or (name in _SETTING_PRAGMAS and arg2 is None):
+                return sqlite3.SQLITE_OK
+            what = f"PRAGMA {name}" + (f" = {arg2}" if arg2 is not None else "")
+        elif action == sqlite3.SQLITE_FUNCTION:
+            what = f"{arg2}()"
+        else:
+            what = _ACTION_NAMES.get(action, f"action {action}") + (f" {arg1}" if arg1 else "")
+        self.denied = self.denied or what  # the first refusal is the statement's own
+        return sqlite3.SQLITE_DENY
+
+
+def sqlite_enter(raw: sqlite3.Connection) -> _SqliteGuard:
+    raw.execute("PRAGMA query_only = ON")
+    guard = _SqliteGuard()
+    raw.set_authorizer(guard)
+    return guard
+
+
+def sqlite_leave(raw: sqlite3.Connection) -> None:
+    raw.set_authorizer(None)
+    raw.execute("PRAGMA query_only = OFF")
+
+
+def sqlite_error(guard: _SqliteGuard, exc: BaseException) -> StoreError | None:
+    """The read-only refusal behind a "not authorized" error, if it was one."""
+    if guard.denied is None or "not authorized" not in str(exc):
+        return None
+    return StoreError(WRITE_HINT.format(what=guard.denied))
+
+
+# ---- PostgreSQL --------------------------------------------------------------------------------
+
+_QUERY_KEYWORDS = {"select", "with", "values", "table", "show", "explain"}
+_LEADING = re.compile(r"(\s+|--[^\n]*(\n|$)|/\*.*?\*/|\()*", re.S)
+# Server functions whose effects a rollback does not undo (or that run SQL given as text,
+# which could name them out of sight of this check).
+_SIDE_EFFECTS = re.compile(
+    r"\b(lo_(import|export|unlink|from_bytea|creat|create|put|truncate\w*|open|close|lseek\w*|tell\w*)|loread|lowrite"
+    r"|pg_terminate_backend|pg_cancel_backend|pg_reload_conf|pg_rotate_logfile\w*"
+    r"|set_config|pg_(try_)?advisory\w*|dblink\w*|pg_read_(binary_)?file|pg_ls_\w+|pg_stat_file|pg_file_\w+"
+    r"|pg_logdir_ls|pg_switch_(wal|xlog)|pg_create_restore_point|pg_promote|pg_\w*replication_\w+"
+    r"|pg_logical_emit_message|pg_stat_reset\w*|pg_(start|stop)_backup|pg_backup_(start|stop)"
+    r"|pg_wal_replay_\w+|pg_import_system_collations|pg_log_backend_memory_contexts|pg_notify"
+    r"|query_to_xml\w*|ts_stat|nextval|setval)\b",
+    re.I,
+)
+
+
+def pg_check(sql: str) -> None:
+    """Refuse, before sending, what a rolled-back READ ONLY transaction would not contain."""
+    body = sql[_LEADING.match(sql).end():]  # type: ignore[union-attr]
+    keyword = re.match(r"[A-Za-z]+", body)
+    if keyword is None or keyword.group(0).lower() not in _QUERY_KEYWORDS:
+        first = keyword.group(0).upper() if keyword else body[:20]
+        raise StoreError(WRITE_HINT.format(what=f"a {first} statement (only SELECT, WITH, VALUES, TABLE, "
+                                                f"SHOW and EXPLAIN are read-only)"))
+    if re.search(r"\bU&['\"]", sql, re.I):
+        raise StoreError(WRITE_HINT.format(what="a Unicode-escaped name (U&\"…\")"))
+    hit = _SIDE_EFFECTS.search(sql)
+    if hit:
+        raise StoreError(WRITE_HINT.format(what=f"{hit.group(0)}() (a server function with side effects)"))
+
+
+def pg_enter(conn: Any) -> None:  # noqa: ANN401 - a SQLAlchemy Connection
+    conn.exec_driver_sql("SET TRANSACTION READ ONLY")
