@@ -83,7 +83,7 @@ ORDER BY sc.created_at
 
 
 def scorer_counts(store: Store) -> list[dict[str, Any]]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         total = int(conn.execute(text(
             "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
         )).scalar_one())
@@ -97,6 +97,6 @@ def scorer_counts(store: Store) -> list[dict[str, Any]]:
 
 
 def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
     return json.loads(spec) if spec else {}
