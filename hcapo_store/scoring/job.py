@@ -17,6 +17,7 @@ from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPRO
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_label
+from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -121,6 +122,8 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
         "max_context": cfg.max_context,
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
+        "rendering_sha256": rendering_fingerprint(builder),
+        "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
     return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
 
