@@ -300,3 +300,38 @@ def test_locked_error_maps_at_the_boundary(ingested):
     finally:
         lock.release()
         store.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MB tmpfs (needs root; skipped otherwise): a real full disk."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_ingest_on_a_full_disk_is_one_line_and_unchanged(small_disk, tmp_path):
+    path = small_disk / "store.db"
+    Store.open(str(path)).close()
+    episodes = tmp_path / "big"
+    write_standard_episodes(episodes, 8, seed=2, steps_per_subtask=2, output_words=400)
+    before = _snapshot(path)
+    filler = small_disk / "filler"
+    stat = os.statvfs(small_disk)
+    filler.write_bytes(b"\0" * max(stat.f_bavail * stat.f_frsize - 48 * 1024, 0))  # leave 48 KiB
+    result = subprocess.run([HCAPO, "--db", str(path), "ingest", str(episodes)], capture_output=True, text=True,
+                            timeout=WAIT, env={**os.environ, "NO_COLOR": "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "is full" in errors[0], result.stderr
+    filler.unlink()
+    assert _snapshot(path) == before
+    with sqlite3.connect(str(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
