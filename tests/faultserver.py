@@ -307,6 +307,15 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
 # --------------------------------------------------------------------------- test helpers
 
 
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Poll until a state is reached (``timeout`` only bounds a hang on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
 def step_prompts(store: Any, builder: Any) -> dict[tuple[str, int], Any]:
     """(episode name, step index) -> StepPrompt | PromptFailure for every current step."""
     from sqlalchemy import text

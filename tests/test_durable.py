@@ -14,14 +14,13 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import event, text
 
-from faultserver import FaultServer
+from faultserver import FaultServer, wait_for
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, StoreError
 from hcapo_store.ingestion.pipeline import ingest
@@ -36,7 +35,7 @@ from hcapo_store.storage.store import Store, count
 MAX_CONTEXT = 2048
 HCAPO = shutil.which("hcapo-store") or str(Path(sys.executable).with_name("hcapo-store"))
 SHORT_BUSY = {ENV_BUSY_TIMEOUT: "0.2"}
-WAIT = 120.0  # upper bound for a state to be reached on a loaded machine
+WAIT = 120.0  # upper bound for a process to end on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +59,6 @@ def ingested(tmp_path: Path, episodes_dir: Path) -> Path:
     with Store.open(str(path)) as store:
         ingest(store, [episodes_dir])
     return path
-
-
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class WriteLock:
@@ -118,20 +109,23 @@ def _steps(path: Path) -> int:
         return conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
 
 
-def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_dir, tmp_path):
-    """A writer blocked by another process's lock keeps its batch, retries, and stores everything."""
+def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, log: Path,
+                          release_when=None) -> int:
+    """Run `score` in a process; take the write lock once its first request is at the server
+    (its claim is committed); release it when ``release_when()`` holds, else after the
+    process ended. Returns the exit status."""
     server.reset()
     server.gate = threading.Event()
-    log = tmp_path / "score.err"
-    proc = _spawn(_score_cmd(ingested, server, tiny_model_dir), log, SHORT_BUSY)
+    proc = _spawn(_score_cmd(db, server, tiny_model_dir), log, SHORT_BUSY)
     lock = None
     try:
-        _wait_for(lambda: server.requests >= 1, "the first request (the claim is committed)")
-        lock = WriteLock(ingested)
+        wait_for(lambda: server.requests >= 1, "the first request (the claim is committed)")
+        lock = WriteLock(db)
         server.gate.set()
-        _wait_for(lambda: "failed (1 time(s) in a row" in log.read_text(), "a failed flush")
-        lock.release()
-        assert proc.wait(timeout=WAIT) == 0, log.read_text()
+        if release_when is not None:
+            wait_for(release_when, "the state that releases the lock")
+            lock.release()
+        return proc.wait(timeout=WAIT)
     finally:
         server.gate.set()
         server.gate = None
@@ -139,6 +133,14 @@ def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_d
             lock.release()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_dir, tmp_path):
+    """A writer blocked by another process's lock keeps its batch, retries, and stores everything."""
+    log = tmp_path / "score.err"
+    rc = _score_locked_mid_run(ingested, server, tiny_model_dir, log,
+                               release_when=lambda: "failed (1 time(s) in a row" in log.read_text())
+    assert rc == 0, log.read_text()
     steps = _steps(ingested)
     assert _scores(ingested) == steps
     assert _statuses(ingested) == {"done": steps}
@@ -147,23 +149,8 @@ def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_d
 def test_flush_gives_up_with_one_line_and_nonzero_exit(ingested, server, tiny_model_dir, tmp_path):
     """The lock is held until the process ends: it stops with one line and exit 1; the results
     it could not store are not counted anywhere, and the next run scores them."""
-    server.reset()
-    server.gate = threading.Event()
     log = tmp_path / "score.err"
-    proc = _spawn(_score_cmd(ingested, server, tiny_model_dir), log, SHORT_BUSY)
-    lock = None
-    try:
-        _wait_for(lambda: server.requests >= 1, "the first request (the claim is committed)")
-        lock = WriteLock(ingested)
-        server.gate.set()
-        rc = proc.wait(timeout=WAIT)
-    finally:
-        server.gate.set()
-        server.gate = None
-        if lock is not None:
-            lock.release()
-        if proc.poll() is None:
-            proc.kill()
+    rc = _score_locked_mid_run(ingested, server, tiny_model_dir, log)
     assert rc == 1
     line = _one_line_error(log)
     assert "scoring stopped" in line and "could not be stored" in line and "is locked" in line, line

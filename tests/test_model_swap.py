@@ -9,14 +9,13 @@ connections die, new ones reach the other model. A weight update in place (SGLan
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
-from faultserver import FaultServer
+from faultserver import FaultServer, wait_for
 from hcapo_store.errors import ScoringError
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
@@ -55,14 +54,6 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, change) -> BaseException | None:
     """Score in a thread; once the first request is at the server, ``change()`` the server."""
     prep = prepare(store, ScoreConfig(backend="sglang", server=proxy.url, tokenizer=str(tiny_model_dir),
@@ -80,7 +71,7 @@ def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, cha
     thread = threading.Thread(target=work)
     thread.start()
     try:
-        _wait_for(lambda: proxy.requests >= 1, "the first request")
+        wait_for(lambda: proxy.requests >= 1, "the first request")
         change()
     finally:
         proxy.gate.set()
