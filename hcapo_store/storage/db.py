@@ -130,8 +130,10 @@ def _specific_error(exc: BaseException, where: str) -> StoreError | None:
     name = getattr(orig, "sqlite_errorname", "") or ""
     state = getattr(orig, "sqlstate", None) or ""
     message = str(orig)
-    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or state in ("55P03", "40P01") \
-            or "database is locked" in message:
+    if state in ("55P03", "40P01"):  # PostgreSQL: lock_not_available, deadlock_detected
+        return DatabaseLocked(f"database {where}: a lock could not be taken ({message.strip().splitlines()[0]}); "
+                              "the transaction was rolled back, rerun it")
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in message:
         return DatabaseLocked(
             f"database {where} is locked: another process held its write lock longer than "
             f"{busy_timeout_ms() / 1000:g}s (env {ENV_BUSY_TIMEOUT}); the transaction was rolled back, "
