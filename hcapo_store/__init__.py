@@ -21,6 +21,9 @@ _EXPORTS: dict[str, str] = {
     "StoreError": "hcapo_store.errors",
     "SchemaOutOfDate": "hcapo_store.errors",
     "SchemaTooNew": "hcapo_store.errors",
+    "DatabaseLocked": "hcapo_store.errors",
+    "DatabaseFull": "hcapo_store.errors",
+    "NotAStore": "hcapo_store.errors",
     "IngestError": "hcapo_store.errors",
     "SkipEpisode": "hcapo_store.errors",
     "ScoringError": "hcapo_store.errors",
@@ -73,8 +76,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.credits.equations import CreditParams
     from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
-    from hcapo_store.errors import (CreditError, ExportError, HcapoError, InferenceError, IngestError,
-                                    SchemaOutOfDate, SchemaTooNew, ScoringError, SkipEpisode, StoreError)
+    from hcapo_store.errors import (CreditError, DatabaseFull, DatabaseLocked, ExportError, HcapoError,
+                                    InferenceError, IngestError, NotAStore, SchemaOutOfDate, SchemaTooNew,
+                                    ScoringError, SkipEpisode, StoreError)
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.export import export_dataset, export_hindsight_json

@@ -32,6 +32,18 @@ class SchemaTooNew(StoreError):
     """The database was written by a newer hcapo-store."""
 
 
+class DatabaseLocked(StoreError):
+    """Another process held the database's write lock longer than the busy timeout."""
+
+
+class DatabaseFull(StoreError):
+    """The disk (or the database's size limit) is full; the transaction was rolled back."""
+
+
+class NotAStore(StoreError):
+    """The file is a database, but not an hcapo-store one; it is left untouched."""
+
+
 class IngestError(HcapoError):
     """One episode could not be read; carries the file (and line) at fault."""
 

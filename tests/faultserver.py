@@ -112,7 +112,8 @@ class LogEntry:
 
 class FaultServer(BackgroundHTTPServer):
     """Serve /generate from ``ref.generate`` with faults; ``delay`` adds latency to every
-    /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request."""
+    /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request; while
+    ``gate`` is set to a cleared ``threading.Event``, /generate answers wait for it."""
 
     def __init__(self, ref: ReferenceServer, schedule: Schedule = no_faults, *, host: str = "127.0.0.1",
                  port: int = 0, timeout_sleep: float = 3.0, delay: float = 0.0) -> None:
@@ -120,6 +121,8 @@ class FaultServer(BackgroundHTTPServer):
         self.schedule = schedule
         self.timeout_sleep = timeout_sleep
         self.delay = delay
+        self.gate: threading.Event | None = None
+        self.generation = 0  # bumped by swap(): connections of an older generation are dropped
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
         self._lock = threading.Lock()
@@ -135,6 +138,13 @@ class FaultServer(BackgroundHTTPServer):
             self.counts.clear()
             if schedule is not None:
                 self.schedule = schedule
+
+    def swap(self, ref: ReferenceServer) -> None:
+        """Put another model behind the URL, as a server restarted with it would be: connections
+        opened before (and requests they carry) are dropped without an answer."""
+        with self._lock:
+            self.ref = ref
+            self.generation += 1
 
     @property
     def requests(self) -> int:
@@ -189,7 +199,20 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            self.generation = server.generation
+
+        def _stale(self) -> bool:
+            """This connection belongs to the server before a swap(): it dies unanswered."""
+            if self.generation != server.generation:
+                self.close_connection = True
+                return True
+            return False
+
         def do_GET(self) -> None:
+            if self._stale():
+                return
             path = self.path.split("?", 1)[0]
             if path in ("/health", "/health_generate"):
                 self._send(HTTPStatus.OK, b"", "text/plain")
@@ -203,6 +226,8 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", "0"))
             raw = self.rfile.read(length)  # always read the body: keep-alive stays sane
+            if self._stale():
+                return
             if self.path.split("?", 1)[0] != "/generate":
                 self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"Not Found: {self.path}"}})
                 return
@@ -214,6 +239,10 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             _, fault = server._arrive(body.get("input_ids"))
             if server.delay:
                 time.sleep(server.delay)
+            if server.gate is not None:
+                server.gate.wait()
+            if self._stale():
+                return
             if fault == "drop":
                 self.close_connection = True  # no status line, no headers: the socket just closes
                 return
@@ -276,6 +305,15 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
 
 
 # --------------------------------------------------------------------------- test helpers
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Poll until a state is reached (``timeout`` only bounds a hang on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def step_prompts(store: Any, builder: Any) -> dict[tuple[str, int], Any]:

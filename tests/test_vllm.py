@@ -40,7 +40,8 @@ def _good_body(ids: list[int] = IDS, *, value: float = -1.5) -> dict[str, Any]:
     for i, tok in enumerate(ids[1:], start=1):
         entries.append({str(tok): {"logprob": value - i / 10, "rank": 2, "decoded_token": "x"},
                         "99": {"logprob": -0.1, "rank": 1, "decoded_token": "y"}})
-    return {"id": "cmpl-1", "object": "text_completion", "model": "m",
+    # vLLM names the served model (the request's) in every completion.
+    return {"id": "cmpl-1", "object": "text_completion", "model": "served-name",
             "choices": [{"index": 0, "text": "a", "finish_reason": "length", "prompt_logprobs": entries,
                          "prompt_token_ids": list(ids)}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}}
@@ -189,6 +190,16 @@ def test_fault_server_rejects(fault: _Fault, status: int, data: bytes, kind: str
     with pytest.raises(InferenceError) as info:
         asyncio.run(_score_once(fault.url, _prompt()))
     assert info.value.kind == kind and info.value.retryable is retryable
+
+
+def test_a_completion_from_another_model_is_refused(fault: _Fault) -> None:
+    body = _good_body()
+    body["model"] = "another-model"
+    fault.reply = (200, json.dumps(body).encode())
+    with pytest.raises(InferenceError) as info:
+        asyncio.run(_score_once(fault.url, _prompt()))
+    assert info.value.kind == "model_changed" and not info.value.retryable
+    assert "'served-name' -> 'another-model'" in str(info.value)
 
 
 def test_model_selection(fault: _Fault) -> None:

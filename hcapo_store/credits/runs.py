@@ -143,7 +143,7 @@ def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
 
 def get_run(store: Store, name: str | None = None) -> RunInfo:
     """A run by name (with its staleness); with no name, the only run (else an error listing them)."""
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         if name is not None:
             run = _find_run(conn, "r.name = :name", name=name)
             if run is not None:
@@ -159,7 +159,7 @@ def get_run(store: Store, name: str | None = None) -> RunInfo:
 
 def list_runs(store: Store) -> list[RunInfo]:
     """Every credit run, oldest first."""
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         runs = [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
         return [run_staleness(conn, r) for r in runs]
 
@@ -424,7 +424,7 @@ GROUP BY COALESCE(s.subtask_id, s.phase)
 def show_run(store: Store, name: str | None = None) -> dict[str, Any]:
     """Parameters, counts and a per-subtask summary (planning first, then by subtask id)."""
     run = get_run(store, name)
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         rows = [dict(r) for r in conn.execute(text(SUBTASK_SUMMARY_SQL), {"run": run.id}).mappings()]
     rows.sort(key=lambda r: (r["subtask"] != "planning", str(r["subtask"])))
     clipped_low = sum(r["clipped_low"] for r in rows)
@@ -461,7 +461,7 @@ ORDER BY e.id, s.step_index
 def iter_step_deltas(store: Store, a: str, b: str) -> Iterator[dict[str, Any]]:
     """Every common step's rho and q_h_smoothed in runs A and B and the delta B − A."""
     ra, rb = get_run(store, a), get_run(store, b)
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         result = conn.execution_options(yield_per=FETCH_ROWS).execute(
             text(STEP_DELTAS_SQL), {"a": ra.id, "b": rb.id})
         for step_id, episode, step_index, subtask, rho_a, rho_b, q_a, q_b in result:
@@ -481,7 +481,7 @@ def _quantiles(x: np.ndarray) -> dict[str, float | None]:
 def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> dict[str, Any]:
     """Deltas B − A of rho and q_h_smoothed on the steps both runs credit: quantiles + top movers."""
     ra, rb = get_run(store, a), get_run(store, b)
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         data = conn.execute(text(DIFF_SQL), {"a": ra.id, "b": rb.id}).all()
         step_ids = np.asarray([r[0] for r in data], dtype=np.int64)
         arr = np.asarray([r[1:] for r in data], dtype=np.float64).reshape(-1, 4)

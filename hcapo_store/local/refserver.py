@@ -70,6 +70,7 @@ class ReferenceServer(BackgroundHTTPServer):
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.model_path = str(scorer.model_dir)
+        self.weight_version = "default"  # SGLang reports it in /model_info and every response
         config = scorer.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.requests = 0
@@ -88,7 +89,7 @@ class ReferenceServer(BackgroundHTTPServer):
             "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "served_model_name": self.model_path,
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "model_type": config.model_type,
             "architectures": list(getattr(config, "architectures", None) or []),
         }
@@ -231,7 +232,7 @@ class ReferenceServer(BackgroundHTTPServer):
             "id": item.rid,
             "finish_reason": {"type": "length", "length": item.max_new_tokens},
             "prompt_tokens": len(ids),
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "completion_tokens": len(output_ids),
             "cached_tokens": 0,
         }

@@ -28,6 +28,7 @@ from hcapo_store.storage.episodes import loader_message
 from hcapo_store.errors import ExportError
 from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.outputs.files import atomic_write, check_output
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000
@@ -122,7 +123,7 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file, not a directory: pick another output directory")
     written = 0
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         rows = _stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
         for _, group in itertools.groupby(rows, key=lambda r: r[0]):
             ep_rows = list(group)
@@ -269,7 +270,7 @@ def export_dataset(
     warnings = _run_warnings(run)
     provenance = _provenance(run)
     stats = _Stats()
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         episodes = _selected(conn, run, min_reward, use_smoothed)
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
                             [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))

@@ -20,6 +20,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.credits.runs import get_run
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.identity import scorer_counts
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 W, H = 560, 250  # chart size in px
@@ -192,7 +193,7 @@ ORDER BY COUNT(*) DESC, ae.kind
 
 def _credit_arrays(store: Store, run_id: int) -> dict[str, np.ndarray]:
     cols = ("mean_logprob", "pi_hind", "rho", "q_h", "q_h_smoothed")
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         result = conn.execution_options(stream_results=True).execute(
             text(f"SELECT {', '.join(cols)} FROM credits WHERE run_id = :run"), {"run": run_id})
         blocks = [np.asarray(b, dtype=np.float64).reshape(-1, len(cols)) for b in result.partitions(100_000)]
@@ -201,7 +202,7 @@ def _credit_arrays(store: Store, run_id: int) -> dict[str, np.ndarray]:
 
 
 def _positions(store: Store, run_id: int) -> list[dict[str, Any]]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         rows = [dict(r) for r in conn.execute(text(POSITION_SQL), {"run": run_id}).mappings()]
     rows.sort(key=lambda r: (r["pos"] is None, r["pos"] if r["pos"] is not None else 0))
     for r in rows:
@@ -210,7 +211,7 @@ def _positions(store: Store, run_id: int) -> list[dict[str, Any]]:
 
 
 def _failures(store: Store) -> list[dict[str, Any]]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         return [dict(r) for r in conn.execute(text(FAILURES_SQL)).mappings()]
 
 

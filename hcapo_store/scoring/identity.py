@@ -1,7 +1,8 @@
 """Scorer identity: everything that determines a step's logprobs → canonical JSON → id.
 
 Same options → the same id (a rerun resumes); any change → a new scorer, and old
-results stay valid for the old one. The server URL is not part of it: two servers of
+results stay valid for the old one. ``provenance`` (library versions) is stored in the
+spec but left out of the id. The server URL is not part of it: two servers of
 the same model and tokenizer are the same scorer.
 """
 
@@ -22,8 +23,13 @@ from hcapo_store.storage.models import Scorer
 from hcapo_store.storage.store import Store
 
 
+# Spec keys stored with the scorer but not part of its id (e.g. library versions: the
+# rendering they produce is in the id as ``rendering_sha256``).
+NOT_IDENTITY = ("provenance",)
+
+
 def scorer_id(spec: dict[str, Any]) -> str:
-    return content_hash(spec)
+    return content_hash({k: v for k, v in spec.items() if k not in NOT_IDENTITY})
 
 
 def scorer_label(spec: dict[str, Any]) -> str:
@@ -83,7 +89,7 @@ ORDER BY sc.created_at
 
 
 def scorer_counts(store: Store) -> list[dict[str, Any]]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         total = int(conn.execute(text(
             "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
         )).scalar_one())
@@ -97,6 +103,6 @@ def scorer_counts(store: Store) -> list[dict[str, Any]]:
 
 
 def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
     return json.loads(spec) if spec else {}

@@ -18,7 +18,9 @@ from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPRO
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_label
+from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
 from hcapo_store.ingestion.sources import ConvertOptions
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 
@@ -121,6 +123,8 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
         "max_context": cfg.max_context,
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
+        "rendering_sha256": rendering_fingerprint(builder),
+        "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
     return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
 
@@ -146,7 +150,7 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
     conv = prep.spec["conversion"]
     rows = work_queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                                 max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
             by_episode.setdefault(ep, set()).add(idx)

@@ -2,7 +2,10 @@
 
 - ``concurrency`` episodes are in flight at once; the steps of one episode go in order.
 - Results are written by one writer in short transactions (a batch every
-  ``FLUSH_SECONDS`` or ``FLUSH_RESULTS``); a score is durable once it is counted.
+  ``FLUSH_SECONDS`` or ``FLUSH_RESULTS``); a score is durable once it is counted. A
+  failed write (database locked, disk full) keeps the batch and is retried with backoff;
+  after ``FLUSH_ATTEMPTS`` failures the run stops and raises ``StoreError``: results are
+  never dropped silently.
 - Every failed attempt is recorded; retryable failures are retried with bounded,
   jittered backoff (honouring Retry-After); after ``max_attempts`` the step is failed.
 - Stopping (Ctrl-C or ``stop()``) stops claiming, lets in-flight requests finish,
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import gc
 import signal
@@ -28,12 +32,17 @@ from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.clock import utcnow
 from hcapo_store.storage.episodes import load_episode
-from hcapo_store.errors import InferenceError
+from hcapo_store.errors import InferenceError, ScoringError, StoreError
+from hcapo_store.scoring.backends.http import MODEL_CHANGED
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 from hcapo_store.storage.store import Store
 
 FLUSH_SECONDS = 0.2
 FLUSH_RESULTS = 256
+FLUSH_ATTEMPTS = 5  # writes of one batch before the run gives up (each waits the busy timeout)
+FLUSH_BACKOFF_BASE, FLUSH_BACKOFF_CAP = 0.5, 10.0
+
+log = logging.getLogger(__name__)
 
 
 def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
@@ -116,6 +125,10 @@ class Scheduler:
         self._pending: list[work_queue.StepResult] = []
         self._pending_tokens = 0
         self._stopping = threading.Event()
+        self._flush_failures = 0  # consecutive failed writes of the pending batch
+        self._write_error: StoreError | None = None
+        self._gave_up: StoreError | None = None  # the writer stopped the run
+        self._model_error: ScoringError | None = None  # another model answered: the run stopped
         self._claimed = 0
         self._build_lock = threading.Lock()  # the PromptBuilder's token caches are not thread-safe
 
@@ -148,6 +161,7 @@ class Scheduler:
         flusher = asyncio.create_task(self._flush_loop())
         beats = asyncio.create_task(self._heartbeat_loop())
         state = "finished"
+        write_error: StoreError | None = None
         try:
             await asyncio.gather(*(self._episode_worker() for _ in range(max(self.options.concurrency, 1))))
         except BaseException:
@@ -156,15 +170,37 @@ class Scheduler:
         finally:
             flusher.cancel()
             beats.cancel()
-            self._flush()
+            write_error = self._drain() or self._gave_up
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
-            self.report.interrupted = self._stopping.is_set()
-            self.report.released = work_queue.finish_worker(
-                self.store, self.worker, "stopped" if self.report.interrupted else state,
-                scored=self.report.scored, failed=self.report.failed)
+            self.report.interrupted = self._stopping.is_set() and not (write_error or self._model_error)
             self.report.elapsed_s = time.monotonic() - started
+            failed = write_error or self._model_error
+            released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
+        if write_error is not None:
+            raise type(write_error)(self._write_failure(write_error, released)) from write_error
+        if self._model_error is not None:
+            raise self._model_error
         return self.report
+
+    def _finish(self, state: str) -> int | None:
+        """Mark the worker ended and release its leases; None when the database refuses
+        (the leases then expire, or the next ``score`` on this host releases them)."""
+        try:
+            self.report.released = work_queue.finish_worker(
+                self.store, self.worker, state, scored=self.report.scored, failed=self.report.failed)
+        except StoreError as exc:
+            log.warning("could not release this worker's leases: %s", exc)
+            return None
+        return self.report.released
+
+    def _write_failure(self, error: StoreError, released: int | None) -> str:
+        leases = (f"{released} leased step(s) were returned to the queue" if released is not None else
+                  f"its leases could not be released and expire within {self.options.lease_seconds:g}s "
+                  "(a `score` on this host releases them at once)")
+        lost = (f"{len(self._pending)} result(s) could not be stored after {self._flush_failures} attempts"
+                if self._pending else f"writing results failed {FLUSH_ATTEMPTS} times in a row")
+        return f"scoring stopped: {lost} ({error}); {self.report.scored} result(s) stored, {leases}"
 
     async def _episode_worker(self) -> None:
         while not self._stopping.is_set():
@@ -195,7 +231,7 @@ class Scheduler:
             await self._score_step(lease, prompt)
 
     def _prompts_for(self, claim: work_queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
-        with self.store.engine.connect() as conn:
+        with db.read(self.store.engine) as conn:
             episode = load_episode(conn, claim.episode_id)
         wanted = {lease.step_index for lease in claim.leases}
         steps = [s for s in episode.steps if s.step_index in wanted]
@@ -213,6 +249,9 @@ class Scheduler:
                     raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
                                          f"{prompt.scored_tokens} scored tokens", retryable=False)
             except InferenceError as exc:
+                if exc.kind == MODEL_CHANGED:
+                    self._model_changed(lease, exc)
+                    return
                 final = not exc.retryable or attempt >= self.options.max_attempts
                 self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
                                            error=str(exc)[:2000], final=final))
@@ -226,22 +265,32 @@ class Scheduler:
             self._pending_tokens += len(prompt.input_ids)
             return
 
+    def _model_changed(self, lease: work_queue.Lease, exc: InferenceError) -> None:
+        """Another model answers at the URL: record the attempt (the step stays unscored) and stop."""
+        self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
+                                           error=str(exc)[:2000], final=False))
+        if self._model_error is None:
+            self._model_error = ScoringError(f"scoring stopped: {exc}; rerun `score` against the scorer's model, "
+                                             "or with the new one to start a new scorer")
+        self.stop()
+
     # -- the single writer -------------------------------------------------------
 
     def _record(self, outcome: work_queue.StepResult) -> None:
         if outcome.error_kind is not None and outcome.final:
             self.report.failure_kinds[outcome.error_kind] += 1
         self._pending.append(outcome)
-        if len(self._pending) >= FLUSH_RESULTS:
-            self._flush()
+        if len(self._pending) >= FLUSH_RESULTS and not self._flush_failures:
+            self._try_flush()
 
     def _flush(self) -> None:
+        """Write the pending batch in one transaction; on failure it stays pending."""
         if not self._pending:
             return
-        batch, self._pending = self._pending, []
-        tokens, self._pending_tokens = self._pending_tokens, 0
         with db.write(self.store.engine) as conn:
-            scored, failed, discarded = work_queue.write_results(conn, self.scorer_id, self.worker, batch)
+            scored, failed, discarded = work_queue.write_results(conn, self.scorer_id, self.worker, self._pending)
+        self._pending = []
+        tokens, self._pending_tokens = self._pending_tokens, 0
         self.report.scored += scored
         self.report.failed += failed
         self.report.discarded += discarded
@@ -249,10 +298,41 @@ class Scheduler:
         if self.on_progress is not None:
             self.on_progress(self.report)
 
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_SECONDS)
+    def _try_flush(self) -> bool:
+        try:
             self._flush()
+        except StoreError as exc:
+            self._flush_failures += 1
+            self._write_error = exc
+            log.warning("writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
+                        len(self._pending), self._flush_failures, FLUSH_ATTEMPTS, exc)
+            return False
+        self._flush_failures, self._write_error = 0, None
+        return True
+
+    def _flush_backoff(self) -> float:
+        return backoff_delay(self._flush_failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP)
+
+    async def _flush_loop(self) -> None:
+        delay = FLUSH_SECONDS
+        while True:
+            await asyncio.sleep(delay)
+            if self._try_flush():
+                delay = FLUSH_SECONDS
+            elif self._flush_failures >= FLUSH_ATTEMPTS:
+                self._gave_up = self._write_error
+                self.stop()  # results cannot be stored: stop computing more
+                return
+            else:
+                delay = self._flush_backoff()
+
+    def _drain(self) -> StoreError | None:
+        """The last write of the run, retried like the others; the error if it gave up."""
+        while not self._try_flush():
+            if self._flush_failures >= FLUSH_ATTEMPTS:
+                return self._write_error
+            time.sleep(self._flush_backoff())
+        return None
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -98,7 +98,7 @@ def unscored_steps(store: Store, scorer_id: str, *, include_thinking: bool, max_
     sql = (f"SELECT s.episode_id, s.step_index {ELIGIBLE_STEPS}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
            "WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status IN ('done', 'failed')) "
            "ORDER BY s.episode_id, s.step_index")
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         rows = [(ep, idx) for ep, idx in conn.execute(text(sql), params)]
     return rows if limit is None else rows[:limit]
 
@@ -118,7 +118,7 @@ def requeue_failed(store: Store, scorer_id: str, filters: Filters) -> int:
 def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
     params: dict[str, Any] = {"scorer": scorer_id}
     where = filters.sql(params)
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         params["now"] = db.sql_now(conn)
         return int(conn.execute(text(
             f"SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
@@ -213,7 +213,7 @@ def reap_dead_local_workers(store: Store) -> int:
     Other hosts' workers are judged by lease expiry only: we cannot see their processes.
     """
     host = socket.gethostname()
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         rows = conn.execute(text("SELECT id, pid FROM workers WHERE host = :host AND state = 'running'"),
                             {"host": host}).all()
     dead = [wid for wid, pid in rows if pid != os.getpid() and not _alive(pid)]

@@ -4,11 +4,16 @@ SQLite: WAL, foreign keys on, a busy timeout, and explicit ``BEGIN`` control so 
 write transactions can take the write lock up front (``BEGIN IMMEDIATE``) instead of
 failing on lock upgrade. Migrations run with foreign keys off (table rebuilds) and a
 ``PRAGMA foreign_key_check`` afterwards.
+
+This module is the database's error boundary: connections are opened through ``read()``
+and ``write()``, which turn SQLAlchemy and driver errors into ``StoreError`` subclasses
+(``DatabaseLocked``, ``DatabaseFull``, ``NotAStore``), the way httpx maps transport errors.
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +24,26 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from hcapo_store.errors import SchemaOutOfDate, SchemaTooNew, StoreError
+from hcapo_store.errors import DatabaseFull, DatabaseLocked, NotAStore, SchemaOutOfDate, SchemaTooNew, StoreError
 
 DEFAULT_DB = "hcapo.db"
 ENV_DB = "HCAPO_STORE_DB"
+ENV_BUSY_TIMEOUT = "HCAPO_STORE_BUSY_TIMEOUT"  # seconds a writer waits for SQLite's write lock
 BUSY_TIMEOUT_MS = 60_000
+# Tables every hcapo-store database has had since revision 0001: a file without them is not ours.
+CORE_TABLES = frozenset({"episodes", "messages", "steps", "scorers", "scores", "attempts"})
+
+
+def busy_timeout_ms() -> int:
+    raw = os.environ.get(ENV_BUSY_TIMEOUT)
+    if not raw:
+        return BUSY_TIMEOUT_MS
+    try:
+        return max(int(float(raw) * 1000), 0)
+    except ValueError:
+        raise StoreError(f"{ENV_BUSY_TIMEOUT}={raw!r} is not a number of seconds") from None
 
 
 def resolve_url(db: str | os.PathLike[str] | None) -> str:
@@ -48,11 +66,13 @@ def display_url(url: str) -> str:
 
 
 def _sqlite_hooks(engine: Engine) -> None:
+    timeout_ms = busy_timeout_ms()
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API object
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
         cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cur.execute(f"PRAGMA busy_timeout = {timeout_ms}")
         cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.execute("PRAGMA foreign_keys = ON")
@@ -70,7 +90,7 @@ def make_engine(url: str) -> Engine:
             path = url[len("sqlite:///"):]
             if path and path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+            engine = create_engine(url, connect_args={"timeout": busy_timeout_ms() / 1000})
             _sqlite_hooks(engine)
         else:
             engine = create_engine(url, pool_pre_ping=True)
@@ -79,10 +99,86 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+def _driver_error(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) or type(exc).__module__.startswith("psycopg")
+
+
+def store_error(exc: BaseException, url: str) -> StoreError:
+    """The library's error for a SQLAlchemy or driver error on the database at ``url``.
+
+    The errors the first one caused are looked through too: after SQLITE_FULL SQLite rolls
+    the transaction back itself, and the failing ``ROLLBACK TO SAVEPOINT`` hides the cause.
+    """
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__context__
+    for error in chain:
+        specific = _specific_error(error, display_url(url))
+        if specific is not None:
+            return specific
+    orig = getattr(exc, "orig", None) or exc
+    first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    return StoreError(f"database error on {display_url(url)}: {first}")
+
+
+def _specific_error(exc: BaseException, where: str) -> StoreError | None:
+    orig = getattr(exc, "orig", None) or exc
+    if not (_driver_error(orig) or isinstance(exc, SQLAlchemyError)):
+        return None
+    name = getattr(orig, "sqlite_errorname", "") or ""
+    state = getattr(orig, "sqlstate", None) or ""
+    message = str(orig)
+    if state in ("55P03", "40P01"):  # PostgreSQL: lock_not_available, deadlock_detected
+        return DatabaseLocked(f"database {where}: a lock could not be taken ({message.strip().splitlines()[0]}); "
+                              "the transaction was rolled back, rerun it")
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in message:
+        return DatabaseLocked(
+            f"database {where} is locked: another process held its write lock longer than "
+            f"{busy_timeout_ms() / 1000:g}s (env {ENV_BUSY_TIMEOUT}); the transaction was rolled back, "
+            "rerun when the other process is done")
+    if name.startswith("SQLITE_FULL") or state == "53100" or "database or disk is full" in message:
+        return DatabaseFull(f"database {where} is full (no space left on its disk, or its size limit): "
+                            "the transaction was rolled back; free space and rerun")
+    if name.startswith("SQLITE_NOTADB") or "file is not a database" in message:
+        return NotAStore(f"{where} is not a SQLite database; pass the path of an hcapo-store database with --db")
+    return None
+
+
+@contextmanager
+def mapped_errors(url: str) -> Iterator[None]:
+    """Raise SQLAlchemy and driver errors of the block as ``store_error``.
+
+    Constraint violations stay ``IntegrityError``: the callers that expect them (workers
+    racing to insert the same row) handle them; anywhere else they are bugs.
+    """
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except SQLAlchemyError as exc:
+        raise store_error(exc, url) from exc
+    except Exception as exc:
+        if _driver_error(exc):
+            raise store_error(exc, url) from exc
+        raise
+
+
+@contextmanager
+def read(engine: Engine) -> Iterator[Connection]:
+    """A connection for reading (its errors mapped to ``StoreError``)."""
+    with mapped_errors(str(engine.url)), engine.connect() as conn:
+        yield conn
+
+
 @contextmanager
 def write(engine: Engine) -> Iterator[Connection]:
-    """A short write transaction; on SQLite it takes the write lock at BEGIN."""
-    with engine.connect().execution_options(immediate=True) as conn:
+    """A short write transaction; on SQLite it takes the write lock at BEGIN.
+
+    Any error rolls the whole transaction back; database errors are raised as ``StoreError``.
+    """
+    with mapped_errors(str(engine.url)), engine.connect().execution_options(immediate=True) as conn:
         with conn.begin():
             yield conn
 
@@ -114,22 +210,33 @@ def head_revision() -> str:
 
 
 def current_revision(engine: Engine) -> str | None:
-    try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
-    except OperationalError as exc:
-        raise StoreError(f"cannot read database {display_url(str(engine.url))}: {exc.orig}") from exc
+    with read(engine) as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def table_names(engine: Engine) -> set[str]:
+    with read(engine) as conn:
+        return set(inspect(conn).get_table_names())
 
 
 def is_blank(engine: Engine) -> bool:
-    with engine.connect() as conn:
-        return not inspect(conn).get_table_names()
+    return not table_names(engine)
+
+
+def refuse_foreign(engine: Engine) -> None:
+    """Raise ``NotAStore`` for a database with tables but not hcapo-store's (or no schema revision)."""
+    tables = table_names(engine)
+    if tables and not CORE_TABLES | {"alembic_version"} <= tables:
+        url = display_url(str(engine.url))
+        shown = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
+        raise NotAStore(f"{url} is not an hcapo-store database (its tables: {shown}); "
+                        "it was left untouched: pass another path with --db")
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Upgrade in one transaction; SQLite foreign keys are off during table rebuilds."""
     sqlite = engine.dialect.name == "sqlite"
-    with engine.connect() as conn:
+    with read(engine) as conn:
         # The pragma is a no-op inside a transaction, so it goes to the raw connection.
         raw = conn.connection.driver_connection if sqlite else None
         if raw is not None:
@@ -147,7 +254,11 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 
 def backup(engine: Engine) -> Path | None:
-    """Copy a SQLite file before an upgrade (``VACUUM INTO``); None for other engines."""
+    """Copy a SQLite file before an upgrade (``VACUUM INTO``); None for other engines.
+
+    The copy is written under a temporary name and renamed when complete, so a killed
+    upgrade never leaves a partial file named like a backup.
+    """
     if engine.dialect.name != "sqlite":
         return None
     path = Path(str(engine.url.database))
@@ -157,8 +268,14 @@ def backup(engine: Engine) -> Path | None:
     while target.exists():
         target = path.with_name(f"{path.name}.bak-{rev}.{n}")
         n += 1
-    with engine.connect() as conn:
-        conn.connection.driver_connection.execute("VACUUM INTO ?", (str(target),))
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    partial.unlink(missing_ok=True)  # left by an earlier process with our pid
+    try:
+        with read(engine) as conn:
+            conn.connection.driver_connection.execute("VACUUM INTO ?", (str(partial),))
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
     return target
 
 
@@ -179,6 +296,7 @@ def upgrade_database(db: str | os.PathLike[str] | None, *, take_backup: bool = T
     url = resolve_url(db)
     engine = make_engine(url)
     try:
+        refuse_foreign(engine)
         before = current_revision(engine)
         head = head_revision()
         copy = None
@@ -197,6 +315,7 @@ def check_schema(engine: Engine, *, create: bool = True) -> None:
     current = current_revision(engine)
     if current == head:
         return
+    refuse_foreign(engine)
     url = display_url(str(engine.url))
     if current is None and is_blank(engine):
         if create:

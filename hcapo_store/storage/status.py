@@ -8,11 +8,12 @@ from sqlalchemy import text
 
 from hcapo_store.storage.db import sql_now
 from hcapo_store.scoring.identity import scorer_counts
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 def status(store: Store) -> dict[str, Any]:
     """Counts of episodes, steps, subtasks, per-scorer progress and workers."""
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         one = lambda sql: int(conn.execute(text(sql)).scalar_one() or 0)  # noqa: E731
         counts = {
             "episodes": one("SELECT COUNT(*) FROM episodes WHERE is_current"),

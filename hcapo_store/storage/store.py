@@ -140,5 +140,5 @@ def _leave_read_only(conn) -> None:  # noqa: ANN001
 
 
 def count(store: Store, sql: str, **params: Any) -> int:
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         return int(conn.execute(text(sql), params).scalar() or 0)

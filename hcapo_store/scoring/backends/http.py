@@ -5,10 +5,16 @@ turns transport failures and HTTP statuses into ``InferenceError`` with a ``retr
 flag (DESIGN.md §5: retry connect errors, timeouts, 408/429/5xx and "queue full";
 fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
 every failed attempt.
+
+A score must come from the model the scorer was registered with. The client counts the
+connections it opens; a response that arrived after a new connection was opened (the
+server may have been restarted with another model behind the same URL) is accepted only
+once the served model has been read again and found unchanged (``verify_model``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -23,6 +29,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     orjson = None
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+MODEL_CHANGED = "model_changed"  # InferenceError kind: the server now serves another model
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
 
@@ -44,6 +51,8 @@ class HttpClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")  # may carry user:password (sent as basic auth)
         self.display_url = mask_url(self.base_url)  # what messages show
+        self.connections_opened = 0  # counted by the trace hook; see HttpBackend.verify_model
+        self.verified_connections = 0  # connections opened when the served model was last read
         self._client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
@@ -58,15 +67,20 @@ class HttpClient:
     async def post_json(self, path: str, payload: Any) -> Any:
         return await self._request("POST", path, payload)
 
+    async def _trace(self, name: str, info: dict[str, Any]) -> None:
+        if name.endswith((".connect_tcp.complete", ".connect_unix_socket.complete")):
+            self.connections_opened += 1
+
     async def _request(self, method: str, path: str, payload: Any) -> Any:
+        trace = {"trace": self._trace}
         try:
             if payload is None:
-                response = await self._client.request(method, path)
+                response = await self._client.request(method, path, extensions=trace)
             elif orjson is not None:
                 response = await self._client.request(method, path, content=orjson.dumps(payload),
-                                                      headers={"Content-Type": "application/json"})
+                                                      headers={"Content-Type": "application/json"}, extensions=trace)
             else:
-                response = await self._client.request(method, path, json=payload)
+                response = await self._client.request(method, path, json=payload, extensions=trace)
         except httpx.TimeoutException as exc:
             raise InferenceError("timeout", f"{method} {self.display_url}{path}: {type(exc).__name__}",
                                  retryable=True) from exc
@@ -102,6 +116,8 @@ class HttpBackend:
         self.api_key = api_key
         self.client = client
         self.timeout = timeout  # for the clients start() creates; None: DEFAULT_TIMEOUT
+        self.served: dict[str, Any] | None = None  # the served model's facts, fixed at the first start()
+        self._verify_lock: asyncio.Lock | None = None
 
     def _open(self) -> HttpClient:
         if self.client is None:
@@ -113,6 +129,7 @@ class HttpBackend:
         if self.client is not None:
             await self.client.close()
             self.client = None
+        self._verify_lock = None  # belongs to the closing event loop
 
     async def get_optional(self, path: str) -> Any | None:
         """GET an endpoint that older or other servers may lack: None on a 4xx."""
@@ -122,3 +139,45 @@ class HttpBackend:
             if not exc.kind.startswith("http_4"):
                 raise
             return None
+
+    # -- the served model must not change under a scorer
+
+    def served_facts(self) -> dict[str, Any]:
+        """What identifies the served model (read by ``start()``); overridden per server."""
+        return {}
+
+    async def read_served_facts(self) -> dict[str, Any]:
+        """Read the served model's facts from the server again; overridden per server."""
+        return {}
+
+    def remember_served(self) -> None:
+        """Called at the end of ``start()``: the first start fixes the model, later ones must match."""
+        facts = self.served_facts()
+        if self.served is None:
+            self.served = facts
+        else:
+            self._compare_served(facts, "on reconnect")
+        if self.client is not None:
+            self.client.verified_connections = self.client.connections_opened
+
+    def _compare_served(self, facts: dict[str, Any], when: str) -> None:
+        if self.served is not None and facts != self.served:
+            changed = {k: (self.served.get(k), facts.get(k)) for k in set(self.served) | set(facts)
+                       if self.served.get(k) != facts.get(k)}
+            detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))
+            raise InferenceError(MODEL_CHANGED, f"the server at {self.url} now serves another model ({when}: "
+                                 f"{detail}); nothing from it is stored", retryable=False)
+
+    async def verify_model(self) -> None:
+        """After any new connection, read the served model again before a response is accepted."""
+        client = self.client
+        if client is None or client.connections_opened == client.verified_connections:
+            return
+        if self._verify_lock is None:
+            self._verify_lock = asyncio.Lock()
+        async with self._verify_lock:
+            seen = client.connections_opened
+            if seen == client.verified_connections:
+                return
+            self._compare_served(await self.read_served_facts(), "after a reconnect")
+            client.verified_connections = seen

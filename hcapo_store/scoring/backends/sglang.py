@@ -134,9 +134,20 @@ class SGLangBackend(HttpBackend):
         self.server_info: dict[str, Any] = {}
 
     async def start(self) -> None:
-        info = await self.get_optional("/model_info")
-        self.model_info = info if info is not None else await self._open().get_json("/get_model_info")  # older servers
+        self.model_info = await self._read_model_info()
         self.server_info = await self.get_optional("/server_info") or {}
+        self.remember_served()
+
+    async def _read_model_info(self) -> dict[str, Any]:
+        info = await self.get_optional("/model_info")
+        info = info if info is not None else await self._open().get_json("/get_model_info")  # older servers
+        return info if isinstance(info, dict) else {}
+
+    def served_facts(self) -> dict[str, Any]:
+        return _served_facts(self.model_info)
+
+    async def read_served_facts(self) -> dict[str, Any]:
+        return _served_facts(await self._read_model_info())
 
     def server_model_id(self) -> str | None:
         return self.model_info.get("model_path") or self.model_info.get("served_model_name")
@@ -158,7 +169,23 @@ class SGLangBackend(HttpBackend):
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
         body = await self.client.post_json("/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens))
+        await self.verify_model()
+        self._check_weight_version(body)
         result = parse_response(prompt, body)
         return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
                             cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
                             model_id=self.server_model_id())
+
+    def _check_weight_version(self, body: Any) -> None:
+        """Every response reports the weights it came from (``meta_info.weight_version``)."""
+        items = body if isinstance(body, list) else [body]
+        expected = (self.served or {}).get("weight_version")
+        for item in items:
+            meta = item.get("meta_info") if isinstance(item, dict) else None
+            got = meta.get("weight_version") if isinstance(meta, dict) else None
+            if expected is not None and got is not None and got != expected:
+                self._compare_served({**(self.served or {}), "weight_version": got}, "in a response")
+
+
+def _served_facts(model_info: dict[str, Any]) -> dict[str, Any]:
+    return {k: model_info.get(k) for k in ("model_path", "tokenizer_path", "weight_version")}

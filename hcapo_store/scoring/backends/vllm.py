@@ -132,12 +132,22 @@ class VLLMBackend(HttpBackend):
         self.model_card: dict[str, Any] = {}
         self.version: str | None = None
 
-    async def start(self) -> None:
+    async def _model_cards(self) -> list[dict[str, Any]]:
         body = await self._open().get_json("/v1/models")
         cards = body.get("data") if isinstance(body, dict) else None
         if not isinstance(cards, list):
             raise InferenceError("bad_response", f"GET /v1/models: no data list in {str(body)[:200]!r}", retryable=False)
-        cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+    def served_facts(self) -> dict[str, Any]:
+        return {"id": self.model_card.get("id"), "root": self.model_card.get("root")}
+
+    async def read_served_facts(self) -> dict[str, Any]:
+        card = next((c for c in await self._model_cards() if c["id"] == self.model), {})
+        return {"id": card.get("id"), "root": card.get("root")}
+
+    async def start(self) -> None:
+        cards = await self._model_cards()
         served = [c["id"] for c in cards]
         if self.requested_model is None:
             if len(cards) != 1:
@@ -152,6 +162,7 @@ class VLLMBackend(HttpBackend):
         self.model = self.model_card["id"]
         info = await self.get_optional("/version")
         self.version = info.get("version") if isinstance(info, dict) else None
+        self.remember_served()
 
     def server_model_id(self) -> str | None:
         return self.model_card.get("root") or self.model
@@ -174,6 +185,10 @@ class VLLMBackend(HttpBackend):
         started = time.monotonic()
         body = await self.client.post_json(
             "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs))
+        await self.verify_model()
+        reported = body.get("model") if isinstance(body, dict) else None
+        if isinstance(reported, str) and reported != self.model:  # every completion names its model
+            self._compare_served({**(self.served or {}), "id": reported}, "in a response")
         result = parse_response(prompt, body)
         return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
                             cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,

@@ -1,0 +1,116 @@
+"""Files that are not hcapo-store databases are refused untouched; backups are never partial."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cli import cli
+from hcapo_store.errors import NotAStore
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
+
+
+def _tables(path: Path) -> list[str]:
+    with sqlite3.connect(str(path)) as conn:
+        return sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+
+
+@pytest.fixture
+def foreign(tmp_path: Path) -> Path:
+    path = tmp_path / "notes.db"
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO notes (body) VALUES ('keep me')")
+    return path
+
+
+@pytest.fixture
+def unversioned(tmp_path: Path) -> Path:
+    """hcapo-store's tables without an alembic_version: not something we can upgrade."""
+    path = tmp_path / "unversioned.db"
+    Store.open(str(path)).close()
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("DROP TABLE alembic_version")
+    return path
+
+
+@pytest.mark.parametrize("args", [["db", "upgrade"], ["init"], ["status"], ["ingest", "."], ["credits", "list"],
+                                  ["sql", "SELECT 1"]])
+@pytest.mark.parametrize("kind", ["foreign", "unversioned"])
+def test_commands_refuse_a_database_that_is_not_ours(kind, args, request, runner):
+    path = request.getfixturevalue(kind)
+    before = _tables(path)
+    result = runner.invoke(cli, ["--db", str(path), *args])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "is not an hcapo-store database" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert _tables(path) == before
+    assert not list(path.parent.glob(f"{path.name}.bak*"))
+
+
+def test_not_a_sqlite_file_is_one_line(tmp_path, runner):
+    path = tmp_path / "readme.db"
+    path.write_text("this is not a database\n" * 100)
+    result = runner.invoke(cli, ["--db", str(path), "db", "upgrade"])
+    assert result.exit_code == 1
+    assert "is not a SQLite database" in result.output and len(result.output.strip().splitlines()) == 1
+    assert path.read_text() == "this is not a database\n" * 100
+
+
+def test_upgrade_database_raises_not_a_store(foreign):
+    with pytest.raises(NotAStore):
+        db.upgrade_database(str(foreign))
+    assert _tables(foreign) == ["notes"]
+
+
+KILL_DURING_BACKUP = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from sqlalchemy import event
+    from hcapo_store.storage import db
+
+    path = Path(sys.argv[1])
+    engine = db.make_engine(db.resolve_url(str(path)))
+
+    def kill_once_copying() -> int:
+        # Killed while VACUUM INTO is writing: as a kill -9 of `db upgrade` would.
+        if [p for p in path.parent.iterdir() if p.name != path.name and ".bak" in p.name and p.stat().st_size]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    @event.listens_for(engine, "connect")
+    def _handler(dbapi_conn, _record):
+        dbapi_conn.set_progress_handler(kill_once_copying, 50)
+
+    db.backup(engine)
+    print("backup finished without being killed")
+""")
+
+
+def test_killed_backup_leaves_no_file_named_like_a_backup(tmp_path):
+    path = tmp_path / "store.db"
+    with Store.open(str(path)) as store:
+        store.query("INSERT INTO scorers (id, label, spec, created_at) VALUES ('s', 'l', '{}', 'now')",
+                    read_only=False)
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_BACKUP, str(path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert not list(tmp_path.glob("store.db.bak*")), list(tmp_path.iterdir())
+    # The next backup is complete and named like one.
+    engine = db.make_engine(db.resolve_url(str(path)))
+    try:
+        copy = db.backup(engine)
+    finally:
+        engine.dispose()
+    assert copy is not None and copy.name.startswith("store.db.bak-")
+    with sqlite3.connect(str(copy)) as conn:
+        assert conn.execute("SELECT label FROM scorers").fetchall() == [("l",)]
