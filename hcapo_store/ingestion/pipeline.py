@@ -1,7 +1,10 @@
 """Incremental ingest: sources → episodes, messages, steps, subtasks, tags.
 
-Keyed by source key + content hash: an unchanged episode is a no-op, a changed one becomes
-a new version (the old version stays, marked not current, with its scores). Each episode
+Keyed by the episode's identity + content hash (ingestion/identity.py): an unchanged episode
+is a no-op wherever its files sit now, a changed one becomes a new version (the old version
+stays, marked not current, with its scores) under the same name. Two sources with one
+identity but different contents in one ingest are a conflict: the later one fails, naming
+the earlier (nothing supersedes silently). Each episode
 is parsed completely before anything is written, and episodes are committed in small
 batches, so an interrupt (Ctrl-C, kill) loses at most the uncommitted batch and never
 leaves half an episode. Sources are read one at a time: memory does not grow with the
@@ -24,6 +27,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode
 from hcapo_store.ingestion.mapping import map_steps
 from hcapo_store.storage.models import Episode, Message, Step, Subtask, Tag
+from hcapo_store.ingestion import identity
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage.store import Store
 
@@ -44,6 +48,9 @@ class IngestReport:
     warnings: int = 0
     steps: int = 0
     interrupted: bool = False
+    # Unchanged sources already stored under another name (a copied or moved tree): (source, name).
+    elsewhere: list[tuple[str, str]] = field(default_factory=list)
+    elsewhere_count: int = 0
 
     @property
     def seen(self) -> int:
@@ -56,6 +63,10 @@ class IngestReport:
             f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, "
             f"{skipped} skipped{f' ({reasons})' if reasons else ''}, {self.failed} failed"
         )
+        if self.elsewhere_count:
+            source, name = self.elsewhere[0]
+            line += (f"; {self.elsewhere_count} unchanged already stored under another name "
+                     f"(e.g. {source} is {name})")
         if self.warnings:
             line += f"; {self.warnings} warning(s) stored with the episodes"
         return line + (" — interrupted" if self.interrupted else "")
@@ -67,6 +78,7 @@ class IngestReport:
             "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
             "warnings": self.warnings, "steps": self.steps, "interrupted": self.interrupted,
+            "already_stored": [{"source": s, "name": n} for s, n in self.elsewhere],
         }
 
 
@@ -100,11 +112,12 @@ def ingest(
     report = IngestReport()
     tags = dict(tags or {})
     sources = iter_sources([Path(p) for p in paths], options)
+    seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
     try:
         while True:
             pending = _Pending()
             with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
-                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode)
+                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode, seen)
             _fold(report, pending)
             if not more:
                 return report
@@ -116,14 +129,15 @@ def ingest(
 def _ingest_batch(
     conn: Connection, sources: Iterator[Source | IngestError], options: ConvertOptions, tags: dict[str, str],
     report: IngestReport, pending: _Pending, on_episode: Callable[[str, str], None] | None,
+    seen: dict[str, tuple[str, str]],
 ) -> bool:
     """Ingest sources until the batch is full (True) or the sources run out (False)."""
     started = time.monotonic()
     written = 0
     for item in sources:
-        outcome = _ingest_one(conn, item, options, tags, report, pending)
+        outcome = _ingest_one(conn, item, options, tags, report, pending, seen)
         if on_episode is not None:
-            on_episode(item.key if isinstance(item, Source) else str(item.path or item), outcome)
+            on_episode(item.location if isinstance(item, Source) else str(item.path or item), outcome)
         if outcome in ("new", "changed"):
             written += 1
         if written >= BATCH_EPISODES or (written and time.monotonic() - started > BATCH_SECONDS):
@@ -140,17 +154,23 @@ def _fold(report: IngestReport, pending: _Pending) -> None:
 
 def _ingest_one(
     conn: Connection, item: Source | IngestError, options: ConvertOptions, tags: dict[str, str],
-    report: IngestReport, pending: _Pending,
+    report: IngestReport, pending: _Pending, seen: dict[str, tuple[str, str]],
 ) -> str:
     if isinstance(item, IngestError):
         _fail(report, str(item.path or ""), str(item))
         return "failed"
+    first = seen.get(item.key)  # only stored (or unchanged) sources count: a skipped one claims nothing
+    if first is not None and first[0] != item.content_hash:
+        _fail(report, item.location, f"{item.location}: same episode as {first[1]} ({item.key}) with different "
+                                     "content: not stored (give each episode its own id)")
+        return "failed"
     current = conn.execute(
-        select(Episode.id, Episode.content_hash, Episode.version)
+        select(Episode.id, Episode.content_hash, Episode.version, Episode.name)
         .where(Episode.source_key == item.key, Episode.is_current.is_(True))
     ).first()
     if current is not None and current.content_hash == item.content_hash:
-        report.unchanged += 1
+        seen.setdefault(item.key, (item.content_hash, item.location))
+        _unchanged(report, item, current.name)
         if tags:
             _set_tags(conn, current.id, tags)
         return "unchanged"
@@ -159,14 +179,18 @@ def _ingest_one(
     except SkipEpisode as exc:
         report.skipped[_reason_class(str(exc))] += 1
         if len(report.skips) < MAX_LISTED:
-            report.skips.append((item.key, str(exc)))
+            report.skips.append((item.location, str(exc)))
         return "skipped"
     except IngestError as exc:
-        _fail(report, item.key, str(exc))
+        _fail(report, item.location, str(exc))
         return "failed"
+    seen[item.key] = (item.content_hash, item.location)
+    # One name for all versions of an episode; a new episode gets a free one.
+    name = current.name if current is not None else _free_name(conn, item)
     # A nested transaction: a database error on this episode undoes only this episode.
     with conn.begin_nested():
-        episode_id = _insert_episode(conn, parsed, options, version=1 if current is None else current.version + 1)
+        episode_id = _insert_episode(conn, parsed, options, key=item.key, name=name,
+                                     version=1 if current is None else current.version + 1)
         if current is not None:
             conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
             old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
@@ -182,6 +206,22 @@ def _ingest_one(
     return "changed"
 
 
+def _unchanged(report: IngestReport, item: Source, stored_name: str) -> None:
+    report.unchanged += 1
+    if not identity.is_own_name(stored_name, item.name, item.prefixes):
+        report.elsewhere_count += 1
+        if len(report.elsewhere) < MAX_LISTED:
+            report.elsewhere.append((item.location, stored_name))
+
+
+def _free_name(conn: Connection, item: Source) -> str:
+    """The first of the source's name candidates that no other episode has."""
+    for name in identity.name_candidates(item.name, item.prefixes):
+        if conn.execute(select(Episode.id).where(Episode.name == name).limit(1)).first() is None:
+            return name
+    raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover
+
+
 def _fail(report: IngestReport, source: str, message: str) -> None:
     report.failed += 1
     if len(report.failures) < MAX_LISTED:
@@ -195,7 +235,8 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
     conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
 
 
-def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, version: int) -> int:
+def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, key: str, name: str,
+                    version: int) -> int:
     steps = map_steps(
         ep.messages, plan=ep.plan, plan_score=ep.plan_score,
         frozen_scores=ep.frozen_scores, full_tool_text=ep.full_tool_text,
@@ -203,9 +244,9 @@ def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
-            "source_key": ep.source_key, "version": version, "is_current": True,
+            "source_key": key, "version": version, "is_current": True,
             "content_hash": ep.content_hash, "source_format": ep.source_format,
-            "external_id": ep.external_id, "name": ep.name, "reward": ep.reward, "phase": ep.phase,
+            "external_id": ep.external_id, "name": name, "reward": ep.reward, "phase": ep.phase,
             "plan_score": ep.plan_score, "frozen_scores": json.dumps(ep.frozen_scores),
             "turns": ep.turns, "tool_call_count": ep.tool_call_count,
             "reward_backfilled": ep.reward_backfilled, "include_thinking": options.include_thinking,

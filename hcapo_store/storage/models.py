@@ -38,11 +38,17 @@ class Base(DeclarativeBase):
 
 
 class Episode(Base):
-    """One version of one trajectory. A changed source becomes a new row (version + 1)."""
+    """One version of one trajectory. A changed source becomes a new row (version + 1).
+
+    ``source_key`` is the episode's identity, independent of where its files sit, and
+    ``name`` its unique readable name; all versions share both (ingestion/identity.py).
+    """
 
     __tablename__ = "episodes"
     __table_args__ = (
         UniqueConstraint("source_key", "version"),
+        # With versions numbered from 1 per key, a name belongs to one key only.
+        UniqueConstraint("name", "version"),
         Index("ix_episodes_current", "is_current", "source_key"),
     )
 
