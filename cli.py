@@ -281,9 +281,9 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
     store = state.store()
-    prep = prepare(store, cfg)
-    with store.engine.connect() as conn:
+    with store.engine.connect() as conn:  # before the model loads: a wrong --episode fails at once
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
+    prep = prepare(store, cfg)
     if dry_run:
         result = run_dry(store, prep, filters, limit)
         _echo_json(result.__dict__) if as_json else click.echo(result.summary())
