@@ -33,7 +33,7 @@ def build_inputs(base: Path) -> dict[str, Path]:
     for root, seed0 in ROOTS.items():
         for i in range(1, 4):
             b = EpisodeBuilder(seed=seed0 + i, episode_id=i, reward=round(0.1 * i + seed0 / 1000, 4)).standard()
-            b.entries[0]["id"] = session_uuid(seed0 + i)
+            _set_session_id(b, session_uuid(seed0 + i))
             b.write(base / root / f"episode_{i:03d}")
         paths[root] = base / root
     old = EpisodeBuilder(version=1, seed=7, episode_id=9).standard()
@@ -47,6 +47,15 @@ def build_inputs(base: Path) -> dict[str, Path]:
     paths["jsonl"] = base / "eps.jsonl"
     paths["jsonl"].write_text("".join(json.dumps(x) + "\n" for x in lines))
     return paths
+
+
+def _set_session_id(b: EpisodeBuilder, new: str) -> None:
+    """Our own session id (whatever the builder's default), and the entry that points at it."""
+    old = b.entries[0]["id"]
+    b.entries[0]["id"] = new
+    for entry in b.entries[1:]:
+        if entry.get("parentId") == old:
+            entry["parentId"] = new
 
 
 def _messages(text: str) -> list[dict]:
