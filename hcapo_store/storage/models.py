@@ -48,7 +48,7 @@ class Episode(Base):
     __table_args__ = (
         UniqueConstraint("source_key", "version"),
         # With versions numbered from 1 per key, a name belongs to one key only.
-        UniqueConstraint("name", "version"),
+        Index("ix_episodes_name_version", "name", "version", unique=True),
         Index("ix_episodes_current", "is_current", "source_key"),
     )
 

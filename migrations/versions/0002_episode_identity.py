@@ -14,7 +14,7 @@ scoped by the file name, else a hash of the line) and gives every episode a uniq
 episode (numbered by ingest order, the latest current row stays current); rows that 0001
 had merged under one key are split again, each part keeping its latest row current.
 Nothing is deleted: ids, messages, steps, scores, attempts, tags and credits are kept.
-``name`` + ``version`` becomes unique. The views are dropped and recreated unchanged.
+``name`` + ``version`` becomes unique (an index; the views are unchanged).
 
 Frozen history: the key and name rules are copied here as they were at this revision.
 """
@@ -39,42 +39,6 @@ branch_labels = None
 depends_on = None
 
 CHUNK = 500
-
-VIEWS = {
-    "step_scores": """
-CREATE VIEW step_scores AS
-SELECT sc.scorer_id, e.id AS episode_id, e.name AS episode, e.source_key AS episode_key,
-       e.reward, s.id AS step_id, s.step_index, s.message_index, s.phase, s.subtask_id,
-       s.subtask_reward, sc.mean_logprob, sc.token_count, sc.total_action_tokens,
-       sc.skipped_action_tokens, sc.truncated_prefix_tokens, sc.input_tokens,
-       sc.prompt_tokens, sc.cached_tokens, sc.latency_s, sc.flattened
-FROM scores sc
-JOIN steps s ON s.id = sc.step_id
-JOIN episodes e ON e.id = s.episode_id
-WHERE e.is_current
-""",
-    "step_credits": """
-CREATE VIEW step_credits AS
-SELECT r.name AS run, r.id AS run_id, r.scorer_id, e.id AS episode_id, e.name AS episode,
-       e.source_key AS episode_key, e.external_id, e.reward, s.id AS step_id, s.step_index,
-       s.message_index, s.phase, s.subtask_id, s.subtask_reward, c.mean_logprob,
-       c.token_count, c.pi_hind, c.rho_raw, c.rho, c.r_t, c.discount, c.q_h, c.q_h_smoothed
-FROM credits c
-JOIN credit_runs r ON r.id = c.run_id
-JOIN steps s ON s.id = c.step_id
-JOIN episodes e ON e.id = s.episode_id
-""",
-    "subtask_credits": """
-CREATE VIEW subtask_credits AS
-SELECT run, episode_id, episode, COALESCE(subtask_id, phase) AS subtask,
-       MIN(step_index) AS first_step, COUNT(*) AS steps, MAX(subtask_reward) AS subtask_reward,
-       AVG(mean_logprob) AS mean_logprob, AVG(pi_hind) AS pi_hind, AVG(rho) AS rho,
-       AVG(q_h) AS q_h, AVG(q_h_smoothed) AS q_h_smoothed
-FROM step_credits
-GROUP BY run, episode_id, episode, COALESCE(subtask_id, phase)
-""",
-}
-
 
 # ---- key and name rules at this revision ------------------------------------------------------
 
@@ -198,25 +162,16 @@ def _plan(groups: dict[str, list[tuple[int, bool, str, tuple[str, ...]]]]) -> li
 
 def upgrade() -> None:
     conn = op.get_bind()
-    for view in reversed(list(VIEWS)):
-        op.execute(f"DROP VIEW IF EXISTS {view}")
     updates = _plan(_read(conn))
     # Negative versions first: no (key, version) pair can clash while rows are rewritten.
     conn.execute(sa.text("UPDATE episodes SET version = -id"))
     for i in range(0, len(updates), CHUNK):
         conn.execute(sa.text("UPDATE episodes SET source_key = :k, name = :n, version = :v, is_current = :c "
                              "WHERE id = :id"), updates[i:i + CHUNK])
-    with op.batch_alter_table('episodes', schema=None) as batch_op:
-        batch_op.create_unique_constraint(batch_op.f('uq_episodes_name_version'), ['name', 'version'])
-    for sql in VIEWS.values():
-        op.execute(sql)
+    # A unique index, not a table rebuild: the views over episodes stay as they are.
+    op.create_index('ix_episodes_name_version', 'episodes', ['name', 'version'], unique=True)
 
 
 def downgrade() -> None:
     # The schema only: the old path keys cannot be recomputed (restore the backup `db upgrade` made).
-    for view in reversed(list(VIEWS)):
-        op.execute(f"DROP VIEW IF EXISTS {view}")
-    with op.batch_alter_table('episodes', schema=None) as batch_op:
-        batch_op.drop_constraint(batch_op.f('uq_episodes_name_version'), type_='unique')
-    for sql in VIEWS.values():
-        op.execute(sql)
+    op.drop_index('ix_episodes_name_version', table_name='episodes')
