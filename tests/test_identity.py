@@ -220,3 +220,22 @@ def test_score_episode_refuses_an_ambiguous_name_in_one_line(runner, tmp_path):
     assert r.output.strip().splitlines() == [
         "Error: episode 'episode_002' is ambiguous: it matches 2 episodes: pg-01/episode_002 (id 2), "
         "pg-02/episode_002 (id 5); give the full name or the id"]
+
+
+def test_jsonl_same_file_name_and_id_in_two_runs_in_one_ingest_is_refused_naming_the_first(store, tmp_path):
+    first = write_jsonl(tmp_path / "run1" / "eps.jsonl", [jsonl_episode(0.5, "run one", episode_id=1)])
+    second = write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.5, "run two", episode_id=1)])
+    r = ingest(store, [first, second])
+    assert (r.new, r.failed) == (1, 1)
+    assert r.failures[0][1].startswith(f"{second}:1: same episode as {first}:1 (jsonl:eps.jsonl#1)")
+    assert rows(store, "SELECT name, reward FROM episodes") == [("eps.jsonl#1", 0.5)]
+
+
+def test_reingest_after_every_version_was_retired_by_hand_adds_the_next_version(store, tmp_path):
+    write_standard_episodes(tmp_path / "pg-01", 1)
+    ingest(store, [tmp_path / "pg-01"])
+    store.query("UPDATE episodes SET is_current = FALSE", read_only=False)
+    r = ingest(store, [tmp_path / "pg-01"])
+    assert (r.new, r.changed, r.failed) == (0, 1, 0)
+    assert rows(store, "SELECT name, version, is_current FROM episodes ORDER BY version") == [
+        ("pg-01/episode_001", 1, 0), ("pg-01/episode_001", 2, 1)]

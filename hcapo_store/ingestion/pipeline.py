@@ -164,10 +164,12 @@ def _ingest_one(
         _fail(report, item.location, f"{item.location}: same episode as {first[1]} ({item.key}) with different "
                                      "content: not stored (give each episode its own id)")
         return "failed"
-    current = conn.execute(
-        select(Episode.id, Episode.content_hash, Episode.version, Episode.name)
-        .where(Episode.source_key == item.key, Episode.is_current.is_(True))
+    # The latest version: current unless every version was retired by hand (SQL).
+    latest = conn.execute(
+        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current)
+        .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
     ).first()
+    current = latest if latest is not None and latest.is_current else None
     if current is not None and current.content_hash == item.content_hash:
         seen.setdefault(item.key, (item.content_hash, item.location))
         _unchanged(report, item, current.name)
@@ -186,11 +188,11 @@ def _ingest_one(
         return "failed"
     seen[item.key] = (item.content_hash, item.location)
     # One name for all versions of an episode; a new episode gets a free one.
-    name = current.name if current is not None else _free_name(conn, item)
+    name = latest.name if latest is not None else _free_name(conn, item)
     # A nested transaction: a database error on this episode undoes only this episode.
     with conn.begin_nested():
         episode_id = _insert_episode(conn, parsed, options, key=item.key, name=name,
-                                     version=1 if current is None else current.version + 1)
+                                     version=1 if latest is None else latest.version + 1)
         if current is not None:
             conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
             old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
@@ -199,7 +201,7 @@ def _ingest_one(
             _set_tags(conn, episode_id, tags)
     pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
     pending.warnings += len(parsed.warnings)
-    if current is None:
+    if latest is None:
         pending.new += 1
         return "new"
     pending.changed += 1
