@@ -16,7 +16,21 @@ from hcapo_store.ingestion.identity import normalise_id
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_hindsight_json
 from hcapo_store.storage.episodes import resolve_episode
+from hcapo_store.storage.store import Store
 from test_credits import add_scorer, add_scores
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store(request, tmp_path):
+    """The same test on a SQLite file and on a fresh PostgreSQL database (skips without one)."""
+    if request.param == "sqlite":
+        with Store.open(str(tmp_path / "any.db")) as s:
+            yield s
+        return
+    import pg
+
+    with pg.fresh_database("ident") as url, Store.open(url) as s:
+        yield s
+
 
 ROOT_NAMES = [f"pg-0{r}/episode_00{i}" for r in (1, 2) for i in (1, 2, 3)]
 
@@ -39,20 +53,20 @@ def two_roots(base: Path) -> list[Path]:
 # ---- location independence -----------------------------------------------------------------------
 
 
-def test_copied_or_moved_tree_is_unchanged_and_the_summary_says_where(store, tmp_path):
+def test_copied_or_moved_tree_is_unchanged_and_the_summary_says_where(any_store, tmp_path):
     write_standard_episodes(tmp_path / "pg-01", 3)
-    assert ingest(store, [tmp_path / "pg-01"]).new == 3
+    assert ingest(any_store, [tmp_path / "pg-01"]).new == 3
     copy = tmp_path / "cluster" / "scratch" / "run-a"
     shutil.copytree(tmp_path / "pg-01", copy)
-    r = ingest(store, [copy])
+    r = ingest(any_store, [copy])
     assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 3, 0)
     assert r.elsewhere_count == 3 and f"{copy / 'episode_001'} is pg-01/episode_001" in r.summary()
     moved = tmp_path / "mnt" / "pg-01"
     shutil.move(str(tmp_path / "pg-01"), moved)  # same name, other mount point
-    r = ingest(store, [moved])
+    r = ingest(any_store, [moved])
     assert (r.new, r.changed, r.unchanged, r.elsewhere_count) == (0, 0, 3, 0)
-    assert names(store) == ["pg-01/episode_001", "pg-01/episode_002", "pg-01/episode_003"]
-    assert rows(store, "SELECT COUNT(*) FROM episodes") == [(3,)]
+    assert names(any_store) == ["pg-01/episode_001", "pg-01/episode_002", "pg-01/episode_003"]
+    assert rows(any_store, "SELECT COUNT(*) FROM episodes") == [(3,)]
 
 
 def test_corrected_reward_in_a_copy_is_a_new_version_of_the_same_episode(store, tmp_path):
@@ -96,18 +110,18 @@ def test_a_v1_session_without_id_is_keyed_by_its_session(store, tmp_path):
 # ---- names ------------------------------------------------------------------------------------------
 
 
-def test_two_roots_give_six_names_in_views_and_six_exported_files(store, tmp_path):
-    r = ingest(store, two_roots(tmp_path / "in"))
-    assert r.new == 6 and names(store) == ROOT_NAMES
-    add_scorer(store, "sc", spec={"max_logprob_tokens": 2048})
-    add_scores(store, "sc", seed=1)
-    compute_credits(store, name="r1")
-    assert sorted(n for (n,) in rows(store, "SELECT DISTINCT episode FROM step_scores")) == ROOT_NAMES
-    by_episode = rows(store, "SELECT episode, COUNT(DISTINCT episode_id) FROM step_credits GROUP BY episode "
+def test_two_roots_give_six_names_in_views_and_six_exported_files(any_store, tmp_path):
+    r = ingest(any_store, two_roots(tmp_path / "in"))
+    assert r.new == 6 and names(any_store) == ROOT_NAMES
+    add_scorer(any_store, "sc", spec={"max_logprob_tokens": 2048})
+    add_scores(any_store, "sc", seed=1)
+    compute_credits(any_store, name="r1")
+    assert sorted(n for (n,) in rows(any_store, "SELECT DISTINCT episode FROM step_scores")) == ROOT_NAMES
+    by_episode = rows(any_store, "SELECT episode, COUNT(DISTINCT episode_id) FROM step_credits GROUP BY episode "
                              "ORDER BY episode")
     assert by_episode == [(n, 1) for n in ROOT_NAMES]
-    assert sorted({n for (n,) in rows(store, "SELECT episode FROM subtask_credits")}) == ROOT_NAMES
-    out = export_hindsight_json(store, tmp_path / "hs", "r1")
+    assert sorted({n for (n,) in rows(any_store, "SELECT episode FROM subtask_credits")}) == ROOT_NAMES
+    out = export_hindsight_json(any_store, tmp_path / "hs", "r1")
     files = sorted(str(p.relative_to(tmp_path / "hs").parent) for p in (tmp_path / "hs").rglob("hindsight_scores.json"))
     assert out["episodes"] == 6 and files == ROOT_NAMES
     rewards = {json.loads((tmp_path / "hs" / n / "hindsight_scores.json").read_text())["reward"] for n in ROOT_NAMES}
@@ -141,36 +155,36 @@ def write_jsonl(path: Path, episodes: list[dict]) -> Path:
     return path
 
 
-def test_jsonl_ids_are_normalised_and_a_clash_is_refused_on_every_line(store, tmp_path):
+def test_jsonl_ids_are_normalised_and_a_clash_is_refused_on_every_line(any_store, tmp_path):
     path = write_jsonl(tmp_path / "eps.jsonl", [
         jsonl_episode(0.5, "a", episode_id=1), jsonl_episode(0.25, "b", episode_id="1"),
         jsonl_episode(0.75, "c", episode_id=2)])
-    r = ingest(store, [path])
+    r = ingest(any_store, [path])
     assert (r.new, r.failed) == (1, 2)
     assert sorted(e for _, e in r.failures) == [
         f"{path}:{n}: lines 1, 2 are the same episode (jsonl:eps.jsonl#1) with different contents: none is "
         "stored; give each its own episode_id" for n in (1, 2)]
-    assert names(store) == ["eps.jsonl#2"]
-    again = ingest(store, [path])
+    assert names(any_store) == ["eps.jsonl#2"]
+    again = ingest(any_store, [path])
     assert (again.new, again.changed, again.unchanged, again.failed) == (0, 0, 1, 2)
 
 
-def test_jsonl_explicit_line2_and_idless_line2_are_two_episodes_and_reingest_is_a_noop(store, tmp_path):
+def test_jsonl_explicit_line2_and_idless_line2_are_two_episodes_and_reingest_is_a_noop(any_store, tmp_path):
     path = write_jsonl(tmp_path / "run" / "eps.jsonl", [
         jsonl_episode(0.5, "explicit", episode_id="line2"), jsonl_episode(0.25, "no id"),
         jsonl_episode(0.75, "seven", episode_id=7), jsonl_episode(0.75, "seven", episode_id=7)])  # a repeat
-    r = ingest(store, [tmp_path / "run"])
+    r = ingest(any_store, [tmp_path / "run"])
     assert (r.new, r.changed, r.unchanged, r.failed) == (3, 0, 1, 0)
-    assert names(store) == ["run/eps.jsonl#7", "run/eps.jsonl#line2", "run/eps.jsonl:2"]
-    add_scorer(store, "sc")
-    scored = add_scores(store, "sc")
+    assert names(any_store) == ["run/eps.jsonl#7", "run/eps.jsonl#line2", "run/eps.jsonl:2"]
+    add_scorer(any_store, "sc")
+    scored = add_scores(any_store, "sc")
     for target in (tmp_path / "run", tmp_path / "moved" / "run"):
         if not target.exists():
             shutil.move(str(tmp_path / "run"), target)
-        r = ingest(store, [target])
+        r = ingest(any_store, [target])
         assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 4, 0), r.summary()
-    assert rows(store, "SELECT COUNT(*) FROM episodes") == [(3,)]
-    assert rows(store, "SELECT COUNT(*) FROM step_scores") == [(scored,)]  # no score orphaned
+    assert rows(any_store, "SELECT COUNT(*) FROM episodes") == [(3,)]
+    assert rows(any_store, "SELECT COUNT(*) FROM step_scores") == [(scored,)]  # no score orphaned
 
 
 def test_jsonl_bad_id_fails_its_line_only(store, tmp_path):
@@ -190,12 +204,12 @@ def test_normalise_id(value, want):
 # ---- --episode ----------------------------------------------------------------------------------------
 
 
-def test_episode_lookup_by_name_end_or_id_and_ambiguity_lists_candidates(store, tmp_path):
-    ingest(store, two_roots(tmp_path))
+def test_episode_lookup_by_name_end_or_id_and_ambiguity_lists_candidates(any_store, tmp_path):
+    ingest(any_store, two_roots(tmp_path))
     EpisodeBuilder(seed=99, episode_id=4).standard().write(tmp_path / "pg-03" / "episode_004")
-    ingest(store, [tmp_path / "pg-03"])
-    ids = dict(rows(store, "SELECT name, id FROM episodes"))
-    with store.engine.connect() as conn:
+    ingest(any_store, [tmp_path / "pg-03"])
+    ids = dict(rows(any_store, "SELECT name, id FROM episodes"))
+    with any_store.engine.connect() as conn:
         key = resolve_episode(conn, "pg-01/episode_001")
         assert resolve_episode(conn, str(ids["pg-01/episode_001"])) == key
         assert resolve_episode(conn, "episode_004") == resolve_episode(conn, "pg-03/episode_004") != key
