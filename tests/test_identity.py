@@ -64,7 +64,10 @@ def test_copied_or_moved_tree_is_unchanged_and_the_summary_says_where(any_store,
     moved = tmp_path / "mnt" / "pg-01"
     shutil.move(str(tmp_path / "pg-01"), moved)  # same name, other mount point
     r = ingest(any_store, [moved])
-    assert (r.new, r.changed, r.unchanged, r.elsewhere_count) == (0, 0, 3, 0)
+    assert (r.new, r.changed, r.unchanged, r.elsewhere_count) == (0, 0, 3, 3)
+    assert f"3 unchanged already stored from another place (e.g. {moved / 'episode_001'} is pg-01/episode_001)" \
+        in r.summary()
+    assert ingest(any_store, [tmp_path / "cluster" / "scratch" / "run-a"]).elsewhere_count == 3
     assert names(any_store) == ["pg-01/episode_001", "pg-01/episode_002", "pg-01/episode_003"]
     assert rows(any_store, "SELECT COUNT(*) FROM episodes") == [(3,)]
 
@@ -253,3 +256,20 @@ def test_reingest_after_every_version_was_retired_by_hand_adds_the_next_version(
     assert (r.new, r.changed, r.failed) == (0, 1, 0)
     assert rows(store, "SELECT name, version, is_current FROM episodes ORDER BY version") == [
         ("pg-01/episode_001", 1, 0), ("pg-01/episode_001", 2, 1)]
+
+
+def test_a_change_from_another_place_is_a_version_and_is_said(store, tmp_path):
+    """JSONL ids are scoped by file name: another run's eps.jsonl with id 1 is a new version, said loudly."""
+    ingest(store, [write_jsonl(tmp_path / "run1" / "eps.jsonl", [jsonl_episode(0.5, "one", episode_id=1)])])
+    r = ingest(store, [write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.5, "two", episode_id=1)])])
+    assert (r.new, r.changed, r.changed_elsewhere_count) == (0, 1, 1)
+    assert (f"1 changed an episode read from another place (e.g. {tmp_path / 'run2' / 'eps.jsonl'}:1 is a new "
+            "version of eps.jsonl#1; if it is another episode, give it its own id)") in r.summary()
+    same_place = ingest(store, [write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.9, "two", episode_id=1)])])
+    assert (same_place.changed, same_place.changed_elsewhere_count) == (1, 0)  # run2's file is now the episode's
+    write_standard_episodes(tmp_path / "pg-01", 1)
+    ingest(store, [tmp_path / "pg-01"])
+    result = tmp_path / "pg-01" / "episode_001" / "result.json"
+    result.write_text(json.dumps({**json.loads(result.read_text()), "episode_reward": 0.99}))
+    r = ingest(store, [tmp_path / "pg-01"])
+    assert (r.changed, r.changed_elsewhere_count) == (1, 0)  # corrected in place: nothing to say

@@ -85,7 +85,7 @@ EXPECTED_0002 = {
     "jsonl:eps.jsonl#line3": ("eps.jsonl#line3", [15, 19]),
     "jsonl-sha256:": ("eps.jsonl:3", [14, 18]),  # the id-less line 3 that 0001 merged with id "line3"
 }
-CHANGED_COLUMNS = {"source_key", "name", "version", "is_current"}
+CHANGED_COLUMNS = {"source_key", "name", "version", "is_current", "source_path"}
 
 
 def _generator():
@@ -129,6 +129,8 @@ def _check_upgraded(store: Store, before: dict[str, list[tuple]]) -> None:
         entry[1].append(ep_id)
         assert bool(current) == (ep_id == EXPECTED_0002.get(prefix, ("", [None]))[1][-1]), (ep_id, key)
     assert got == EXPECTED_0002
+    paths = dict(store.query("SELECT id, source_path FROM episodes")[1])
+    assert paths[7].endswith("/mirror/pg-01/episode_001") and paths[12].endswith("/eps.jsonl")
     credits = store.query("SELECT COUNT(*), COUNT(DISTINCT episode) FROM step_credits WHERE run = 'r1'")[1][0]
     assert credits[0] == len(before["credits"])
 
@@ -139,7 +141,7 @@ def _reingest_rebuilt_inputs(store: Store, base: Path) -> None:
     paths = gen.build_inputs(base)
     gen.correct_reward(paths["pg-01"] / "episode_002", 0.99)
     r = ingest(store, [paths["pg-01"], paths["pg-02"], paths["v1"], paths["jsonl"]])
-    assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 9, 2), r.summary()
+    assert (r.new, r.changed, r.unchanged, r.failed, r.elsewhere_count) == (0, 0, 9, 2, 9), r.summary()
     assert {f.split(": ", 1)[0] for _, f in r.failures} == {f"{paths['jsonl']}:1", f"{paths['jsonl']}:2"}
 
 

@@ -97,10 +97,3 @@ def name_candidates(name: str, prefixes: tuple[str, ...]) -> Iterator[str]:
     while True:
         yield f"{name}~{n}"
         n += 1
-
-
-def is_own_name(stored: str, name: str, prefixes: tuple[str, ...]) -> bool:
-    """Whether ``stored`` is a name this location would have been given (not another copy's)."""
-    if stored == name or (stored.startswith(name + "~") and stored[len(name) + 1:].isdigit()):
-        return True
-    return any(stored == "/".join(reversed(prefixes[:i])) + "/" + name for i in range(1, len(prefixes) + 1))

@@ -48,9 +48,13 @@ class IngestReport:
     warnings: int = 0
     steps: int = 0
     interrupted: bool = False
-    # Unchanged sources already stored under another name (a copied or moved tree): (source, name).
+    # Unchanged sources first read from another place (a copied or moved tree): (source, name).
     elsewhere: list[tuple[str, str]] = field(default_factory=list)
     elsewhere_count: int = 0
+    # Changed sources whose episode was read from another place: a corrected copy, or (JSONL
+    # ids are scoped by file name) another run's same-named file. Said, never silent.
+    changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
+    changed_elsewhere_count: int = 0
 
     @property
     def seen(self) -> int:
@@ -65,8 +69,12 @@ class IngestReport:
         )
         if self.elsewhere_count:
             source, name = self.elsewhere[0]
-            line += (f"; {self.elsewhere_count} unchanged already stored under another name "
+            line += (f"; {self.elsewhere_count} unchanged already stored from another place "
                      f"(e.g. {source} is {name})")
+        if self.changed_elsewhere_count:
+            source, name = self.changed_elsewhere[0]
+            line += (f"; {self.changed_elsewhere_count} changed an episode read from another place "
+                     f"(e.g. {source} is a new version of {name}; if it is another episode, give it its own id)")
         if self.warnings:
             line += f"; {self.warnings} warning(s) stored with the episodes"
         return line + (" — interrupted" if self.interrupted else "")
@@ -79,6 +87,7 @@ class IngestReport:
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
             "warnings": self.warnings, "steps": self.steps, "interrupted": self.interrupted,
             "already_stored": [{"source": s, "name": n} for s, n in self.elsewhere],
+            "changed_elsewhere": [{"source": s, "name": n} for s, n in self.changed_elsewhere],
         }
 
 
@@ -95,6 +104,7 @@ class _Pending:
     changed: int = 0
     steps: int = 0
     warnings: int = 0
+    changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
 
 
 def ingest(
@@ -150,6 +160,9 @@ def _fold(report: IngestReport, pending: _Pending) -> None:
     report.changed += pending.changed
     report.steps += pending.steps
     report.warnings += pending.warnings
+    report.changed_elsewhere_count += len(pending.changed_elsewhere)
+    room = MAX_LISTED - len(report.changed_elsewhere)
+    report.changed_elsewhere.extend(pending.changed_elsewhere[:max(room, 0)])
 
 
 def _ingest_one(
@@ -166,13 +179,14 @@ def _ingest_one(
         return "failed"
     # The latest version: current unless every version was retired by hand (SQL).
     latest = conn.execute(
-        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current)
+        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current,
+               Episode.source_path)
         .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
     ).first()
     current = latest if latest is not None and latest.is_current else None
     if current is not None and current.content_hash == item.content_hash:
         seen.setdefault(item.key, (item.content_hash, item.location))
-        _unchanged(report, item, current.name)
+        _unchanged(report, item, current)
         if tags:
             _set_tags(conn, current.id, tags)
         return "unchanged"
@@ -191,7 +205,7 @@ def _ingest_one(
     name = latest.name if latest is not None else _free_name(conn, item)
     # A nested transaction: a database error on this episode undoes only this episode.
     with conn.begin_nested():
-        episode_id = _insert_episode(conn, parsed, options, key=item.key, name=name,
+        episode_id = _insert_episode(conn, parsed, options, source=item, name=name,
                                      version=1 if latest is None else latest.version + 1)
         if current is not None:
             conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
@@ -205,15 +219,17 @@ def _ingest_one(
         pending.new += 1
         return "new"
     pending.changed += 1
+    if latest.source_path != item.path:
+        pending.changed_elsewhere.append((item.location, latest.name))
     return "changed"
 
 
-def _unchanged(report: IngestReport, item: Source, stored_name: str) -> None:
+def _unchanged(report: IngestReport, item: Source, current: Any) -> None:
     report.unchanged += 1
-    if not identity.is_own_name(stored_name, item.name, item.prefixes):
+    if current.source_path != item.path:
         report.elsewhere_count += 1
         if len(report.elsewhere) < MAX_LISTED:
-            report.elsewhere.append((item.location, stored_name))
+            report.elsewhere.append((item.location, current.name))
 
 
 def _free_name(conn: Connection, item: Source) -> str:
@@ -237,7 +253,7 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
     conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
 
 
-def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, key: str, name: str,
+def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str,
                     version: int) -> int:
     steps = map_steps(
         ep.messages, plan=ep.plan, plan_score=ep.plan_score,
@@ -246,7 +262,7 @@ def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
-            "source_key": key, "version": version, "is_current": True,
+            "source_key": source.key, "source_path": source.path, "version": version, "is_current": True,
             "content_hash": ep.content_hash, "source_format": ep.source_format,
             "external_id": ep.external_id, "name": name, "reward": ep.reward, "phase": ep.phase,
             "plan_score": ep.plan_score, "frozen_scores": json.dumps(ep.frozen_scores),

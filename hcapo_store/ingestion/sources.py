@@ -63,11 +63,13 @@ class Source:
     """A lazily read input: ``load()`` returns a ParsedEpisode or raises Skip/IngestError.
 
     ``key`` and ``name`` are the episode's identity and readable name (ingestion/identity.py);
-    ``location`` is where it was read (``path`` or ``path:line``), for messages only.
+    ``path`` is the directory or file it was read from (stored as ``episodes.source_path``),
+    ``location`` the same for messages (``path`` or ``path:line``).
     """
 
     key: str
     name: str
+    path: str
     location: str
     content_hash: str
     load: Callable[[], ParsedEpisode]
@@ -138,7 +140,7 @@ def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) ->
         return parse_episode_dir(directory, result_bytes, session_bytes, options, digest)
 
     return Source(key=identity.session_key(session_bytes), name=identity.label(directory, root),
-                  location=str(directory), content_hash=digest, load=load, prefixes=identity.ancestors(root))
+                  path=str(directory), location=str(directory), content_hash=digest, load=load, prefixes=identity.ancestors(root))
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[
             return parse_jsonl_line(path, entry.lineno, _line_at(path, entry, options), options, entry.digest)
 
         yield Source(key=entry.key, name=identity.jsonl_name(file_label, entry.ident, entry.lineno),
-                     location=f"{path}:{entry.lineno}", content_hash=entry.digest, load=load, prefixes=prefixes)
+                     path=str(path), location=f"{path}:{entry.lineno}", content_hash=entry.digest, load=load, prefixes=prefixes)
 
 
 def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestError]:

@@ -54,6 +54,7 @@ class Episode(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     source_key: Mapped[str] = mapped_column(Text)
+    source_path: Mapped[str | None] = mapped_column(Text)  # the directory or file this version was read from
     version: Mapped[int] = mapped_column(Integer)
     is_current: Mapped[bool] = mapped_column(Boolean, default=True)
     content_hash: Mapped[str] = mapped_column(String(64))

@@ -14,7 +14,8 @@ scoped by the file name, else a hash of the line) and gives every episode a uniq
 episode (numbered by ingest order, the latest current row stays current); rows that 0001
 had merged under one key are split again, each part keeping its latest row current.
 Nothing is deleted: ids, messages, steps, scores, attempts, tags and credits are kept.
-``name`` + ``version`` becomes unique (an index; the views are unchanged).
+``name`` + ``version`` becomes unique (an index; the views are unchanged). The new column
+``source_path`` keeps where each version was read from (for 0001 rows: the old key's path).
 
 Frozen history: the key and name rules are copied here as they were at this revision.
 """
@@ -73,17 +74,20 @@ def _ancestors(path: PurePosixPath) -> tuple[str, ...]:
     return tuple(p.name for p in path.parents if p.name)
 
 
-def _dir_identity(old_key: str, raw: bytes) -> tuple[str, str, tuple[str, ...]]:
+Identity = tuple[str, str, tuple[str, ...], str]  # key, name, name prefixes, source path
+
+
+def _dir_identity(old_key: str, raw: bytes) -> Identity:
     """(key, name, prefixes) of a Pi episode directory ingested by 0001 as ``old_key`` (its path)."""
     files = json.loads(zlib.decompress(raw))
     session = files["pi_session.jsonl"].encode("utf-8", "surrogateescape")
     path = PurePosixPath(old_key)
     root = path.parent if path.parent.name else path  # 0001 did not record the root: assume the parent
     name = f"{root.name}/{path.name}" if root != path else path.name
-    return _session_key(session), name, _ancestors(root)
+    return _session_key(session), name, _ancestors(root), old_key
 
 
-def _jsonl_identity(old_key: str, raw: bytes) -> tuple[str, str, tuple[str, ...]]:
+def _jsonl_identity(old_key: str, raw: bytes) -> Identity:
     """(key, name, prefixes) of a JSONL line ingested by 0001 as ``<path>#<id or lineN>``."""
     line = zlib.decompress(raw)
     obj = json.loads(line)
@@ -99,12 +103,12 @@ def _jsonl_identity(old_key: str, raw: bytes) -> tuple[str, str, tuple[str, ...]
         assert match is not None
         path, lineno = PurePosixPath(match.group(1)), int(match.group(2))
     if ident is not None:
-        return f"jsonl:{path.name}#{ident}", f"{path.name}#{ident}", _ancestors(path)
+        return f"jsonl:{path.name}#{ident}", f"{path.name}#{ident}", _ancestors(path), str(path)
     key = "jsonl-sha256:" + hashlib.sha256(line.strip()).hexdigest()
-    return key, f"{path.name}:{lineno if lineno is not None else old_id}", _ancestors(path)
+    return key, f"{path.name}:{lineno if lineno is not None else old_id}", _ancestors(path), str(path)
 
 
-def _identity(old_key: str, source_format: str, raw: bytes) -> tuple[str, str, tuple[str, ...]]:
+def _identity(old_key: str, source_format: str, raw: bytes) -> Identity:
     try:
         if source_format == "openai_jsonl":
             return _jsonl_identity(old_key, raw)
@@ -112,7 +116,7 @@ def _identity(old_key: str, source_format: str, raw: bytes) -> tuple[str, str, t
     except (ValueError, KeyError, AssertionError, zlib.error, AttributeError, TypeError):
         # An unreadable raw source keeps its old key (marked) rather than losing the row.
         path = PurePosixPath(old_key.split("#", 1)[0])
-        return f"legacy:{old_key}", path.name or old_key, _ancestors(path)
+        return f"legacy:{old_key}", path.name or old_key, _ancestors(path), str(path)
 
 
 def _candidates(name: str, prefixes: tuple[str, ...]) -> Iterator[str]:
@@ -128,9 +132,12 @@ def _candidates(name: str, prefixes: tuple[str, ...]) -> Iterator[str]:
 # ---- the data migration -------------------------------------------------------------------------
 
 
-def _read(conn: sa.Connection) -> dict[str, list[tuple[int, bool, str, tuple[str, ...]]]]:
-    """New key -> [(id, was current, name, prefixes)] in id order, reading raw sources in chunks."""
-    groups: dict[str, list[tuple[int, bool, str, tuple[str, ...]]]] = defaultdict(list)
+Row = tuple[int, bool, str, tuple[str, ...], str]  # id, was current, name, prefixes, source path
+
+
+def _read(conn: sa.Connection) -> dict[str, list[Row]]:
+    """New key -> [(id, was current, name, prefixes, path)] in id order, reading raw sources in chunks."""
+    groups: dict[str, list[Row]] = defaultdict(list)
     last = 0
     while True:
         rows = conn.execute(sa.text(
@@ -139,12 +146,12 @@ def _read(conn: sa.Connection) -> dict[str, list[tuple[int, bool, str, tuple[str
         if not rows:
             return groups
         for ep_id, old_key, fmt, current, raw in rows:
-            key, name, prefixes = _identity(old_key, fmt, bytes(raw))
-            groups[key].append((ep_id, bool(current), name, prefixes))
+            key, name, prefixes, path = _identity(old_key, fmt, bytes(raw))
+            groups[key].append((ep_id, bool(current), name, prefixes, path))
         last = rows[-1][0]
 
 
-def _plan(groups: dict[str, list[tuple[int, bool, str, tuple[str, ...]]]]) -> list[dict[str, Any]]:
+def _plan(groups: dict[str, list[Row]]) -> list[dict[str, Any]]:
     """One update per row: key, a unique name per key, versions 1..n with the current row last."""
     updates: list[dict[str, Any]] = []
     used: set[str] = set()
@@ -156,17 +163,18 @@ def _plan(groups: dict[str, list[tuple[int, bool, str, tuple[str, ...]]]]) -> li
         used.add(name)
         ordered = sorted(rows, key=lambda r: (r is chosen, r[0]))
         for version, row in enumerate(ordered, start=1):
-            updates.append({"id": row[0], "k": key, "n": name, "v": version, "c": row is chosen})
+            updates.append({"id": row[0], "k": key, "n": name, "v": version, "c": row is chosen, "p": row[4]})
     return updates
 
 
 def upgrade() -> None:
     conn = op.get_bind()
+    op.add_column('episodes', sa.Column('source_path', sa.Text(), nullable=True))
     updates = _plan(_read(conn))
     # Negative versions first: no (key, version) pair can clash while rows are rewritten.
     conn.execute(sa.text("UPDATE episodes SET version = -id"))
     for i in range(0, len(updates), CHUNK):
-        conn.execute(sa.text("UPDATE episodes SET source_key = :k, name = :n, version = :v, is_current = :c "
+        conn.execute(sa.text("UPDATE episodes SET source_key = :k, name = :n, version = :v, is_current = :c, source_path = :p "
                              "WHERE id = :id"), updates[i:i + CHUNK])
     # A unique index, not a table rebuild: the views over episodes stay as they are.
     op.create_index('ix_episodes_name_version', 'episodes', ['name', 'version'], unique=True)
@@ -175,3 +183,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     # The schema only: the old path keys cannot be recomputed (restore the backup `db upgrade` made).
     op.drop_index('ix_episodes_name_version', table_name='episodes')
+    op.drop_column('episodes', 'source_path')
