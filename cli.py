@@ -248,7 +248,8 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--include-thinking/--no-thinking", default=True, show_default=True,
               help="Score episodes ingested with these conversion options.")
 @click.option("--max-tool-result-chars", type=int, default=4000, show_default=True)
-@click.option("--episode", "episodes", multiple=True, metavar="NAME", help="Only these episodes (repeatable).")
+@click.option("--episode", "episodes", multiple=True, metavar="NAME",
+              help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.")
 @click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
 @click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
 @click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
@@ -271,6 +272,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     """
     from hcapo_store.progress import Progress
     from hcapo_store.scoring.work_queue import Filters
+    from hcapo_store.storage.episodes import resolve_episodes
     from hcapo_store.scoring.runner import RunOptions
     from hcapo_store.scoring.job import ScoreConfig, dry_run as run_dry, prepare, run_scoring
     from hcapo_store.ingestion.sources import ConvertOptions
@@ -284,8 +286,9 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
     store = state.store()
+    with store.engine.connect() as conn:  # before the model loads: a wrong --episode fails at once
+        filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
     prep = prepare(store, cfg)
-    filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
     if dry_run:
         result = run_dry(store, prep, filters, limit)
         _echo_json(result.__dict__) if as_json else click.echo(result.summary())

@@ -55,6 +55,10 @@ class IngestError(HcapoError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+class EpisodeLookupError(HcapoError):
+    """An episode given by name or id matches no episode, or several (the message lists them)."""
+
+
 class SkipEpisode(HcapoError):
     """The input is valid but not ingestable yet (e.g. no reward); not a failure."""
 

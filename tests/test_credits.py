@@ -263,18 +263,18 @@ def test_no_scorer(store: Store) -> None:
 def test_incomplete_episodes_get_no_credits(store: Store, samples: Path) -> None:
     ingest(store, [samples])
     add_scorer(store, "s")
-    add_scores(store, "s", skip={("episode_002", 3)})
+    add_scores(store, "s", skip={("trajectories/episode_002", 3)})
     result = compute_credits(store)
-    assert result.run.incomplete == ["episode_002"] and result.run.incomplete_episodes == 1
+    assert result.run.incomplete == ["trajectories/episode_002"] and result.run.incomplete_episodes == 1
     assert result.run.episodes == 3 and result.run.steps == 75 - 12
-    assert "episode_002" not in read_credits(store, "default")
+    assert "trajectories/episode_002" not in read_credits(store, "default")
 
 
 def test_superseded_versions_are_ignored(scored: Store) -> None:
     with db.write(scored.engine) as conn:
-        conn.execute(text("UPDATE episodes SET is_current = :f WHERE name = 'episode_001'"), {"f": False})
+        conn.execute(text("UPDATE episodes SET is_current = :f WHERE name = 'trajectories/episode_001'"), {"f": False})
     result = compute_credits(scored)
-    assert result.run.episodes == 3 and "episode_001" not in read_credits(scored, "default")
+    assert result.run.episodes == 3 and "trajectories/episode_001" not in read_credits(scored, "default")
 
 
 # ---- list, show, diff --------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_list_show_diff(scored: Store) -> None:
     assert len(all_steps) == 75
     assert max(abs(s["delta_q_h_smoothed"]) for s in all_steps) == moves[0]
     top = d["top_moved"][0]
-    assert top["episode"].startswith("episode_") and isinstance(top["step_index"], int)
+    assert top["episode"].startswith("trajectories/episode_") and isinstance(top["step_index"], int)
 
     same = diff_runs(scored, "default", "default")
     assert same["delta_rho"]["max"] == 0 and same["delta_q_h_smoothed"]["min"] == 0

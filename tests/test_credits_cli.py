@@ -60,7 +60,7 @@ def test_five_credit_runs_make_no_model_calls(runner, scored_db, tmp_path):
     out = tmp_path / "exports"
     r = runner.invoke(cli, ["--db", str(db), "export", "hindsight-json", str(out / "hs"), "--credits", "default"])
     assert r.exit_code == 0, r.output
-    files = list((out / "hs").glob("*/hindsight_scores.json"))
+    files = list((out / "hs").rglob("hindsight_scores.json"))
     assert files and json.loads(files[0].read_text())["hyperparams"]["gamma"] == 0.95
     r = runner.invoke(cli, ["--db", str(db), "export", "dataset", str(out / "hcapo_train.jsonl"), "--credits",
                             "default", "--min-reward", "0", "--group-by", "task", "--json"])

@@ -57,7 +57,7 @@ def test_hindsight_json_schema_and_values(scored: Store, tmp_path: Path) -> None
 def test_hindsight_json_reaggregated_span(scored: Store, tmp_path: Path) -> None:
     compute_credits(scored, CreditParams(max_logprob_tokens=3), name="m3")
     export_hindsight_json(scored, tmp_path, "m3")
-    doc = json.loads((tmp_path / "episode_001" / "hindsight_scores.json").read_text())
+    doc = json.loads((tmp_path / "trajectories" / "episode_001" / "hindsight_scores.json").read_text())
     assert doc["hyperparams"]["max_logprob_tokens"] == 3
     for s in doc["steps"]:
         assert s["action_token_count"] <= 3

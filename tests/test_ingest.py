@@ -39,7 +39,7 @@ def test_edit_one_episode_gives_exactly_one_new_version(store, tmp_path):
     result.write_text(json.dumps(data))
     r = ingest(store, [tmp_path / "t"])
     assert (r.new, r.changed, r.unchanged) == (0, 1, 2)
-    versions = rows(store, "SELECT version, is_current, reward FROM episodes WHERE name = 'episode_002' ORDER BY version")
+    versions = rows(store, "SELECT version, is_current, reward FROM episodes WHERE name = 't/episode_002' ORDER BY version")
     assert [(v, c) for v, c, _ in versions] == [(1, 0), (2, 1)]
     assert versions[1][2] == 0.99 and versions[0][2] != 0.99
     # only current episodes count
@@ -94,15 +94,15 @@ def test_bad_inputs_never_abort_the_batch(store, tmp_path):
     assert "missing result.json" in failures["episode_missing_result"]
     assert r.skipped == {"no reward yet": 1, "no pi_session.jsonl": 1, "empty pi_session.jsonl": 1}
     names = {n for (n,) in rows(store, "SELECT name FROM episodes")}
-    assert names == {"episode_truncated_last", "episode_null_plan_score", "episode_non_utf8",
-                     "episode_unknown_roles", "episode_001", "episode_002"}
-    warn = dict(rows(store, "SELECT name, warnings FROM episodes WHERE warnings IS NOT NULL"))
+    assert names == {f"bad/{n}" for n in ("episode_truncated_last", "episode_null_plan_score", "episode_non_utf8",
+                                           "episode_unknown_roles", "episode_001", "episode_002")}
+    warn = {n.split("/")[1]: w for n, w in rows(store, "SELECT name, warnings FROM episodes WHERE warnings IS NOT NULL")}
     assert "truncated last line" in warn["episode_truncated_last"]
     assert "invalid UTF-8" in warn["episode_non_utf8"]
     assert "bashExecution" in warn["episode_unknown_roles"]
     assert "plan_score is null" in warn["episode_null_plan_score"]
     assert rows(store, "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
-                       "WHERE e.name = 'episode_null_plan_score' AND s.phase = 'planning' AND s.subtask_reward IS NULL") == [(2,)]
+                       "WHERE e.name = 'bad/episode_null_plan_score' AND s.phase = 'planning' AND s.subtask_reward IS NULL") == [(2,)]
     # nothing half-written: every stored episode has its messages and steps
     assert rows(store, "SELECT COUNT(*) FROM episodes e WHERE num_steps != "
                        "(SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id)") == [(0,)]

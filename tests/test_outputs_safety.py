@@ -298,7 +298,8 @@ def test_new_episode_version_makes_the_run_stale(store: Store, tmp_path: Path, d
     add_scorer(store, "sc")
     add_scores(store, "sc")
     compute_credits(store, CreditParams(), name="r")
-    write_standard_episodes(tmp_path / "eps", 1, seed=50)  # episode_001 gets a new version
+    result = tmp_path / "eps" / "episode_001" / "result.json"  # a corrected reward: a new version
+    result.write_text(json.dumps({**json.loads(result.read_text()), "episode_reward": 0.99}))
     assert ingest(store, [tmp_path / "eps"]).changed == 1
     run = get_run(store, "r")
     assert run.superseded_episodes == 1 and "1 credited episode(s) have a newer version" in run.stale

@@ -104,7 +104,7 @@ def test_cli_ingest_status_sql_on_postgres(pg_url: str, samples: Path) -> None:
     r = runner.invoke(cli, ["--db", pg_url, "sql", "SELECT key, value FROM tags LIMIT 1", "--format", "csv"])
     assert r.output.splitlines() == ["key,value", "task,pg"]
     # % is not a placeholder; booleans compare as booleans.
-    r = runner.invoke(cli, ["--db", pg_url, "sql", "SELECT COUNT(*) AS n FROM episodes WHERE name LIKE 'ep%' "
+    r = runner.invoke(cli, ["--db", pg_url, "sql", "SELECT COUNT(*) AS n FROM episodes WHERE name LIKE '%/ep%' "
                             "AND is_current AND include_thinking = TRUE", "--format", "json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output) == [{"n": data["episodes"]}]
@@ -127,7 +127,8 @@ def test_sql_read_only_on_postgres(pg_store: Store, samples: Path, sql: str) -> 
 def test_ingest_new_version_on_postgres(pg_store: Store, tmp_path: Path) -> None:
     write_standard_episodes(tmp_path / "eps", 3)
     assert ingest(pg_store, [tmp_path / "eps"]).new == 3
-    write_standard_episodes(tmp_path / "eps", 1, seed=50)  # episode_001 changes
+    result = tmp_path / "eps" / "episode_001" / "result.json"  # a corrected reward: a new version
+    result.write_text(json.dumps({**json.loads(result.read_text()), "episode_reward": 0.99}))
     report = ingest(pg_store, [tmp_path / "eps"])
     assert (report.new, report.changed, report.unchanged) == (0, 1, 2)
     assert _one(pg_store, "SELECT COUNT(*) FROM episodes WHERE NOT is_current") == 1

@@ -32,8 +32,8 @@ def _failures(store: Store, scorer: str, episode: str, kinds: list[str]) -> None
 def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path) -> None:
     ingest(store, [samples])
     add_scorer(store, "scorer-a", "model-a")
-    add_scores(store, "scorer-a", seed=2, skip={("episode_003", 0)})
-    _failures(store, "scorer-a", "episode_003", ["http_503", "http_503", "timeout"])
+    add_scores(store, "scorer-a", seed=2, skip={("trajectories/episode_003", 0)})
+    _failures(store, "scorer-a", "trajectories/episode_003", ["http_503", "http_503", "timeout"])
     compute_credits(store, CreditParams(c_min=0.9, c_max=1.1), name="tight")
     out = write_report(store, tmp_path / "report.html", "tight")
     page = Path(out["path"]).read_text()
@@ -47,7 +47,7 @@ def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path)
     assert "c_min 0.9" in page and "c_max 1.1" in page  # the clip bounds are marked
     assert ">planning<" in page and ">0<" in page and ">2<" in page  # subtask positions
     assert "http_503" in page and "timeout" in page
-    assert "episode_003" in page  # listed as incomplete
+    assert "trajectories/episode_003" in page  # listed as incomplete
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert re.search(r"<td>t_temp</td><td>5.0</td>", page)
 

@@ -1,7 +1,10 @@
 """Incremental ingest: sources → episodes, messages, steps, subtasks, tags.
 
-Keyed by source key + content hash: an unchanged episode is a no-op, a changed one becomes
-a new version (the old version stays, marked not current, with its scores). Each episode
+Keyed by the episode's identity + content hash (ingestion/identity.py): an unchanged episode
+is a no-op wherever its files sit now, a changed one becomes a new version (the old version
+stays, marked not current, with its scores) under the same name. Two sources with one
+identity but different contents in one ingest are a conflict: the later one fails, naming
+the earlier (nothing supersedes silently). Each episode
 is parsed completely before anything is written, and episodes are committed in small
 batches, so an interrupt (Ctrl-C, kill) loses at most the uncommitted batch and never
 leaves half an episode. Sources are read one at a time: memory does not grow with the
@@ -24,6 +27,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode
 from hcapo_store.ingestion.mapping import map_steps
 from hcapo_store.storage.models import Episode, Message, Step, Subtask, Tag
+from hcapo_store.ingestion import identity
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage.store import Store
 
@@ -44,6 +48,13 @@ class IngestReport:
     warnings: int = 0
     steps: int = 0
     interrupted: bool = False
+    # Unchanged sources first read from another place (a copied or moved tree): (source, name).
+    elsewhere: list[tuple[str, str]] = field(default_factory=list)
+    elsewhere_count: int = 0
+    # Changed sources whose episode was read from another place: a corrected copy, or (JSONL
+    # ids are scoped by file name) another run's same-named file. Said, never silent.
+    changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
+    changed_elsewhere_count: int = 0
 
     @property
     def seen(self) -> int:
@@ -56,6 +67,14 @@ class IngestReport:
             f"{self.new} new, {self.changed} changed, {self.unchanged} unchanged, "
             f"{skipped} skipped{f' ({reasons})' if reasons else ''}, {self.failed} failed"
         )
+        if self.elsewhere_count:
+            source, name = self.elsewhere[0]
+            line += (f"; {self.elsewhere_count} unchanged already stored from another place "
+                     f"(e.g. {source} is {name})")
+        if self.changed_elsewhere_count:
+            source, name = self.changed_elsewhere[0]
+            line += (f"; {self.changed_elsewhere_count} changed an episode read from another place "
+                     f"(e.g. {source} is a new version of {name}; if it is another episode, give it its own id)")
         if self.warnings:
             line += f"; {self.warnings} warning(s) stored with the episodes"
         return line + (" — interrupted" if self.interrupted else "")
@@ -67,6 +86,8 @@ class IngestReport:
             "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
             "warnings": self.warnings, "steps": self.steps, "interrupted": self.interrupted,
+            "already_stored": [{"source": s, "name": n} for s, n in self.elsewhere],
+            "changed_elsewhere": [{"source": s, "name": n} for s, n in self.changed_elsewhere],
         }
 
 
@@ -83,6 +104,7 @@ class _Pending:
     changed: int = 0
     steps: int = 0
     warnings: int = 0
+    changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
 
 
 def ingest(
@@ -100,11 +122,12 @@ def ingest(
     report = IngestReport()
     tags = dict(tags or {})
     sources = iter_sources([Path(p) for p in paths], options)
+    seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
     try:
         while True:
             pending = _Pending()
             with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
-                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode)
+                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode, seen)
             _fold(report, pending)
             if not more:
                 return report
@@ -116,14 +139,15 @@ def ingest(
 def _ingest_batch(
     conn: Connection, sources: Iterator[Source | IngestError], options: ConvertOptions, tags: dict[str, str],
     report: IngestReport, pending: _Pending, on_episode: Callable[[str, str], None] | None,
+    seen: dict[str, tuple[str, str]],
 ) -> bool:
     """Ingest sources until the batch is full (True) or the sources run out (False)."""
     started = time.monotonic()
     written = 0
     for item in sources:
-        outcome = _ingest_one(conn, item, options, tags, report, pending)
+        outcome = _ingest_one(conn, item, options, tags, report, pending, seen)
         if on_episode is not None:
-            on_episode(item.key if isinstance(item, Source) else str(item.path or item), outcome)
+            on_episode(item.location if isinstance(item, Source) else str(item.path or item), outcome)
         if outcome in ("new", "changed"):
             written += 1
         if written >= BATCH_EPISODES or (written and time.monotonic() - started > BATCH_SECONDS):
@@ -136,21 +160,33 @@ def _fold(report: IngestReport, pending: _Pending) -> None:
     report.changed += pending.changed
     report.steps += pending.steps
     report.warnings += pending.warnings
+    report.changed_elsewhere_count += len(pending.changed_elsewhere)
+    room = MAX_LISTED - len(report.changed_elsewhere)
+    report.changed_elsewhere.extend(pending.changed_elsewhere[:max(room, 0)])
 
 
 def _ingest_one(
     conn: Connection, item: Source | IngestError, options: ConvertOptions, tags: dict[str, str],
-    report: IngestReport, pending: _Pending,
+    report: IngestReport, pending: _Pending, seen: dict[str, tuple[str, str]],
 ) -> str:
     if isinstance(item, IngestError):
         _fail(report, str(item.path or ""), str(item))
         return "failed"
-    current = conn.execute(
-        select(Episode.id, Episode.content_hash, Episode.version)
-        .where(Episode.source_key == item.key, Episode.is_current.is_(True))
+    first = seen.get(item.key)  # only stored (or unchanged) sources count: a skipped one claims nothing
+    if first is not None and first[0] != item.content_hash:
+        _fail(report, item.location, f"{item.location}: same episode as {first[1]} ({item.key}) with different "
+                                     "content: not stored (give each episode its own id)")
+        return "failed"
+    # The latest version: current unless every version was retired by hand (SQL).
+    latest = conn.execute(
+        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current,
+               Episode.source_path)
+        .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
     ).first()
+    current = latest if latest is not None and latest.is_current else None
     if current is not None and current.content_hash == item.content_hash:
-        report.unchanged += 1
+        seen.setdefault(item.key, (item.content_hash, item.location))
+        _unchanged(report, item, current)
         if tags:
             _set_tags(conn, current.id, tags)
         return "unchanged"
@@ -159,14 +195,18 @@ def _ingest_one(
     except SkipEpisode as exc:
         report.skipped[_reason_class(str(exc))] += 1
         if len(report.skips) < MAX_LISTED:
-            report.skips.append((item.key, str(exc)))
+            report.skips.append((item.location, str(exc)))
         return "skipped"
     except IngestError as exc:
-        _fail(report, item.key, str(exc))
+        _fail(report, item.location, str(exc))
         return "failed"
+    seen[item.key] = (item.content_hash, item.location)
+    # One name for all versions of an episode; a new episode gets a free one.
+    name = latest.name if latest is not None else _free_name(conn, item)
     # A nested transaction: a database error on this episode undoes only this episode.
     with conn.begin_nested():
-        episode_id = _insert_episode(conn, parsed, options, version=1 if current is None else current.version + 1)
+        episode_id = _insert_episode(conn, parsed, options, source=item, name=name,
+                                     version=1 if latest is None else latest.version + 1)
         if current is not None:
             conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
             old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
@@ -175,11 +215,29 @@ def _ingest_one(
             _set_tags(conn, episode_id, tags)
     pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
     pending.warnings += len(parsed.warnings)
-    if current is None:
+    if latest is None:
         pending.new += 1
         return "new"
     pending.changed += 1
+    if latest.source_path != item.path:
+        pending.changed_elsewhere.append((item.location, latest.name))
     return "changed"
+
+
+def _unchanged(report: IngestReport, item: Source, current: Any) -> None:
+    report.unchanged += 1
+    if current.source_path != item.path:
+        report.elsewhere_count += 1
+        if len(report.elsewhere) < MAX_LISTED:
+            report.elsewhere.append((item.location, current.name))
+
+
+def _free_name(conn: Connection, item: Source) -> str:
+    """The first of the source's name candidates that no other episode has."""
+    for name in identity.name_candidates(item.name, item.prefixes):
+        if conn.execute(select(Episode.id).where(Episode.name == name).limit(1)).first() is None:
+            return name
+    raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover
 
 
 def _fail(report: IngestReport, source: str, message: str) -> None:
@@ -195,7 +253,8 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
     conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
 
 
-def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, version: int) -> int:
+def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str,
+                    version: int) -> int:
     steps = map_steps(
         ep.messages, plan=ep.plan, plan_score=ep.plan_score,
         frozen_scores=ep.frozen_scores, full_tool_text=ep.full_tool_text,
@@ -203,9 +262,9 @@ def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
-            "source_key": ep.source_key, "version": version, "is_current": True,
+            "source_key": source.key, "source_path": source.path, "version": version, "is_current": True,
             "content_hash": ep.content_hash, "source_format": ep.source_format,
-            "external_id": ep.external_id, "name": ep.name, "reward": ep.reward, "phase": ep.phase,
+            "external_id": ep.external_id, "name": name, "reward": ep.reward, "phase": ep.phase,
             "plan_score": ep.plan_score, "frozen_scores": json.dumps(ep.frozen_scores),
             "turns": ep.turns, "tool_call_count": ep.tool_call_count,
             "reward_backfilled": ep.reward_backfilled, "include_thinking": options.include_thinking,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hcapo_store.errors import IngestError, SkipEpisode
+from hcapo_store.ingestion import identity
 
 SESSION_FILE = "pi_session.jsonl"
 RESULT_FILE = "result.json"
@@ -39,8 +40,6 @@ class ConvertOptions:
 class ParsedEpisode:
     """One episode as read from its source, converted and ready to store."""
 
-    source_key: str
-    name: str
     source_format: str
     content_hash: str
     raw_source: bytes
@@ -61,12 +60,20 @@ class ParsedEpisode:
 
 @dataclass(frozen=True)
 class Source:
-    """A lazily read input: ``load()`` returns a ParsedEpisode or raises Skip/IngestError."""
+    """A lazily read input: ``load()`` returns a ParsedEpisode or raises Skip/IngestError.
+
+    ``key`` and ``name`` are the episode's identity and readable name (ingestion/identity.py);
+    ``path`` is the directory or file it was read from (stored as ``episodes.source_path``),
+    ``location`` the same for messages (``path`` or ``path:line``).
+    """
 
     key: str
     name: str
+    path: str
+    location: str
     content_hash: str
     load: Callable[[], ParsedEpisode]
+    prefixes: tuple[str, ...] = ()  # the root's parent directory names, to make the name unique
 
 
 # ---------------------------------------------------------------------------
@@ -79,10 +86,12 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
         path = Path(path)
         if not path.exists():
             yield IngestError("no such file or directory", path=str(path))
-        elif path.is_file():
-            yield from _jsonl_sources(path, options)
+            continue
+        path = path.resolve()  # names come from real directory names ("." too)
+        if path.is_file():
+            yield from _jsonl_sources(path, options, path)
         elif (path / RESULT_FILE).exists() or (path / SESSION_FILE).exists():
-            yield _safe_dir_source(path, options)
+            yield _safe_dir_source(path, options, path)
         else:
             children = sorted(p for p in path.glob("episode_*") if p.is_dir())
             jsonl = sorted(p for p in path.glob("*.jsonl") if p.is_file())
@@ -93,9 +102,9 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
                     path=str(path),
                 )
             for child in children:
-                yield _safe_dir_source(child, options)
+                yield _safe_dir_source(child, options, path)
             for file in jsonl:
-                yield from _jsonl_sources(file, options)
+                yield from _jsonl_sources(file, options, path)
 
 
 def _hash(options: ConvertOptions, *parts: bytes) -> str:
@@ -115,15 +124,14 @@ def _read(path: Path) -> bytes | None:
         raise IngestError(f"cannot read: {exc.strerror}", path=str(path)) from exc
 
 
-def _safe_dir_source(directory: Path, options: ConvertOptions) -> Source | IngestError:
+def _safe_dir_source(directory: Path, options: ConvertOptions, root: Path) -> Source | IngestError:
     try:
-        return _episode_dir_source(directory, options)
+        return _episode_dir_source(directory, options, root)
     except IngestError as exc:
         return exc
 
 
-def _episode_dir_source(directory: Path, options: ConvertOptions) -> Source:
-    directory = directory.resolve()
+def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) -> Source:
     result_bytes = _read(directory / RESULT_FILE)
     session_bytes = _read(directory / SESSION_FILE)
     digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
@@ -131,38 +139,86 @@ def _episode_dir_source(directory: Path, options: ConvertOptions) -> Source:
     def load() -> ParsedEpisode:
         return parse_episode_dir(directory, result_bytes, session_bytes, options, digest)
 
-    return Source(key=str(directory), name=directory.name, content_hash=digest, load=load)
+    return Source(key=identity.session_key(session_bytes), name=identity.label(directory, root),
+                  path=str(directory), location=str(directory), content_hash=digest, load=load, prefixes=identity.ancestors(root))
 
 
-def _jsonl_sources(path: Path, options: ConvertOptions) -> Iterator[Source | IngestError]:
-    path = path.resolve()
+@dataclass(frozen=True)
+class _Line:
+    lineno: int
+    offset: int
+    key: str
+    ident: str | None
+    digest: str
+
+
+def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[Source | IngestError]:
+    """One source per line. Lines of one file that share a key but differ are all refused:
+    neither may silently supersede the other (identical repeats are one episode)."""
     try:
-        handle = path.open("rb")
+        lines = _index_jsonl(path, options)
     except OSError as exc:
         yield IngestError(f"cannot read: {exc.strerror}", path=str(path))
         return
-    with handle:
+    by_key: dict[str, list[_Line]] = {}
+    for entry in lines:
+        if isinstance(entry, _Line):
+            by_key.setdefault(entry.key, []).append(entry)
+    file_label, prefixes = identity.label(path, root), identity.ancestors(root)
+    for entry in lines:
+        if not isinstance(entry, _Line):
+            yield entry
+            continue
+        same = by_key[entry.key]
+        if len({e.digest for e in same}) > 1:
+            where = ", ".join(str(e.lineno) for e in same)
+            yield IngestError(f"lines {where} are the same episode ({entry.key}) with different contents: none is "
+                              "stored; give each its own episode_id", path=str(path), line=entry.lineno)
+            continue
+
+        def load(entry: _Line = entry) -> ParsedEpisode:
+            return parse_jsonl_line(path, entry.lineno, _line_at(path, entry, options), options, entry.digest)
+
+        yield Source(key=entry.key, name=identity.jsonl_name(file_label, entry.ident, entry.lineno),
+                     path=str(path), location=f"{path}:{entry.lineno}", content_hash=entry.digest, load=load, prefixes=prefixes)
+
+
+def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestError]:
+    """Every non-blank line's key and hash (the lines themselves are read again on load)."""
+    out: list[_Line | IngestError] = []
+    offset = 0
+    with path.open("rb") as handle:
         for lineno, line in enumerate(handle, start=1):
+            start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
-            digest = _hash(options, line)
-            key_hint = _jsonl_key_hint(line, lineno)
+            try:
+                key, ident = identity.jsonl_identity(path.name, line, _json_or_none(line))
+            except identity.BadEpisodeId as exc:
+                out.append(IngestError(str(exc), path=str(path), line=lineno))
+                continue
+            out.append(_Line(lineno, start, key, ident, _hash(options, line)))
+    return out
 
-            def load(line: bytes = line, lineno: int = lineno, digest: str = digest) -> ParsedEpisode:
-                return parse_jsonl_line(path, lineno, line, options, digest)
 
-            yield Source(key=f"{path}#{key_hint}", name=f"{path.stem}#{key_hint}", content_hash=digest, load=load)
-
-
-def _jsonl_key_hint(line: bytes, lineno: int) -> str:
-    """The episode_id of a JSONL line when it has one (stable across reordering), else the line."""
+def _line_at(path: Path, entry: _Line, options: ConvertOptions) -> bytes:
     try:
-        obj = json.loads(line)
-    except ValueError:
-        return f"line{lineno}"
-    if isinstance(obj, dict) and obj.get("episode_id") is not None:
-        return str(obj["episode_id"])
-    return f"line{lineno}"
+        with path.open("rb") as handle:
+            handle.seek(entry.offset)
+            line = handle.readline()
+    except OSError as exc:
+        raise IngestError(f"cannot read: {exc.strerror}", path=str(path), line=entry.lineno) from exc
+    if _hash(options, line) != entry.digest:
+        raise IngestError("the file changed while it was read: ingest it again", path=str(path), line=entry.lineno)
+    return line
+
+
+def _json_or_none(line: bytes) -> Any:
+    """The parsed line, or None when it is not JSON (``load`` then reports it with its line)."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -212,7 +268,7 @@ def parse_episode_dir(
     raw = _compress({"result.json": result_bytes.decode("utf-8", "surrogateescape"),
                      SESSION_FILE: session_bytes.decode("utf-8", "surrogateescape")})
     return _finish(
-        source_key=str(directory), name=directory.name, source_format=fmt, digest=digest, raw=raw,
+        source_format=fmt, digest=digest, raw=raw,
         outcome=outcome, messages=messages, full_tool_text=full_tool_text, warnings=warnings,
     )
 
@@ -256,7 +312,7 @@ def _outcome(result: dict[str, Any], path: Path) -> dict[str, Any]:
     }
 
 
-def _finish(*, source_key: str, name: str, source_format: str, digest: str, raw: bytes,
+def _finish(*, source_format: str, digest: str, raw: bytes,
             outcome: dict[str, Any], messages: list[dict[str, Any]], full_tool_text: dict[int, str],
             warnings: list[str]) -> ParsedEpisode:
     if len(messages) < 2:
@@ -266,7 +322,7 @@ def _finish(*, source_key: str, name: str, source_format: str, digest: str, raw:
     if outcome["plan_score"] is None:
         warnings.append("plan_score is null: planning steps get no dense reward (treated as 0 in credits)")
     return ParsedEpisode(
-        source_key=source_key, name=name, source_format=source_format, content_hash=digest,
+        source_format=source_format, content_hash=digest,
         raw_source=raw, messages=messages, full_tool_text=full_tool_text, warnings=warnings, **outcome,
     )
 
@@ -430,9 +486,8 @@ def parse_jsonl_line(path: Path, lineno: int, line: bytes, options: ConvertOptio
     where = Path(f"{path}:{lineno}")
     outcome = _outcome({**obj, "episode_reward": obj.get("reward", obj.get("episode_reward"))}, where)
     messages, full_tool_text = convert_openai_messages(raw_messages, options, warnings)
-    key_hint = _jsonl_key_hint(line, lineno)
     return _finish(
-        source_key=f"{path}#{key_hint}", name=f"{path.stem}#{key_hint}", source_format="openai_jsonl",
+        source_format="openai_jsonl",
         digest=digest, raw=zlib.compress(line, 6), outcome=outcome, messages=messages,
         full_tool_text=full_tool_text, warnings=warnings,
     )

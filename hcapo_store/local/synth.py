@@ -62,7 +62,8 @@ class EpisodeBuilder:
         h: dict[str, Any] = {"type": "session", "timestamp": "2026-04-20T11:00:00Z", "cwd": "/app/postgres-sqlite"}
         if self.version >= 2:
             h["version"] = self.version
-            h["id"] = f"00000000-0000-4000-8000-{self.episode_id:012d}"
+            # Unique per (seed, episode): real Pi session ids are UUIDs, the identity of an episode.
+            h["id"] = f"{self.seed:08x}-0000-4000-8000-{self.episode_id:012d}"
         else:
             h.update({"provider": "openai-compat", "modelId": "Qwen/Qwen3.6-27B", "thinkingLevel": "medium"})
         self.entries.append(h)

@@ -47,9 +47,18 @@ def episode_id_value(external_id: str | None, name: str) -> int | str:
     return int(ident) if _INT.fullmatch(ident) else ident
 
 
-def _safe_dirname(name: str) -> str:
-    cleaned = re.sub(r"[\\/\x00]", "_", name).strip()
+def _safe_part(part: str) -> str:
+    cleaned = re.sub(r"[\\\x00]", "_", part).strip()
     return "_" if cleaned in ("", ".", "..") else cleaned
+
+
+def _episode_dir(out: Path, name: str, episode_id: int, used: set[Path]) -> Path:
+    """``out/pg-01/episode_001``: the unique name's parts as directories, never one written twice."""
+    target = out.joinpath(*(_safe_part(p) for p in name.split("/")))
+    if target in used:  # two names that sanitise alike
+        target = target.with_name(f"{target.name}~id{episode_id}")
+    used.add(target)
+    return target
 
 
 # ---- hindsight_scores.json ---------------------------------------------------------------------
@@ -115,7 +124,8 @@ def _hindsight_doc(rows: list[Any], hyper: dict[str, Any]) -> dict[str, Any]:
 
 
 def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | None = None) -> dict[str, Any]:
-    """``out_dir/<episode name>/hindsight_scores.json`` for every episode the run credits."""
+    """``out_dir/<episode name>/hindsight_scores.json`` for every episode the run credits
+    (``out_dir/pg-01/episode_001/…``: the name's parts are directories)."""
     run = get_run(store, run_name)
     hyper = _hyperparams(run, store)
     out = Path(out_dir)
@@ -123,12 +133,13 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file, not a directory: pick another output directory")
     written = 0
+    used: set[Path] = set()
     with db.read(store.engine) as conn:
         rows = _stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
-        for _, group in itertools.groupby(rows, key=lambda r: r[0]):
+        for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
             ep_rows = list(group)
-            _write_json(out / _safe_dirname(ep_rows[0][1]) / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper),
-                        store.files)
+            target = _episode_dir(out, ep_rows[0][1], ep_id, used)
+            _write_json(target / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper), store.files)
             written += 1
     return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": _run_warnings(run)}
 

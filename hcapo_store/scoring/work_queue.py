@@ -44,7 +44,9 @@ CLAIMABLE = "(a.status = 'pending' OR (a.status = 'leased' AND a.lease_expires_a
 
 @dataclass(frozen=True)
 class Filters:
-    episodes: tuple[str, ...] = ()  # episode names, source keys or ids
+    # Exact episode names, keys or ids; storage.episodes.resolve_episodes turns what a user
+    # typed (a part of a name too) into keys, refusing an ambiguous one.
+    episodes: tuple[str, ...] = ()
     min_reward: float | None = None
 
     def sql(self, params: dict[str, Any]) -> str:

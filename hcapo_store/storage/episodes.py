@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, text
 
+from hcapo_store.errors import EpisodeLookupError
 from hcapo_store.ingestion.mapping import StepInfo
 from hcapo_store.storage.models import Episode, Message, Step, Subtask
 
@@ -79,3 +80,45 @@ def load_episode(conn: Connection, episode_id: int) -> StoredEpisode:
         steps=[StepInfo(s.step_index, s.message_index, s.phase, s.subtask_id, s.subtask_reward) for s in steps],
         step_ids=[s.id for s in steps],
     )
+
+
+# An exact name, episode key or row id; else the end of a name after a "/" or the source's
+# own episode id (result.json / JSONL), among current episodes.
+_EXACT_SQL = "SELECT DISTINCT source_key FROM episodes WHERE name = :v OR source_key = :v OR CAST(id AS TEXT) = :v"
+_LOOSE_SQL = """SELECT source_key, name, id FROM episodes
+WHERE is_current AND (substr(name, length(name) - length(:v)) = :slash_v OR external_id = :v)
+ORDER BY name"""
+LISTED = 10
+
+
+def resolve_episode(conn: Connection, value: str) -> str:
+    """The key of the episode a user means by ``value`` (a name, an id, or an unambiguous part).
+
+    ``episode_001`` matches ``pg-01/episode_001`` when it is the only such name; with two
+    roots it is refused, listing the candidates.
+    """
+    exact = [k for (k,) in conn.execute(text(_EXACT_SQL), {"v": value})]
+    if len(exact) == 1:
+        return exact[0]
+    if exact:  # a name that is also another episode's id
+        listed = conn.execute(text("SELECT source_key, name, id FROM episodes WHERE is_current AND source_key IN "
+                                   "(" + ", ".join(f":k{i}" for i in range(len(exact))) + ") ORDER BY name"),
+                              {f"k{i}": k for i, k in enumerate(exact)}).all()
+        raise _ambiguous(value, listed)
+    loose = conn.execute(text(_LOOSE_SQL), {"v": value, "slash_v": "/" + value}).all()
+    if len({r[0] for r in loose}) == 1:
+        return loose[0][0]
+    if not loose:
+        raise EpisodeLookupError(f"no episode {value!r}: give a name (SELECT name FROM episodes) or an id")
+    raise _ambiguous(value, loose)
+
+
+def _ambiguous(value: str, rows: list[Any]) -> EpisodeLookupError:
+    shown = ", ".join(f"{name} (id {ep_id})" for _, name, ep_id in rows[:LISTED])
+    more = f" and {len(rows) - LISTED} more" if len(rows) > LISTED else ""
+    return EpisodeLookupError(f"episode {value!r} is ambiguous: it matches {len(rows)} episodes: {shown}{more}; "
+                              "give the full name or the id")
+
+
+def resolve_episodes(conn: Connection, values: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(resolve_episode(conn, v) for v in values))

@@ -38,16 +38,23 @@ class Base(DeclarativeBase):
 
 
 class Episode(Base):
-    """One version of one trajectory. A changed source becomes a new row (version + 1)."""
+    """One version of one trajectory. A changed source becomes a new row (version + 1).
+
+    ``source_key`` is the episode's identity, independent of where its files sit, and
+    ``name`` its unique readable name; all versions share both (ingestion/identity.py).
+    """
 
     __tablename__ = "episodes"
     __table_args__ = (
         UniqueConstraint("source_key", "version"),
+        # With versions numbered from 1 per key, a name belongs to one key only.
+        Index("ix_episodes_name_version", "name", "version", unique=True),
         Index("ix_episodes_current", "is_current", "source_key"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     source_key: Mapped[str] = mapped_column(Text)
+    source_path: Mapped[str | None] = mapped_column(Text)  # the directory or file this version was read from
     version: Mapped[int] = mapped_column(Integer)
     is_current: Mapped[bool] = mapped_column(Boolean, default=True)
     content_hash: Mapped[str] = mapped_column(String(64))
