@@ -32,6 +32,10 @@ class SchemaTooNew(StoreError):
     """The database was written by a newer hcapo-store."""
 
 
+class UsageError(HcapoError):
+    """An option or argument the database cannot hold (too long, a NUL character); nothing was done."""
+
+
 class IngestError(HcapoError):
     """One episode could not be read; carries the file (and line) at fault."""
 
