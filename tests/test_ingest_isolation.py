@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pg
 import pytest
+from builders import EpisodeBuilder
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-import pg
-from builders import EpisodeBuilder
 from cli import cli
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.storage.store import Store
@@ -100,6 +100,8 @@ WRONG: dict[str, st.SearchStrategy[str]] = {
     "bool": st.one_of(texts, ints, floats, lists, objects, deep),
     "content": st.one_of(ints, floats, bools, objects, huge_ints, deep),
     "arguments": st.one_of(ints, floats, bools, lists, deep),
+    "version": st.one_of(texts, floats, bools, lists, objects, huge_ints, deep,
+                         _j(st.integers(max_value=0)), _j(st.integers(min_value=1000, max_value=10**30))),
 }
 
 # (path in the JSONL episode, kind of wrong value)
@@ -130,6 +132,7 @@ def _first(role: str, block: str | None = None) -> Callable[[dict[str, Any]], bo
 # (which file / entry, path in it, kind of wrong value); the assistant entry picked first has
 # a thinking block then a tool call, the next picked one a text block then a tool call.
 PI_FIELDS = [
+    ("header", ("version",), "version"),
     ("result", ("episode_reward",), "score"), ("result", ("plan_score",), "score"),
     ("result", ("frozen_scores",), "object"), ("result", ("frozen_scores", "S1"), "score"),
     ("result", ("turns",), "count"), ("result", ("tool_call_count",), "count"), ("result", ("phase",), "string"),
@@ -146,7 +149,7 @@ PI_FIELDS = [
     ("tool", ("message", "isError"), "bool"), ("tool", ("message", "content"), "content"),
     ("tool", ("message", "content", 0, "text"), "string"),
 ]
-PI_ENTRY = {"user": _first("user"), "thinking": _first("assistant", "thinking"), "text": _first("assistant", "text"),
+PI_ENTRY = {"header": lambda e: e.get("type") == "session", "user": _first("user"), "thinking": _first("assistant", "thinking"), "text": _first("assistant", "text"),
             "tool": _first("toolResult")}
 
 
@@ -174,7 +177,7 @@ def _assert_isolated(report, store: Store, names_file: str, good: list[str]) -> 
         assert _stored(store, marker) == 1, marker
 
 
-SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large, HealthCheck.large_base_example])
 
@@ -311,17 +314,16 @@ def test_issue_cases_fail_alone_with_exit_1(db_url, tmp_path):
 
 def test_database_error_fails_only_that_episode(db_url, tmp_path):
     """A database refusing one episode's rows (a real trigger) fails that episode alone."""
-    with Store.open(db_url) as store:
-        with store.engine.begin() as conn:
-            if store.engine.dialect.name == "sqlite":
-                conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages WHEN NEW.content LIKE '%POISON%' "
-                                  "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"))
-            else:
-                conn.execute(text(
-                    "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                    "IF NEW.content LIKE '%POISON%' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = '22000'; "
-                    "END IF; RETURN NEW; END $$"))
-                conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages FOR EACH ROW EXECUTE FUNCTION poison()"))
+    with Store.open(db_url) as store, store.engine.begin() as conn:
+        if store.engine.dialect.name == "sqlite":
+            conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages WHEN NEW.content LIKE '%POISON%' "
+                              "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"))
+        else:
+            conn.execute(text(
+                "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "IF NEW.content LIKE '%POISON%' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = '22000'; "
+                "END IF; RETURN NEW; END $$"))
+            conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages FOR EACH ROW EXECUTE FUNCTION poison()"))
     root = (tmp_path / "t").resolve()
     for name, marker in (("episode_a", "one"), ("episode_b", "POISON"), ("episode_c", "two")):
         pi_episode(marker).write(root / name)
@@ -364,8 +366,8 @@ def test_a_file_that_is_not_jsonl_is_one_error(runner, db_path, tmp_path):
     result = runner.invoke(cli, ["--db", str(db_path), "ingest", str(readme)])
     assert result.exit_code == 1
     failed = [line for line in result.stderr.splitlines() if line.startswith("failed: ")]
-    assert failed == [f"failed: {readme.resolve()}: not a JSONL file: none of its first 5 non-empty lines starts "
-                      "with '{' (one JSON episode object per line expected)"]
+    assert failed == [(f"failed: {readme.resolve()}: not a JSONL file: none of its first 5 non-empty lines starts "
+                       "with '{' (one JSON episode object per line expected)")]
     assert "0 new" in result.stdout and "1 failed" in result.stdout
 
 

@@ -185,10 +185,10 @@ def _jsonl_key_hint(line: bytes, lineno: int) -> str:
     """The episode_id of a JSONL line when it has one (stable across reordering), else the line."""
     try:
         obj = json.loads(line)
-    except (ValueError, RecursionError):
-        return f"line{lineno}"
-    if isinstance(obj, dict) and obj.get("episode_id") is not None:
-        return str(obj["episode_id"])
+        if isinstance(obj, dict) and obj.get("episode_id") is not None:
+            return str(obj["episode_id"])
+    except (ValueError, RecursionError):  # not JSON, too deep (to load or to print)
+        pass
     return f"line{lineno}"
 
 
