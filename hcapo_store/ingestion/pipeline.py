@@ -70,8 +70,8 @@ class IngestReport:
             "skipped": sum(self.skipped.values()), "skipped_reasons": dict(self.skipped),
             "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
-            "warnings": self.warnings,
-            "warning_list": [{"episode": n, "warning": w} for n, w in self.warning_list], "steps": self.steps, "interrupted": self.interrupted,
+            "warnings": self.warnings, "warning_list": [{"episode": n, "warning": w} for n, w in self.warning_list],
+            "steps": self.steps, "interrupted": self.interrupted,
         }
 
 

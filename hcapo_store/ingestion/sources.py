@@ -3,7 +3,10 @@
 Conversion follows the original loader (``build_training_dataset.load_trajectory``) with
 the fixes of DESIGN.md §4: thinking is read from the block's ``thinking`` key, ``plan`` is
 kept, a null ``plan_score`` stays null, a malformed line names its file and line number.
-Nothing here touches the database; ``ingest.py`` stores what this module returns.
+Every field read is checked for its type and size (a bad one fails that episode alone,
+naming file, line and field), and a NUL character becomes U+FFFD. Both formats go through
+one converter (``_Turn`` → ``_build_messages``). Nothing here touches the database;
+``pipeline.py`` stores what this module returns.
 """
 
 from __future__ import annotations
