@@ -350,7 +350,7 @@ def test_too_long_tag_key_and_worker_id_are_refused_up_front(db_url, tmp_path):
     result = runner.invoke(cli, ["--db", db_url, "score", "--server", "http://127.0.0.1:9", "--worker-id", "w" * 300])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        f"Error: worker id {'w' * 40!r}… (300 characters): a worker id has 1 to 200 characters and no NUL"]
+        f"Error: worker id {'w' * 40!r}… (300 characters): a worker id has at most 200 characters and no NUL"]
     with Store.open(db_url) as store, store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM workers")).scalar_one() == 0
         assert conn.execute(text("SELECT COUNT(*) FROM scorers")).scalar_one() == 0

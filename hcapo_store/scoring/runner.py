@@ -60,9 +60,9 @@ class RunOptions:
     def __post_init__(self) -> None:
         # Checked up front: a worker id the workers table cannot hold would fail mid-run.
         wid = self.worker_id
-        if wid is not None and (not wid or len(wid) > WORKER_ID_LENGTH or "\x00" in wid):
+        if wid and (len(wid) > WORKER_ID_LENGTH or "\x00" in wid):
             raise UsageError(f"worker id {wid[:40]!r}{'…' if len(wid) > 40 else ''} ({len(wid)} characters): "
-                             f"a worker id has 1 to {WORKER_ID_LENGTH} characters and no NUL")
+                             f"a worker id has at most {WORKER_ID_LENGTH} characters and no NUL")
 
 
 @dataclass
