@@ -167,6 +167,8 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
     else:
         for source, error in report.failures:
             click.echo(f"failed: {error}" if source in error else f"failed: {source}: {error}", err=True)
+        for name, warning in report.warning_list[:5]:
+            click.echo(f"warning: {name}: {warning}", err=True)
         click.echo(report.summary())
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
@@ -285,6 +287,9 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
+    filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
+    options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
+                         filters=filters, limit=limit, worker_id=worker_id)
     store = state.store()
     with store.engine.connect() as conn:  # before the model loads: a wrong --episode fails at once
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
@@ -293,8 +298,6 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         result = run_dry(store, prep, filters, limit)
         _echo_json(result.__dict__) if as_json else click.echo(result.summary())
         return
-    options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
-                         filters=filters, limit=limit, worker_id=worker_id)
     with Progress("score", enabled=not as_json, unit="steps") as progress:
         def on_progress(report) -> None:
             if progress.total is None and report.planned:

@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "InferenceError": "hcapo_store.errors",
     "CreditError": "hcapo_store.errors",
     "ExportError": "hcapo_store.errors",
+    "UsageError": "hcapo_store.errors",
     # storage
     "Store": "hcapo_store.storage.store",
     # ingest
@@ -78,7 +79,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
     from hcapo_store.errors import (CreditError, DatabaseFull, DatabaseLocked, ExportError, HcapoError,
                                     InferenceError, IngestError, NotAStore, SchemaOutOfDate, SchemaTooNew,
-                                    ScoringError, SkipEpisode, StoreError)
+                                    ScoringError, SkipEpisode, StoreError, UsageError)
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.export import export_dataset, export_hindsight_json

@@ -13,9 +13,10 @@ documented quirk of FORMATS-ORIGIN.md §8:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
+
+from hcapo_store.tool_arguments import as_mapping
 
 PLANNING = "planning"
 EXECUTING = "executing"
@@ -31,27 +32,15 @@ class StepInfo:
     subtask_reward: float | None
 
 
-def _as_mapping(value: Any) -> dict[str, Any] | None:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            return None
-        return parsed if isinstance(parsed, dict) else None
-    return None
-
-
 def effective_tool_name(call: dict[str, Any]) -> str:
     """The tool a call really invokes: the inner tool of an ``mcp`` proxy call, unprefixed."""
     fn = call.get("function") or {}
     name = fn.get("name") or ""
     if name == "mcp":
-        args = _as_mapping(fn.get("arguments")) or {}
+        args = as_mapping(fn.get("arguments")) or {}
         inner = args.get("tool")
         if not inner:  # legacy shape: {"arguments": "{\"tool\": …}"}
-            inner = (_as_mapping(args.get("arguments")) or {}).get("tool")
+            inner = (as_mapping(args.get("arguments")) or {}).get("tool")
         if isinstance(inner, str) and inner:
             name = inner
     return name.replace("openenv_", "")
@@ -62,7 +51,7 @@ def is_successful_response(text: str) -> bool:
     c = (text or "").strip()
     if not c or c.startswith(_FAIL_PREFIXES) or not c.startswith("{"):
         return False
-    obj = _as_mapping(c)
+    obj = as_mapping(c)
     return obj is not None and "error" not in obj
 
 
@@ -80,6 +69,35 @@ def _find_result(messages: list[dict[str, Any]], after: int, call_id: str, taken
         if fallback is None and not (call_id and m.get("tool_call_id")):
             fallback = i
     return fallback
+
+
+def _transitions(messages: list[dict[str, Any]], m_index: int, full_tool_text: dict[int, str]) -> Iterator[tuple[str, str]]:
+    """(tool, untruncated result) of each answered submit_plan/advance call of one message, in call order."""
+    taken: set[int] = set()
+    for call in messages[m_index].get("tool_calls") or []:
+        name = effective_tool_name(call)
+        if name not in ("submit_plan", "advance"):
+            continue
+        r = _find_result(messages, m_index, call.get("id") or "", taken)
+        if r is None:
+            continue
+        taken.add(r)
+        yield name, full_tool_text.get(r, messages[r].get("content") or "")
+
+
+def plan_warning(messages: list[dict[str, Any]], plan: list[dict[str, Any]],
+                 full_tool_text: dict[int, str] | None = None) -> str | None:
+    """Why no step gets a subtask although the episode has a plan; None when a plan was accepted."""
+    if not plan:
+        return None
+    results = [text for i, m in enumerate(messages) if m["role"] == "assistant"
+               for name, text in _transitions(messages, i, full_tool_text or {}) if name == "submit_plan"]
+    if any(is_successful_response(text) for text in results):
+        return None
+    if not results:
+        return f"plan has {len(plan)} subtask(s) but no answered submit_plan call: every step is mapped to planning"
+    return (f"plan has {len(plan)} subtask(s) but none of the {len(results)} submit_plan result(s) is a JSON "
+            "object without an 'error' key: every step is mapped to planning")
 
 
 def map_steps(
@@ -104,21 +122,12 @@ def map_steps(
             sid = ids[idx] if 0 <= idx < len(ids) else None
             reward = float(frozen_scores.get(sid, 0.0)) if sid is not None else 0.0
             steps.append(StepInfo(len(steps), m_index, EXECUTING, sid, reward))
-        taken: set[int] = set()
-        for call in msg.get("tool_calls") or []:
-            name = effective_tool_name(call)
-            if name not in ("submit_plan", "advance"):
-                continue
-            r = _find_result(messages, m_index, call.get("id") or "", taken)
-            if r is None:
-                continue
-            taken.add(r)
-            text = full_tool_text.get(r, messages[r].get("content") or "")
+        for name, text in _transitions(messages, m_index, full_tool_text):
             if not is_successful_response(text):
                 continue
             if name == "submit_plan":
                 phase, idx = EXECUTING, 0
             elif phase == EXECUTING:
-                nxt = (_as_mapping(text) or {}).get("next_subtask_id")
+                nxt = (as_mapping(text) or {}).get("next_subtask_id")
                 idx = ids.index(nxt) if nxt in ids else min(idx + 1, max(len(ids) - 1, 0))
     return steps

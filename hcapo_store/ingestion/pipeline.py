@@ -21,19 +21,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlchemyError
 
 from hcapo_store.storage import db
 from hcapo_store.clock import utcnow
-from hcapo_store.errors import IngestError, SkipEpisode
+from hcapo_store.errors import IngestError, SkipEpisode, UsageError
 from hcapo_store.ingestion.mapping import map_steps
-from hcapo_store.storage.models import Episode, Message, Step, Subtask, Tag
+from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
 from hcapo_store.ingestion import identity
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage.store import Store
 
 BATCH_EPISODES = 64
 BATCH_SECONDS = 1.0
-MAX_LISTED = 200  # failures/skips listed by name; counts are always complete
+MAX_LISTED = 200  # failures/skips/warnings listed by name; counts are always complete
+MAX_KEY_BYTES = 2000  # PostgreSQL's btree refuses index rows over ~2700 bytes
+WARNINGS_QUERY = "SELECT name, warnings FROM episodes WHERE is_current AND warnings IS NOT NULL"
 
 
 @dataclass
@@ -46,6 +49,7 @@ class IngestReport:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (source, message)
     skips: list[tuple[str, str]] = field(default_factory=list)
     warnings: int = 0
+    warning_list: list[tuple[str, str]] = field(default_factory=list)  # (episode name, warning)
     steps: int = 0
     interrupted: bool = False
     # Unchanged sources first read from another place (a copied or moved tree): (source, name).
@@ -76,7 +80,7 @@ class IngestReport:
             line += (f"; {self.changed_elsewhere_count} changed an episode read from another place "
                      f"(e.g. {source} is a new version of {name}; if it is another episode, give it its own id)")
         if self.warnings:
-            line += f"; {self.warnings} warning(s) stored with the episodes"
+            line += f"; {self.warnings} warning(s) stored with the episodes (hcapo-store sql \"{WARNINGS_QUERY}\")"
         return line + (" — interrupted" if self.interrupted else "")
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,7 +89,8 @@ class IngestReport:
             "skipped": sum(self.skipped.values()), "skipped_reasons": dict(self.skipped),
             "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
-            "warnings": self.warnings, "steps": self.steps, "interrupted": self.interrupted,
+            "warnings": self.warnings, "warning_list": [{"episode": n, "warning": w} for n, w in self.warning_list],
+            "steps": self.steps, "interrupted": self.interrupted,
             "already_stored": [{"source": s, "name": n} for s, n in self.elsewhere],
             "changed_elsewhere": [{"source": s, "name": n} for s, n in self.changed_elsewhere],
         }
@@ -105,6 +110,7 @@ class _Pending:
     steps: int = 0
     warnings: int = 0
     changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
+    listed: list[tuple[str, str]] = field(default_factory=list)
 
 
 def ingest(
@@ -119,8 +125,9 @@ def ingest(
 
     ``on_episode(source, outcome)`` is called after each source (for progress display).
     """
-    report = IngestReport()
     tags = dict(tags or {})
+    check_tags(tags)
+    report = IngestReport()
     sources = iter_sources([Path(p) for p in paths], options)
     seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
     try:
@@ -163,6 +170,7 @@ def _fold(report: IngestReport, pending: _Pending) -> None:
     report.changed_elsewhere_count += len(pending.changed_elsewhere)
     room = MAX_LISTED - len(report.changed_elsewhere)
     report.changed_elsewhere.extend(pending.changed_elsewhere[:max(room, 0)])
+    report.warning_list += pending.listed[:MAX_LISTED - len(report.warning_list)]
 
 
 def _ingest_one(
@@ -172,55 +180,62 @@ def _ingest_one(
     if isinstance(item, IngestError):
         _fail(report, str(item.path or ""), str(item))
         return "failed"
+    where = item.location
+    problem = _key_problem(item.key)
+    if problem:
+        _fail(report, where, problem)
+        return "failed"
     first = seen.get(item.key)  # only stored (or unchanged) sources count: a skipped one claims nothing
     if first is not None and first[0] != item.content_hash:
-        _fail(report, item.location, f"{item.location}: same episode as {first[1]} ({item.key}) with different "
-                                     "content: not stored (give each episode its own id)")
+        _fail(report, where, f"{where}: same episode as {first[1]} ({item.key}) with different "
+                             "content: not stored (give each episode its own id)")
         return "failed"
-    # The latest version: current unless every version was retired by hand (SQL).
-    latest = conn.execute(
-        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current,
-               Episode.source_path)
-        .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
-    ).first()
-    current = latest if latest is not None and latest.is_current else None
-    if current is not None and current.content_hash == item.content_hash:
-        seen.setdefault(item.key, (item.content_hash, item.location))
-        _unchanged(report, item, current)
-        if tags:
-            _set_tags(conn, current.id, tags)
-        return "unchanged"
+    parsed = name = None
     try:
-        parsed = item.load()
+        # A savepoint per episode: a database error on this episode undoes only this episode.
+        with conn.begin_nested():
+            # The latest version: current unless every version was retired by hand (SQL).
+            latest = conn.execute(
+                select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current,
+                       Episode.source_path)
+                .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
+            ).first()
+            current = latest if latest is not None and latest.is_current else None
+            if current is not None and current.content_hash == item.content_hash:
+                if tags:
+                    _set_tags(conn, current.id, tags)
+            else:
+                parsed = item.load()
+                # One name for all versions of an episode; a new episode gets a free one.
+                name = latest.name if latest is not None else _free_name(conn, item)
+                _store_version(conn, parsed, item, name, latest, current, options, tags)
     except SkipEpisode as exc:
         report.skipped[_reason_class(str(exc))] += 1
         if len(report.skips) < MAX_LISTED:
-            report.skips.append((item.location, str(exc)))
+            report.skips.append((where, str(exc)))
         return "skipped"
     except IngestError as exc:
-        _fail(report, item.location, str(exc))
+        _fail(report, where, str(exc))
         return "failed"
-    seen[item.key] = (item.content_hash, item.location)
-    # One name for all versions of an episode; a new episode gets a free one.
-    name = latest.name if latest is not None else _free_name(conn, item)
-    # A nested transaction: a database error on this episode undoes only this episode.
-    with conn.begin_nested():
-        episode_id = _insert_episode(conn, parsed, options, source=item, name=name,
-                                     version=1 if latest is None else latest.version + 1)
-        if current is not None:
-            conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
-            old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
-            _set_tags(conn, episode_id, {k: v for k, v in old_tags})
-        if tags:
-            _set_tags(conn, episode_id, tags)
+    except SQLAlchemyError as exc:
+        if not _caused_by_episode(exc):
+            raise
+        _fail(report, where, f"{where}: the database refused this episode: {_first_line(exc)}")
+        return "failed"
+    if parsed is None:
+        seen.setdefault(item.key, (item.content_hash, where))
+        _unchanged(report, item, current)
+        return "unchanged"
+    seen[item.key] = (item.content_hash, where)
     pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
     pending.warnings += len(parsed.warnings)
+    pending.listed += [(name, w) for w in parsed.warnings[:MAX_LISTED - len(pending.listed)]]
     if latest is None:
         pending.new += 1
         return "new"
     pending.changed += 1
     if latest.source_path != item.path:
-        pending.changed_elsewhere.append((item.location, latest.name))
+        pending.changed_elsewhere.append((where, latest.name))
     return "changed"
 
 
@@ -240,10 +255,55 @@ def _free_name(conn: Connection, item: Source) -> str:
     raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover
 
 
+def _store_version(conn: Connection, parsed: ParsedEpisode, item: Source, name: str, latest: Any, current: Any,
+                   options: ConvertOptions, tags: dict[str, str]) -> None:
+    episode_id = _insert_episode(conn, parsed, options, source=item, name=name,
+                                 version=1 if latest is None else latest.version + 1)
+    if current is not None:
+        conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
+        old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
+        _set_tags(conn, episode_id, {k: v for k, v in old_tags})
+    if tags:
+        _set_tags(conn, episode_id, tags)
+
+
+def _key_problem(key: str) -> str | None:
+    """Keys every database can store and index (PostgreSQL refuses NUL and over-long index rows)."""
+    if "\x00" in key:
+        return "its episode key contains a NUL character (\\u0000)"
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        return f"its episode key is longer than {MAX_KEY_BYTES} bytes"
+    return None
+
+
+def _caused_by_episode(exc: SQLAlchemyError) -> bool:
+    """A database error due to this episode's values, not to the database or the connection."""
+    if isinstance(exc, (DataError, IntegrityError)):
+        return True
+    # PostgreSQL class 54 (program limit exceeded: e.g. an index row too large), SQLite "too big".
+    orig = getattr(exc, "orig", None)
+    return isinstance(exc, OperationalError) and (
+        str(getattr(orig, "sqlstate", "") or "").startswith("54") or "too big" in str(orig))
+
+
+def _first_line(exc: SQLAlchemyError) -> str:
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
+
+
 def _fail(report: IngestReport, source: str, message: str) -> None:
     report.failed += 1
     if len(report.failures) < MAX_LISTED:
         report.failures.append((source, message))
+
+
+def check_tags(tags: dict[str, str]) -> None:
+    """Refuse, before anything is read, tags that a database column cannot hold."""
+    for key, value in tags.items():
+        if not key or len(key) > TAG_KEY_LENGTH:
+            raise UsageError(f"tag key {key[:40]!r}{'…' if len(key) > 40 else ''} is {len(key)} characters long: "
+                             f"a tag key has 1 to {TAG_KEY_LENGTH} characters")
+        if "\x00" in key + value:
+            raise UsageError(f"tag {key[:40]!r} contains a NUL character, which databases cannot store")
 
 
 def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:

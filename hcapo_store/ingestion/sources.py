@@ -3,21 +3,29 @@
 Conversion follows the original loader (``build_training_dataset.load_trajectory``) with
 the fixes of DESIGN.md §4: thinking is read from the block's ``thinking`` key, ``plan`` is
 kept, a null ``plan_score`` stays null, a malformed line names its file and line number.
-Nothing here touches the database; ``ingest.py`` stores what this module returns.
+Every field read is checked for its type and size (a bad one fails that episode alone,
+naming file, line and field), and a NUL character becomes U+FFFD. Both formats go through
+one converter (``_Turn`` → ``_build_messages``). Nothing here touches the database;
+``pipeline.py`` stores what this module returns.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
+import re
+import sys
 import zlib
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator
 
 from hcapo_store.errors import IngestError, SkipEpisode
 from hcapo_store.ingestion import identity
+from hcapo_store.ingestion.mapping import plan_warning
+from hcapo_store.tool_arguments import arguments_text
 
 SESSION_FILE = "pi_session.jsonl"
 RESULT_FILE = "result.json"
@@ -188,6 +196,10 @@ def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestErro
     out: list[_Line | IngestError] = []
     offset = 0
     with path.open("rb") as handle:
+        if not _looks_like_jsonl(handle):
+            return [IngestError(f"not a JSONL file: none of its first {JSONL_PROBE_LINES} non-empty lines starts "
+                                "with '{' (one JSON episode object per line expected)", path=str(path))]
+        handle.seek(0)
         for lineno, line in enumerate(handle, start=1):
             start, offset = offset, offset + len(line)
             if not line.strip():
@@ -199,6 +211,21 @@ def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestErro
                 continue
             out.append(_Line(lineno, start, key, ident, _hash(options, line)))
     return out
+
+
+def _looks_like_jsonl(handle: IO[bytes]) -> bool:
+    """One of the first non-empty lines starts with '{' (an empty file has nothing to ingest)."""
+    seen = 0
+    for line in handle:
+        start = line.lstrip().lstrip(b"\xef\xbb\xbf")
+        if not start:
+            continue
+        if start.startswith(b"{"):
+            return True
+        seen += 1
+        if seen >= JSONL_PROBE_LINES:
+            return False
+    return seen == 0
 
 
 def _line_at(path: Path, entry: _Line, options: ConvertOptions) -> bytes:
@@ -222,7 +249,280 @@ def _json_or_none(line: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# episode directories
+# checked reading: every field the conversion uses is checked for its type and size, so a
+# bad episode fails alone with a message naming the file (and line) and the field
+
+
+MAX_ABS_SCORE = 1e9  # rewards and scores: finite numbers within ±1e9 (the message below says so)
+MAX_COUNT = 2**31 - 1  # turns, tool_call_count: what an INTEGER column holds on every database
+MAX_SESSION_VERSION = 999
+# PostgreSQL text cannot hold U+0000, so on every database a NUL becomes U+FFFD (with a warning).
+NUL_REPLACEMENT = "\ufffd"
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+JSONL_PROBE_LINES = 5
+
+
+class _Invalid(ValueError):
+    """A value of the input has the wrong type or size; the message names the field."""
+
+
+class _BadJson(ValueError):
+    """Text that json cannot load: malformed, nested too deeply, or an integer too long."""
+
+    def __init__(self, msg: str, line: int | None = None, column: int | None = None) -> None:
+        self.msg, self.line = msg, line
+        super().__init__(msg if column is None else f"{msg} (column {column})")
+
+
+def _parse_json(text: str | bytes) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadJson(exc.msg, exc.lineno, exc.colno) from exc
+    except RecursionError as exc:
+        raise _BadJson("nested too deeply") from exc
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise _BadJson(f"a number has more than {sys.get_int_max_str_digits()} digits" if "digits" in str(exc)
+                       else str(exc).split(":")[0]) from exc
+
+
+def _replace_nul(text: str, warnings: list[str], label: str) -> str:
+    """Replace every ``\\u0000`` escape by U+FFFD before parsing (an escaped backslash is kept)."""
+    if "\\u0000" not in text:
+        return text
+    text, n = _NUL_ESCAPE.subn(lambda m: m.group(1) + "\\ufffd", text)
+    if n:
+        warnings.append(f"{label}{n} NUL character(s) (\\u0000) replaced by U+FFFD")
+    return text
+
+
+@contextmanager
+def _located(path: Path, line: int | None = None) -> Iterator[None]:
+    """A bad field, or a conversion error nobody foresaw, fails the episode naming the file and line."""
+    try:
+        yield
+    except _Invalid as exc:
+        raise IngestError(str(exc), path=str(path), line=line) from exc
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError) as exc:
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise IngestError(f"cannot convert: {type(exc).__name__}: {first}", path=str(path), line=line) from exc
+
+
+def _describe(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return repr(value) if abs(value) < 10**15 else f"an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:40]) + ("…" if len(value) > 40 else "")
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _wrong(what: str, expected: str, value: Any) -> _Invalid:
+    return _Invalid(f"{what} must be {expected}, got {_describe(value)}")
+
+
+def _score(value: Any, what: str, *, nullable: bool = False) -> float | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= MAX_ABS_SCORE:
+        raise _wrong(what, "a finite number within ±1e9", value)
+    return float(value)
+
+
+def _count(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise _wrong(what, f"an integer from 0 to {MAX_COUNT}", value)
+    return value
+
+
+def _text(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise _wrong(what, "a string", value)
+
+
+def _flag(value: Any, what: str) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise _wrong(what, "true or false", value)
+
+
+def _obj(value: Any, what: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    raise _wrong(what, "an object", value)
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return value
+    raise _wrong(what, "a list", value)
+
+
+def _id(value: Any, what: str) -> str | None:
+    """An identifier given as a string or an integer."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise _wrong(what, "a string or an integer", value)
+
+
+# ---------------------------------------------------------------------------
+# outcome (result.json, or the JSONL line's own fields)
+
+
+def _outcome(result: dict[str, Any], reward_key: str = "episode_reward") -> dict[str, Any]:
+    frozen = result.get("frozen_scores")
+    frozen = {} if frozen is None else _obj(frozen, "frozen_scores")
+    return {
+        "external_id": _id(result.get("episode_id"), "episode_id"),
+        "reward": _score(result.get(reward_key), reward_key),
+        "phase": _text(result.get("phase"), "phase"),
+        "plan_score": _score(result.get("plan_score"), "plan_score", nullable=True),
+        "frozen_scores": {str(k): _score(v, f"frozen_scores.{str(k)[:40]}") for k, v in frozen.items()},
+        "plan": [_plan_item(p, f"plan[{i}]") for i, p in enumerate(_list(result.get("plan"), "plan"))],
+        "turns": _count(result.get("turns"), "turns"),
+        "tool_call_count": _count(result.get("tool_call_count"), "tool_call_count"),
+        "reward_backfilled": _flag(result.get("_reward_backfilled"), "_reward_backfilled"),
+    }
+
+
+def _plan_item(item: Any, what: str) -> dict[str, Any]:
+    item = _obj(item, what)
+    if _id(item.get("id"), f"{what}.id") is None:
+        raise _wrong(f"{what}.id", "a string or an integer", None)
+    # Texts the subtasks table stores; a non-string value is kept as its JSON.
+    texts = {k: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+             for k, v in item.items() if k in ("description", "acceptance_criteria")}
+    return {**item, **texts}
+
+
+def _finish(*, source_format: str, digest: str, raw: bytes,
+            outcome: dict[str, Any], messages: list[dict[str, Any]], full_tool_text: dict[int, str],
+            warnings: list[str]) -> ParsedEpisode:
+    if len(messages) < 2:
+        raise SkipEpisode(f"fewer than 2 messages after conversion ({len(messages)})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkipEpisode("no assistant messages")
+    if outcome["plan_score"] is None:
+        warnings.append("plan_score is null: planning steps get no dense reward (treated as 0 in credits)")
+    unmapped = plan_warning(messages, outcome["plan"], full_tool_text)
+    if unmapped:
+        warnings.append(unmapped)
+    return ParsedEpisode(
+        source_format=source_format, content_hash=digest,
+        raw_source=raw, messages=messages, full_tool_text=full_tool_text, warnings=warnings, **outcome,
+    )
+
+
+# ---------------------------------------------------------------------------
+# one converter for both formats: each format reads its messages into _Turns, one builder
+# turns them into OpenAI-style messages
+
+
+@dataclass
+class _Turn:
+    """One source message in the shape both formats share, before the conversion options apply."""
+
+    role: str  # system | user | assistant | tool, or the dropped role's name
+    parts: list[tuple[str, str]] = field(default_factory=list)  # ("thinking" | "text", text) in order
+    calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, arguments as JSON text
+    name: str = "unknown"
+    call_id: str = ""
+    is_error: bool = False
+    kept: bool = True
+
+
+def _build_messages(turns: Iterable[_Turn], options: ConvertOptions,
+                    warnings: list[str]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """Turns → messages in order; also the untruncated text of each tool message (Q9)."""
+    messages: list[dict[str, Any]] = []
+    full_tool_text: dict[int, str] = {}
+    dropped: Counter[str] = Counter()
+    for turn in turns:
+        if not turn.kept:
+            dropped[turn.role] += 1
+            continue
+        text = _join(turn.parts, options.include_thinking)
+        if turn.role == "tool":
+            full_tool_text[len(messages)] = _error_prefixed(text, turn.is_error)
+            messages.append({
+                "role": "tool", "name": turn.name, "tool_call_id": turn.call_id,
+                "content": _error_prefixed(_truncate(text, options.max_tool_result_chars), turn.is_error),
+            })
+        elif text or turn.calls:
+            message: dict[str, Any] = {"role": turn.role, "content": text}
+            if turn.calls:
+                message["tool_calls"] = turn.calls
+            messages.append(message)
+    for role, n in sorted(dropped.items()):
+        warnings.append(f"{n} message(s) of role {role!r} dropped (not part of the model's context)")
+    return messages, full_tool_text
+
+
+def _join(parts: list[tuple[str, str]], include_thinking: bool) -> str:
+    out = []
+    for kind, text in parts:
+        text = text.strip()
+        if text and kind == "thinking" and include_thinking:
+            out.append(f"<think>\n{text}\n</think>")
+        elif text and kind == "text":
+            out.append(text)
+    return "\n\n".join(out).strip()
+
+
+def _text_blocks(content: Any, what: str) -> str:
+    """A message's text: a string, or the text blocks of a block list joined by newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    if not isinstance(content, list):
+        raise _wrong(what, "a string, a list of content blocks or null", content)
+    texts = []
+    for i, block in enumerate(content):
+        block = _obj(block, f"{what}[{i}]")
+        if block.get("type") == "text":
+            text = _text(block.get("text", ""), f"{what}[{i}].text")
+            if text is not None:
+                texts.append(text)
+    return "\n".join(texts).strip()
+
+
+def _tool_call(call_id: Any, name: Any, arguments: Any, *, id_what: str, fn_what: str) -> dict[str, Any]:
+    if arguments is not None and not isinstance(arguments, (str, dict)):
+        raise _wrong(f"{fn_what}.arguments", "a JSON string or an object", arguments)
+    return {
+        "id": _text(call_id, id_what) or "",
+        "type": "function",
+        "function": {"name": _text(name, f"{fn_what}.name") or "unknown", "arguments": arguments_text(arguments)},
+    }
+
+
+def _truncate(text: str, limit: int) -> str:
+    if limit > 0 and len(text) > limit:
+        return text[:limit] + TRUNCATION_SUFFIX.format(n=len(text))
+    return text
+
+
+def _error_prefixed(text: str, is_error: bool) -> str:
+    if not is_error:
+        return text
+    return f"{TOOL_ERROR_PREFIX}\n{text}" if text else TOOL_ERROR_PREFIX
+
+
+# ---------------------------------------------------------------------------
+# episode directories (result.json + Pi session JSONL)
 
 
 def _decode(data: bytes, path: Path, warnings: list[str]) -> str:
@@ -251,218 +551,122 @@ def parse_episode_dir(
     session_path = directory / SESSION_FILE
     if result_bytes is None:
         raise IngestError(f"missing {RESULT_FILE}", path=str(directory))
-    result = _load_json_object(_decode(result_bytes, result_path, warnings), result_path)
+    result_text = _replace_nul(_decode(result_bytes, result_path, warnings), warnings, f"{RESULT_FILE}: ")
+    result = _load_json_object(result_text, result_path)
     if result.get("episode_reward") is None:
         reason = "no reward yet"
         if result.get("error"):
-            reason += f" (episode failed: {str(result['error'])[:120]})"
+            error = result["error"]
+            reason += f" (episode failed: {error[:120] if isinstance(error, str) else _describe(error)})"
         raise SkipEpisode(reason)
     if session_bytes is None:
         raise SkipEpisode(f"no {SESSION_FILE}")
     session_text = _decode(session_bytes, session_path, warnings)
     if not session_text.strip():
         raise SkipEpisode(f"empty {SESSION_FILE}")
-    entries, fmt = parse_pi_session(session_text, session_path, warnings)
-    messages, full_tool_text = convert_pi_entries(entries, options, warnings)
-    outcome = _outcome(result, result_path)
+    entries, fmt = parse_pi_session(_replace_nul(session_text, warnings, f"{SESSION_FILE}: "), session_path, warnings)
+    with _located(result_path):
+        outcome = _outcome(result)
+    messages, full_tool_text = _build_messages(_pi_turns(entries, session_path), options, warnings)
     raw = _compress({"result.json": result_bytes.decode("utf-8", "surrogateescape"),
                      SESSION_FILE: session_bytes.decode("utf-8", "surrogateescape")})
-    return _finish(
-        source_format=fmt, digest=digest, raw=raw,
-        outcome=outcome, messages=messages, full_tool_text=full_tool_text, warnings=warnings,
-    )
+    with _located(directory):
+        return _finish(
+            source_format=fmt, digest=digest, raw=raw,
+            outcome=outcome, messages=messages, full_tool_text=full_tool_text, warnings=warnings,
+        )
 
 
 def _load_json_object(text: str, path: Path) -> dict[str, Any]:
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise IngestError(f"invalid JSON: {exc.msg} (column {exc.colno})", path=str(path), line=exc.lineno) from exc
+        obj = _parse_json(text)
+    except _BadJson as exc:
+        raise IngestError(f"invalid JSON: {exc}", path=str(path), line=exc.line) from exc
     if not isinstance(obj, dict):
-        raise IngestError(f"expected a JSON object, got {type(obj).__name__}", path=str(path))
+        raise IngestError(f"expected a JSON object, got {_describe(obj)}", path=str(path))
     return obj
 
 
-def _number(value: Any, what: str, path: Path, *, nullable: bool) -> float | None:
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise IngestError(f"{what} must be a number, got {value!r}", path=str(path))
-    return float(value)
-
-
-def _outcome(result: dict[str, Any], path: Path) -> dict[str, Any]:
-    frozen = result.get("frozen_scores") or {}
-    if not isinstance(frozen, dict):
-        raise IngestError(f"frozen_scores must be an object, got {type(frozen).__name__}", path=str(path))
-    plan = result.get("plan") or []
-    if not isinstance(plan, list) or not all(isinstance(p, dict) and "id" in p for p in plan):
-        raise IngestError("plan must be a list of objects with an 'id'", path=str(path))
-    ext = result.get("episode_id")
-    return {
-        "external_id": None if ext is None else str(ext),
-        "reward": _number(result.get("episode_reward", result.get("reward")), "episode_reward", path, nullable=False),
-        "phase": result.get("phase"),
-        "plan_score": _number(result.get("plan_score"), "plan_score", path, nullable=True),
-        "frozen_scores": {str(k): _number(v, f"frozen_scores[{k}]", path, nullable=False) for k, v in frozen.items()},
-        "plan": plan,
-        "turns": result.get("turns") if isinstance(result.get("turns"), int) else None,
-        "tool_call_count": result.get("tool_call_count") if isinstance(result.get("tool_call_count"), int) else None,
-        "reward_backfilled": bool(result.get("_reward_backfilled", False)),
-    }
-
-
-def _finish(*, source_format: str, digest: str, raw: bytes,
-            outcome: dict[str, Any], messages: list[dict[str, Any]], full_tool_text: dict[int, str],
-            warnings: list[str]) -> ParsedEpisode:
-    if len(messages) < 2:
-        raise SkipEpisode(f"fewer than 2 messages after conversion ({len(messages)})")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise SkipEpisode("no assistant messages")
-    if outcome["plan_score"] is None:
-        warnings.append("plan_score is null: planning steps get no dense reward (treated as 0 in credits)")
-    return ParsedEpisode(
-        source_format=source_format, content_hash=digest,
-        raw_source=raw, messages=messages, full_tool_text=full_tool_text, warnings=warnings, **outcome,
-    )
-
-
-# ---------------------------------------------------------------------------
-# Pi session JSONL
-
-
-def parse_pi_session(text: str, path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], str]:
-    """Parse the session lines; return (entries, "pi_v1"|"pi_v2"|"pi_v3").
+def parse_pi_session(text: str, path: Path, warnings: list[str]) -> tuple[list[tuple[int, dict[str, Any]]], str]:
+    """Parse the session lines; return ([(line number, entry)], "pi_v1"|"pi_v2"|"pi_v3").
 
     A malformed line fails the episode with its line number, except a truncated LAST
     line without a newline (the writer was killed mid-line): that entry is dropped
     with a warning, since everything before it is intact.
     """
     lines = text.split("\n")
-    entries: list[dict[str, Any]] = []
+    entries: list[tuple[int, dict[str, Any]]] = []
     version: int | None = None
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
+            entry = _parse_json(line)
+        except _BadJson as exc:
             if lineno == len(lines) and not text.endswith("\n"):
                 warnings.append(f"{path.name}:{lineno}: truncated last line dropped ({exc.msg})")
                 continue
-            raise IngestError(f"malformed JSON line: {exc.msg} (column {exc.colno})", path=str(path), line=lineno) from exc
+            raise IngestError(f"malformed JSON line: {exc}", path=str(path), line=lineno) from exc
         if not isinstance(entry, dict):
-            raise IngestError(f"expected a JSON object, got {type(entry).__name__}", path=str(path), line=lineno)
+            raise IngestError(f"expected a JSON object, got {_describe(entry)}", path=str(path), line=lineno)
         if entry.get("type") == "session" and not entries:
-            version = entry.get("version") if isinstance(entry.get("version"), int) else 1
-        entries.append(entry)
+            version = _session_version(entry.get("version"), path, lineno)
+        entries.append((lineno, entry))
     if version is None:
         warnings.append(f"{path.name}: no session header; read as Pi session v1")
         version = 1
     return entries, f"pi_v{version}"
 
 
-def _text_blocks(content: Any) -> str:
-    if isinstance(content, str):
-        return content.strip()
-    if isinstance(content, list):
-        parts = [b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text"]
-        return "\n".join(p for p in parts if isinstance(p, str)).strip()
-    return "" if content is None else str(content).strip()
+def _session_version(value: Any, path: Path, lineno: int) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SESSION_VERSION:
+        raise IngestError(f"session version must be an integer from 1 to {MAX_SESSION_VERSION}, "
+                          f"got {_describe(value)}", path=str(path), line=lineno)
+    return value
 
 
-def _arguments_json(args: Any) -> str:
-    if isinstance(args, str):
-        return args
-    if args is None:
-        return "{}"
-    return json.dumps(args, ensure_ascii=False)
-
-
-def _truncate(text: str, limit: int) -> str:
-    if limit > 0 and len(text) > limit:
-        return text[:limit] + TRUNCATION_SUFFIX.format(n=len(text))
-    return text
-
-
-def _error_prefixed(text: str, is_error: bool) -> str:
-    if not is_error:
-        return text
-    return f"{TOOL_ERROR_PREFIX}\n{text}" if text else TOOL_ERROR_PREFIX
-
-
-def convert_pi_entries(
-    entries: list[dict[str, Any]], options: ConvertOptions, warnings: list[str]
-) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """Pi entries → OpenAI-style messages, in file order (compaction and non-messages skipped)."""
-    messages: list[dict[str, Any]] = []
-    full_tool_text: dict[int, str] = {}
-    dropped_roles: dict[str, int] = {}
-    for entry in entries:
+def _pi_turns(entries: list[tuple[int, dict[str, Any]]], path: Path) -> Iterator[_Turn]:
+    """Pi message entries in file order (compaction and other entries skipped)."""
+    for lineno, entry in entries:
         if entry.get("type") != "message":
             continue
-        msg = entry.get("message")
-        if not isinstance(msg, dict):
-            continue
-        role = msg.get("role")
-        if role == "user":
-            text = _text_blocks(msg.get("content"))
-            if text:
-                messages.append({"role": "user", "content": text})
-        elif role == "assistant":
-            converted = _convert_assistant(msg.get("content"), options)
-            if converted is not None:
-                messages.append(converted)
-        elif role == "toolResult":
-            text = _text_blocks(msg.get("content"))
-            is_error = bool(msg.get("isError"))
-            full_tool_text[len(messages)] = _error_prefixed(text, is_error)
-            messages.append({
-                "role": "tool",
-                "name": msg.get("toolName") or "unknown",
-                "tool_call_id": msg.get("toolCallId") or "",
-                "content": _error_prefixed(_truncate(text, options.max_tool_result_chars), is_error),
-            })
-        else:
-            dropped_roles[str(role)] = dropped_roles.get(str(role), 0) + 1
-    for role, n in sorted(dropped_roles.items()):
-        warnings.append(f"{n} message(s) of role {role!r} dropped (not part of the model's context)")
-    return messages, full_tool_text
+        with _located(path, lineno):
+            turn = _pi_turn(_obj(entry.get("message"), "message"))
+        yield turn
 
 
-def _convert_assistant(content: Any, options: ConvertOptions) -> dict[str, Any] | None:
+def _pi_turn(msg: dict[str, Any]) -> _Turn:
+    role = _text(msg.get("role"), "message.role")
+    if role == "user":
+        return _Turn("user", [("text", _text_blocks(msg.get("content"), "message.content"))])
+    if role == "assistant":
+        return _pi_assistant(msg.get("content"))
+    if role == "toolResult":
+        return _Turn("tool", [("text", _text_blocks(msg.get("content"), "message.content"))],
+                     name=_text(msg.get("toolName"), "message.toolName") or "unknown",
+                     call_id=_text(msg.get("toolCallId"), "message.toolCallId") or "",
+                     is_error=_flag(msg.get("isError"), "message.isError"))
+    return _Turn(str(role), kept=False)
+
+
+def _pi_assistant(content: Any) -> _Turn:
     if not isinstance(content, list):
-        text = "" if content is None else str(content).strip()
-        return {"role": "assistant", "content": text} if text else None
-    parts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for block in content:
-        if not isinstance(block, dict):
-            continue
-        kind = block.get("type")
-        if kind == "thinking" and options.include_thinking:
+        return _Turn("assistant", [("text", _text(content, "message.content") or "")])
+    turn = _Turn("assistant")
+    for i, block in enumerate(content):
+        what = f"message.content[{i}]"
+        kind = _obj(block, what).get("type")
+        if kind == "thinking":
             # The original read block["text"] here and so never kept thinking (Q2).
-            thinking = (block.get("thinking") or "").strip()
-            if thinking:
-                parts.append(f"<think>\n{thinking}\n</think>")
+            turn.parts.append(("thinking", _text(block.get("thinking"), f"{what}.thinking") or ""))
         elif kind == "text":
-            text = (block.get("text") or "").strip()
-            if text:
-                parts.append(text)
+            turn.parts.append(("text", _text(block.get("text"), f"{what}.text") or ""))
         elif kind == "toolCall":
-            args = block.get("arguments", block.get("input"))
-            calls.append({
-                "id": block.get("id") or "",
-                "type": "function",
-                "function": {"name": block.get("name") or "unknown", "arguments": _arguments_json(args)},
-            })
-    text = "\n\n".join(parts).strip()
-    if not text and not calls:
-        return None
-    out: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        out["tool_calls"] = calls
-    return out
+            turn.calls.append(_tool_call(block.get("id"), block.get("name"), block.get("arguments", block.get("input")),
+                                         id_what=f"{what}.id", fn_what=what))
+    return turn
 
 
 # ---------------------------------------------------------------------------
@@ -472,72 +676,49 @@ def _convert_assistant(content: Any, options: ConvertOptions) -> dict[str, Any] 
 def parse_jsonl_line(path: Path, lineno: int, line: bytes, options: ConvertOptions, digest: str) -> ParsedEpisode:
     warnings: list[str] = []
     try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
+        obj = _parse_json(_replace_nul(line.decode("utf-8"), warnings, ""))
+    except (_BadJson, UnicodeDecodeError) as exc:
+        msg = exc.msg if isinstance(exc, _BadJson) else "invalid UTF-8"
         raise IngestError(f"malformed JSON line: {msg}", path=str(path), line=lineno) from exc
     if not isinstance(obj, dict):
         raise IngestError("expected a JSON object per line", path=str(path), line=lineno)
-    if obj.get("reward", obj.get("episode_reward")) is None:
+    reward_key = "reward" if "reward" in obj else "episode_reward"
+    if obj.get(reward_key) is None:
         raise SkipEpisode("no reward yet")
-    raw_messages = obj.get("messages")
-    if not isinstance(raw_messages, list):
-        raise IngestError("'messages' must be a list", path=str(path), line=lineno)
-    where = Path(f"{path}:{lineno}")
-    outcome = _outcome({**obj, "episode_reward": obj.get("reward", obj.get("episode_reward"))}, where)
-    messages, full_tool_text = convert_openai_messages(raw_messages, options, warnings)
-    return _finish(
-        source_format="openai_jsonl",
-        digest=digest, raw=zlib.compress(line, 6), outcome=outcome, messages=messages,
-        full_tool_text=full_tool_text, warnings=warnings,
-    )
+    with _located(path, lineno):
+        outcome = _outcome(obj, reward_key)
+        raw_messages = obj.get("messages")
+        if not isinstance(raw_messages, list):
+            raise _wrong("messages", "a list", raw_messages)
+        messages, full_tool_text = _build_messages(_openai_turns(raw_messages), options, warnings)
+        return _finish(
+            source_format="openai_jsonl",
+            digest=digest, raw=zlib.compress(line, 6), outcome=outcome, messages=messages,
+            full_tool_text=full_tool_text, warnings=warnings,
+        )
 
 
-def convert_openai_messages(
-    raw: list[Any], options: ConvertOptions, warnings: list[str]
-) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    messages: list[dict[str, Any]] = []
-    full_tool_text: dict[int, str] = {}
-    dropped: dict[str, int] = {}
-    for m in raw:
-        role = m.get("role") if isinstance(m, dict) else None
+def _openai_turns(raw: list[Any]) -> Iterator[_Turn]:
+    for i, m in enumerate(raw):
+        what = f"messages[{i}]"
+        role = _text(_obj(m, what).get("role"), f"{what}.role")
         if role in ("system", "user"):
-            text = _text_blocks(m.get("content"))
-            if text:
-                messages.append({"role": role, "content": text})
+            yield _Turn(role, [("text", _text_blocks(m.get("content"), f"{what}.content"))])
         elif role == "assistant":
-            parts = []
-            reasoning = m.get("reasoning_content") or m.get("reasoning")
-            if options.include_thinking and isinstance(reasoning, str) and reasoning.strip():
-                parts.append(f"<think>\n{reasoning.strip()}\n</think>")
-            text = _text_blocks(m.get("content"))
-            if text:
-                parts.append(text)
-            calls = []
-            for tc in m.get("tool_calls") or []:
-                fn = tc.get("function", {}) if isinstance(tc, dict) else {}
-                calls.append({
-                    "id": tc.get("id") or "",
-                    "type": "function",
-                    "function": {"name": fn.get("name") or "unknown", "arguments": _arguments_json(fn.get("arguments"))},
-                })
-            content = "\n\n".join(parts).strip()
-            if content or calls:
-                out: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    out["tool_calls"] = calls
-                messages.append(out)
+            reasoning = (_text(m.get("reasoning_content"), f"{what}.reasoning_content")
+                         or _text(m.get("reasoning"), f"{what}.reasoning") or "")
+            yield _Turn("assistant", [("thinking", reasoning), ("text", _text_blocks(m.get("content"), f"{what}.content"))],
+                        calls=[_openai_call(tc, f"{what}.tool_calls[{j}]")
+                               for j, tc in enumerate(_list(m.get("tool_calls"), f"{what}.tool_calls"))])
         elif role == "tool":
-            text = _text_blocks(m.get("content"))
-            full_tool_text[len(messages)] = text
-            messages.append({
-                "role": "tool",
-                "name": m.get("name") or "unknown",
-                "tool_call_id": m.get("tool_call_id") or "",
-                "content": _truncate(text, options.max_tool_result_chars),
-            })
+            yield _Turn("tool", [("text", _text_blocks(m.get("content"), f"{what}.content"))],
+                        name=_text(m.get("name"), f"{what}.name") or "unknown",
+                        call_id=_text(m.get("tool_call_id"), f"{what}.tool_call_id") or "")
         else:
-            dropped[str(role)] = dropped.get(str(role), 0) + 1
-    for role, n in sorted(dropped.items()):
-        warnings.append(f"{n} message(s) of role {role!r} dropped")
-    return messages, full_tool_text
+            yield _Turn(str(role), kept=False)
+
+
+def _openai_call(call: Any, what: str) -> dict[str, Any]:
+    fn = _obj(call, what).get("function")
+    fn = {} if fn is None else _obj(fn, f"{what}.function")
+    return _tool_call(call.get("id"), fn.get("name"), fn.get("arguments"), id_what=f"{what}.id", fn_what=f"{what}.function")

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 import numpy as np
 from sqlalchemy import Connection, text

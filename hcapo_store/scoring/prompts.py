@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hcapo_store.tool_arguments import arguments_text, as_mapping
+
 PROMPT_BUILDER_VERSION = 1
 
 HINDSIGHT_TEMPLATE = """\
@@ -142,13 +144,8 @@ def inject_hindsight(messages: Sequence[dict], hindsight: str) -> list[dict]:
 
 def _parse_arguments(arguments: Any) -> Any:
     """JSON-object strings become mappings (templates `tojson` or iterate them); others stay."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
+    parsed = as_mapping(arguments)
+    return arguments if parsed is None else parsed
 
 
 def normalize_message(message: Mapping[str, Any]) -> dict:
@@ -171,10 +168,6 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     return [normalize_message(m) for m in messages]
 
 
-def _arguments_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
 def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     """The original's fallback: tool traffic as plain text, for templates that reject it."""
     out: list[dict] = []
@@ -190,7 +183,7 @@ def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
                 function = call.get("function", {})
                 parts.append(
                     f"[Tool Call: {function.get('name', '?')}]\n"
-                    f"{_arguments_text(function.get('arguments', '{}'))}"
+                    f"{arguments_text(function.get('arguments'))}"
                 )
             out.append({"role": "assistant", "content": "\n".join(parts)})
         else:

@@ -34,6 +34,8 @@ from hcapo_store.clock import utcnow
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError, ScoringError, StoreError
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
+from hcapo_store.errors import UsageError
+from hcapo_store.storage.models import WORKER_ID_LENGTH
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 from hcapo_store.storage.store import Store
 
@@ -64,6 +66,13 @@ class RunOptions:
     worker_id: str | None = None
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
+
+    def __post_init__(self) -> None:
+        # Checked up front: a worker id the workers table cannot hold would fail mid-run.
+        wid = self.worker_id
+        if wid and (len(wid) > WORKER_ID_LENGTH or "\x00" in wid):
+            raise UsageError(f"worker id {wid[:40]!r}{'…' if len(wid) > 40 else ''} ({len(wid)} characters): "
+                             f"a worker id has at most {WORKER_ID_LENGTH} characters and no NUL")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, select, text
 from hcapo_store.errors import EpisodeLookupError
 from hcapo_store.ingestion.mapping import StepInfo
 from hcapo_store.storage.models import Episode, Message, Step, Subtask
+from hcapo_store.tool_arguments import arguments_text
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,7 @@ def loader_message(role: str, content: str, tool_calls: str | None, name: str | 
     if calls:
         for call in calls:
             fn = call.get("function") or {}
-            if not isinstance(fn.get("arguments"), str):
-                fn["arguments"] = json.dumps(fn.get("arguments") or {}, ensure_ascii=False)
+            fn["arguments"] = arguments_text(fn.get("arguments"))
         msg["tool_calls"] = calls
     return msg
 

@@ -33,6 +33,10 @@ NAMING_CONVENTION = {
 }
 
 
+TAG_KEY_LENGTH = 200
+WORKER_ID_LENGTH = 200
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -83,7 +87,7 @@ class Tag(Base):
     __tablename__ = "tags"
 
     episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
-    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key: Mapped[str] = mapped_column(String(TAG_KEY_LENGTH), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
 
 
@@ -218,7 +222,7 @@ class Worker(Base):
 
     __tablename__ = "workers"
 
-    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    id: Mapped[str] = mapped_column(String(WORKER_ID_LENGTH), primary_key=True)
     scorer_id: Mapped[str | None] = mapped_column(String(64))
     host: Mapped[str] = mapped_column(Text)
     pid: Mapped[int] = mapped_column(Integer)
