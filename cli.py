@@ -278,7 +278,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
-    store = state.store()
+    store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     prep = prepare(store, cfg)
     filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
     if dry_run:

@@ -16,7 +16,7 @@ from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
-from hcapo_store.scoring.identity import register, scorer_label
+from hcapo_store.scoring.identity import register, scorer_id, scorer_label
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.storage.store import Store
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
@@ -98,7 +98,8 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
 
 
 def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
-    """Start the backend, load the tokenizer, build the scorer spec and register the scorer."""
+    """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
+    ``run_scoring`` registers the scorer, so a dry run leaves the database as it was)."""
     backend = make_backend(cfg)
     asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
     ctx = backend.context_length()
@@ -121,7 +122,7 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
     }
-    return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
+    return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
 
 
 @dataclass
@@ -165,6 +166,7 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
                 on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
     """Queue every unscored step of the scorer and score them; returns the run's report."""
+    register(store, prep.spec)
     conv = prep.spec["conversion"]
     work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                   max_tool_result_chars=conv["max_tool_result_chars"])
