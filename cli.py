@@ -28,6 +28,12 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except HcapoError as exc:
             raise click.ClickException(str(exc)) from exc
+        except click.NoSuchOption as exc:
+            if exc.option_name == "--db" and exc.ctx is not None:
+                root, _, rest = exc.ctx.command_path.partition(" ")
+                exc.message = (f"No such option '--db' here: --db is a global option, given before the command: "
+                               f"{root} --db PATH_OR_URL {rest}")
+            raise
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
@@ -235,14 +241,17 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
 @click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
               help="Episodes in flight at once (each sends its steps in order).")
-@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True)
+@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True,
+              help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
+                   "truncation marker and the most recent history before the action.")
 @click.option("--max-logprob-tokens", type=int, default=2048, show_default=True,
               help="Score only the last N action tokens (<= 0: all).")
 @click.option("--hindsight-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).")
 @click.option("--include-thinking/--no-thinking", default=True, show_default=True,
               help="Score episodes ingested with these conversion options.")
-@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True)
+@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True,
+              help="Score episodes ingested with this tool-result cut (the ingest option of the same name).")
 @click.option("--episode", "episodes", multiple=True, metavar="NAME", help="Only these episodes (repeatable).")
 @click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
 @click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
@@ -250,7 +259,8 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
 @click.option("--max-attempts", type=click.IntRange(1), default=4, show_default=True,
               help="Attempts per step before it is marked failed.")
-@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.")
 @click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
               help="1 for old SGLang servers that mishandle prefill-only requests.")
@@ -299,8 +309,22 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         _echo_json(report.as_dict())
     else:
         click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+        _echo_score_errors(report, prep.scorer_id)
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
+    if report.failed:
+        sys.exit(1)
+
+
+def _echo_score_errors(report, scorer_id: str) -> None:
+    """Failed steps are never silent: the first distinct reasons, and where the rest are."""
+    if not report.failed:
+        return
+    click.echo(f"{report.failed} step(s) failed for good; first distinct error(s):", err=True)
+    for line in report.error_lines():
+        click.echo(f"  {line}", err=True)
+    click.echo(f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
+               f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed", err=True)
 
 
 @cli.group(cls=_Group)
@@ -333,8 +357,8 @@ def scorers_list(state: _Ctx, as_json: bool) -> None:
               help="Local transformers causal LM directory.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Tokenizer directory (default: the model directory).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=30000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=30000, show_default=True, help="Port to listen on (SGLang's default).")
 def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 
@@ -390,7 +414,7 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
 # credits, exports, report
 
 
-@cli.group(cls=_Group)
+@cli.group(cls=_Group, short_help="Credit runs (Eq. 5-7) from stored logprobs, no model calls.")
 def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 
@@ -398,11 +422,16 @@ def credits() -> None:
 @credits.command("compute")
 @click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
 @click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
-@click.option("--t-temp", type=float, default=5.0, show_default=True)
-@click.option("--gamma", type=float, default=0.95, show_default=True)
-@click.option("--c-min", type=float, default=0.8, show_default=True)
-@click.option("--c-max", type=float, default=1.2, show_default=True)
-@click.option("--alpha", type=float, default=0.5, show_default=True)
+@click.option("--t-temp", type=float, default=5.0, show_default=True,
+              help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).")
+@click.option("--gamma", type=float, default=0.95, show_default=True,
+              help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.")
+@click.option("--c-min", type=float, default=0.8, show_default=True,
+              help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.")
+@click.option("--c-max", type=float, default=1.2, show_default=True,
+              help="Upper clip c_max of the ratio ρ.")
+@click.option("--alpha", type=float, default=0.5, show_default=True,
+              help="Backward smoothing weight α of q_h into q_h_smoothed.")
 @click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
 @click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
 @click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")

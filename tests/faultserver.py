@@ -211,6 +211,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             except ValueError as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed JSON body: {exc}"}})
                 return
+            if not body.get("return_logprob"):  # the client's vocabulary probe: no faults, not logged
+                self._answer(body, None)
+                return
             _, fault = server._arrive(body.get("input_ids"))
             if server.delay:
                 time.sleep(server.delay)
@@ -244,6 +247,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                     "finish_reason": {"type": "abort", "message": "Abort before prefill", "status_code": status},
                     "input_token_logprobs": [], "output_token_logprobs": []}})
                 return
+            self._answer(body, fault)
+
+        def _answer(self, body: dict[str, Any], fault: str | None) -> None:
             try:
                 response = server.ref.generate(body)
             except ValueError as exc:

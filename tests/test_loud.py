@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli import cli
+from conftest import TOKENIZERS
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
 from hcapo_store.local.synth import write_standard_episodes
@@ -59,3 +60,65 @@ def test_dry_run_writes_nothing(runner, db, ref, tiny_model_dir):
     r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--dry-run", "--max-logprob-tokens", "8"),
                       catch_exceptions=False)
     assert r.exit_code == 0 and _dump(db) == before
+
+
+def _count(db: str, sql: str) -> int:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql).fetchone()[0]
+
+
+def test_failed_steps_exit_non_zero_with_their_reasons(runner, db, ref, tiny_model_dir):
+    from faultserver import FaultServer
+
+    with FaultServer(ref, lambda key, n: "http_400") as faulty:
+        r = runner.invoke(cli, ["--db", db, "score", "--server", faulty.url, "--tokenizer", str(tiny_model_dir),
+                                "--max-context", str(MAX_CONTEXT)])
+    assert r.exit_code == 1, r.output
+    failed = _count(db, "SELECT COUNT(*) FROM attempts WHERE status = 'failed'")
+    assert failed > 0 and f"failed {failed}" in r.output
+    assert "injected bad request" in r.output  # the reason, not only "[http_400]"
+    assert r.output.count("injected bad request") == 1  # distinct messages, not one line per step
+    # A rerun with nothing left to do is not a failure.
+    r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir))
+    assert r.exit_code == 0 and "scored 0, failed 0" in r.output, r.output
+
+
+def test_a_tokenizer_the_model_lacks_is_refused_before_scoring(runner, db, ref):
+    qwen = TOKENIZERS / "qwen2.5"
+    if not qwen.is_dir():
+        pytest.skip(f"{qwen} is absent")
+    before, requests = _dump(db), ref.requests
+    r = runner.invoke(cli, _score_args(db, ref, qwen))
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "does not match the model" in lines[0] and "vocabulary" in lines[0], r.output
+    assert ref.requests == requests and _dump(db) == before  # refused before any step or scorer row
+
+
+def _options(command) -> list:
+    return [p for p in command.params if isinstance(p, __import__("click").Option) and p.name != "help"]
+
+
+def test_every_option_of_score_and_credits_compute_is_described(runner):
+    from cli import credits_compute, score
+
+    for command in (score, credits_compute):
+        undescribed = [o.opts[0] for o in _options(command) if not (o.help or "").strip()]
+        assert not undescribed, (command.name, undescribed)
+    helps = {o.opts[0]: o.help for o in _options(credits_compute)}
+    for option, symbol in (("--t-temp", "T"), ("--gamma", "γ"), ("--alpha", "α"), ("--c-min", "c_min"),
+                           ("--c-max", "c_max")):
+        assert symbol in helps[option], option
+    r = runner.invoke(cli, ["credits", "compute", "--help"])
+    assert r.exit_code == 0 and "γ" in r.output
+
+
+def test_group_help_is_not_cut_and_db_after_the_command_gets_a_hint(runner, tmp_path):
+    r = runner.invoke(cli, ["--help"])
+    assert r.exit_code == 0
+    line = next(x for x in r.output.splitlines() if x.strip().startswith("credits "))
+    assert "(Eq. 5-7)" in line and line.rstrip().endswith("calls."), line  # not cut at "(Eq."
+    for command in (["status"], ["credits", "list"]):
+        r = runner.invoke(cli, [*command, "--db", str(tmp_path / "x.db")])
+        assert r.exit_code == 2
+        assert "--db is a global option" in r.output and f"--db PATH_OR_URL {' '.join(command)}" in r.output, r.output

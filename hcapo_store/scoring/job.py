@@ -163,20 +163,41 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
     return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), tokens, scored, failures)
 
 
+async def check_vocabulary(prep: Prepared) -> None:
+    """Refuse a tokenizer whose ids the model does not have, before any step is sent
+    (otherwise every step fails with the server's HTTP 400)."""
+    check = getattr(prep.backend, "check_token_id", None)
+    if check is None:  # the backend cannot tell (vLLM: ids are checked per request)
+        return
+    tokenizer = prep.builder.tokenizer
+    top = max(tokenizer.get_vocab().values())
+    try:
+        reason = await check(top)
+    except InferenceError as exc:
+        raise ScoringError(f"cannot reach the {prep.backend.kind} backend: {exc}; is the server up?") from exc
+    if reason is not None:
+        name = prep.spec["tokenizer"]["name"]
+        raise ScoringError(f"tokenizer {name!r} ({len(tokenizer)} tokens) does not match the model: the backend "
+                           f"rejects its token id {top} ({reason[:300]}); pass --tokenizer with the served model's "
+                           "tokenizer")
+
+
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
                 on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
     """Queue every unscored step of the scorer and score them; returns the run's report."""
-    register(store, prep.spec)
     conv = prep.spec["conversion"]
-    work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
-                  max_tool_result_chars=conv["max_tool_result_chars"])
-    if retry_failed:
-        work_queue.requeue_failed(store, prep.scorer_id, options.filters)
     scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
 
     async def main() -> ScoreReport:
         await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
         try:
+            if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters,
+                                                         limit=1):
+                await check_vocabulary(prep)  # before anything is written
+            register(store, prep.spec)
+            work_queue.enqueue(store, prep.scorer_id, **conv)
+            if retry_failed:
+                work_queue.requeue_failed(store, prep.scorer_id, options.filters)
             return await scheduler.run()
         finally:
             await prep.backend.close()

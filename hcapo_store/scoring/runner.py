@@ -34,6 +34,7 @@ from hcapo_store.storage.store import Store
 
 FLUSH_SECONDS = 0.2
 FLUSH_RESULTS = 256
+FIRST_ERRORS = 5  # distinct final errors kept in the report, to print
 
 
 def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
@@ -71,6 +72,11 @@ class ScoreReport:
     elapsed_s: float = 0.0
     interrupted: bool = False
     failure_kinds: Counter = field(default_factory=Counter)
+    first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message), distinct, in order
+
+    def note_error(self, kind: str, message: str) -> None:
+        if len(self.first_errors) < FIRST_ERRORS and all(m != message for _, m in self.first_errors):
+            self.first_errors.append((kind, message))
 
     def summary(self) -> str:
         rate = self.scored / self.elapsed_s if self.elapsed_s else 0.0
@@ -85,9 +91,19 @@ class ScoreReport:
         return line
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "failure_kinds"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("failure_kinds", "first_errors")}
         d["failure_kinds"] = dict(self.failure_kinds)
+        d["first_errors"] = [{"kind": k, "message": m} for k, m in self.first_errors]
         return d
+
+    def error_lines(self, width: int = 300) -> list[str]:
+        """The first distinct final errors, one line each (``kind: message``)."""
+        lines = []
+        for kind, message in self.first_errors:
+            text = " ".join(message.split())
+            text = text if text.startswith(f"{kind}:") else f"{kind}: {text}"
+            lines.append(text if len(text) <= width else text[: width - 1] + "…")
+        return lines
 
 
 def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
@@ -231,6 +247,7 @@ class Scheduler:
     def _record(self, outcome: work_queue.StepResult) -> None:
         if outcome.error_kind is not None and outcome.final:
             self.report.failure_kinds[outcome.error_kind] += 1
+            self.report.note_error(outcome.error_kind, outcome.error or "")
         self._pending.append(outcome)
         if len(self._pending) >= FLUSH_RESULTS:
             self._flush()
