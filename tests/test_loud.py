@@ -122,3 +122,30 @@ def test_group_help_is_not_cut_and_db_after_the_command_gets_a_hint(runner, tmp_
         r = runner.invoke(cli, [*command, "--db", str(tmp_path / "x.db")])
         assert r.exit_code == 2
         assert "--db is a global option" in r.output and f"--db PATH_OR_URL {' '.join(command)}" in r.output, r.output
+
+
+def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_tokenizer_dir, tmp_path):
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.scoring.identity import scorer_label
+    from hcapo_store.scoring.job import ScoreConfig, prepare
+    from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for f in demo_tokenizer_dir.iterdir():
+        if f.is_file():
+            (other / f.name).write_bytes(f.read_bytes())
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 12345  # same name pattern, different files
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    base = dict(backend="sglang", server=ref.url, max_context=MAX_CONTEXT)
+    configs = [ScoreConfig(tokenizer=str(tiny_model_dir), **base), ScoreConfig(tokenizer=str(demo_tokenizer_dir), **base),
+               ScoreConfig(tokenizer=str(other), **base),
+               ScoreConfig(tokenizer=str(tiny_model_dir), hindsight_template=HINDSIGHT_TEMPLATE + " ", **base),
+               ScoreConfig(tokenizer=str(tiny_model_dir), conversion=ConvertOptions(include_thinking=False), **base)]
+    with Store.open(db) as store:
+        specs = [prepare(store, cfg) for cfg in configs]
+    assert len({p.scorer_id for p in specs}) == len(configs)
+    labels = [scorer_label(p.spec) for p in specs]
+    assert len(set(labels)) == len(labels), labels
+    assert demo_tokenizer_dir.name in labels[1]
