@@ -149,3 +149,17 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
     labels = [scorer_label(p.spec) for p in specs]
     assert len(set(labels)) == len(labels), labels
     assert demo_tokenizer_dir.name in labels[1]
+
+
+@pytest.mark.parametrize("template, shown", [("Reward {reward} for {subtask_name}", "{subtask_name}"),
+                                             ("Reward {reward:.2f} {", "cannot be parsed"),
+                                             ("Reward {0}", "{0}")])
+def test_a_bad_hindsight_template_is_one_line_listing_the_placeholders(runner, db, ref, tiny_model_dir, tmp_path,
+                                                                      template, shown):
+    path = tmp_path / "hindsight.txt"
+    path.write_text(template)
+    r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--hindsight-template", str(path)))
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and shown in lines[0], r.output
+    assert "allowed placeholders: {reward}, {phase}" in lines[0] and "{current_subtask_score}" in lines[0]

@@ -14,7 +14,8 @@ from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
-                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
+                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, check_hindsight_template,
+                                 template_hash)
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_id, scorer_label
 from hcapo_store.ingestion.sources import ConvertOptions
@@ -100,6 +101,10 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
 def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
     """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
     ``run_scoring`` registers the scorer, so a dry run leaves the database as it was)."""
+    try:
+        check_hindsight_template(cfg.hindsight_template)
+    except ValueError as exc:
+        raise ScoringError(f"--hindsight-template: {exc}") from exc
     backend = make_backend(cfg)
     asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
     ctx = backend.context_length()
