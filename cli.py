@@ -388,15 +388,16 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     default credits, and prints the scored steps per subtask. Uses --db if given, else
     DIR/demo.db.
     """
-    from hcapo_store.local.demo import demo_summary, run_demo
+    from hcapo_store.local.demo import demo_summary, manual_commands, run_demo
 
     state: _Ctx = ctx.obj
     if state.db is None:
         state.db = str(workdir / "demo.db")
     store = state.store()
     result = run_demo(store, workdir, on_step=(lambda _: None) if as_json else (lambda m: click.echo(f"• {m}", err=True)))
+    commands = manual_commands(result, store.display)
     if as_json:
-        _echo_json(demo_summary(result))
+        _echo_json({**demo_summary(result), "commands": commands})
         return
     click.echo(f"ingest: {result.ingest.summary()}")
     click.echo(f"score:  {result.score.summary()}")
@@ -407,6 +408,10 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
         click.echo(formatting.table(*result.credits))
     click.echo(f"\ndatabase: {store.display} — try: hcapo-store --db {store.display} sql "
                "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\"")
+    click.echo(f"\ntiny model (weights and tokenizer): {result.model_dir}")
+    click.echo("score by hand against it (two shells):")
+    for command in commands:
+        click.echo(f"  {command}")
 
 
 
