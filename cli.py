@@ -171,6 +171,10 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
         click.echo(report.summary())
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
+    if report.server_down:
+        click.echo(f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the "
+                   "server is back", err=True)
+        sys.exit(1)
     if report.failed:
         sys.exit(1)
 
@@ -264,11 +268,13 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
               help="1 for old SGLang servers that mishandle prefill-only requests.")
+@click.option("--request-timeout", type=click.FloatRange(0.1), default=300.0, show_default=True, metavar="SECONDS",
+              help="Give up on one HTTP request after this long (retried as a timeout).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
           hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, as_json) -> None:
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, request_timeout, as_json) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -284,7 +290,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
         conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens, request_timeout=request_timeout,
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
@@ -312,6 +318,10 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         _echo_score_errors(report, prep.scorer_id)
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
+    if report.server_down:
+        click.echo(f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the "
+                   "server is back", err=True)
+        sys.exit(1)
     if report.failed:
         sys.exit(1)
 

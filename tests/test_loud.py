@@ -163,3 +163,97 @@ def test_a_bad_hindsight_template_is_one_line_listing_the_placeholders(runner, d
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and shown in lines[0], r.output
     assert "allowed placeholders: {reward}, {phase}" in lines[0] and "{current_subtask_score}" in lines[0]
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    """Wait for a state of another thread or process (the deadline only stops a hung test)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _attempt_states(db: str) -> dict[str, int]:
+    with sqlite3.connect(db) as conn:
+        return dict(conn.execute("SELECT status, COUNT(*) FROM attempts GROUP BY status").fetchall())
+
+
+def test_a_server_that_dies_mid_run_stops_the_run_and_leaves_the_rest_pending(runner, db, ref, tiny_model_dir):
+    import threading
+
+    from faultserver import FaultServer
+
+    steps = _count(db, "SELECT COUNT(*) FROM steps")
+    with FaultServer(ref) as server:
+        def kill_after_three_requests() -> None:
+            _wait_for(lambda: server.requests >= 3, "3 requests")
+            server.die()
+
+        killer = threading.Thread(target=kill_after_three_requests, daemon=True)
+        killer.start()
+        r = runner.invoke(cli, ["--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
+                                "--max-context", str(MAX_CONTEXT), "--concurrency", "2"])
+        killer.join()
+    assert r.exit_code == 1, r.output
+    assert "server stopped answering" in r.output and "stay pending" in r.output, r.output
+    states = _attempt_states(db)
+    assert "failed" not in states and "leased" not in states, states  # nothing failed for good, nothing held
+    assert states.get("pending", 0) > 0 and sum(states.values()) == steps, states
+    # Back up: the rest is scored, nothing twice.
+    r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir))
+    assert r.exit_code == 0, r.output
+    assert _attempt_states(db) == {"done": steps}
+
+
+def test_request_timeout_and_a_hung_request_do_not_fail_steps_of_a_live_server(runner, db, ref, tiny_model_dir):
+    """--request-timeout bounds a hung request; a live server is not taken for dead."""
+    from faultserver import FaultServer
+
+    first = {}
+
+    def hang_first_request_of_one_step(key: str, n: int) -> str | None:
+        first.setdefault("key", key)
+        return "hang" if key == first["key"] and n == 0 else None
+
+    with FaultServer(ref, hang_first_request_of_one_step) as server:
+        r = runner.invoke(cli, ["--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
+                                "--max-context", str(MAX_CONTEXT), "--request-timeout", "5", "--json"])
+        hung = server.faults_for(first["key"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["failed"] == 0 and out["retried"] >= 1 and out["server_down"] is None
+    assert hung[0] == "hang" and hung[-1] is None  # given up after the timeout, retried, answered
+    assert _attempt_states(db) == {"done": _count(db, "SELECT COUNT(*) FROM steps")}
+
+
+def test_first_ctrl_c_stops_within_the_grace_period_while_requests_hang(db, ref, tiny_model_dir, tmp_path):
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from faultserver import FaultServer
+
+    hcapo = shutil.which("hcapo-store") or str(Path(sys.executable).with_name("hcapo-store"))
+    with FaultServer(ref, lambda key, n: "hang") as server:
+        log = tmp_path / "score.log"
+        proc = subprocess.Popen(
+            [hcapo, "--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
+             "--max-context", str(MAX_CONTEXT), "--concurrency", "2"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+        try:
+            _wait_for(lambda: server.requests >= 2 or proc.poll() is not None, "two hung requests")
+            proc.send_signal(signal.SIGINT)
+            # Without the grace period this waits for the 300 s request timeout.
+            proc.wait(timeout=150)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = log.read_text()
+    assert proc.returncode == 130, out
+    assert "interrupted" in out and "2 request(s) in flight cancelled" in out, out
+    states = _attempt_states(db)
+    assert set(states) == {"pending"}, states  # the hung steps went back to the queue, not failed

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
@@ -41,10 +42,17 @@ class ScoreConfig:
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = 0
     device: str = "cpu"
+    request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
 
     def __post_init__(self) -> None:
         if self.backend is None:
             self.backend = default_backend(self.server, self.model)
+
+
+def _http_timeout(cfg: ScoreConfig) -> httpx.Timeout | None:
+    if cfg.request_timeout is None:
+        return None
+    return httpx.Timeout(cfg.request_timeout, connect=min(cfg.request_timeout, 10.0))
 
 
 def make_backend(cfg: ScoreConfig) -> Backend:
@@ -59,11 +67,12 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "sglang":
         from hcapo_store.scoring.backends.sglang import SGLangBackend
 
-        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens)
+        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens,
+                             timeout=_http_timeout(cfg))
     if cfg.backend == "vllm":
         from hcapo_store.scoring.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key)
+        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, timeout=_http_timeout(cfg))
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
 
 

@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any
 
+import httpx
+
 from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
@@ -124,8 +126,9 @@ class VLLMBackend(HttpBackend):
     kind = "vllm"
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
-                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None) -> None:
-        super().__init__(url, api_key=api_key, client=client)
+                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None,
+                 timeout: float | httpx.Timeout | None = None) -> None:
+        super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         self.requested_model = model
         self.model = model  # the served model name sent with every request (learned in start())
         self.prompt_logprobs = prompt_logprobs
