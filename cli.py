@@ -283,6 +283,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     from hcapo_store.progress import Progress
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.scoring.runner import RunOptions
+    from hcapo_store.scoring.explain import why_nothing_to_score
     from hcapo_store.scoring.job import ScoreConfig, dry_run as run_dry, prepare, run_scoring
     from hcapo_store.ingestion.sources import ConvertOptions
 
@@ -299,7 +300,11 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
     if dry_run:
         result = run_dry(store, prep, filters, limit)
-        _echo_json(result.__dict__) if as_json else click.echo(result.summary())
+        reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
+        if as_json:
+            _echo_json({**result.__dict__, "reason": reason})
+        else:
+            click.echo(result.summary() + (f"\n{reason}" if reason else ""))
         return
     options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
                          filters=filters, limit=limit, worker_id=worker_id)
@@ -311,10 +316,13 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
             progress.advance(n=report.scored + report.failed - progress.done)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    reason = None
+    if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
+        reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
     if as_json:
-        _echo_json(report.as_dict())
+        _echo_json({**report.as_dict(), "reason": reason})
     else:
-        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}" + (f"\nnothing to score: {reason}" if reason else ""))
         _echo_score_errors(report, prep.scorer_id)
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)

@@ -257,3 +257,23 @@ def test_first_ctrl_c_stops_within_the_grace_period_while_requests_hang(db, ref,
     assert "interrupted" in out and "2 request(s) in flight cancelled" in out, out
     states = _attempt_states(db)
     assert set(states) == {"pending"}, states  # the hung steps went back to the queue, not failed
+
+
+def test_nothing_to_score_says_why(runner, db, ref, tiny_model_dir, tmp_path):
+    empty = str(tmp_path / "empty.db")
+    Store.open(empty).close()
+    cases = [
+        ([empty], "no episodes in this database"),
+        ([db, "--episode", "nosuch"], "--episode nosuch: no such episode"),
+        ([db, "--no-thinking"], "no episode was ingested with --no-thinking --max-tool-result-chars 4000"),
+        ([db, "--max-tool-result-chars", "10"], "2 with --include-thinking --max-tool-result-chars 4000"),
+        ([db, "--min-reward", "1e9"], "no episode has reward >= 1000000000.0"),
+    ]
+    for i, ((where, *extra), reason) in enumerate(cases):
+        for dry in ([], ["--dry-run"])[: 2 if i < 2 else 1]:  # both paths share the explanation
+            r = runner.invoke(cli, _score_args(where, ref, tiny_model_dir, *extra, *dry))
+            assert r.exit_code == 0 and reason in r.output, (extra, dry, r.output)
+    assert runner.invoke(cli, _score_args(db, ref, tiny_model_dir)).exit_code == 0
+    r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--json"))
+    steps = _count(db, "SELECT COUNT(*) FROM steps")
+    assert json.loads(r.output)["reason"] == f"every step is done: {steps} already scored by this scorer", r.output
