@@ -202,9 +202,10 @@ def status(state: _Ctx, as_json: bool) -> None:
     for s in data["scorers"]:
         click.echo(f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
                    f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})")
+    notes = {"dead": " (process gone: killed?)", "stale": " (no heartbeat within its lease: hung, or gone)"}
     for w in data["workers"][:20]:
-        click.echo(f"worker {w['id']}: {w['state']}, {w['leases']} lease(s), scored {w['scored']}, "
-                   f"failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
+        click.echo(f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
+                   f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
 
 
 @cli.command()

@@ -277,3 +277,30 @@ def test_nothing_to_score_says_why(runner, db, ref, tiny_model_dir, tmp_path):
     r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--json"))
     steps = _count(db, "SELECT COUNT(*) FROM steps")
     assert json.loads(r.output)["reason"] == f"every step is done: {steps} already scored by this scorer", r.output
+
+
+def test_status_shows_killed_workers_dead_and_silent_ones_stale(runner, db):
+    import subprocess
+    import sys
+
+    from sqlalchemy import text
+
+    from hcapo_store.scoring import work_queue
+    from hcapo_store.scoring.identity import register
+    from hcapo_store.storage import db as dbmod
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid no longer exists
+    with Store.open(db) as store:
+        scorer = register(store, {"backend": {"kind": "test"}, "max_context": 1, "max_logprob_tokens": 1})
+        host = work_queue.default_worker_id().rpartition(":")[0]
+        work_queue.register_worker(store, f"{host}:{gone.pid}", scorer)
+        work_queue.register_worker(store, "elsewhere:1", scorer)
+        work_queue.register_worker(store, "elsewhere:2", scorer)
+        with dbmod.write(store.engine) as conn:
+            conn.execute(text("UPDATE workers SET heartbeat_at = heartbeat_at - 1000 WHERE id = 'elsewhere:1'"))
+    r = runner.invoke(cli, ["--db", db, "status", "--json"], catch_exceptions=False)
+    states = {w["id"]: w["state"] for w in json.loads(r.output)["workers"]}
+    assert states == {f"{host}:{gone.pid}": "dead", "elsewhere:1": "stale", "elsewhere:2": "running"}, states
+    r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
+    assert f"worker {host}:{gone.pid}: dead" in r.output and "worker elsewhere:1: stale" in r.output
