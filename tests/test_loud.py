@@ -83,16 +83,17 @@ def test_failed_steps_exit_non_zero_with_their_reasons(runner, db, ref, tiny_mod
     assert r.exit_code == 0 and "scored 0, failed 0" in r.output, r.output
 
 
-def test_a_tokenizer_the_model_lacks_is_refused_before_scoring(runner, db, ref):
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_a_tokenizer_the_model_lacks_is_refused_before_scoring(runner, db, ref, backend):
     qwen = TOKENIZERS / "qwen2.5"
     if not qwen.is_dir():
         pytest.skip(f"{qwen} is absent")
-    before, requests = _dump(db), ref.requests
-    r = runner.invoke(cli, _score_args(db, ref, qwen))
+    before, sequences = _dump(db), ref.sequences
+    r = runner.invoke(cli, _score_args(db, ref, qwen, "--backend", backend))
     assert r.exit_code == 1, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "does not match the model" in lines[0] and "vocabulary" in lines[0], r.output
-    assert ref.requests == requests and _dump(db) == before  # refused before any step or scorer row
+    assert ref.sequences == sequences and _dump(db) == before  # refused before any step or scorer row
 
 
 def _options(command) -> list:

@@ -181,7 +181,7 @@ async def check_vocabulary(prep: Prepared) -> None:
     """Refuse a tokenizer whose ids the model does not have, before any step is sent
     (otherwise every step fails with the server's HTTP 400)."""
     check = getattr(prep.backend, "check_token_id", None)
-    if check is None:  # the backend cannot tell (vLLM: ids are checked per request)
+    if check is None:  # a backend that cannot tell
         return
     tokenizer = prep.builder.tokenizer
     top = max(tokenizer.get_vocab().values())

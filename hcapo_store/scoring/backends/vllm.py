@@ -181,3 +181,15 @@ class VLLMBackend(HttpBackend):
         return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
                             cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
                             model_id=self.server_model_id())
+
+    async def check_token_id(self, token_id: int) -> str | None:
+        """None when the server accepts ``token_id``, else its reason (vLLM rejects prompt ids
+        outside the vocabulary with HTTP 400; it reports no vocabulary size)."""
+        try:
+            await self._open().post_json("/v1/completions", {"model": self.model, "prompt": [token_id], "max_tokens": 1,
+                                                             "temperature": 0.0, "stream": False})
+        except InferenceError as exc:
+            if exc.kind.startswith("http_4"):
+                return str(exc)
+            raise
+        return None
