@@ -171,10 +171,6 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
         click.echo(report.summary())
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
-    if report.server_down:
-        click.echo(f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the "
-                   "server is back", err=True)
-        sys.exit(1)
     if report.failed:
         sys.exit(1)
 
@@ -323,7 +319,9 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     if as_json:
         _echo_json({**report.as_dict(), "reason": reason})
     else:
-        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}" + (f"\nnothing to score: {reason}" if reason else ""))
+        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+        if reason:
+            click.echo(f"nothing to score: {reason}")
         _echo_score_errors(report, prep.scorer_id)
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)

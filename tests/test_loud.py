@@ -140,7 +140,8 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
     config["model_max_length"] = 12345  # same name pattern, different files
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     base = dict(backend="sglang", server=ref.url, max_context=MAX_CONTEXT)
-    configs = [ScoreConfig(tokenizer=str(tiny_model_dir), **base), ScoreConfig(tokenizer=str(demo_tokenizer_dir), **base),
+    configs = [ScoreConfig(tokenizer=str(tiny_model_dir), **base),
+               ScoreConfig(tokenizer=str(demo_tokenizer_dir), **base),
                ScoreConfig(tokenizer=str(other), **base),
                ScoreConfig(tokenizer=str(tiny_model_dir), hindsight_template=HINDSIGHT_TEMPLATE + " ", **base),
                ScoreConfig(tokenizer=str(tiny_model_dir), conversion=ConvertOptions(include_thinking=False), **base)]
