@@ -223,6 +223,8 @@ class CountingServer:
         original = refserver._POST_ROUTES["/generate"]
 
         def generate(server: Any, body: dict[str, Any]) -> Any:
+            if not body.get("return_logprob"):  # the client's vocabulary probe, not a step
+                return original(server, body)
             with self.lock:
                 self.counts[tuple(body.get("input_ids") or ())] += 1
             time.sleep(delay)
