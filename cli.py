@@ -6,6 +6,7 @@ Each command parses options, calls the library, and prints. Library errors
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except HcapoError as exc:
             raise click.ClickException(str(exc)) from exc
+        except click.NoSuchOption as exc:
+            if exc.option_name == "--db" and exc.ctx is not None:
+                root, _, rest = exc.ctx.command_path.partition(" ")
+                exc.message = (f"No such option '--db' here: --db is a global option, given before the command: "
+                               f"{root} --db PATH_OR_URL {rest}")
+            raise
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
@@ -199,9 +206,10 @@ def status(state: _Ctx, as_json: bool) -> None:
     for s in data["scorers"]:
         click.echo(f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
                    f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})")
+    notes = {"dead": " (process gone: killed?)", "stale": " (no heartbeat within its lease: hung, or gone)"}
     for w in data["workers"][:20]:
-        click.echo(f"worker {w['id']}: {w['state']}, {w['leases']} lease(s), scored {w['scored']}, "
-                   f"failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
+        click.echo(f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
+                   f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
 
 
 @cli.command()
@@ -242,14 +250,17 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
 @click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
               help="Episodes in flight at once (each sends its steps in order).")
-@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True)
+@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True,
+              help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
+                   "truncation marker and the most recent history before the action.")
 @click.option("--max-logprob-tokens", type=int, default=2048, show_default=True,
               help="Score only the last N action tokens (<= 0: all).")
 @click.option("--hindsight-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).")
 @click.option("--include-thinking/--no-thinking", default=True, show_default=True,
               help="Score episodes ingested with these conversion options.")
-@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True)
+@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True,
+              help="Score episodes ingested with this tool-result cut (the ingest option of the same name).")
 @click.option("--episode", "episodes", multiple=True, metavar="NAME",
               help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.")
 @click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
@@ -258,15 +269,18 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
 @click.option("--max-attempts", type=click.IntRange(1), default=4, show_default=True,
               help="Attempts per step before it is marked failed.")
-@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True,
+              help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.")
 @click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
               help="1 for old SGLang servers that mishandle prefill-only requests.")
+@click.option("--request-timeout", type=click.FloatRange(0.1), default=300.0, show_default=True, metavar="SECONDS",
+              help="Give up on one HTTP request after this long (retried as a timeout).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
           hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, as_json) -> None:
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, request_timeout, as_json) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -276,6 +290,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.storage.episodes import resolve_episodes
     from hcapo_store.scoring.runner import RunOptions
+    from hcapo_store.scoring.explain import why_nothing_to_score
     from hcapo_store.scoring.job import ScoreConfig, dry_run as run_dry, prepare, run_scoring
     from hcapo_store.ingestion.sources import ConvertOptions
 
@@ -283,20 +298,25 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
         conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens, request_timeout=request_timeout,
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
-    filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
+    # Options are checked (e.g. --worker-id) before anything touches the database.
     options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
-                         filters=filters, limit=limit, worker_id=worker_id)
-    store = state.store()
-    with store.engine.connect() as conn:  # before the model loads: a wrong --episode fails at once
+                         limit=limit, worker_id=worker_id)
+    store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
+    with dbmod.read(store.engine) as conn:  # before the model loads: a wrong --episode fails at once
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
+    options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
     if dry_run:
         result = run_dry(store, prep, filters, limit)
-        _echo_json(result.__dict__) if as_json else click.echo(result.summary())
+        reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
+        if as_json:
+            _echo_json({**result.__dict__, "reason": reason})
+        else:
+            click.echo(result.summary() + (f"\n{reason}" if reason else ""))
         return
     with Progress("score", enabled=not as_json, unit="steps") as progress:
         def on_progress(report) -> None:
@@ -306,12 +326,35 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
             progress.advance(n=report.scored + report.failed - progress.done)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    reason = None
+    if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
+        reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
     if as_json:
-        _echo_json(report.as_dict())
+        _echo_json({**report.as_dict(), "reason": reason})
     else:
         click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+        if reason:
+            click.echo(f"nothing to score: {reason}")
+        _echo_score_errors(report, prep.scorer_id)
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
+    if report.server_down:
+        click.echo(f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the "
+                   "server is back", err=True)
+        sys.exit(1)
+    if report.failed:
+        sys.exit(1)
+
+
+def _echo_score_errors(report, scorer_id: str) -> None:
+    """Failed steps are never silent: the first distinct reasons, and where the rest are."""
+    if not report.failed:
+        return
+    click.echo(f"{report.failed} step(s) failed for good; first distinct error(s):", err=True)
+    for line in report.error_lines():
+        click.echo(f"  {line}", err=True)
+    click.echo(f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
+               f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed", err=True)
 
 
 @cli.group(cls=_Group)
@@ -344,8 +387,8 @@ def scorers_list(state: _Ctx, as_json: bool) -> None:
               help="Local transformers causal LM directory.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Tokenizer directory (default: the model directory).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=30000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=30000, show_default=True, help="Port to listen on (SGLang's default).")
 def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 
@@ -375,15 +418,16 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     default credits, and prints the scored steps per subtask. Uses --db if given, else
     DIR/demo.db.
     """
-    from hcapo_store.local.demo import demo_summary, run_demo
+    from hcapo_store.local.demo import demo_summary, manual_commands, run_demo
 
     state: _Ctx = ctx.obj
     if state.db is None:
         state.db = str(workdir / "demo.db")
     store = state.store()
     result = run_demo(store, workdir, on_step=(lambda _: None) if as_json else (lambda m: click.echo(f"• {m}", err=True)))
+    commands = manual_commands(result, store.display)
     if as_json:
-        _echo_json(demo_summary(result))
+        _echo_json({**demo_summary(result), "commands": commands})
         return
     click.echo(f"ingest: {result.ingest.summary()}")
     click.echo(f"score:  {result.score.summary()}")
@@ -394,6 +438,10 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
         click.echo(formatting.table(*result.credits))
     click.echo(f"\ndatabase: {store.display} — try: hcapo-store --db {store.display} sql "
                "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\"")
+    click.echo(f"\ntiny model (weights and tokenizer): {result.model_dir}")
+    click.echo("score by hand against it (two shells):")
+    for command in commands:
+        click.echo(f"  {command}")
 
 
 
@@ -401,7 +449,7 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
 # credits, exports, report
 
 
-@cli.group(cls=_Group)
+@cli.group(cls=_Group, short_help="Credit runs (Eq. 5-7) from stored logprobs, no model calls.")
 def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 
@@ -409,11 +457,16 @@ def credits() -> None:
 @credits.command("compute")
 @click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
 @click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
-@click.option("--t-temp", type=float, default=5.0, show_default=True)
-@click.option("--gamma", type=float, default=0.95, show_default=True)
-@click.option("--c-min", type=float, default=0.8, show_default=True)
-@click.option("--c-max", type=float, default=1.2, show_default=True)
-@click.option("--alpha", type=float, default=0.5, show_default=True)
+@click.option("--t-temp", type=float, default=5.0, show_default=True,
+              help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).")
+@click.option("--gamma", type=float, default=0.95, show_default=True,
+              help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.")
+@click.option("--c-min", type=float, default=0.8, show_default=True,
+              help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.")
+@click.option("--c-max", type=float, default=1.2, show_default=True,
+              help="Upper clip c_max of the ratio ρ.")
+@click.option("--alpha", type=float, default=0.5, show_default=True,
+              help="Backward smoothing weight α of q_h into q_h_smoothed.")
 @click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
 @click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
 @click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")

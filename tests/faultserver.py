@@ -14,6 +14,7 @@ Faults (``FAULTS``)::
     http_500 http_503 http_429   retryable statuses (429 carries Retry-After: 0.1)
     abort abort_503              HTTP 200 with finish_reason.type == "abort" (retryable)
     timeout                      sleeps ``timeout_sleep`` s, then drops the connection
+    hang                         holds the request until ``die()`` or ``shutdown()``, then drops it
     drop                         closes the socket without any response
     http_400                     SGLang's 400 body (permanent)
     malformed_json               200 with a truncated JSON body (permanent)
@@ -25,6 +26,9 @@ Faults (``FAULTS``)::
 
 A schedule is ``schedule(key, n) -> fault name | None`` where ``n`` counts the earlier
 requests with the same key (0 for the first one).
+
+``die()`` plays a server process that went away: the port stops accepting, and every
+request on a connection still open is closed without an answer.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ RETRYABLE = {
     "abort_503": "abort",
     "timeout": "timeout",
     "drop": "connect",
+    "hang": "timeout",
 }
 PERMANENT = {
     "http_400": "http_400",
@@ -68,7 +73,7 @@ PERMANENT = {
 }
 # fault -> the error kind the client must record for it
 ERROR_KIND = {**RETRYABLE, **PERMANENT}
-FAULTS = tuple(ERROR_KIND)
+FAULTS = tuple(k for k in ERROR_KIND if k != "hang")  # the random pool: a hang never ends by itself
 
 
 def input_key(input_ids: Sequence[int]) -> str:
@@ -126,9 +131,20 @@ class FaultServer(BackgroundHTTPServer):
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
         self._lock = threading.Lock()
+        self.dead = threading.Event()
+        self.unhang = threading.Event()
         self.thread_name = "faultserver"
         self.httpd = _QuietServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
+
+    def die(self) -> None:
+        """Stop answering anything, as a killed server would."""
+        self.dead.set()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.unhang.set()
+        super().shutdown()
 
     # -- bookkeeping
 
@@ -211,7 +227,8 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             return False
 
         def do_GET(self) -> None:
-            if self._stale():
+            if self._stale() or server.dead.is_set():
+                self.close_connection = True
                 return
             path = self.path.split("?", 1)[0]
             if path in ("/health", "/health_generate"):
@@ -226,7 +243,8 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", "0"))
             raw = self.rfile.read(length)  # always read the body: keep-alive stays sane
-            if self._stale():
+            if self._stale() or server.dead.is_set():
+                self.close_connection = True
                 return
             if self.path.split("?", 1)[0] != "/generate":
                 self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"Not Found: {self.path}"}})
@@ -235,6 +253,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw)
             except ValueError as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed JSON body: {exc}"}})
+                return
+            if not body.get("return_logprob"):  # the client's vocabulary probe: no faults, not logged
+                self._answer(body, None)
                 return
             _, fault = server._arrive(body.get("input_ids"))
             if server.delay:
@@ -245,6 +266,10 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 return
             if fault == "drop":
                 self.close_connection = True  # no status line, no headers: the socket just closes
+                return
+            if fault == "hang":
+                server.unhang.wait()
+                self.close_connection = True
                 return
             if fault == "timeout":
                 time.sleep(server.timeout_sleep)
@@ -273,6 +298,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                     "finish_reason": {"type": "abort", "message": "Abort before prefill", "status_code": status},
                     "input_token_logprobs": [], "output_token_logprobs": []}})
                 return
+            self._answer(body, fault)
+
+        def _answer(self, body: dict[str, Any], fault: str | None) -> None:
             try:
                 response = server.ref.generate(body)
             except ValueError as exc:

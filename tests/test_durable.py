@@ -27,6 +27,7 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import make_server
 from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring import work_queue
+from hcapo_store.scoring.identity import register
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
 from hcapo_store.scoring.runner import RunOptions
 from hcapo_store.storage.db import ENV_BUSY_TIMEOUT
@@ -182,6 +183,7 @@ def test_full_database_stops_scoring_and_releases_leases(ingested, server, tiny_
         prep = prepare(store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
                                           max_context=MAX_CONTEXT))
         conv = prep.spec["conversion"]
+        register(store, prep.spec)  # run_scoring registers; enqueueing by hand needs the scorer row first
         work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                            max_tool_result_chars=conv["max_tool_result_chars"])
         _limit_pages(store)

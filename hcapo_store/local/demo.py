@@ -20,6 +20,7 @@ from hcapo_store.storage.store import Store
 from hcapo_store.local.synth import write_examples
 
 EXAMPLES = Path("examples") / "trajectories"
+DEMO_MAX_CONTEXT = 8192
 
 SUMMARY_SQL = """
 SELECT COALESCE(subtask_id, phase) AS subtask, COUNT(*) AS steps,
@@ -63,7 +64,7 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
     server = make_server(model_dir).start()
     try:
         on_step(f"scoring through the reference server at {server.url}")
-        cfg = ScoreConfig(backend="sglang", server=server.url, tokenizer=str(model_dir), max_context=8192)
+        cfg = ScoreConfig(backend="sglang", server=server.url, tokenizer=str(model_dir), max_context=DEMO_MAX_CONTEXT)
         prep = prepare(store, cfg)
         scored = run_scoring(store, prep, RunOptions(concurrency=2))
     finally:
@@ -81,6 +82,13 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
     except ImportError:  # pragma: no cover - credits ship with the package
         pass
     return DemoResult(episodes, model_dir, ingested, scored, prep.scorer_id, subtasks, credits)
+
+
+def manual_commands(result: DemoResult, db: str, port: int = 30000) -> list[str]:
+    """The demo's scoring step by hand: serve its tiny model, score against it."""
+    return [f"hcapo-store serve-reference --model {result.model_dir} --port {port}",
+            f"hcapo-store --db {db} score --server http://127.0.0.1:{port} --tokenizer {result.model_dir} "
+            f"--max-context {DEMO_MAX_CONTEXT}"]
 
 
 def demo_summary(result: DemoResult) -> dict[str, Any]:

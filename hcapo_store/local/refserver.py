@@ -55,7 +55,9 @@ class _Item:
 
 class ReferenceServer(BackgroundHTTPServer):
     """The HTTP server plus the model; ``requests`` counts /generate and /v1/completions
-    calls, ``sequences`` the sequences that went through the model."""
+    calls that reach the model, ``sequences`` the sequences that went through it. A
+    prefill-only /generate without logprobs (a client's vocabulary probe) only checks its
+    ids, as SGLang's tokenizer manager does, and is not counted."""
 
     def __init__(
         self,
@@ -124,8 +126,9 @@ class ReferenceServer(BackgroundHTTPServer):
 
     def generate(self, body: JSON) -> JSON | list[JSON]:
         """SGLang ``/generate``: a dict for one request, a list in input order for a batch."""
-        self._count_request()
         batch, items = self._generate_items(body)
+        if any(item.return_logprob or item.max_new_tokens for item in items):
+            self._count_request()
         text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
         outputs = [self._generate_one(item, text_in_logprobs) for item in items]
         return outputs if batch else outputs[0]

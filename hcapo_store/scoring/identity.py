@@ -33,9 +33,27 @@ def scorer_id(spec: dict[str, Any]) -> str:
 
 
 def scorer_label(spec: dict[str, Any]) -> str:
+    """A readable name that differs when the main parts of the spec differ (the id is the
+    spec's hash; the label is not part of it, so stored ids never change with it)."""
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, template_hash
+
     b = spec["backend"]
     model = b.get("model") or b.get("server_model") or "?"
-    return f"{b['kind']}:{model} ctx={spec['max_context']} lp={spec['max_logprob_tokens']}"
+    parts = [f"{b['kind']}:{model}"]
+    tok = spec.get("tokenizer") or {}
+    if tok:
+        parts.append(f"tok={tok.get('name', '?')}@{str(tok.get('files_sha256') or '')[:8]}")
+    parts += [f"ctx={spec['max_context']}", f"lp={spec['max_logprob_tokens']}"]
+    template = spec.get("hindsight_template_sha256")
+    if template and template != template_hash(HINDSIGHT_TEMPLATE):
+        parts.append(f"tpl={template[:8]}")
+    conv = spec.get("conversion") or {}
+    if conv.get("include_thinking") is False:
+        parts.append("no-thinking")
+    if conv.get("max_tool_result_chars", ConvertOptions.max_tool_result_chars) != ConvertOptions.max_tool_result_chars:
+        parts.append(f"tool-chars={conv['max_tool_result_chars']}")
+    return " ".join(parts)
 
 
 def register(store: Store, spec: dict[str, Any]) -> str:

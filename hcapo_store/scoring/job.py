@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
 
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
@@ -15,9 +16,10 @@ from hcapo_store.storage.episodes import load_episode
 from hcapo_store.masking import mask_url
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
-                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
+                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, check_hindsight_template,
+                                 template_hash)
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
-from hcapo_store.scoring.identity import register, scorer_label
+from hcapo_store.scoring.identity import register, scorer_id, scorer_label
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.storage import db
@@ -43,10 +45,17 @@ class ScoreConfig:
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = 0
     device: str = "cpu"
+    request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
 
     def __post_init__(self) -> None:
         if self.backend is None:
             self.backend = default_backend(self.server, self.model)
+
+
+def _http_timeout(cfg: ScoreConfig) -> httpx.Timeout | None:
+    if cfg.request_timeout is None:
+        return None
+    return httpx.Timeout(cfg.request_timeout, connect=min(cfg.request_timeout, 10.0))
 
 
 def make_backend(cfg: ScoreConfig) -> Backend:
@@ -61,11 +70,12 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "sglang":
         from hcapo_store.scoring.backends.sglang import SGLangBackend
 
-        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens)
+        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens,
+                             timeout=_http_timeout(cfg))
     if cfg.backend == "vllm":
         from hcapo_store.scoring.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key)
+        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, timeout=_http_timeout(cfg))
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
 
 
@@ -101,7 +111,12 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
 
 
 def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
-    """Start the backend, load the tokenizer, build the scorer spec and register the scorer."""
+    """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
+    ``run_scoring`` registers the scorer, so a dry run leaves the database as it was)."""
+    try:
+        check_hindsight_template(cfg.hindsight_template)
+    except ValueError as exc:
+        raise ScoringError(f"--hindsight-template: {exc}") from exc
     backend = make_backend(cfg)
     asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
     ctx = backend.context_length()
@@ -126,7 +141,7 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
         "rendering_sha256": rendering_fingerprint(builder),
         "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
-    return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
+    return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
 
 
 @dataclass
@@ -167,19 +182,41 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
     return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), tokens, scored, failures)
 
 
+async def check_vocabulary(prep: Prepared) -> None:
+    """Refuse a tokenizer whose ids the model does not have, before any step is sent
+    (otherwise every step fails with the server's HTTP 400)."""
+    check = getattr(prep.backend, "check_token_id", None)
+    if check is None:  # a backend that cannot tell
+        return
+    tokenizer = prep.builder.tokenizer
+    top = max(tokenizer.get_vocab().values())
+    try:
+        reason = await check(top)
+    except InferenceError as exc:
+        raise ScoringError(f"cannot reach the {prep.backend.kind} backend: {exc}; is the server up?") from exc
+    if reason is not None:
+        name = prep.spec["tokenizer"]["name"]
+        raise ScoringError(f"tokenizer {name!r} ({len(tokenizer)} tokens) does not match the model: the backend "
+                           f"rejects its token id {top} ({reason[:300]}); pass --tokenizer with the served model's "
+                           "tokenizer")
+
+
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
                 on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
     """Queue every unscored step of the scorer and score them; returns the run's report."""
     conv = prep.spec["conversion"]
-    work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
-                  max_tool_result_chars=conv["max_tool_result_chars"])
-    if retry_failed:
-        work_queue.requeue_failed(store, prep.scorer_id, options.filters)
     scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
 
     async def main() -> ScoreReport:
         await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
         try:
+            if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters,
+                                                         limit=1):
+                await check_vocabulary(prep)  # before anything is written
+            register(store, prep.spec)
+            work_queue.enqueue(store, prep.scorer_id, **conv)
+            if retry_failed:
+                work_queue.requeue_failed(store, prep.scorer_id, options.filters)
             return await scheduler.run()
         finally:
             await prep.backend.close()

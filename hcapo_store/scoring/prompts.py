@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -119,8 +120,23 @@ def hindsight_text(outcome: Any, step: Any, template: str = HINDSIGHT_TEMPLATE) 
     )
 
 
+# The fields ``hindsight_text`` fills, in the order of the default template.
+HINDSIGHT_PLACEHOLDERS = ("reward", "phase", "plan_score", "scores_summary", "scored_count", "plan_count",
+                          "current_subtask", "current_subtask_score")
+
+
 def check_hindsight_template(template: str) -> None:
     """Fail at configuration time, not at step 57, when a user template has unknown fields."""
+    allowed = "allowed placeholders: " + ", ".join(f"{{{name}}}" for name in HINDSIGHT_PLACEHOLDERS)
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # e.g. a single "{" or "}"
+        raise ValueError(f"hindsight template cannot be parsed ({exc}; write {{{{ and }}}} for literal braces); "
+                         f"{allowed}") from exc
+    unknown = [f for f in fields if f.split(".")[0].split("[")[0] not in HINDSIGHT_PLACEHOLDERS]
+    if unknown:
+        raise ValueError(f"hindsight template has unknown placeholder(s) "
+                         f"{', '.join('{' + f + '}' for f in unknown)}; {allowed}")
     try:
         hindsight_text(
             {"reward": 0.0, "phase": "p", "plan_score": 0.0, "frozen_scores": {"S1": 0.0}},
@@ -128,7 +144,7 @@ def check_hindsight_template(template: str) -> None:
             template,
         )
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"hindsight template cannot be filled: {exc!r}") from exc
+        raise ValueError(f"hindsight template cannot be filled: {exc!r}; {allowed}") from exc
 
 
 def inject_hindsight(messages: Sequence[dict], hindsight: str) -> list[dict]:

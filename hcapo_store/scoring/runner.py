@@ -8,8 +8,11 @@
   never dropped silently.
 - Every failed attempt is recorded; retryable failures are retried with bounded,
   jittered backoff (honouring Retry-After); after ``max_attempts`` the step is failed.
-- Stopping (Ctrl-C or ``stop()``) stops claiming, lets in-flight requests finish,
-  commits, and gives unstarted leased steps back to the queue.
+- Stopping (Ctrl-C or ``stop()``) stops claiming, lets in-flight requests finish for
+  ``stop_grace_seconds`` (then cancels them), commits, and gives leased steps back to the queue.
+- A dead server is not a reason to fail steps: after ``down_after`` consecutive transport
+  failures (or a step's last attempt failing with one) the server is probed; when it does
+  not answer, the run stops and the rest stays pending.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ FLUSH_ATTEMPTS = 5  # writes of one batch before the run gives up (each waits th
 FLUSH_BACKOFF_BASE, FLUSH_BACKOFF_CAP = 0.5, 10.0
 
 log = logging.getLogger(__name__)
+FIRST_ERRORS = 5  # distinct final errors kept in the report, to print
+TRANSPORT_KINDS = frozenset({"connect", "timeout"})  # no HTTP answer at all
 
 
 def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
@@ -66,6 +71,8 @@ class RunOptions:
     worker_id: str | None = None
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
+    stop_grace_seconds: float = 10.0  # after a stop, in-flight requests get this long, then are cancelled
+    down_after: int = 8  # consecutive transport failures (any episodes) before the server is probed
 
     def __post_init__(self) -> None:
         # Checked up front: a worker id the workers table cannot hold would fail mid-run.
@@ -88,7 +95,14 @@ class ScoreReport:
     prompt_tokens: int = 0
     elapsed_s: float = 0.0
     interrupted: bool = False
+    server_down: str | None = None  # why the run stopped early: the server stopped answering
+    cancelled: int = 0  # in-flight requests cancelled after the stop grace period
     failure_kinds: Counter = field(default_factory=Counter)
+    first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message), distinct, in order
+
+    def note_error(self, kind: str, message: str) -> None:
+        if len(self.first_errors) < FIRST_ERRORS and all(m != message for _, m in self.first_errors):
+            self.first_errors.append((kind, message))
 
     def summary(self) -> str:
         rate = self.scored / self.elapsed_s if self.elapsed_s else 0.0
@@ -98,14 +112,28 @@ class ScoreReport:
                 f"{self.elapsed_s:.1f}s ({rate:.1f} steps/s)")
         if self.discarded:
             line += f"; {self.discarded} late result(s) discarded"
-        if self.interrupted:
+        if self.server_down:
+            line += f" — stopped: {self.server_down}; {self.released} leased step(s) returned to the queue"
+        elif self.interrupted:
             line += f" — interrupted, {self.released} leased step(s) returned to the queue"
+        if self.cancelled:
+            line += f" ({self.cancelled} request(s) in flight cancelled)"
         return line
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "failure_kinds"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("failure_kinds", "first_errors")}
         d["failure_kinds"] = dict(self.failure_kinds)
+        d["first_errors"] = [{"kind": k, "message": m} for k, m in self.first_errors]
         return d
+
+    def error_lines(self, width: int = 300) -> list[str]:
+        """The first distinct final errors, one line each (``kind: message``)."""
+        lines = []
+        for kind, message in self.first_errors:
+            text = " ".join(message.split())
+            text = text if text.startswith(f"{kind}:") else f"{kind}: {text}"
+            lines.append(text if len(text) <= width else text[: width - 1] + "…")
+        return lines
 
 
 def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
@@ -138,12 +166,21 @@ class Scheduler:
         self._write_error: StoreError | None = None
         self._gave_up: StoreError | None = None  # the writer stopped the run
         self._model_error: ScoringError | None = None  # another model answered: the run stopped
+        self._stop_requested: asyncio.Event | None = None  # set in the loop when _stopping is
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transport_failures = 0  # consecutive, across episodes
+        self._probe_lock: asyncio.Lock | None = None
         self._claimed = 0
         self._build_lock = threading.Lock()  # the PromptBuilder's token caches are not thread-safe
 
     def stop(self) -> None:
-        """Stop claiming; in-flight requests finish; the rest is released."""
+        """Stop claiming; in-flight requests finish (within the grace period); the rest is released."""
         self._stopping.set()
+        if self._loop is not None and self._stop_requested is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._stop_requested.set)
+            except RuntimeError:  # the loop is closed: nothing in flight to cancel
+                pass
 
     # -- main loop -------------------------------------------------------------
 
@@ -166,13 +203,16 @@ class Scheduler:
             self.report.planned = min(self.report.planned, self.options.limit)
         work_queue.register_worker(self.store, self.worker, self.scorer_id)
         loop = asyncio.get_running_loop()
+        self._loop, self._stop_requested, self._probe_lock = loop, asyncio.Event(), asyncio.Lock()
+        if self._stopping.is_set():
+            self._stop_requested.set()
         installed = _install_sigint(loop, self.stop)
         flusher = asyncio.create_task(self._flush_loop())
         beats = asyncio.create_task(self._heartbeat_loop())
         state = "finished"
         write_error: StoreError | None = None
         try:
-            await asyncio.gather(*(self._episode_worker() for _ in range(max(self.options.concurrency, 1))))
+            await self._run_workers()
         except BaseException:
             state = "crashed"
             raise
@@ -182,7 +222,8 @@ class Scheduler:
             write_error = self._drain() or self._gave_up
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
-            self.report.interrupted = self._stopping.is_set() and not (write_error or self._model_error)
+            self.report.interrupted = (self._stopping.is_set() and self.report.server_down is None
+                                       and not (write_error or self._model_error))
             self.report.elapsed_s = time.monotonic() - started
             failed = write_error or self._model_error
             released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
@@ -210,6 +251,31 @@ class Scheduler:
         lost = (f"{len(self._pending)} result(s) could not be stored after {self._flush_failures} attempts"
                 if self._pending else f"writing results failed {FLUSH_ATTEMPTS} times in a row")
         return f"scoring stopped: {lost} ({error}); {self.report.scored} result(s) stored, {leases}"
+
+    async def _run_workers(self) -> None:
+        """The episode workers; after a stop, those still in flight past the grace period are
+        cancelled (their leased steps go back to the queue with the others)."""
+        tasks = [asyncio.create_task(self._episode_worker()) for _ in range(max(self.options.concurrency, 1))]
+        watchdog = asyncio.create_task(self._cancel_after_grace(tasks))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            watchdog.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _cancel_after_grace(self, tasks: list[asyncio.Task]) -> None:
+        assert self._stop_requested is not None
+        await self._stop_requested.wait()
+        await asyncio.sleep(self.options.stop_grace_seconds)
+        running = [t for t in tasks if not t.done()]
+        self.report.cancelled = len(running)
+        for task in running:
+            task.cancel()
 
     async def _episode_worker(self) -> None:
         while not self._stopping.is_set():
@@ -262,6 +328,8 @@ class Scheduler:
                     self._model_changed(lease, exc)
                     return
                 final = not exc.retryable or attempt >= self.options.max_attempts
+                if await self._server_is_down(exc, final):
+                    final = False  # not the step's fault: it stays pending for the next run
                 self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
                                            error=str(exc)[:2000], final=final))
                 if final or self._stopping.is_set():
@@ -269,7 +337,10 @@ class Scheduler:
                 self.report.retried += 1
                 await asyncio.sleep(backoff_delay(attempt, base=self.options.backoff_base,
                                                   cap=self.options.backoff_cap, retry_after=exc.retry_after))
+                if self._stopping.is_set():
+                    return  # stopped while waiting: the step goes back to the queue
                 continue
+            self._transport_failures = 0
             self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result)))
             self._pending_tokens += len(prompt.input_ids)
             return
@@ -283,11 +354,36 @@ class Scheduler:
                                              "or with the new one to start a new scorer")
         self.stop()
 
+    async def _server_is_down(self, exc: InferenceError, final: bool) -> bool:
+        """After a transport failure: is the server gone? Probed (one probe at a time) after
+        ``down_after`` in a row, or before a step would fail for good because of one."""
+        if exc.kind not in TRANSPORT_KINDS:
+            self._transport_failures = 0  # the server answered
+            return False
+        self._transport_failures += 1
+        if self.report.server_down is not None:
+            return True
+        if not final and self._transport_failures < self.options.down_after:
+            return False
+        ping = getattr(self.backend, "ping", None)
+        if ping is None:
+            return False
+        assert self._probe_lock is not None
+        async with self._probe_lock:
+            if self.report.server_down is None and not await ping():
+                self.report.server_down = (f"the server stopped answering ({self._transport_failures} transport "
+                                           f"failure(s) in a row, then a probe: {exc})")
+                self.stop()
+            else:
+                self._transport_failures = 0
+        return self.report.server_down is not None
+
     # -- the single writer -------------------------------------------------------
 
     def _record(self, outcome: work_queue.StepResult) -> None:
         if outcome.error_kind is not None and outcome.final:
             self.report.failure_kinds[outcome.error_kind] += 1
+            self.report.note_error(outcome.error_kind, outcome.error or "")
         self._pending.append(outcome)
         if len(self._pending) >= FLUSH_RESULTS and not self._flush_failures:
             self._try_flush()

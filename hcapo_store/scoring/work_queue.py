@@ -218,14 +218,14 @@ def reap_dead_local_workers(store: Store) -> int:
     with db.read(store.engine) as conn:
         rows = conn.execute(text("SELECT id, pid FROM workers WHERE host = :host AND state = 'running'"),
                             {"host": host}).all()
-    dead = [wid for wid, pid in rows if pid != os.getpid() and not _alive(pid)]
+    dead = [wid for wid, pid in rows if pid != os.getpid() and not pid_alive(pid)]
     released = 0
     for wid in dead:
         released += finish_worker(store, wid, "dead")
     return released
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

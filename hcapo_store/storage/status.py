@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from sqlalchemy import text
@@ -9,7 +10,28 @@ from sqlalchemy import text
 from hcapo_store.storage.db import sql_now
 from hcapo_store.scoring.identity import scorer_counts
 from hcapo_store.storage import db
+from hcapo_store.scoring.work_queue import pid_alive
 from hcapo_store.storage.store import Store
+
+# A worker that holds no lease is judged by this age of its heartbeat (the default lease).
+STALE_WITHOUT_LEASES_SECONDS = 120.0
+
+
+def worker_state(w: dict[str, Any], now: float) -> str:
+    """The state as of now, not as last written: a worker killed with -9 wrote "running"
+    last. Same host: its pid is gone → dead; else its leases expired (or, holding none,
+    no heartbeat for a default lease) → stale."""
+    if w["state"] != "running":
+        return w["state"]
+    if w["host"] == socket.gethostname() and not pid_alive(int(w["pid"])):
+        return "dead"
+    expires = w["lease_expires_at"]
+    if expires is not None and expires < now:
+        return "stale"
+    if expires is None and now - w["heartbeat_at"] > STALE_WITHOUT_LEASES_SECONDS:
+        return "stale"
+    return "running"
+
 
 def status(store: Store) -> dict[str, Any]:
     """Counts of episodes, steps, subtasks, per-scorer progress and workers."""
@@ -32,11 +54,15 @@ def status(store: Store) -> dict[str, Any]:
         workers = [dict(r) for r in conn.execute(text(
             "SELECT w.id, w.scorer_id, w.host, w.pid, w.state, w.heartbeat_at, w.scored, w.failed, "
             "(SELECT COUNT(*) FROM attempts a WHERE a.lease_owner = w.id AND a.status = 'leased' "
-            " AND a.lease_expires_at > :now) AS leases "
+            " AND a.lease_expires_at > :now) AS leases, "
+            "(SELECT MAX(a.lease_expires_at) FROM attempts a WHERE a.lease_owner = w.id AND a.status = 'leased') "
+            " AS lease_expires_at "
             "FROM workers w ORDER BY w.heartbeat_at DESC"
         ), {"now": t}).mappings()]
     for w in workers:
         w["seconds_since_heartbeat"] = round(t - w["heartbeat_at"], 1)
+        w["stored_state"], w["state"] = w["state"], worker_state(w, t)
+        del w["lease_expires_at"]
     return {
         "database": store.display,
         **counts,

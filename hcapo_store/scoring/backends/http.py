@@ -131,6 +131,14 @@ class HttpBackend:
             self.client = None
         self._verify_lock = None  # belongs to the closing event loop
 
+    async def ping(self) -> bool:
+        """Does the server answer HTTP at all (any status)? False on connection failures and timeouts."""
+        try:
+            await self._open().get_json("/health")
+        except InferenceError as exc:
+            return exc.kind not in ("connect", "timeout")
+        return True
+
     async def get_optional(self, path: str) -> Any | None:
         """GET an endpoint that older or other servers may lack: None on a 4xx."""
         try:

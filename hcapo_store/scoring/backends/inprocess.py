@@ -60,6 +60,11 @@ class InProcessBackend:
         value = getattr(self.scorer.model.config, "max_position_embeddings", None) if self.scorer else None
         return value if isinstance(value, int) else None
 
+    async def check_token_id(self, token_id: int) -> str | None:
+        """None when ``token_id`` is inside the model's vocabulary, else why not."""
+        size = self.scorer.vocab_size
+        return None if 0 <= token_id < size else f"token id {token_id} is not in the model's vocabulary [0, {size})"
+
     def tokenizer_path(self) -> str:
         return str(self.model_dir)
 

@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any
 
+import httpx
+
 from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
@@ -124,8 +126,9 @@ class VLLMBackend(HttpBackend):
     kind = "vllm"
 
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
-                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None) -> None:
-        super().__init__(url, api_key=api_key, client=client)
+                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None,
+                 timeout: float | httpx.Timeout | None = None) -> None:
+        super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         self.requested_model = model
         self.model = model  # the served model name sent with every request (learned in start())
         self.prompt_logprobs = prompt_logprobs
@@ -193,3 +196,15 @@ class VLLMBackend(HttpBackend):
         return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
                             cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
                             model_id=self.server_model_id())
+
+    async def check_token_id(self, token_id: int) -> str | None:
+        """None when the server accepts ``token_id``, else its reason (vLLM rejects prompt ids
+        outside the vocabulary with HTTP 400; it reports no vocabulary size)."""
+        try:
+            await self._open().post_json("/v1/completions", {"model": self.model, "prompt": [token_id], "max_tokens": 1,
+                                                             "temperature": 0.0, "stream": False})
+        except InferenceError as exc:
+            if exc.kind.startswith("http_4"):
+                return str(exc)
+            raise
+        return None
