@@ -526,16 +526,29 @@ def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
 @click.option("--min-reward", type=float, default=0.2, show_default=True, help="Only episodes with reward >= X.")
 @click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
+@click.option("--tokenized", is_flag=True,
+              help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer).")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
+              help="With --tokenized: the scorer's tokenizer directory.")
+@click.option("--weights-in-messages", is_flag=True, help='A "weight" on each credited assistant message.')
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
-def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, group_by, no_smooth, as_json) -> None:
+def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, group_by, no_smooth, tokenized,
+                       tokenizer, weights_in_messages, as_json) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
     from hcapo_store.outputs.export import export_dataset
 
+    if tokenized and weights_in_messages:
+        raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
+    layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
     summary = export_dataset(state.store(create=False), out, run, omega=omega, min_reward=min_reward,
-                             group_by=group_by, fmt=fmt, use_smoothed=not no_smooth)
+                             group_by=group_by, fmt=fmt, use_smoothed=not no_smooth, layout=layout,
+                             tokenizer=tokenizer)
     if as_json:
         _echo_json(summary)
+    elif tokenized:
+        click.echo(f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
+                   f"weighted step(s), {summary['unaligned_steps']} step(s) refused (could not be aligned)")
     else:
         click.echo(f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
                    f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero)")

@@ -31,6 +31,7 @@ from hcapo_store.outputs.files import atomic_write
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000
+LAYOUTS = ("steps", "weights-in-messages", "tokenized")
 PARQUET_BATCH = 256
 _INT = re.compile(r"-?\d+")
 
@@ -233,10 +234,26 @@ def export_dataset(
     group_by: str | None = None,
     fmt: str = "jsonl",
     use_smoothed: bool = True,
+    layout: str = "steps",
+    tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Eq. 8 rows (one per episode) + ``<out stem>_summary.json``; returns the summary."""
+    """Eq. 8 rows (one per episode) + ``<out stem>_summary.json``; returns the summary.
+
+    ``layout``: ``steps`` (the original's rows), ``weights-in-messages`` (the same rows with a
+    ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
+    ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
+    """
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
+    if layout not in LAYOUTS:
+        raise ExportError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "tokenized":
+        from hcapo_store.outputs.tokenized import export_tokenized
+
+        if tokenizer is None:
+            raise ExportError("the tokenized export needs the scorer's tokenizer directory (--tokenizer DIR)")
+        return export_tokenized(store, out_path, run_name, tokenizer=tokenizer, omega=omega, min_reward=min_reward,
+                                group_by=group_by, fmt=fmt, use_smoothed=use_smoothed)
     run = get_run(store, run_name)
     out = Path(out_path)
     stats = _Stats()
@@ -245,10 +262,14 @@ def export_dataset(
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
                             [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by))
         rows = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+        if layout == "weights-in-messages":
+            from hcapo_store.outputs.tokenized import with_message_weights
+
+            rows = with_message_weights(rows)
         if fmt == "jsonl":
             atomic_write(out, lambda f: _write_jsonl(f, rows))
         else:
-            atomic_write(out, lambda f: _write_parquet(f, rows))
+            atomic_write(out, lambda f: _write_parquet(f, rows, weighted=layout != "steps"))
     summary = {
         "total_episodes_loaded": len(episodes),
         "episodes_in_dataset": stats.rows,
@@ -257,7 +278,7 @@ def export_dataset(
         "advantage_stats": stats.as_dict(),
         "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
                    "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
-                   "credit_params": run.params, "format": fmt},
+                   "credit_params": run.params, "format": fmt, "layout": layout},
     }
     _write_json(out.with_name(f"{out.stem}_summary.json"), summary)
     return {"path": str(out), **summary}
@@ -269,19 +290,20 @@ def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
         f.write(b"\n")
 
 
-def _parquet_schema(id_type: Any) -> Any:
+def _parquet_schema(id_type: Any, weighted: bool = False) -> Any:
     import pyarrow as pa
 
     call = pa.struct([("id", pa.string()), ("type", pa.string()),
                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
     message = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
-                         ("name", pa.string()), ("tool_call_id", pa.string())])
+                         ("name", pa.string()), ("tool_call_id", pa.string())]
+                        + ([("weight", pa.float64())] if weighted else []))
     return pa.schema([("messages", pa.list_(message)), ("step_advantages", pa.list_(pa.float64())),
                       ("step_message_indices", pa.list_(pa.int64())), ("_episode_id", id_type),
                       ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
 
 
-def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
+def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], weighted: bool = False) -> None:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -291,10 +313,10 @@ def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
     for batch in _batched(rows, PARQUET_BATCH):
         if writer is None:
             id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, _parquet_schema(id_type))
+            writer = pq.ParquetWriter(f, _parquet_schema(id_type, weighted))
         writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
     if writer is None:
-        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64()))
+        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64(), weighted))
     writer.close()
 
 
