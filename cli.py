@@ -554,6 +554,36 @@ def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, grou
                    f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero)")
 
 
+@export.command("scores")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
+@click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
+@pass_ctx
+def export_scores_cmd(state: _Ctx, out: Path, scorer: str | None, fmt: str) -> None:
+    """Write every scored step with its per-token logprobs as list<float32> (Parquet)."""
+    from hcapo_store.outputs.scores import export_scores
+
+    result = export_scores(state.store(create=False), out, scorer)
+    click.echo(f"wrote {result['path']}: {result['steps']} scored step(s) of scorer {result['scorer']}")
+
+
+@cli.command("datasette-metadata")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--database", help="datasette's name of the database (default: the --db file's stem).")
+@click.pass_context
+def datasette_metadata_cmd(ctx: click.Context, out: Path, database: str | None) -> None:
+    """Write datasette metadata: column descriptions and the example queries (datasette --metadata OUT)."""
+    import json
+
+    from hcapo_store.analysis.datasette import datasette_metadata
+    from hcapo_store.outputs.files import atomic_write
+
+    name = database or Path(ctx.find_object(_Ctx).db or dbmod.DEFAULT_DB).stem
+    doc = json.dumps(datasette_metadata(name), indent=2).encode()
+    atomic_write(out, lambda f: f.write(doc))
+    click.echo(f"wrote {out} (database {name!r}): datasette {name}.db --metadata {out}")
+
+
 @cli.command()
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
