@@ -587,13 +587,47 @@ def datasette_metadata_cmd(ctx: click.Context, out: Path, database: str | None) 
 @cli.command()
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
+@click.option("--episodes", "episode_pages", is_flag=True,
+              help="Also write one page per episode (OUT's stem + _episodes/) and link them.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
+              help="With --episodes: the scorer's tokenizer, for per-token heat maps.")
 @pass_ctx
-def report(state: _Ctx, out: Path, run: str | None) -> None:
+def report(state: _Ctx, out: Path, run: str | None, episode_pages: bool, tokenizer: str | None) -> None:
     """Write one self-contained HTML page: histograms, Q_H by subtask, coverage, failures."""
     from hcapo_store.outputs.report import write_report
 
-    result = write_report(state.store(create=False), out, run)
+    result = write_report(state.store(create=False), out, run, episode_pages=episode_pages, tokenizer=tokenizer)
     click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
+
+
+@cli.command()
+@click.argument("episode")
+@click.option("--credits", "run", help="Credit run name (default: the only run, if any).")
+@click.option("--html", "out_html", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the episode's HTML page (transcript tinted by credit) here.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
+              help="With --html: the scorer's tokenizer, for per-token heat maps.")
+@click.option("--json", "as_json", is_flag=True, help="Print the steps as JSON.")
+@pass_ctx
+def show(state: _Ctx, episode: str, run: str | None, out_html: Path | None, tokenizer: str | None,
+         as_json: bool) -> None:
+    """Print one episode's steps: subtask, reward, tokens, mean logprob, pi_hind, rho, q_h."""
+    from hcapo_store.outputs.episode_view import episode_page, episode_table, episode_view
+    from hcapo_store.outputs.files import atomic_write
+
+    view = episode_view(state.store(create=False), episode, run, tokenizer=tokenizer if out_html else None)
+    rows = episode_table(view)
+    if as_json:
+        _echo_json({"episode": view.episode.name, "run": view.run.name if view.run else None, "steps": rows})
+    else:
+        where = f"credit run {view.run.name!r}" if view.run else "no credit run"
+        click.echo(f"episode {view.episode.name}: reward {view.episode.outcome.reward}, {len(rows)} step(s), {where}")
+        if rows:
+            click.echo(formatting.records_table(rows))
+    if out_html:
+        page = episode_page(view).encode()
+        atomic_write(out_html, lambda f: f.write(page))
+        click.echo(f"wrote {out_html}", err=as_json)
 
 
 if __name__ == "__main__":

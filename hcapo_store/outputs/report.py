@@ -233,8 +233,8 @@ def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
-def build_report(store: Store, run_name: str | None = None) -> str:
-    """The report's HTML text."""
+def build_report(store: Store, run_name: str | None = None, extra: str | None = None) -> str:
+    """The report's HTML text (``extra``: HTML appended at the end, e.g. the episode index)."""
     run = get_run(store, run_name)
     p = run.params
     arrays = _credit_arrays(store, run.id)
@@ -290,15 +290,30 @@ def build_report(store: Store, run_name: str | None = None) -> str:
     if run.incomplete:
         shown = ", ".join(run.incomplete[:50]) + (" …" if len(run.incomplete) > 50 else "")
         sections.insert(4, f"<p>Incomplete (not credited): {html.escape(shown)}</p>")
+    if extra:
+        sections.append(extra)
     body = "\n".join(sections)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>hcapo-store report: {html.escape(run.name)}</title><style>{CSS}</style></head>"
             f"<body>\n{body}\n</body></html>\n")
 
 
-def write_report(store: Store, out_html: Path | str, run_name: str | None = None) -> dict[str, Any]:
-    """Write the report atomically; returns the path and the run it describes."""
-    page = build_report(store, run_name)
+def write_report(store: Store, out_html: Path | str, run_name: str | None = None, *, episode_pages: bool = False,
+                 tokenizer: str | Path | None = None) -> dict[str, Any]:
+    """Write the report atomically; returns the path and the run it describes.
+
+    ``episode_pages``: also one page per credited episode in ``<stem>_episodes/`` beside the
+    report, linked from an Episodes section (``tokenizer``: the scorer's, for heat maps).
+    """
     out = Path(out_html)
+    extra = None
+    if episode_pages:
+        from hcapo_store.outputs.episode_view import episode_index_html, write_episode_pages
+
+        folder = f"{out.stem}_episodes"
+        rows = write_episode_pages(store, out.parent / folder, run_name, tokenizer=tokenizer,
+                                   back_link=f"../{out.name}")
+        extra = '<h2 id="episodes">Episodes</h2>' + episode_index_html(rows, folder)
+    page = build_report(store, run_name, extra)
     atomic_write(out, lambda f: f.write(page.encode()))
     return {"path": str(out), "run": get_run(store, run_name).name, "bytes": len(page.encode())}

@@ -173,17 +173,18 @@ def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo
         ep["step_indices"] = by_ep[ep["id"]]
 
 
-def _check_tokenizer(store: Store, run: RunInfo, tokenizer_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+def scorer_tokenizer(store: Store, scorer_id: str, tokenizer_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the scorer's."""
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    theirs = scorer_spec(store, run.scorer_id).get("tokenizer") or {}
+    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
     for key in ("files_sha256", "chat_template_sha256"):
         if theirs.get(key) != mine[key]:
             raise ExportError(
-                f"tokenizer {tokenizer_dir} is not the one scorer {run.scorer_id[:12]} used "
+                f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
                 f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory")
     return tokenizer, mine
 
@@ -228,7 +229,7 @@ def export_tokenized(
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
     run = get_run(store, run_name)
-    tok, fingerprint = _check_tokenizer(store, run, tokenizer)
+    tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
     provenance = {"credits": run.name, "run_hash": run.run_hash, "scorer_id": run.scorer_id,
                   "tokenizer": fingerprint["name"], "tokenizer_files_sha256": fingerprint["files_sha256"],
                   "chat_template_sha256": fingerprint["chat_template_sha256"],
