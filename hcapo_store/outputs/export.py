@@ -303,20 +303,23 @@ def _parquet_schema(id_type: Any, weighted: bool = False) -> Any:
                       ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
 
 
-def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], weighted: bool = False) -> None:
+def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], weighted: bool = False,
+                   schema: Callable[[Any], Any] | None = None) -> None:
+    """Rows in batches; ``schema(id_type)`` (default: the Eq. 8 rows') fixes the columns."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
+    schema_for = schema or (lambda id_type: _parquet_schema(id_type, weighted))
     writer = None
     for batch in _batched(rows, PARQUET_BATCH):
         if writer is None:
             id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, _parquet_schema(id_type, weighted))
+            writer = pq.ParquetWriter(f, schema_for(id_type))
         writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
     if writer is None:
-        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64(), weighted))
+        writer = pq.ParquetWriter(f, schema_for(pa.int64()))
     writer.close()
 
 

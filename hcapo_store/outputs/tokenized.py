@@ -20,7 +20,6 @@ refused (listed in ``unaligned_steps``, never weighted), not moved.
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.export import _episode_ids, _groups, _selected, _write_json
+from hcapo_store.outputs.export import _write_parquet as write_parquet
 from hcapo_store.outputs.files import atomic_write
 from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.scoring.prompts import SegmentEncoder, flatten_messages, normalize_messages
@@ -41,7 +41,6 @@ from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy ignores
-PARQUET_BATCH = 64
 ROW_KEYS = ("input_ids", "labels", "advantages", "episode", "_episode_id", "step_indices",
             "step_message_indices", "step_advantages", "step_spans", "unaligned_steps", "_reward",
             "_grpo_advantage", "provenance")
@@ -288,15 +287,4 @@ def _schema(id_type: Any) -> Any:
 
 
 def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    writer = None
-    while batch := list(itertools.islice(rows, PARQUET_BATCH)):
-        if writer is None:
-            id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, _schema(id_type))
-        writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
-    if writer is None:
-        writer = pq.ParquetWriter(f, _schema(pa.int64()))
-    writer.close()
+    write_parquet(f, rows, schema=_schema)
