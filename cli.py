@@ -578,7 +578,8 @@ def datasette_metadata_cmd(ctx: click.Context, out: Path, database: str | None) 
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.outputs.files import atomic_write
 
-    name = database or Path(ctx.find_object(_Ctx).db or dbmod.DEFAULT_DB).stem
+    location = (ctx.find_object(_Ctx).db or dbmod.DEFAULT_DB).removeprefix("sqlite:///")
+    name = database or ("hcapo" if "://" in location else Path(location).stem)  # datasette names a file by its stem
     doc = json.dumps(datasette_metadata(name), indent=2).encode()
     atomic_write(out, lambda f: f.write(doc))
     click.echo(f"wrote {out} (database {name!r}): datasette {name}.db --metadata {out}")

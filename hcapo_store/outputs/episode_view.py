@@ -94,10 +94,11 @@ def _runs_or_none(store: Store, run_name: str | None) -> RunInfo | None:
 
 
 def episode_view(store: Store, name: str, run_name: str | None = None, *,
-                 tokenizer: str | Path | None = None) -> EpisodeView:
+                 tokenizer: str | Path | None = None, tokens: "TokenRebuilder | None" = None) -> EpisodeView:
     """One episode with its steps, the run's credits (default: the only run, or none when
     there is no run) and the scorer's per-token logprobs; ``tokenizer`` (the scorer's
-    tokenizer directory) adds the decoded tokens for the heat map."""
+    tokenizer directory) adds the decoded tokens for the heat map (``tokens``: a
+    ``TokenRebuilder`` reused across episodes instead)."""
     run = _runs_or_none(store, run_name)
     scorer_id = run.scorer_id if run else None
     with store.engine.connect() as conn:
@@ -112,36 +113,54 @@ def episode_view(store: Store, name: str, run_name: str | None = None, *,
         steps.append(StepView(info.step_index, info.message_index, info.phase, info.subtask_id,
                               info.subtask_reward, credit, lps))
     view = EpisodeView(episode, run, scorer_id, steps)
-    if tokenizer is not None and scorer_id is not None:
-        _add_tokens(store, view, tokenizer)
+    if tokens is None and tokenizer is not None and scorer_id is not None:
+        tokens = TokenRebuilder(store, scorer_id, tokenizer)
+    if tokens is not None:
+        tokens.add_tokens(view)
     return view
 
 
-def _add_tokens(store: Store, view: EpisodeView, tokenizer_dir: str | Path) -> None:
-    from hcapo_store.outputs.tokenized import scorer_tokenizer
-    from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, StepPrompt, template_hash
+class TokenRebuilder:
+    """Rebuilds the scored tokens of steps as scoring built them, for the heat maps."""
 
-    assert view.scorer_id is not None
-    spec = scorer_spec(store, view.scorer_id)
-    if spec.get("hindsight_template_sha256") != template_hash(HINDSIGHT_TEMPLATE):
-        view.notes.append("no token heat maps: the scorer used a custom hindsight template")
-        return
-    tok, _ = scorer_tokenizer(store, view.scorer_id, tokenizer_dir)
-    builder = PromptBuilder(tok, max_context=spec["max_context"], max_logprob_tokens=spec["max_logprob_tokens"])
-    ep = view.episode
-    prompts = {p.step_index: p for p in builder.build_episode(ep.messages, ep.outcome, ep.steps)}
-    misaligned = 0
-    for step in view.steps:
-        p = prompts.get(step.step_index)
-        if step.logprobs is None or not isinstance(p, StepPrompt):
-            continue
-        ids = p.input_ids[p.first_scored:]
-        if len(ids) != len(step.logprobs):
-            misaligned += 1
-            continue
-        step.tokens = [tok.decode([i]) for i in ids]
-    if misaligned:
-        view.notes.append(f"{misaligned} scored step(s) without a heat map: the rebuilt span has another length")
+    def __init__(self, store: Store, scorer_id: str, tokenizer_dir: str | Path) -> None:
+        from hcapo_store.outputs.tokenized import scorer_tokenizer
+        from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, template_hash
+
+        self.scorer_id = scorer_id
+        self.note: str | None = None
+        self.builder = None
+        spec = scorer_spec(store, scorer_id)
+        if spec.get("hindsight_template_sha256") != template_hash(HINDSIGHT_TEMPLATE):
+            self.note = "no token heat maps: the scorer used a custom hindsight template"
+            return
+        self.tokenizer, _ = scorer_tokenizer(store, scorer_id, tokenizer_dir)
+        self.builder = PromptBuilder(self.tokenizer, max_context=spec["max_context"],
+                                     max_logprob_tokens=spec["max_logprob_tokens"])
+
+    def add_tokens(self, view: EpisodeView) -> None:
+        from hcapo_store.scoring.prompts import StepPrompt
+
+        if view.scorer_id != self.scorer_id:
+            view.notes.append("no token heat maps: the tokenizer was checked for another scorer")
+            return
+        if self.builder is None:
+            view.notes.append(self.note or "no token heat maps")
+            return
+        ep = view.episode
+        prompts = {p.step_index: p for p in self.builder.build_episode(ep.messages, ep.outcome, ep.steps)}
+        misaligned = 0
+        for step in view.steps:
+            p = prompts.get(step.step_index)
+            if step.logprobs is None or not isinstance(p, StepPrompt):
+                continue
+            ids = p.input_ids[p.first_scored:]
+            if len(ids) != len(step.logprobs):
+                misaligned += 1
+                continue
+            step.tokens = [self.tokenizer.decode([i]) for i in ids]
+        if misaligned:
+            view.notes.append(f"{misaligned} scored step(s) without a heat map: the rebuilt span has another length")
 
 
 # ---- terminal ------------------------------------------------------------------------------------
@@ -358,8 +377,9 @@ def write_episode_pages(store: Store, out_dir: Path | str, run_name: str | None 
     with store.engine.connect() as conn:
         rows = [dict(r) for r in conn.execute(text(EPISODES_SQL), {"run": run.id}).mappings()]
     out = Path(out_dir)
+    tokens = TokenRebuilder(store, run.scorer_id, tokenizer) if tokenizer is not None else None
     for row in rows:
-        view = episode_view(store, row["name"], run.name, tokenizer=tokenizer)
+        view = episode_view(store, row["name"], run.name, tokens=tokens)
         page = episode_page(view, back_link=back_link)
         row["file"] = page_filename(row["name"])
         atomic_write(out / row["file"], lambda f, p=page: f.write(p.encode()))

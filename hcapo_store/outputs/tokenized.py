@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 import numpy as np
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
@@ -161,8 +161,6 @@ def _row(ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray,
 
 def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
     """Adds each episode's credited step indices (in the order of ``indices``)."""
-    from sqlalchemy import text
-
     rows = conn.execute(text("SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
                              "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"), {"run": run.id})
     by_ep: dict[int, list[int]] = {}
