@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "export_tokenized": "hcapo_store.outputs.tokenized",
     "export_scores": "hcapo_store.outputs.scores",
     "write_report": "hcapo_store.outputs.report",
+    "write_episode_page": "hcapo_store.outputs.episode_view",
     # analysis (DataFrames need pandas: the `pandas` extra)
     "credits_frame": "hcapo_store.analysis.frames",
     "steps_frame": "hcapo_store.analysis.frames",
@@ -91,6 +92,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.outputs.export import export_dataset, export_hindsight_json
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.analysis.frames import credits_frame, steps_frame
+    from hcapo_store.outputs.episode_view import write_episode_page
     from hcapo_store.outputs.report import write_report
     from hcapo_store.outputs.scores import export_scores
     from hcapo_store.outputs.tokenized import export_tokenized
