@@ -8,6 +8,7 @@ import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -158,3 +159,22 @@ def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Pat
         assert query["sql"] in readme  # the README's example queries, verbatim
         con.execute(query["sql"]).fetchall()  # and they run on this schema
     assert len(database["queries"]) == len(QUERIES) == 3
+
+
+def test_datasette_serves_the_metadata(credited: Store, db_path: Path) -> None:
+    datasette_app = pytest.importorskip("datasette.app")
+    name = db_path.stem
+    ds = datasette_app.Datasette([str(db_path)], metadata=hs.datasette_metadata(name))
+
+    async def get(path: str) -> Any:
+        response = await ds.client.get(path)
+        assert response.status_code == 200, (path, response.text[:300])
+        return response
+
+    async def main() -> None:
+        for query in QUERIES:
+            await get(f"/{name}/{query}.json?_shape=array")
+        page = (await get(f"/{name}/step_credits")).text
+        assert "rho * discount * r_t (Eq. 7)" in page  # a column description is shown
+
+    asyncio.run(main())
