@@ -12,17 +12,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import REPO
+from test_credits import add_scorer, add_scores, read_credits
 
 import hcapo_store as hs
 from cli import cli
-from conftest import REPO
 from hcapo_store.analysis.datasette import QUERIES
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
 from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.storage.store import Store, count
-from test_credits import add_scorer, add_scores, read_credits
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_frames(credited: Store) -> None:
 
 
 def _readme_block(marker: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
     found = [b for b in blocks if marker in b]
     assert len(found) == 1, f"one README python block with {marker!r}"
     return found[0]

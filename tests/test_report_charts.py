@@ -7,12 +7,19 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
+from test_credits import add_scorer, add_scores
 
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.report import PAD_L, _ticks, svg_bars, svg_histogram, svg_stacked, write_report
+from hcapo_store.outputs.report import (
+    PAD_L,
+    _ticks,
+    svg_bars,
+    svg_histogram,
+    svg_stacked,
+    write_report,
+)
 from hcapo_store.storage.store import Store
-from test_credits import add_scorer, add_scores
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -71,6 +78,6 @@ def test_report_labels_subtasks_by_id(store: Store, samples: Path, tmp_path: Pat
     page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
     ids = [r[0] for r in store.query("SELECT DISTINCT subtask_id FROM steps WHERE subtask_id IS NOT NULL "
                                      "ORDER BY 1")[1]]
-    svg = re.findall(r"<svg.*?</svg>", page, flags=re.S)[5]  # the subtask chart
+    svg = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)[5]  # the subtask chart
     xs = _labels(svg, anchor="middle")
     assert xs[0] == "planning" and set(ids) <= set(xs)

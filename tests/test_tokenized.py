@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, real_tokenizer
+from reference_hcapo import build_hcapo_rows
+from test_credits import add_scorer, add_scores
+from test_export import _reference_inputs
+
 from cli import cli
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
@@ -17,9 +20,6 @@ from hcapo_store.scoring.prompts import normalize_messages
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
-from reference_hcapo import build_hcapo_rows
-from test_credits import add_scorer, add_scores
-from test_export import _reference_inputs
 
 # The turn's content disappears once another message follows it: no step but the last aligns.
 FORGETFUL = CHATML_WITH_BOS.replace("{{ m.content }}", "{{ '[earlier turn]' if m.role == 'assistant' and "

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
+from test_tokenized import scored_with
+
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.storage.store import Store
-from test_tokenized import scored_with
 
 
 def test_weighted_training_step_lowers_the_loss(store: Store, samples: Path, tiny_model_dir: Path,

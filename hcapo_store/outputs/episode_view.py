@@ -94,7 +94,7 @@ def _runs_or_none(store: Store, run_name: str | None) -> RunInfo | None:
 
 
 def episode_view(store: Store, name: str, run_name: str | None = None, *,
-                 tokenizer: str | Path | None = None, tokens: "TokenRebuilder | None" = None) -> EpisodeView:
+                 tokenizer: str | Path | None = None, tokens: TokenRebuilder | None = None) -> EpisodeView:
     """One episode with its steps, the run's credits (default: the only run, or none when
     there is no run) and the scorer's per-token logprobs; ``tokenizer`` (the scorer's
     tokenizer directory) adds the decoded tokens for the heat map (``tokens``: a
@@ -125,7 +125,11 @@ class TokenRebuilder:
 
     def __init__(self, store: Store, scorer_id: str, tokenizer_dir: str | Path) -> None:
         from hcapo_store.outputs.tokenized import scorer_tokenizer
-        from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, template_hash
+        from hcapo_store.scoring.prompts import (
+            HINDSIGHT_TEMPLATE,
+            PromptBuilder,
+            template_hash,
+        )
 
         self.scorer_id = scorer_id
         self.note: str | None = None
@@ -338,7 +342,7 @@ def _assemble(back: str, title: str, meta: str, notes: str, controls: str, body:
             + "".join(f'<label for="m-{m}">{m}</label>' for m in METRICS)
             + '<span class="legend"></span> red = below (rho &lt; 1, q &lt; 0), green = above · '
               "hover a step for its numbers</div>\n"
-            f'<div class="transcript">\n' + "\n".join(body) + "\n</div>\n</body></html>\n")
+            '<div class="transcript">\n' + "\n".join(body) + "\n</div>\n</body></html>\n")
 
 
 # ---- files ---------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ logprobs as a real list column, so ``SELECT episode, list_avg(token_logprobs) FR
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import numpy as np
 from sqlalchemy import text

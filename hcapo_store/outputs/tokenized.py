@@ -20,10 +20,10 @@ refused (listed in ``unaligned_steps``, never weighted), not moved.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import numpy as np
 from sqlalchemy import Connection, text
@@ -31,11 +31,21 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
-from hcapo_store.outputs.export import _episode_ids, _groups, _selected, _write_json
+from hcapo_store.outputs.export import (
+    _episode_ids,
+    _groups,
+    _selected,
+    _write_json,
+    _write_jsonl,
+)
 from hcapo_store.outputs.export import _write_parquet as write_parquet
 from hcapo_store.outputs.files import atomic_write
 from hcapo_store.scoring.identity import scorer_spec
-from hcapo_store.scoring.prompts import SegmentEncoder, flatten_messages, normalize_messages
+from hcapo_store.scoring.prompts import (
+    SegmentEncoder,
+    flatten_messages,
+    normalize_messages,
+)
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -258,15 +268,10 @@ def export_tokenized(
     summary = {"total_episodes_loaded": len(episodes), **stats.as_dict(),
                "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
                           "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
-                          "format": fmt, "layout": "tokenized", "tokenizer": str(tokenizer)}}
+                          "credit_params": run.params, "format": fmt, "layout": "tokenized",
+                          "tokenizer": str(tokenizer)}}
     _write_json(out.with_name(f"{out.stem}_summary.json"), summary)
     return {"path": str(out), **summary}
-
-
-def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
-    for row in rows:
-        f.write(json.dumps(row, ensure_ascii=False).encode())
-        f.write(b"\n")
 
 
 def _schema(id_type: Any) -> Any:
