@@ -21,9 +21,31 @@ from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
-# The turn's content disappears once another message follows it: no step but the last aligns.
-FORGETFUL = CHATML_WITH_BOS.replace("{{ m.content }}", "{{ '[earlier turn]' if m.role == 'assistant' and "
-                                    "not loop.last else m.content }}")
+# Like Qwen3: an assistant turn's content is dropped once a later user message follows it.
+FORGETFUL = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    + CHATML_WITH_BOS.replace("{{ m.content }}", "{{ '[earlier turn]' if m.role == 'assistant' and "
+                              "loop.index0 < ns.last_user else m.content }}"))
+
+
+def _two_turn_episodes(path: Path) -> Path:
+    """Two JSONL episodes with a second user message after two assistant steps."""
+    lines = []
+    for name, reward in (("good", 0.9), ("bad", 0.3)):
+        def call(i: int) -> dict:
+            return {"role": "assistant", "content": f"step {i} of {name}", "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}
+
+        def result(i: int) -> dict:
+            return {"role": "tool", "name": "bash", "tool_call_id": f"c{i}", "content": f"out {i}"}
+
+        messages = [{"role": "user", "content": "task"}, call(0), result(0), call(1), result(1),
+                    {"role": "user", "content": "now finish"}, call(2), result(2),
+                    {"role": "assistant", "content": "done"}]
+        lines.append(json.dumps({"episode_id": name, "reward": reward, "messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def scored_with(store: Store, samples: Path, tok_dir: Path) -> Store:
@@ -91,24 +113,26 @@ def test_step_weights_equal_eq8_reference(store: Store, samples: Path, demo_toke
         assert row["_grpo_advantage"] == pytest.approx(ref[row["_episode_id"]]["_grpo_advantage"], abs=1.01e-6)
 
 
-def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, samples: Path, tmp_path: Path) -> None:
+def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path: Path) -> None:
     tok_dir = tmp_path / "forgetful"
     bos_tokenizer(tok_dir, template=FORGETFUL)
-    scored_with(store, samples, tok_dir)
-    summary = export_dataset(store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir)
-    rows = _rows(tmp_path / "t.jsonl")
-    assert summary["unaligned_steps"] > 0
-    steps = dict(store.query("SELECT e.name, COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
-                             "GROUP BY e.name")[1])
-    for row in rows:
-        refused = {u["step_index"] for u in row["unaligned_steps"]}
-        assert refused == set(range(steps[row["episode"]] - 1))  # all but the last
-        assert row["step_indices"] == [steps[row["episode"]] - 1]
-        assert all(u["reason"].startswith("rendering") for u in row["unaligned_steps"])
-        (start, end), = row["step_spans"]
-        weighted = [i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
-        assert weighted == list(range(start, end))
-        assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
+    scored_with(store, _two_turn_episodes(tmp_path / "eps.jsonl"), tok_dir)
+    # omega 0: every step of the better episode has the same positive weight
+    summary = export_dataset(store, tmp_path / "t.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized",
+                             tokenizer=tok_dir)
+    (row,) = _rows(tmp_path / "t.jsonl")
+    assert row["episode"].endswith("good") and summary["unaligned_steps"] == 2
+    # the two steps before the second user message render as "[earlier turn]" in the episode
+    assert [u["step_index"] for u in row["unaligned_steps"]] == [0, 1]
+    assert all(u["reason"].startswith("rendering") for u in row["unaligned_steps"])
+    assert row["step_indices"] == [2, 3] and all(w > 0 for w in row["step_advantages"])
+    spans = [range(a, b) for a, b in row["step_spans"]]
+    weighted = [i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
+    assert weighted == [i for span in spans for i in span]
+    assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
+    tok = load_tokenizer(tok_dir)
+    assert "step 0" not in tok.decode([row["input_ids"][i] for i in weighted])
+    assert tok.decode(row["input_ids"][spans[0].start:spans[0].stop]).startswith("step 2 of good")
 
 
 def test_qwen3_refuses_turns_whose_reasoning_is_dropped() -> None:

@@ -205,7 +205,6 @@ class _Stats:
         self.rows += 1
         self.steps += len(row["step_indices"])
         self.weighted_steps += sum(1 for w in row["step_advantages"] if w > 0)
-        self.refused += len(row["unaligned_steps"])
         self.tokens += len(row["input_ids"])
         self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
 
@@ -257,6 +256,7 @@ def export_tokenized(
                     continue
                 al = renderer.align(load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])))
                 row = _row(ep, ids[i], eq8.grpo[i], eq8.weights[i], al, provenance)
+                stats.refused += len(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
                     stats.no_weight += 1
                     continue
