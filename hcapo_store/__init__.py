@@ -2,8 +2,11 @@
 
 The supported library surface, covering the whole job: open a ``Store``, ``ingest``
 trajectories, ``prepare`` and ``run_scoring`` a scorer, ``compute_credits``, then
-``export_dataset`` / ``export_hindsight_json`` / ``write_report``. Everything else is an
-implementation module.
+``export_dataset`` / ``export_hindsight_json`` / ``write_report``, and look at the numbers
+(``credits_frame``, ``steps_frame``, ``export_scores``). Everything else is an
+implementation module. In a notebook (a running event loop) ``prepare`` and
+``run_scoring`` run in a worker thread; ``await prepare_async(...)`` /
+``await run_scoring_async(...)`` run on the notebook's loop.
 
 Names load on first use, so ``import hcapo_store`` (and ``hcapo-store --help``) does not
 pull in SQLAlchemy, Alembic, numpy or transformers.
@@ -42,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "prepare": "hcapo_store.scoring.job",
     "dry_run": "hcapo_store.scoring.job",
     "run_scoring": "hcapo_store.scoring.job",
+    "prepare_async": "hcapo_store.scoring.job",
+    "run_scoring_async": "hcapo_store.scoring.job",
     "RunOptions": "hcapo_store.scoring.runner",
     "ScoreReport": "hcapo_store.scoring.runner",
     # credits
@@ -54,7 +59,14 @@ _EXPORTS: dict[str, str] = {
     # outputs
     "export_dataset": "hcapo_store.outputs.export",
     "export_hindsight_json": "hcapo_store.outputs.export",
+    "export_tokenized": "hcapo_store.outputs.tokenized",
+    "export_scores": "hcapo_store.outputs.scores",
     "write_report": "hcapo_store.outputs.report",
+    "write_episode_page": "hcapo_store.outputs.episode_view",
+    # analysis (DataFrames need pandas: the `pandas` extra)
+    "credits_frame": "hcapo_store.analysis.frames",
+    "steps_frame": "hcapo_store.analysis.frames",
+    "datasette_metadata": "hcapo_store.analysis.datasette",
     "status": "hcapo_store.storage.status",
 }
 
@@ -83,8 +95,13 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.export import export_dataset, export_hindsight_json
+    from hcapo_store.analysis.datasette import datasette_metadata
+    from hcapo_store.analysis.frames import credits_frame, steps_frame
+    from hcapo_store.outputs.episode_view import write_episode_page
     from hcapo_store.outputs.report import write_report
-    from hcapo_store.scoring.job import ScoreConfig, dry_run, prepare, run_scoring
+    from hcapo_store.outputs.scores import export_scores
+    from hcapo_store.outputs.tokenized import export_tokenized
+    from hcapo_store.scoring.job import ScoreConfig, dry_run, prepare, prepare_async, run_scoring, run_scoring_async
     from hcapo_store.scoring.runner import RunOptions, ScoreReport
     from hcapo_store.storage.status import status
     from hcapo_store.storage.store import Store

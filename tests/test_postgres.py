@@ -10,7 +10,6 @@ Each PostgreSQL test gets a fresh database (``tests/pg.py``); without
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

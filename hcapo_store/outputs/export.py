@@ -15,7 +15,7 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 from sqlalchemy import Connection, text
@@ -30,6 +30,7 @@ from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000
+LAYOUTS = ("steps", "weights-in-messages", "tokenized")
 PARQUET_BATCH = 256
 PARQUET_METADATA_KEY = "hcapo_store"  # schema metadata: JSON provenance (run, scorer, parameters, version)
 _INT = re.compile(r"-?\d+")
@@ -263,14 +264,29 @@ def export_dataset(
     group_by: str | None = None,
     fmt: str = "jsonl",
     use_smoothed: bool = True,
+    layout: str = "steps",
+    tokenizer: str | Path | None = None,
 ) -> dict[str, Any]:
     """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns the summary.
 
+    ``layout``: ``steps`` (the original's rows), ``weights-in-messages`` (the same rows with a
+    ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
+    ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
     ``summary["warnings"]`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset.
     """
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
+    if layout not in LAYOUTS:
+        raise ExportError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "tokenized":
+        from hcapo_store.outputs.tokenized import export_tokenized
+
+        if tokenizer is None:
+            raise ExportError("the tokenized export needs the scorer's tokenizer directory (--tokenizer DIR)")
+        return export_tokenized(store, out_path, run_name, tokenizer=tokenizer, omega=omega, min_reward=min_reward,
+                                group_by=group_by, fmt=fmt, use_smoothed=use_smoothed)
+    run = get_run(store, run_name)
     out = Path(out_path)
     summary_path = summary_path_for(out)
     for path in (out, summary_path):
@@ -284,11 +300,17 @@ def export_dataset(
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
                             [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
         rows = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+        if layout == "weights-in-messages":
+            from hcapo_store.outputs.tokenized import with_message_weights
+
+            rows = with_message_weights(rows)
         if fmt == "jsonl":
             atomic_write(out, lambda f: _write_jsonl(f, rows), inputs=store.files)
         else:
-            config = {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed, "group_by": group_by}
-            atomic_write(out, lambda f: _write_parquet(f, rows, {**provenance, "config": config}),
+            config = {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed, "group_by": group_by,
+                      "layout": layout}
+            atomic_write(out, lambda f: _write_parquet(f, rows, {**provenance, "config": config},
+                                                       weighted=layout != "steps"),
                          inputs=store.files)
     if stats.rows == 0:
         warnings.append(f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
@@ -301,7 +323,7 @@ def export_dataset(
         "advantage_stats": stats.as_dict(),
         "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
                    "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
-                   "credit_params": run.params, "format": fmt},
+                   "credit_params": run.params, "format": fmt, "layout": layout},
         "provenance": provenance,
         "warnings": warnings,
     }
@@ -334,33 +356,38 @@ def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
         f.write(b"\n")
 
 
-def _parquet_schema(id_type: Any) -> Any:
+def _parquet_schema(id_type: Any, weighted: bool = False) -> Any:
     import pyarrow as pa
 
     call = pa.struct([("id", pa.string()), ("type", pa.string()),
                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
     message = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
-                         ("name", pa.string()), ("tool_call_id", pa.string())])
+                         ("name", pa.string()), ("tool_call_id", pa.string())]
+                        + ([("weight", pa.float64())] if weighted else []))
     return pa.schema([("messages", pa.list_(message)), ("step_advantages", pa.list_(pa.float64())),
                       ("step_message_indices", pa.list_(pa.int64())), ("_episode_id", id_type),
                       ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
 
 
-def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], provenance: dict[str, Any]) -> None:
+def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], provenance: dict[str, Any], weighted: bool = False,
+                   schema: Callable[[Any], Any] | None = None) -> None:
+    """Rows in batches; ``schema(id_type)`` (default: the Eq. 8 rows') fixes the columns;
+    ``provenance`` goes into the schema metadata."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
         raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
     metadata = {PARQUET_METADATA_KEY: json.dumps(provenance, ensure_ascii=False)}
+    schema_for = schema or (lambda id_type: _parquet_schema(id_type, weighted))
     writer = None
     for batch in _batched(rows, PARQUET_BATCH):
         if writer is None:
             id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, _parquet_schema(id_type).with_metadata(metadata))
+            writer = pq.ParquetWriter(f, schema_for(id_type).with_metadata(metadata))
         writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
     if writer is None:
-        writer = pq.ParquetWriter(f, _parquet_schema(pa.int64()).with_metadata(metadata))
+        writer = pq.ParquetWriter(f, schema_for(pa.int64()).with_metadata(metadata))
     writer.close()
 
 

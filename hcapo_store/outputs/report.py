@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -53,6 +54,26 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _tick_step(span: float, n: int, integer: bool) -> float:
+    """A 1/2/5 x 10^k step giving about ``n`` intervals over ``span`` (at least 1 for counts)."""
+    raw = (span or 1.0) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if raw <= m * mag * (1 + 1e-9))
+    return max(1.0, round(step)) if integer else step
+
+
+def _ticks(lo: float, hi: float, *, n: int = 5, integer: bool = False) -> tuple[list[float], int]:
+    """Multiples of a round step inside [lo, hi], and the decimals that print them all distinct."""
+    step = _tick_step(hi - lo, n, integer)
+    first = math.ceil(lo / step - 1e-9)
+    ticks = [(first + i) * step for i in range(int(math.floor(hi / step + 1e-9)) - first + 1)]
+    return ticks, 0 if integer else max(0, -math.floor(math.log10(step) + 1e-9))
+
+
+def _tick_label(v: float, decimals: int) -> str:
+    return f"{v:,.{decimals}f}" if abs(v) >= 1000 else f"{v:.{decimals}f}"
+
+
 def _frame(title: str, body: list[str], *, xlabel: str = "", ylabel: str = "") -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
              f'role="img" aria-label="{html.escape(title)}">',
@@ -71,8 +92,11 @@ def _frame(title: str, body: list[str], *, xlabel: str = "", ylabel: str = "") -
     return "\n".join(parts)
 
 
-def _y_axis(top: float, bottom: float = 0.0) -> tuple[list[str], Any]:
-    """Horizontal grid lines with labels; returns (svg parts, value → y pixel)."""
+def _y_axis(top: float, bottom: float = 0.0, *, integer: bool = False) -> tuple[list[str], Any]:
+    """Horizontal grid lines at round values (whole numbers for counts), the axis widened to
+    the nearest ones; returns (svg parts, value → y pixel)."""
+    step = _tick_step((top - bottom) or 1.0, 4, integer)
+    top, bottom = math.ceil(top / step - 1e-9) * step, math.floor(bottom / step + 1e-9) * step
     span = (top - bottom) or 1.0
     plot_h = H - PAD_T - PAD_B
 
@@ -80,27 +104,32 @@ def _y_axis(top: float, bottom: float = 0.0) -> tuple[list[str], Any]:
         return H - PAD_B - (v - bottom) / span * plot_h
 
     parts = []
-    for v in np.linspace(bottom, top, 5):
+    ticks, decimals = _ticks(bottom, top, n=4, integer=integer)
+    for v in ticks:
         parts.append(f'<line x1="{PAD_L}" y1="{y(v):.1f}" x2="{W - PAD_R}" y2="{y(v):.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="10">{_fmt(float(v))}</text>')
+        parts.append(f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="10">'
+                     f'{_tick_label(v, decimals)}</text>')
     return parts, y
 
 
 def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40,
-                  markers: Sequence[tuple[float, str]] = ()) -> str:
-    """A histogram with optional vertical markers (e.g. the clip bounds of rho)."""
+                  markers: Sequence[tuple[float, str]] = (), from_zero: bool = False) -> str:
+    """A histogram with optional vertical markers (e.g. the clip bounds of rho); ``from_zero``
+    starts the x axis at 0 (or below, for negative values)."""
     values = values[np.isfinite(values)]
     if len(values) == 0:
         return _frame(title, [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">no data</text>'])
     lo, hi = float(values.min()), float(values.max())
     for x, _ in markers:
         lo, hi = min(lo, x), max(hi, x)
+    if from_zero:
+        lo = min(lo, 0.0)
     if hi == lo:
         lo, hi = lo - 0.5, hi + 0.5
     pad = (hi - lo) * 0.02
-    lo, hi = lo - pad, hi + pad
+    lo, hi = (lo if from_zero and lo == 0 else lo - pad), hi + pad
     counts, edges = np.histogram(values, bins=bins, range=(lo, hi))
-    parts, y = _y_axis(float(counts.max()) * 1.1)  # headroom for the stats line
+    parts, y = _y_axis(float(counts.max()) * 1.1, integer=True)  # headroom for the stats line
     plot_w = W - PAD_L - PAD_R
 
     def x(v: float) -> float:
@@ -110,8 +139,11 @@ def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40
         if c:
             parts.append(f'<rect x="{x(a):.1f}" y="{y(c):.1f}" width="{max(x(b) - x(a) - 1, 1):.1f}" '
                          f'height="{y(0) - y(c):.1f}" fill="{BAR}"/>')
-    for v in np.linspace(lo, hi, 6):
-        parts.append(f'<text x="{x(v):.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="10">{_fmt(float(v))}</text>')
+    ticks, decimals = _ticks(lo, hi, n=6)
+    for v in ticks:
+        parts.append(f'<line x1="{x(v):.1f}" y1="{H - PAD_B}" x2="{x(v):.1f}" y2="{H - PAD_B + 4}" stroke="#333"/>')
+        parts.append(f'<text x="{x(v):.1f}" y="{H - PAD_B + 15}" text-anchor="middle" font-size="10">'
+                     f'{_tick_label(v, decimals)}</text>')
     mid = (lo + hi) / 2
     for v, label in markers:
         parts.append(f'<line x1="{x(v):.1f}" y1="{PAD_T}" x2="{x(v):.1f}" y2="{H - PAD_B}" stroke="#e45756" '
@@ -126,13 +158,13 @@ def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40
 
 
 def svg_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str,
-             notes: Sequence[str] = ()) -> str:
-    """Vertical bars (values may be negative) with a label under each bar."""
+             notes: Sequence[str] = (), *, integer: bool = False) -> str:
+    """Vertical bars (values may be negative) with a label under each bar; ``integer``: counts."""
     if not labels:
         return _frame(title, [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">no data</text>'])
     top, bottom = max(max(values), 0.0), min(min(values), 0.0)
     span = (top - bottom) or 1.0
-    parts, y = _y_axis(top + 0.12 * span, bottom)  # headroom for the value labels
+    parts, y = _y_axis(top + 0.12 * span, bottom, integer=integer)  # headroom for the value labels
     slot = (W - PAD_L - PAD_R) / len(labels)
     for i, (label, v) in enumerate(zip(labels, values)):
         x0 = PAD_L + i * slot + slot * 0.15
@@ -147,26 +179,31 @@ def svg_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel:
 
 
 def svg_stacked(rows: Sequence[tuple[str, dict[str, int]]], title: str) -> str:
-    """One horizontal stacked bar per row (e.g. scored / failed / leased / missing per scorer)."""
-    h = PAD_T + 30 * max(len(rows), 1) + 40
+    """One horizontal stacked bar per row (e.g. scored / failed / leased / missing per scorer),
+    its label above it at full width so that long scorer labels are not cut."""
+    row_h = 44
+    h = PAD_T + row_h * max(len(rows), 1) + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" viewBox="0 0 {W} {h}" '
              f'role="img" aria-label="{html.escape(title)}">', f'<rect width="{W}" height="{h}" fill="white"/>',
              f'<text x="{W / 2}" y="17" text-anchor="middle" font-size="13" font-weight="600">{html.escape(title)}</text>']
-    left, width = 130, W - 130 - PAD_R
+    left, width = 12, W - 12 - PAD_R
     for i, (label, parts_count) in enumerate(rows):
         total = sum(parts_count.values()) or 1
-        y0, x0 = PAD_T + 30 * i, float(left)
-        parts.append(f'<text x="{left - 6}" y="{y0 + 15}" text-anchor="end" font-size="11">{html.escape(label[:18])}</text>')
+        y0, x0 = PAD_T + row_h * i + 16, float(left)
+        counts = ", ".join(f"{k} {n:,}" for k, n in parts_count.items() if n)
+        shown = label if len(label) <= 60 else label[:59] + "…"
+        parts.append(f'<text x="{left}" y="{y0 - 4}" font-size="11">{html.escape(shown)}'
+                     f'<title>{html.escape(label)}: {html.escape(counts)}</title></text>')
         for key, n in parts_count.items():
             w = n / total * width
             if w > 0:
                 parts.append(f'<rect x="{x0:.1f}" y="{y0}" width="{w:.1f}" height="20" fill="{COLORS.get(key, BAR)}">'
                              f'<title>{key}: {n}</title></rect>')
             x0 += w
-    legend_y = PAD_T + 30 * max(len(rows), 1) + 18
+    legend_y = PAD_T + row_h * max(len(rows), 1) + 14
     for j, key in enumerate(COLORS):
-        parts.append(f'<rect x="{left + 110 * j}" y="{legend_y - 10}" width="12" height="12" fill="{COLORS[key]}"/>')
-        parts.append(f'<text x="{left + 110 * j + 16}" y="{legend_y}" font-size="11">{key}</text>')
+        parts.append(f'<rect x="{left + 100 * j}" y="{legend_y - 10}" width="12" height="12" fill="{COLORS[key]}"/>')
+        parts.append(f'<text x="{left + 100 * j + 16}" y="{legend_y}" font-size="11">{key}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -175,7 +212,8 @@ def svg_stacked(rows: Sequence[tuple[str, dict[str, int]]], title: str) -> str:
 
 POSITION_SQL = """
 SELECT CASE WHEN s.phase = 'planning' THEN -1 ELSE t.position END AS pos,
-       AVG(c.q_h) AS q_h, AVG(c.q_h_smoothed) AS q_h_smoothed, COUNT(*) AS steps
+       AVG(c.q_h) AS q_h, AVG(c.q_h_smoothed) AS q_h_smoothed, COUNT(*) AS steps,
+       MIN(s.subtask_id) AS first_id, MAX(s.subtask_id) AS last_id
 FROM credits c
 JOIN steps s ON s.id = c.step_id
 LEFT JOIN subtasks t ON t.episode_id = s.episode_id AND t.subtask_id = s.subtask_id
@@ -206,8 +244,17 @@ def _positions(store: Store, run_id: int) -> list[dict[str, Any]]:
         rows = [dict(r) for r in conn.execute(text(POSITION_SQL), {"run": run_id}).mappings()]
     rows.sort(key=lambda r: (r["pos"] is None, r["pos"] if r["pos"] is not None else 0))
     for r in rows:
-        r["label"] = "planning" if r["pos"] == -1 else "unmapped" if r["pos"] is None else str(r["pos"])
+        r["position"] = "" if r["pos"] in (-1, None) else str(r["pos"])
+        r["label"] = "planning" if r["pos"] == -1 else "unmapped" if r["pos"] is None else _subtask_label(r)
     return rows
+
+
+def _subtask_label(r: dict[str, Any]) -> str:
+    """The subtask id at a plan position (``S1/S3`` when episodes' plans differ there)."""
+    first, last = r["first_id"], r["last_id"]
+    if first is None:
+        return f"#{r['pos']}"
+    return first if first == last else f"{first}/{last}"
 
 
 def _failures(store: Store) -> list[dict[str, Any]]:
@@ -234,8 +281,8 @@ def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
-def build_report(store: Store, run_name: str | None = None) -> str:
-    """The report's HTML text."""
+def build_report(store: Store, run_name: str | None = None, extra: str | None = None) -> str:
+    """The report's HTML text (``extra``: HTML appended at the end, e.g. the episode index)."""
     run = get_run(store, run_name)
     p = run.params
     arrays = _credit_arrays(store, run.id)
@@ -252,17 +299,17 @@ def build_report(store: Store, run_name: str | None = None) -> str:
         _figure(svg_histogram(arrays["rho"], "rho (clipped ratio to the episode mean)", "rho",
                               markers=[(p["c_min"], f"c_min {p['c_min']}"), (p["c_max"], f"c_max {p['c_max']}")]),
                 f"{clipped:,} of {len(arrays['rho']):,} steps sit on a clip bound."),
-        _figure(svg_histogram(arrays["q_h"], "Q_H per step", "q_h"), "rho · discount · r_t."),
-        _figure(svg_histogram(arrays["q_h_smoothed"], "Smoothed Q_H per step", "q_h_smoothed"),
+        _figure(svg_histogram(arrays["q_h"], "Q_H per step", "q_h", from_zero=True), "rho · discount · r_t."),
+        _figure(svg_histogram(arrays["q_h_smoothed"], "Smoothed Q_H per step", "q_h_smoothed", from_zero=True),
                 f"Backward smoothing, alpha = {p['alpha']} ({'on' if p['smooth'] else 'off'})."),
     ]
     pos_svg = svg_bars([r["label"] for r in positions], [float(r["q_h"]) for r in positions],
-                       "Mean Q_H by subtask position", "mean q_h",
+                       "Mean Q_H by subtask (plan order)", "mean q_h",
                        notes=[f" (n={r['steps']})" for r in positions])
     cov_svg = svg_stacked([(c["label"] or c["scorer_id"][:12], {k: int(c.get(k) or 0) for k in COLORS})
                            for c in coverage], "Scoring coverage per scorer (current episodes)")
     fail_svg = svg_bars([f["kind"] for f in failures[:12]], [float(f["n"]) for f in failures[:12]],
-                        "Failed attempts by kind", "attempts") if failures else ""
+                        "Failed attempts by kind", "attempts", integer=True) if failures else ""
 
     hyper = [(k, json.dumps(v)) for k, v in p.items()]
     sections = [
@@ -275,10 +322,10 @@ def build_report(store: Store, run_name: str | None = None) -> str:
                [[run.episodes, run.steps, run.incomplete_episodes, run.run_hash[:16]]]),
         '<h2 id="hyperparameters">Hyperparameters</h2>', _table(["parameter", "value"], hyper),
         '<h2 id="distributions">Distributions</h2>', f'<div class="grid">{"".join(dist)}</div>',
-        '<h2 id="subtasks">Q_H per subtask position</h2>',
+        '<h2 id="subtasks">Q_H per subtask</h2>',
         f'<div class="grid">{_figure(pos_svg, "Planning is its own bar; unmapped = executing steps whose subtask is not in the plan.")}</div>',
-        _table(["position", "steps", "mean q_h", "mean q_h_smoothed"],
-               [[r["label"], r["steps"], float(r["q_h"]), float(r["q_h_smoothed"])] for r in positions]),
+        _table(["subtask", "position", "steps", "mean q_h", "mean q_h_smoothed"],
+               [[r["label"], r["position"], r["steps"], float(r["q_h"]), float(r["q_h_smoothed"])] for r in positions]),
         '<h2 id="coverage">Scoring coverage</h2>',
         f'<div class="grid">{_figure(cov_svg, "Steps of current episodes per scorer.")}</div>',
         _table(["scorer", "label", "scored", "failed", "leased", "missing"],
@@ -293,18 +340,33 @@ def build_report(store: Store, run_name: str | None = None) -> str:
         sections.insert(4, f"<p>Incomplete (not credited): {html.escape(shown)}</p>")
     if run.stale:
         sections.insert(2, f'<p class="meta"><strong>Warning: {html.escape(run.stale)}</strong></p>')
+    if extra:
+        sections.append(extra)
     body = "\n".join(sections)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>hcapo-store report: {html.escape(run.name)}</title><style>{CSS}</style></head>"
             f"<body>\n{body}\n</body></html>\n")
 
 
-def write_report(store: Store, out_html: Path | str, run_name: str | None = None) -> dict[str, Any]:
+def write_report(store: Store, out_html: Path | str, run_name: str | None = None, *, episode_pages: bool = False,
+                 tokenizer: str | Path | None = None) -> dict[str, Any]:
     """Write the report atomically (never over the database or another SQLite file);
-    returns the path, the run it describes, and warnings (a stale run)."""
+    returns the path, the run it describes, and warnings (a stale run).
+
+    ``episode_pages``: also one page per credited episode in ``<stem>_episodes/`` beside the
+    report, linked from an Episodes section (``tokenizer``: the scorer's, for heat maps).
+    """
     out = Path(out_html)
     check_output(out, store.files)
-    page = build_report(store, run_name)
+    extra = None
+    if episode_pages:
+        from hcapo_store.outputs.episode_view import episode_index_html, write_episode_pages
+
+        folder = f"{out.stem}_episodes"
+        rows = write_episode_pages(store, out.parent / folder, run_name, tokenizer=tokenizer,
+                                   back_link=f"../{out.name}")
+        extra = '<h2 id="episodes">Episodes</h2>' + episode_index_html(rows, folder)
+    page = build_report(store, run_name, extra)
     atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
     run = get_run(store, run_name)
     return {"path": str(out), "run": run.name, "bytes": len(page.encode()),

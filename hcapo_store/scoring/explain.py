@@ -6,6 +6,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from hcapo_store.storage import db
 from hcapo_store.scoring.work_queue import Filters
 from hcapo_store.storage.store import Store
 
@@ -24,7 +25,7 @@ def _unknown_episodes(conn: Connection, names: tuple[str, ...]) -> list[str]:
 def why_nothing_to_score(store: Store, scorer_id: str, conversion: dict[str, Any], filters: Filters) -> str:
     """The first reason that applies: no episodes, unknown --episode, other conversion
     options, --min-reward, or every step already scored (or failed, or leased)."""
-    with store.engine.connect() as conn:
+    with db.read(store.engine) as conn:
         if not conn.execute(text("SELECT 1 FROM episodes WHERE is_current LIMIT 1")).first():
             return "no episodes in this database: run `hcapo-store ingest PATH` first"
         unknown = _unknown_episodes(conn, filters.episodes)

@@ -4,9 +4,10 @@ queue the missing steps, and run the scheduler (or count the work for ``--dry-ru
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 import httpx
 
@@ -25,6 +26,9 @@ from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+
+
+T = TypeVar("T")
 
 
 def default_backend(server: str | None, model: str | None) -> str:
@@ -110,15 +114,46 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
         raise ScoringError(f"cannot reach the {cfg.backend} backend at {where}: {exc}; is the server up?") from exc
 
 
+def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``asyncio.run(make())``; inside a running event loop (a notebook), in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with ThreadPoolExecutor(1, thread_name_prefix="hcapo-sync") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
 def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
     """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
-    ``run_scoring`` registers the scorer, so a dry run leaves the database as it was)."""
+    ``run_scoring`` registers the scorer, so a dry run leaves the database as it was).
+
+    Works inside a running event loop too (it then runs in a worker thread); from async
+    code, ``await prepare_async(store, cfg)`` instead.
+    """
+    _check_template(cfg)
+    backend = make_backend(cfg)
+    run_sync(lambda: _start(cfg, backend, close=cfg.backend != "transformers"))
+    return _prepared(store, cfg, backend)
+
+
+async def prepare_async(store: Store, cfg: ScoreConfig) -> Prepared:
+    """``prepare`` for async code (e.g. a notebook cell: ``prep = await prepare_async(store, cfg)``)."""
+    _check_template(cfg)
+    backend = make_backend(cfg)
+    await _start(cfg, backend, close=cfg.backend != "transformers")
+    return _prepared(store, cfg, backend)
+
+
+def _check_template(cfg: ScoreConfig) -> None:
+    """A bad hindsight template is refused before any server is contacted."""
     try:
         check_hindsight_template(cfg.hindsight_template)
     except ValueError as exc:
         raise ScoringError(f"--hindsight-template: {exc}") from exc
-    backend = make_backend(cfg)
-    asyncio.run(_start(cfg, backend, close=cfg.backend != "transformers"))
+
+
+def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     ctx = backend.context_length()
     if ctx is not None and ctx < cfg.max_context:
         raise ScoringError(f"the server's context length is {ctx} < --max-context {cfg.max_context}: "
@@ -203,22 +238,29 @@ async def check_vocabulary(prep: Prepared) -> None:
 
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
                 on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
-    """Queue every unscored step of the scorer and score them; returns the run's report."""
+    """Queue every unscored step of the scorer and score them; returns the run's report.
+
+    Works inside a running event loop too (it then runs in a worker thread and blocks that
+    loop until done); from async code, ``await run_scoring_async(...)`` instead.
+    """
+    return run_sync(lambda: run_scoring_async(store, prep, options, retry_failed=retry_failed,
+                                              on_progress=on_progress))
+
+
+async def run_scoring_async(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
+                            on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
+    """``run_scoring`` for async code: ``report = await run_scoring_async(store, prep, options)``."""
     conv = prep.spec["conversion"]
     scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
 
-    async def main() -> ScoreReport:
-        await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
-        try:
-            if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters,
-                                                         limit=1):
-                await check_vocabulary(prep)  # before anything is written
-            register(store, prep.spec)
-            work_queue.enqueue(store, prep.scorer_id, **conv)
-            if retry_failed:
-                work_queue.requeue_failed(store, prep.scorer_id, options.filters)
-            return await scheduler.run()
-        finally:
-            await prep.backend.close()
-
-    return asyncio.run(main())
+    await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
+    try:
+        if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=1):
+            await check_vocabulary(prep)  # before anything is written
+        register(store, prep.spec)
+        work_queue.enqueue(store, prep.scorer_id, **conv)
+        if retry_failed:
+            work_queue.requeue_failed(store, prep.scorer_id, options.filters)
+        return await scheduler.run()
+    finally:
+        await prep.backend.close()

@@ -1,0 +1,305 @@
+"""Training-ready exports of a credit run: token-level rows and per-message weights.
+
+``export_tokenized`` writes one row per episode as the policy saw it (no hindsight block):
+``input_ids`` of the whole conversation rendered with the scorer's tokenizer and chat
+template, ``labels`` (-100 outside credited action tokens) and per-token ``advantages``
+(each credited step's Eq. 8 weight on the tokens of its action).
+
+Spans are found the way scoring finds them (``scoring/prompts.py``), never guessed: for the
+step at message ``m``, ``prefix = render(messages[:m], add_generation_prompt=True)`` and
+``step = render(messages[:m + 1])``; the prefix ids must be a prefix of the step ids, and the
+action is the rest. The row is one rendering of the whole episode, so a step is weighted
+only when ``prefix ids + action ids`` are also a prefix of the whole episode's ids. Templates
+that render a turn differently depending on what follows (Qwen3 drops the reasoning of
+turns before the last user message) fail that check for the changed turns: such a step is
+refused (listed in ``unaligned_steps``, never weighted), not moved.
+
+``with_message_weights`` turns the default Eq. 8 rows into the TRL #5761 shape: a
+``"weight"`` on every credited assistant message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, text
+
+from hcapo_store.credits.equations import hcapo_weights
+from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.errors import ExportError
+from hcapo_store.outputs.export import (
+    _episode_ids,
+    _groups,
+    _provenance,
+    _run_warnings,
+    _selected,
+    _write_json,
+    _write_jsonl,
+    summary_path_for,
+)
+from hcapo_store.outputs.export import _write_parquet as write_parquet
+from hcapo_store.outputs.files import atomic_write, check_output
+from hcapo_store.storage import db
+from hcapo_store.scoring.identity import scorer_spec
+from hcapo_store.scoring.prompts import (
+    SegmentEncoder,
+    flatten_messages,
+    normalize_messages,
+)
+from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.storage.episodes import load_messages
+from hcapo_store.storage.store import Store
+
+IGNORE_INDEX = -100  # the label PyTorch's cross-entropy ignores
+ROW_KEYS = ("input_ids", "labels", "advantages", "episode", "_episode_id", "step_indices",
+            "step_message_indices", "step_advantages", "step_spans", "unaligned_steps", "_reward",
+            "_grpo_advantage", "provenance")
+
+
+# ---- weights on messages (TRL #5761 shape) ---------------------------------------------------
+
+
+def with_message_weights(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Eq. 8 rows with ``"weight"`` on each credited assistant message (others have none)."""
+    for row in rows:
+        weights = dict(zip(row["step_message_indices"], row["step_advantages"]))
+        row["messages"] = [{**m, "weight": weights[i]} if i in weights else m
+                           for i, m in enumerate(row["messages"])]
+        yield row
+
+
+# ---- spans -------------------------------------------------------------------------------------
+
+
+class _Rejected(Exception):
+    pass
+
+
+@dataclass
+class Alignment:
+    """Where each step's action sits in the episode's ids, or why it cannot be placed."""
+
+    input_ids: list[int]
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_index -> [start, end)
+    refused: dict[int, str] = field(default_factory=dict)  # step_index -> reason
+    flattened: bool = False
+
+
+class EpisodeRenderer:
+    """Renders a whole episode with a chat template and places each step's action in it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.encoder = SegmentEncoder(tokenizer)
+
+    def _render(self, messages: list[dict], generation: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
+            raise _Rejected(f"{type(exc).__name__}: {exc}") from exc
+
+    def align(self, messages: list[dict[str, Any]], steps: list[tuple[int, int]]) -> Alignment:
+        """``steps``: (step_index, message_index). Flattens tool traffic when the template rejects it
+        (as scoring does), for the whole episode so every span lives in one rendering."""
+        try:
+            return self._align(normalize_messages(messages), steps, flattened=False)
+        except _Rejected:
+            pass
+        try:
+            return self._align(flatten_messages(messages), steps, flattened=True)
+        except _Rejected as exc:
+            raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
+
+    def _align(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+        full = self.encoder.encode_whole(self._render(msgs, generation=False))
+        out = Alignment(full, flattened=flattened)
+        prefix_state, step_state = self.encoder.new_state(), self.encoder.new_state()
+        for index, m in steps:
+            if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
+                out.refused[index] = f"message {m} is not an assistant message after the first message"
+                continue
+            prefix = self.encoder.encode(self._render(msgs[:m], generation=True), prefix_state)
+            step = self.encoder.encode(self._render(msgs[:m + 1], generation=False), step_state)
+            reason = _span_problem(prefix, step, full)
+            if reason:
+                out.refused[index] = reason
+            else:
+                out.spans[index] = (len(prefix), len(step))
+        return out
+
+
+def _span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:
+    if step[:len(prefix)] != prefix:
+        return "alignment: the prefix ids are not a prefix of the step's ids"
+    if len(step) == len(prefix):
+        return "empty_action: the action renders to no tokens"
+    if full[:len(step)] != step:
+        return "rendering: the whole episode renders this turn (or an earlier one) differently"
+    return None
+
+
+# ---- rows ----------------------------------------------------------------------------------------
+
+
+def _row(ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray, al: Alignment,
+         provenance: dict[str, Any]) -> dict[str, Any]:
+    ids = al.input_ids
+    labels = [IGNORE_INDEX] * len(ids)
+    adv = [0.0] * len(ids)
+    indices, msg_indices, step_w, spans = [], [], [], []
+    for k, (index, m) in enumerate(zip(ep["step_indices"], ep["indices"])):
+        if index not in al.spans:
+            continue
+        start, end = al.spans[index]
+        w = round(float(weights[k]), 6)
+        indices.append(index)
+        msg_indices.append(m)
+        step_w.append(w)
+        spans.append([start, end])
+        if w > 0:
+            labels[start:end] = ids[start:end]
+            adv[start:end] = [w] * (end - start)
+    return {
+        "input_ids": ids, "labels": labels, "advantages": adv, "episode": ep["name"], "_episode_id": ep_id,
+        "step_indices": indices, "step_message_indices": msg_indices, "step_advantages": step_w,
+        "step_spans": spans,
+        "unaligned_steps": [{"step_index": i, "reason": r} for i, r in sorted(al.refused.items())],
+        "_reward": ep["reward"], "_grpo_advantage": round(float(grpo), 6),
+        "provenance": {**provenance, "flattened": al.flattened},
+    }
+
+
+def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
+    """Adds each episode's credited step indices (in the order of ``indices``)."""
+    rows = conn.execute(text("SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
+                             "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"), {"run": run.id})
+    by_ep: dict[int, list[int]] = {}
+    for ep_id, index in rows:
+        by_ep.setdefault(ep_id, []).append(index)
+    for ep in episodes:
+        ep["step_indices"] = by_ep[ep["id"]]
+
+
+def scorer_tokenizer(store: Store, scorer_id: str, tokenizer_dir: str | Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the scorer's."""
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
+    mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
+    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
+    for key in ("files_sha256", "chat_template_sha256"):
+        if theirs.get(key) != mine[key]:
+            raise ExportError(
+                f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
+                f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory")
+    return tokenizer, mine
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.rows = self.steps = self.weighted_steps = self.refused = self.tokens = self.weighted_tokens = 0
+        self.no_weight = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows += 1
+        self.steps += len(row["step_indices"])
+        self.weighted_steps += sum(1 for w in row["step_advantages"] if w > 0)
+        self.tokens += len(row["input_ids"])
+        self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"episodes_in_dataset": self.rows, "aligned_steps": self.steps, "weighted_steps": self.weighted_steps,
+                "unaligned_steps": self.refused, "episodes_without_weighted_tokens": self.no_weight,
+                "tokens": self.tokens, "weighted_tokens": self.weighted_tokens}
+
+
+def export_tokenized(
+    store: Store,
+    out_path: Path | str,
+    run_name: str | None = None,
+    *,
+    tokenizer: str | Path,
+    omega: float = 1.0,
+    min_reward: float = 0.2,
+    group_by: str | None = None,
+    fmt: str = "jsonl",
+    use_smoothed: bool = True,
+) -> dict[str, Any]:
+    """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
+
+    ``tokenizer`` is the directory of the tokenizer the run's scorer used (checked against
+    the scorer's fingerprint). Episodes with no weighted token are left out, as in the
+    default export.
+    """
+    if fmt not in ("jsonl", "parquet"):
+        raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
+    out = Path(out_path)
+    summary_path = summary_path_for(out)
+    for path in (out, summary_path):
+        check_output(path, store.files)
+    run = get_run(store, run_name)
+    warnings = _run_warnings(run)
+    tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
+    provenance = {"credits": run.name, "run_hash": run.run_hash, "scorer_id": run.scorer_id,
+                  "tokenizer": fingerprint["name"], "tokenizer_files_sha256": fingerprint["files_sha256"],
+                  "chat_template_sha256": fingerprint["chat_template_sha256"],
+                  "q": "q_h_smoothed" if use_smoothed else "q_h", "omega": float(omega)}
+    renderer = EpisodeRenderer(tok)
+    stats = _Stats()
+    with db.read(store.engine) as conn:
+        episodes = _selected(conn, run, min_reward, use_smoothed)
+        _step_indices(conn, episodes, run)
+        eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
+                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
+        ids = _episode_ids(episodes)
+
+        def rows() -> Iterator[dict[str, Any]]:
+            for i, ep in enumerate(episodes):
+                if not (eq8.weights[i] > 0).any():
+                    continue
+                al = renderer.align(load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])))
+                row = _row(ep, ids[i], eq8.grpo[i], eq8.weights[i], al, provenance)
+                stats.refused += len(al.refused)  # also in episodes left out for having no weighted token
+                if not any(label != IGNORE_INDEX for label in row["labels"]):
+                    stats.no_weight += 1
+                    continue
+                stats.add(row)
+                yield row
+
+        if fmt == "jsonl":
+            atomic_write(out, lambda f: _write_jsonl(f, rows()), inputs=store.files)
+        else:
+            atomic_write(out, lambda f: write_parquet(f, rows(), {**_provenance(run), "layout": "tokenized"},
+                                                      schema=_schema), inputs=store.files)
+    if stats.rows == 0:
+        warnings.append(f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
+                        f"{min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)")
+    summary = {"total_episodes_loaded": len(episodes), **stats.as_dict(),
+               "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
+                          "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
+                          "credit_params": run.params, "format": fmt, "layout": "tokenized",
+                          "tokenizer": str(tokenizer)},
+               "provenance": _provenance(run), "warnings": warnings}
+    _write_json(summary_path, summary, store.files)
+    return {"path": str(out), "summary_path": str(summary_path), **summary}
+
+
+def _schema(id_type: Any) -> Any:
+    import pyarrow as pa
+
+    ints = pa.list_(pa.int64())
+    unaligned = pa.list_(pa.struct([("step_index", pa.int64()), ("reason", pa.string())]))
+    provenance = pa.struct([(k, pa.string()) for k in ("credits", "run_hash", "scorer_id", "tokenizer",
+                                                       "tokenizer_files_sha256", "chat_template_sha256", "q")]
+                           + [("omega", pa.float64()), ("flattened", pa.bool_())])
+    return pa.schema([("input_ids", ints), ("labels", ints), ("advantages", pa.list_(pa.float32())),
+                      ("episode", pa.string()), ("_episode_id", id_type), ("step_indices", ints),
+                      ("step_message_indices", ints), ("step_advantages", pa.list_(pa.float64())),
+                      ("step_spans", pa.list_(ints)), ("unaligned_steps", unaligned), ("_reward", pa.float64()),
+                      ("_grpo_advantage", pa.float64()), ("provenance", provenance)])
+

@@ -1,0 +1,176 @@
+"""Per-episode view: the page's structure and escaping, token heat maps from real scoring, `show`."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_credits import add_scorer, add_scores
+from test_tokenized import _rendered_action
+
+from cli import cli
+from hcapo_store.credits.runs import compute_credits
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.local.refserver import make_server
+from hcapo_store.local.synth import write_standard_episodes
+from hcapo_store.outputs.episode_view import (
+    episode_page,
+    episode_view,
+    write_episode_page,
+)
+from hcapo_store.outputs.report import write_report
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.storage.store import Store
+
+VOID = {"meta", "input", "br", "hr", "img", "link"}
+
+
+class _Tree(HTMLParser):
+    """Checks that tags nest properly; collects elements with their attributes and text."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, dict[str, Any]]] = []
+        self.elements: list[dict[str, Any]] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        el = {"tag": tag, "attrs": dict(attrs), "text": "", "parents": [e["attrs"].get("class", "") for _, e in self.stack]}
+        self.elements.append(el)
+        if tag not in VOID:
+            self.stack.append((tag, el))
+
+    def handle_endtag(self, tag: str) -> None:
+        assert self.stack and self.stack[-1][0] == tag, f"</{tag}> closes {self.stack[-1][0] if self.stack else None}"
+        self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        for _, el in self.stack:
+            el["text"] += data
+
+
+def parse(page: str) -> list[dict[str, Any]]:
+    tree = _Tree()
+    tree.feed(page)
+    tree.close()
+    assert not tree.stack, "unclosed tags"
+    return tree.elements
+
+
+def _cls(el: dict[str, Any]) -> list[str]:
+    return el["attrs"].get("class", "").split()
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Store]:
+    """Two episodes really scored through the reference server, then credited."""
+    root = tmp_path_factory.mktemp("ev")
+    write_standard_episodes(root / "episodes", 2, steps_per_subtask=2, output_words=12)
+    store = Store.open(str(root / "s.db"))
+    ingest(store, [root / "episodes"])
+    with make_server(tiny_model_dir) as server:
+        cfg = ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=2048)
+        report = run_scoring(store, prepare(store, cfg), RunOptions(concurrency=2))
+    assert report.failed == 0
+    compute_credits(store, name="r")
+    yield store
+    store.close()
+
+
+def test_episode_page_structure_and_heat_maps(scored: Store, tiny_model_dir: Path, tmp_path: Path) -> None:
+    view = episode_view(scored, "episode_001", "r", tokenizer=tiny_model_dir)
+    page = episode_page(view)
+    els = parse(page)
+    steps = [e for e in els if "step" in _cls(e)]
+    assert [int(e["attrs"]["id"].split("-")[1]) for e in steps] == [s.step_index for s in view.steps]
+    for el, s in zip(steps, view.steps):
+        assert f"rho {s.credit['rho']:.4g}" in el["attrs"]["title"]
+        assert f"q_h_smoothed {s.credit['q_h_smoothed']:.4g}" in el["attrs"]["title"]
+        for m in ("rho", "q_h", "q_h_smoothed"):
+            assert f"--{m}:" in el["attrs"]["style"]
+    # one boundary per change of subtask, labelled with the subtask id
+    changes = [s.subtask for k, s in enumerate(view.steps) if k == 0 or s.subtask != view.steps[k - 1].subtask]
+    assert [e["text"].split(" · ")[0] for e in els if "boundary" in _cls(e)] == changes
+    # tool results and calls are collapsed
+    tools = [i for i, e in enumerate(els) if "tool" in _cls(e)]
+    assert all(els[i + 1]["tag"] == "details" for i in tools)
+    assert len([m for m in view.episode.messages if m["role"] == "tool"]) == len(tools) > 0
+    calls = [e for e in els if "call" in _cls(e)]
+    assert calls and all(e["tag"] == "details" for e in calls)
+    # heat maps: every scored step has one, its tokens spell the scored span, one span per logprob
+    tok = load_tokenizer(tiny_model_dir)
+    heats = [e for e in els if "heat" in _cls(e)]
+    assert len(heats) == len(view.steps)
+    for heat, s in zip(heats, view.steps):
+        assert s.tokens is not None and len(s.tokens) == len(s.logprobs) == s.credit["token_count"]
+        assert heat["text"] == "".join(s.tokens)
+        # short actions are scored whole: the tokens spell the step's rendered action
+        assert heat["text"] == _rendered_action(tok, view.episode.messages, s.message_index)
+    titles = [float(e["attrs"]["title"]) for e in els if e["tag"] == "span" and any("heat" in p for p in e["parents"])]
+    assert np.allclose(titles, np.concatenate([s.logprobs for s in view.steps]), atol=6e-4)
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    assert {e["attrs"]["id"] for e in els if e["tag"] == "input"} == {"m-rho", "m-q_h", "m-q_h_smoothed"}
+
+
+def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
+    nasty = '<script>alert("x")</script> & <b>bold</b>'
+    episode = {"episode_id": "e1", "reward": 0.7, "messages": [
+        {"role": "user", "content": f"task {nasty}"},
+        {"role": "assistant", "content": f"I will {nasty}", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": 'run"<x>', "arguments": json.dumps({"cmd": nasty})}}]},
+        {"role": "tool", "name": "<tool>", "tool_call_id": "c1", "content": f"out {nasty}"},
+        {"role": "assistant", "content": "done </div></details>"}]}
+    (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
+    ingest(store, [tmp_path / "eps.jsonl"])
+    add_scorer(store, "sc")
+    add_scores(store, "sc", seed=1)
+    compute_credits(store)
+    name = store.query("SELECT name FROM episodes")[1][0][0]
+    out = write_episode_page(store, name, tmp_path / "e.html")
+    page = Path(out["path"]).read_text()
+    els = parse(page)  # would fail if "</div></details>" in content closed our tags
+    assert "<script" not in page and "<b>" not in page and "<tool>" not in page
+    assert html.escape(nasty) in page
+    text = "".join(e["text"] for e in els if e["tag"] == "body")
+    assert nasty in text and "done </div></details>" in text
+    assert len([e for e in els if "step" in _cls(e)]) == 2
+
+
+def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_model_dir: Path) -> None:
+    db = scored.display
+    r = runner.invoke(cli, ["--db", db, "show", "episode_002", "--credits", "r"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("episode episodes/episode_002") and "credit run 'r'" in lines[0]
+    assert lines[1].split()[:6] == ["step", "msg", "subtask", "r_t", "tokens", "mean_logprob"]
+    steps = scored.query("SELECT step_index, rho FROM step_credits WHERE run = 'r' AND episode = 'episodes/episode_002' "
+                         "ORDER BY step_index")[1]
+    # the header, the table (its head, a rule, one line per step) and the note on cut cells
+    assert len(lines) == 4 + len(steps) and "--json" in lines[-1], lines[-1]
+    r = runner.invoke(cli, ["--db", db, "show", "episode_002", "--json", "--html", str(tmp_path / "p.html"),
+                            "--tokenizer", str(tiny_model_dir)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [s["rho"] for s in data["steps"]] == [rho for _, rho in steps]
+    assert 'class="heatmap"' in (tmp_path / "p.html").read_text()
+    r = runner.invoke(cli, ["--db", db, "show", "no_such_episode"])
+    assert r.exit_code == 1 and "no episode 'no_such_episode'" in r.output and "Traceback" not in r.output
+
+
+def test_report_links_episode_pages(scored: Store, tmp_path: Path) -> None:
+    out = write_report(scored, tmp_path / "rep.html", "r", episode_pages=True)
+    page = Path(out["path"]).read_text()
+    links = re.findall(r'href="(rep_episodes/[^"]+)"', page)
+    assert len(links) == 2 and 'id="episodes"' in page
+    for link in links:
+        sub = (tmp_path / link).read_text()
+        parse(sub)
+        assert 'href="../rep.html"' in sub

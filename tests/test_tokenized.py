@@ -1,0 +1,208 @@
+"""Token-level training export: spans checked by decoding, weights against the reference, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, real_tokenizer
+from reference_hcapo import build_hcapo_rows
+from test_credits import add_scorer, add_scores
+from test_export import _reference_inputs
+
+from cli import cli
+from hcapo_store.credits.runs import compute_credits
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.outputs.export import export_dataset
+from hcapo_store.outputs.tokenized import IGNORE_INDEX, EpisodeRenderer
+from hcapo_store.scoring.prompts import normalize_messages
+from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.storage.episodes import load_messages
+from hcapo_store.storage.store import Store
+
+# Like Qwen3: an assistant turn's content is dropped once a later user message follows it.
+FORGETFUL = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    + CHATML_WITH_BOS.replace("{{ m.content }}", "{{ '[earlier turn]' if m.role == 'assistant' and "
+                              "loop.index0 < ns.last_user else m.content }}"))
+
+
+def _two_turn_episodes(path: Path) -> Path:
+    """Two JSONL episodes with a second user message after two assistant steps."""
+    lines = []
+    for name, reward in (("good", 0.9), ("bad", 0.3)):
+        def call(i: int) -> dict:
+            return {"role": "assistant", "content": f"step {i} of {name}", "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}
+
+        def result(i: int) -> dict:
+            return {"role": "tool", "name": "bash", "tool_call_id": f"c{i}", "content": f"out {i}"}
+
+        messages = [{"role": "user", "content": "task"}, call(0), result(0), call(1), result(1),
+                    {"role": "user", "content": "now finish"}, call(2), result(2),
+                    {"role": "assistant", "content": "done"}]
+        lines.append(json.dumps({"episode_id": name, "reward": reward, "messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def scored_with(store: Store, samples: Path, tok_dir: Path) -> Store:
+    """Samples ingested, a scorer whose spec names ``tok_dir``'s tokenizer, random scores, credits."""
+    ingest(store, [samples])
+    fingerprint = tokenizer_fingerprint(load_tokenizer(tok_dir), tok_dir)
+    add_scorer(store, "sc", spec={"tokenizer": fingerprint, "max_logprob_tokens": 2048})
+    add_scores(store, "sc", seed=7)
+    compute_credits(store, name="r")
+    return store
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _rendered_action(tok, messages: list[dict], m: int) -> str:
+    """The action text as scoring defines it: full render minus the generation-prompt prefix."""
+    msgs = normalize_messages(messages)
+    prefix = tok.apply_chat_template(msgs[:m], tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(msgs[:m + 1], tokenize=False)
+    assert full.startswith(prefix)
+    return full[len(prefix):]
+
+
+def test_weighted_tokens_decode_to_each_steps_action(store: Store, samples: Path, demo_tokenizer_dir: Path,
+                                                      tmp_path: Path) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    tok = load_tokenizer(demo_tokenizer_dir)
+    summary = export_dataset(store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized",
+                             tokenizer=demo_tokenizer_dir)
+    rows = _rows(tmp_path / "t.jsonl")
+    assert rows and summary["episodes_in_dataset"] == len(rows) and summary["unaligned_steps"] == 0
+    ep_ids = dict(store.query("SELECT name, id FROM episodes")[1])
+    with store.engine.connect() as conn:
+        for row in rows:
+            messages = load_messages(conn, ep_ids[row["episode"]])
+            assert len(row["input_ids"]) == len(row["labels"]) == len(row["advantages"])
+            weighted = set()
+            for m, w, (start, end) in zip(row["step_message_indices"], row["step_advantages"], row["step_spans"]):
+                assert tok.decode(row["input_ids"][start:end]) == _rendered_action(tok, messages, m)
+                if w > 0:
+                    assert row["labels"][start:end] == row["input_ids"][start:end]
+                    assert row["advantages"][start:end] == [w] * (end - start)
+                    weighted.update(range(start, end))
+            for i, (label, adv) in enumerate(zip(row["labels"], row["advantages"])):
+                if i not in weighted:
+                    assert label == IGNORE_INDEX and adv == 0.0
+            assert row["provenance"]["credits"] == "r" and row["provenance"]["scorer_id"] == "sc"
+
+
+def test_step_weights_equal_eq8_reference(store: Store, samples: Path, demo_tokenizer_dir: Path,
+                                          tmp_path: Path) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    export_dataset(store, tmp_path / "t.jsonl", "r", omega=0.6, min_reward=0.0, layout="tokenized",
+                   tokenizer=demo_tokenizer_dir)
+    ref_rows, _ = build_hcapo_rows(_reference_inputs(store, "r"), omega=0.6, min_reward=0.0)
+    ref = {r["_episode_id"]: r for r in ref_rows}
+    rows = _rows(tmp_path / "t.jsonl")
+    assert {r["_episode_id"] for r in rows} == set(ref)
+    for row in rows:
+        want = dict(zip(ref[row["_episode_id"]]["step_message_indices"], ref[row["_episode_id"]]["step_advantages"]))
+        assert row["step_message_indices"] == list(want)  # every step aligned with this template
+        assert row["step_advantages"] == pytest.approx(list(want.values()), abs=1.01e-6)
+        assert row["_grpo_advantage"] == pytest.approx(ref[row["_episode_id"]]["_grpo_advantage"], abs=1.01e-6)
+
+
+def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path: Path) -> None:
+    tok_dir = tmp_path / "forgetful"
+    bos_tokenizer(tok_dir, template=FORGETFUL)
+    scored_with(store, _two_turn_episodes(tmp_path / "eps.jsonl"), tok_dir)
+    # omega 0: every step of the better episode has the same positive weight
+    summary = export_dataset(store, tmp_path / "t.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized",
+                             tokenizer=tok_dir)
+    (row,) = _rows(tmp_path / "t.jsonl")
+    assert row["episode"].endswith("good") and summary["unaligned_steps"] == 2
+    # the two steps before the second user message render as "[earlier turn]" in the episode
+    assert [u["step_index"] for u in row["unaligned_steps"]] == [0, 1]
+    assert all(u["reason"].startswith("rendering") for u in row["unaligned_steps"])
+    assert row["step_indices"] == [2, 3] and all(w > 0 for w in row["step_advantages"])
+    spans = [range(a, b) for a, b in row["step_spans"]]
+    weighted = [i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
+    assert weighted == [i for span in spans for i in span]
+    assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
+    tok = load_tokenizer(tok_dir)
+    assert "step 0" not in tok.decode([row["input_ids"][i] for i in weighted])
+    assert tok.decode(row["input_ids"][spans[0].start:spans[0].stop]).startswith("step 2 of good")
+
+
+def test_qwen3_refuses_turns_whose_reasoning_is_dropped() -> None:
+    tok = real_tokenizer("qwen3")
+    messages, _, steps = episode(3, steps=12, thinking=True, extra_user_turns=True)
+    al = EpisodeRenderer(tok).align(messages, [(s["step_index"], s["message_index"]) for s in steps])
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    for s in steps:
+        m = s["message_index"]
+        if m > last_user:
+            assert s["step_index"] in al.spans  # reasoning kept after the last user turn
+        elif "<think>" in messages[m]["content"]:
+            assert s["step_index"] in al.refused  # rendered without its reasoning in the episode
+    assert al.refused and al.spans
+    for index, (start, end) in al.spans.items():
+        m = steps[index]["message_index"]
+        assert tok.decode(al.input_ids[start:end]) == _rendered_action(tok, messages, m)
+
+
+def test_wrong_tokenizer_is_refused(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    other = tmp_path / "other"
+    bos_tokenizer(other)
+    from hcapo_store.errors import ExportError
+
+    with pytest.raises(ExportError, match="not the one scorer"):
+        export_dataset(store, tmp_path / "t.jsonl", "r", layout="tokenized", tokenizer=other)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_parquet_and_datasets(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    scored_with(store, samples, demo_tokenizer_dir)
+    for fmt in ("jsonl", "parquet"):
+        export_dataset(store, tmp_path / f"t.{fmt}", "r", min_reward=0.0, layout="tokenized",
+                       tokenizer=demo_tokenizer_dir, fmt=fmt)
+    js = datasets.load_dataset("json", data_files=str(tmp_path / "t.jsonl"), split="train")
+    pq = datasets.load_dataset("parquet", data_files=str(tmp_path / "t.parquet"), split="train")
+    assert len(js) == len(pq) > 0
+    assert js["input_ids"] == pq["input_ids"] and js["labels"] == pq["labels"]
+    for a, b in zip(js["advantages"], pq["advantages"]):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_weights_in_messages(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path,
+                             runner, db_path: Path) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "w.jsonl"), "--min-reward", "0",
+                            "--weights-in-messages"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    export_dataset(store, tmp_path / "plain.jsonl", "r", min_reward=0.0)
+    for row, plain in zip(_rows(tmp_path / "w.jsonl"), _rows(tmp_path / "plain.jsonl"), strict=True):
+        weights = {i: m["weight"] for i, m in enumerate(row["messages"]) if "weight" in m}
+        assert weights == dict(zip(plain["step_message_indices"], plain["step_advantages"]))
+        assert [{k: v for k, v in m.items() if k != "weight"} for m in row["messages"]] == plain["messages"]
+    export_dataset(store, tmp_path / "w.parquet", "r", min_reward=0.0, layout="weights-in-messages", fmt="parquet")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "w.parquet").to_pylist()
+    got = [[m["weight"] for m in row["messages"]] for row in table]
+    want = [[m.get("weight") for m in row["messages"]] for row in _rows(tmp_path / "w.jsonl")]
+    assert got == want
+
+
+def test_cli_tokenized_needs_tokenizer(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path,
+                                       runner, db_path: Path) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "t.jsonl"), "--tokenized"])
+    assert r.exit_code == 1 and "--tokenizer" in r.output and "Traceback" not in r.output
+    r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "t.jsonl"), "--tokenized",
+                            "--tokenizer", str(demo_tokenizer_dir), "--min-reward", "0"])
+    assert r.exit_code == 0, r.output
+    assert "weighted step(s)" in r.output and (tmp_path / "t.jsonl").exists()
