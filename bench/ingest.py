@@ -123,41 +123,47 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per size (pairs with --baseline)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout measured (default: this one)")
     ap.add_argument("--baseline", type=Path, help="another checkout whose ingest runs paired with --tree")
+    ap.add_argument("--baseline-input", choices=("real", "synthetic"),
+                    help="pair with this tree ingesting the other kind of input instead")
     ap.add_argument("--profile", metavar="FILE", help="cProfile the (first) run of this tree to FILE")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child, args.profile)
         return
-    trees = {"this": args.tree.resolve()} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    writers = {"real": write_real_episodes, "synthetic": write_synthetic_episodes}
     for n in args.sizes:
         tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-ingest-"))
         try:
-            write = write_real_episodes if args.input == "real" else write_synthetic_episodes
-            size = write(tmp / "t", n)
-            print(f"{n} {args.input} episodes, {size / n / 1024:.0f} KB each on average")
-            rates: dict[str, list[float]] = {name: [] for name in trees}
-            ratios = []
+            cases = {"this": (args.tree.resolve(), tmp / args.input)}
+            if args.baseline:
+                cases["baseline"] = (args.baseline.resolve(), tmp / args.input)
+            elif args.baseline_input:
+                cases["baseline"] = (args.tree.resolve(), tmp / args.baseline_input)
+            for kind in {args.input, args.baseline_input} - {None}:
+                size = writers[kind](tmp / kind, n)
+                print(f"{n} {kind} episodes, {size / n / 1024:.0f} KB each on average")
+            runs: dict[str, list[dict]] = {name: [] for name in cases}
             for rep in range(args.repeat):
-                order = list(trees) if rep % 2 == 0 else list(reversed(trees))
-                pair = {}
+                order = list(cases) if rep % 2 == 0 else list(reversed(cases))
                 for name in order:
+                    tree, episodes = cases[name]
                     db = tmp / f"{name}-{rep}.db"
-                    r = run_child(trees[name], tmp / "t", db, args.profile if rep == 0 and name == "this" else None)
+                    r = run_child(tree, episodes, db, args.profile if rep == 0 and name == "this" else None)
                     db.unlink()
-                    pair[name] = r
-                    rates[name].append(r["episodes_per_s"])
+                    runs[name].append(r)
                     print(f"  run {rep + 1} {name:8s}: {r['episodes']} episodes ({r['steps']} steps) in "
                           f"{r['seconds']:.1f} s → {r['episodes_per_s']:.0f} episodes/s "
                           f"({r['episodes_per_cpu_s']:.0f} per CPU-second), peak RSS {r['peak_rss_mb']:.0f} MB, "
                           f"failed {r['failed']}")
-                if "baseline" in pair:
-                    ratios.append(pair["this"]["episodes_per_s"] / pair["baseline"]["episodes_per_s"])
-            for name, values in rates.items():
-                print(f"  {name} episodes/s: {_summary(values)}")
-            if ratios:
-                print(f"  this / baseline (paired): min ×{min(ratios):.2f} / median ×{statistics.median(ratios):.2f}"
-                      f" / max ×{max(ratios):.2f}")
+            for name, results in runs.items():
+                print(f"  {name} episodes/s: {_summary([r['episodes_per_s'] for r in results])}; per CPU-second: "
+                      f"{_summary([r['episodes_per_cpu_s'] for r in results])}")
+            if "baseline" in runs:
+                for key, what in (("episodes_per_s", "wall"), ("episodes_per_cpu_s", "CPU")):
+                    ratios = [a[key] / b[key] for a, b in zip(runs["this"], runs["baseline"])]
+                    print(f"  this / baseline (paired, {what}): min ×{min(ratios):.2f} / "
+                          f"median ×{statistics.median(ratios):.2f} / max ×{max(ratios):.2f}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print("budget (DESIGN.md §9): >= 100 episodes/s; peak RSS flat in the number of episodes")
