@@ -132,6 +132,7 @@ def main() -> None:
         child(*args.child, args.profile)
         return
     writers = {"real": write_real_episodes, "synthetic": write_synthetic_episodes}
+    peak_rss: list[float] = []
     for n in args.sizes:
         tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-ingest-"))
         try:
@@ -156,6 +157,7 @@ def main() -> None:
                           f"{r['seconds']:.1f} s → {r['episodes_per_s']:.0f} episodes/s "
                           f"({r['episodes_per_cpu_s']:.0f} per CPU-second), peak RSS {r['peak_rss_mb']:.0f} MB, "
                           f"failed {r['failed']}")
+            peak_rss.append(max(r["peak_rss_mb"] for r in runs["this"]))
             for name, results in runs.items():
                 print(f"  {name} episodes/s: {_summary([r['episodes_per_s'] for r in results])}; per CPU-second: "
                       f"{_summary([r['episodes_per_cpu_s'] for r in results])}")
@@ -166,6 +168,8 @@ def main() -> None:
                           f"median ×{statistics.median(ratios):.2f} / max ×{max(ratios):.2f}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if len(peak_rss) > 1:
+        print(f"peak RSS ratio {args.sizes[-1]}/{args.sizes[0]} episodes: {peak_rss[-1] / peak_rss[0]:.2f}")
     print("budget (DESIGN.md §9): >= 100 episodes/s; peak RSS flat in the number of episodes")
 
 
