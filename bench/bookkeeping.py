@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,8 @@ def main() -> None:
                     help="synthetic: thinking words added to every action")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=None, help="default: 32768 (real), 4096 (synthetic)")
+    ap.add_argument("--baseline-input", choices=("synthetic",),
+                    help="also pair with the old synthetic ~4k-id requests (7 episodes of 15 steps per --episodes)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="bookkeeping runs, each paired with a stdlib-json run (alternating order)")
     ap.add_argument("--max-logprob-tokens", type=int, default=2048)
@@ -251,23 +254,41 @@ def main() -> None:
         runs["end_to_end"] = _timed_run(store, prep, options, timers)
     # The same run again with every prompt built beforehand: claim → request → verify →
     # commit only (client-side preparation has its own budget, bench/prep.py).
-    prebuilt = _prebuild(store, prep.builder)
-    prep.builder = _PrebuiltBuilder(prebuilt)
-    pairs: dict[str, list[dict[str, Any]]] = {"bookkeeping": [], "bookkeeping_stdlib_json": []}
+    prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder))
+    cases: dict[str, tuple[Any, Any, bool]] = {"bookkeeping": (store, prep, False),
+                                               "bookkeeping_stdlib_json": (store, prep, True)}
+    if args.baseline_input == "synthetic":
+        # The old bench's ~4k-id requests, same code and server, paired in the same process.
+        write_long_episodes(tmp / "synthetic", max(args.episodes * 7, 1), words_per_action=args.words_per_action,
+                            steps_per_subtask=args.steps_per_subtask)
+        store2 = Store.open(str(tmp / "synthetic.db"))
+        ingest(store2, [tmp / "synthetic"])
+        prep2 = prepare(store2, replace(cfg, max_context=4096))
+        prep2.builder = _PrebuiltBuilder(_prebuild(store2, prep2.builder))
+        cases["bookkeeping_synthetic_4k"] = (store2, prep2, False)
+    pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for rep in range(args.repeat):
-        order = list(pairs) if rep % 2 == 0 else list(reversed(pairs))
+        order = list(cases) if rep % 2 == 0 else list(reversed(cases))
         for mode in order:
-            _reset_scorer(store, prep.scorer_id)
-            with _json_codec(stdlib=mode.endswith("stdlib_json")):
+            case_store, case_prep, stdlib = cases[mode]
+            _reset_scorer(case_store, case_prep.scorer_id)
+            with _json_codec(stdlib=stdlib):
                 profile = args.profile if (rep == 0 and mode == "bookkeeping") else None
-                pairs[mode].append(_timed_run(store, prep, options, timers, profile=profile))
+                pairs[mode].append(_timed_run(case_store, case_prep, options, timers, profile=profile))
     for mode, results in pairs.items():
         for rep, result in enumerate(results):
             runs[f"{mode}#{rep + 1}"] = result
-    ratios = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"],
-                                                                 pairs["bookkeeping_stdlib_json"])]
     summary = {mode: _min_med_max([r["steps_per_s"] for r in results]) for mode, results in pairs.items()}
-    summary["orjson_over_stdlib"] = _min_med_max(ratios)
+    summary.update({f"{mode}_client_cpu_ms_per_step": _min_med_max(
+        [1000 * r["client_cpu_s"] / max(r["steps"], 1) for r in results]) for mode, results in pairs.items()})
+    summary["orjson_over_stdlib"] = _min_med_max(
+        [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])])
+    if "bookkeeping_synthetic_4k" in pairs:
+        summary["client_cpu_real_over_synthetic_4k"] = _min_med_max(
+            [(a["client_cpu_s"] / a["steps"]) / (b["client_cpu_s"] / b["steps"])
+             for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_synthetic_4k"])])
+    if "bookkeeping_synthetic_4k" in cases:
+        cases["bookkeeping_synthetic_4k"][0].close()
 
     if args.workers:
         runs[f"workers_{args.workers}"] = _run_workers(store, prep, options, args.workers)
@@ -292,7 +313,8 @@ def main() -> None:
     for mode, run in runs.items():
         label = {"end_to_end": "end to end (prompts built during the run)",
                  "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
-                 "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)"}.get(
+                 "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
+                 "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)"}.get(
             mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
         if "#" in mode:
             label += f", run {mode.split('#')[1]}"
@@ -304,9 +326,9 @@ def main() -> None:
             print(f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
                   f"  ({run['parts_calls'][name]} calls)")
     for mode, (lo, med, hi) in summary.items():
-        unit = "×" if mode == "orjson_over_stdlib" else ""
+        unit = "×" if "_over_" in mode else ""
         print(f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
-              + ("" if unit else " steps/s"))
+              + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s"))
     print("budget (DESIGN.md §9): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
 
 
@@ -374,7 +396,6 @@ def _worker(url: str, prep: Any, options: Any, out: Any) -> None:
 
 def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
     """N processes on one queue; wall time from the first start to the last exit."""
-    from dataclasses import replace
 
     _reset_scorer(store, prep.scorer_id)
     store.engine.dispose()  # forked children must not inherit open database connections
