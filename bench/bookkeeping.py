@@ -1,18 +1,24 @@
 """Benchmark: scoring bookkeeping (claim → build prompt → request → verify → commit) in
 steps/s against a zero-latency server (budget: ≥ 500 steps/s, DESIGN.md §9).
 
-    python bench/bookkeeping.py --episodes 20
-    python bench/bookkeeping.py --episodes 20 --db postgresql://postgres@127.0.0.1:5432/postgres
-    python bench/bookkeeping.py --episodes 40 --workers 4 --db postgresql://…   # + N worker processes
+    python bench/bookkeeping.py --episodes 6 --repeat 3
+    python bench/bookkeeping.py --episodes 6 --db postgresql://postgres@127.0.0.1:5432/postgres
+    python bench/bookkeeping.py --episodes 6 --workers 4 --db postgresql://…   # + N worker processes
 
 The server is a raw-asyncio HTTP/1.1 server in a child process (its own core): it answers
 ``/generate`` at once with correctly shaped ``input_token_logprobs`` echoing the sent ids
-(value -0.5), so everything measured is the client. Synthetic episodes have long assistant
-turns, so every step's scored span is ``--max-logprob-tokens`` (2048) tokens. The real
-Scheduler runs through ``scoring.prepare`` / ``run_scoring``; the time inside prompt
-building, the HTTP round trip (+ verification) and the database is measured by wrapping
-those calls (they overlap across the ``--concurrency`` workers, so they are shares of work,
-not of wall time).
+(value -0.5), so everything measured is the client. Inputs (``--input``):
+  real       (default) copies of the long real-format samples (bench/ingest.py: ~100 steps,
+             ~90k tokens per episode), scored at max_context 32768, so requests carry
+             20–27k ids as in production;
+  synthetic  the older 15-step synthetic episodes with long thinking, at max_context 4096
+             (~4k-id requests; every scored span 2048 tokens).
+The bookkeeping-only run is repeated ``--repeat`` times, each time paired with the same run
+with request and response bodies through the stdlib ``json`` (the baseline the orjson path
+replaces), alternating which goes first. The real Scheduler runs through
+``scoring.prepare`` / ``run_scoring``; the time inside prompt building, the HTTP round trip
+(+ verification) and the database is measured by wrapping those calls (they overlap across
+the ``--concurrency`` workers, so they are shares of work, not of wall time).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import json
 import multiprocessing
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +58,6 @@ QWEN3 = REPO.parent / "shared" / "tokenizers" / "qwen3"
 # --------------------------------------------------------------------------- the zero-latency server
 
 
-_CACHE: dict[bytes, bytes] = {}  # request body without its rid -> response: repeated prompts cost nothing
-
-
 async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: bytes) -> None:
     try:
         while True:
@@ -64,11 +69,7 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                 if line[:15].lower() == b"content-length:":
                     length = int(line[15:])
             body = await reader.readexactly(length) if length else b""
-            cut = body.rfind(b',"rid"')
-            key = body[:cut] if cut > 0 else None
-            if path.startswith(b"/generate") and key in _CACHE:
-                out = _CACHE[key]
-            elif path.startswith(b"/generate"):
+            if path.startswith(b"/generate"):
                 req = _loads(body)
                 ids = req["input_ids"]
                 start = req["logprob_start_len"]
@@ -77,8 +78,6 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                     "id": req.get("rid"), "finish_reason": {"type": "length", "length": 0},
                     "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
                     "input_token_logprobs": entries, "output_token_logprobs": []}})
-                if key is not None:
-                    _CACHE[key] = out
             elif path.startswith(b"/model_info") or path.startswith(b"/server_info"):
                 out = info
             else:
@@ -168,11 +167,17 @@ class Timers:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--episodes", type=int, default=20)
-    ap.add_argument("--steps-per-subtask", type=int, default=1, help="15 steps per episode with 1")
-    ap.add_argument("--words-per-action", type=int, default=2300, help="thinking words added to every action")
+    ap.add_argument("--episodes", type=int, default=6)
+    ap.add_argument("--input", choices=("real", "synthetic"), default="real")
+    ap.add_argument("--steps-per-subtask", type=int, default=1, help="synthetic: 15 steps per episode with 1")
+    ap.add_argument("--words-per-action", type=int, default=2300,
+                    help="synthetic: thinking words added to every action")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--max-context", type=int, default=None, help="default: 32768 (real), 4096 (synthetic)")
+    ap.add_argument("--baseline-input", choices=("synthetic",),
+                    help="also pair with the old synthetic ~4k-id requests (7 episodes of 15 steps per --episodes)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="bookkeeping runs, each paired with a stdlib-json run (alternating order)")
     ap.add_argument("--max-logprob-tokens", type=int, default=2048)
     ap.add_argument("--tokenizer", default=str(QWEN3) if QWEN3.is_dir() else None,
                     help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)")
@@ -184,6 +189,8 @@ def main() -> None:
                     help="also run bookkeeping with N separate worker processes sharing the queue")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.max_context is None:
+        args.max_context = 32768 if args.input == "real" else 4096
 
     from sqlalchemy import text
 
@@ -193,7 +200,7 @@ def main() -> None:
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.scoring.prompts import PromptBuilder
     from hcapo_store.scoring.runner import RunOptions
-    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.job import ScoreConfig, prepare
     from hcapo_store.storage.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-bookkeeping-"))
@@ -213,8 +220,14 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
 
     t = time.perf_counter()
-    write_long_episodes(tmp / "episodes", args.episodes, words_per_action=args.words_per_action,
-                        steps_per_subtask=args.steps_per_subtask)
+    if args.input == "real":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from ingest import write_real_episodes
+
+        write_real_episodes(tmp / "episodes", args.episodes)
+    else:
+        write_long_episodes(tmp / "episodes", args.episodes, words_per_action=args.words_per_action,
+                            steps_per_subtask=args.steps_per_subtask)
     store = Store.open(args.db or str(tmp / "bench.db"))
     report = ingest(store, [tmp / "episodes"])
     setup_s = time.perf_counter() - t
@@ -236,35 +249,46 @@ def main() -> None:
         timers.wrap_sync(scheduler_mod.Scheduler, "_flush", "flush (commit + progress)")
 
     options = RunOptions(concurrency=args.concurrency)
-    runs = {}
-    for mode in (("bookkeeping",) if args.only_bookkeeping else ("end_to_end", "bookkeeping")):
-        if mode == "bookkeeping":
-            # The same run again with every prompt built beforehand: claim → request →
-            # verify → commit only (client-side preparation has its own budget, bench/prep.py).
-            prebuilt = _prebuild(store, prep.builder)
-            _reset_scorer(store, prep.scorer_id)
-            prep.builder = _PrebuiltBuilder(prebuilt)
-        timers.seconds.clear()
-        timers.calls.clear()
-        if args.profile and mode == "bookkeeping":
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-        t, cpu = time.perf_counter(), time.process_time()
-        result = run_scoring(store, prep, options)
-        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-        if args.profile and mode == "bookkeeping":
-            profiler.disable()
-            profiler.dump_stats(args.profile)
-        runs[mode] = {
-            "steps": result.scored, "failed": result.failed, "wall_s": round(wall, 3),
-            "steps_per_s": round(result.scored / wall, 1) if wall else 0.0,
-            # The client's own CPU time (all threads): what it could sustain on a free core.
-            "client_cpu_s": round(cpu, 3), "steps_per_client_cpu_s": round(result.scored / cpu, 1) if cpu else 0.0,
-            "parts_s": {k: round(v, 3) for k, v in timers.seconds.items()},
-            "parts_calls": dict(timers.calls),
-        }
+    runs: dict[str, Any] = {}
+    if not args.only_bookkeeping:
+        runs["end_to_end"] = _timed_run(store, prep, options, timers)
+    # The same run again with every prompt built beforehand: claim → request → verify →
+    # commit only (client-side preparation has its own budget, bench/prep.py).
+    prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder))
+    cases: dict[str, tuple[Any, Any, bool]] = {"bookkeeping": (store, prep, False),
+                                               "bookkeeping_stdlib_json": (store, prep, True)}
+    if args.baseline_input == "synthetic":
+        # The old bench's ~4k-id requests, same code and server, paired in the same process.
+        write_long_episodes(tmp / "synthetic", max(args.episodes * 7, 1), words_per_action=args.words_per_action,
+                            steps_per_subtask=args.steps_per_subtask)
+        store2 = Store.open(str(tmp / "synthetic.db"))
+        ingest(store2, [tmp / "synthetic"])
+        prep2 = prepare(store2, replace(cfg, max_context=4096))
+        prep2.builder = _PrebuiltBuilder(_prebuild(store2, prep2.builder))
+        cases["bookkeeping_synthetic_4k"] = (store2, prep2, False)
+    pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    for rep in range(args.repeat):
+        order = list(cases) if rep % 2 == 0 else list(reversed(cases))
+        for mode in order:
+            case_store, case_prep, stdlib = cases[mode]
+            _reset_scorer(case_store, case_prep.scorer_id)
+            with _json_codec(stdlib=stdlib):
+                profile = args.profile if (rep == 0 and mode == "bookkeeping") else None
+                pairs[mode].append(_timed_run(case_store, case_prep, options, timers, profile=profile))
+    for mode, results in pairs.items():
+        for rep, result in enumerate(results):
+            runs[f"{mode}#{rep + 1}"] = result
+    summary = {mode: _min_med_max([r["steps_per_s"] for r in results]) for mode, results in pairs.items()}
+    summary.update({f"{mode}_client_cpu_ms_per_step": _min_med_max(
+        [1000 * r["client_cpu_s"] / max(r["steps"], 1) for r in results]) for mode, results in pairs.items()})
+    summary["orjson_over_stdlib"] = _min_med_max(
+        [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])])
+    if "bookkeeping_synthetic_4k" in pairs:
+        summary["client_cpu_real_over_synthetic_4k"] = _min_med_max(
+            [(a["client_cpu_s"] / a["steps"]) / (b["client_cpu_s"] / b["steps"])
+             for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_synthetic_4k"])])
+    if "bookkeeping_synthetic_4k" in cases:
+        cases["bookkeeping_synthetic_4k"][0].close()
 
     if args.workers:
         runs[f"workers_{args.workers}"] = _run_workers(store, prep, options, args.workers)
@@ -279,7 +303,7 @@ def main() -> None:
         "episodes": args.episodes, "concurrency": args.concurrency, "db": store.display,
         "min_scored_tokens": tokens[0], "mean_scored_tokens": float(tokens[1] or 0),
         "mean_input_tokens": float(tokens[2] or 0), "budget_steps_per_s": 500, "setup_s": round(setup_s, 2),
-        "ingested": report.new, "timing_hooks": not args.no_timers, **runs,
+        "ingested": report.new, "timing_hooks": not args.no_timers, **runs, "summary": summary,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -288,8 +312,12 @@ def main() -> None:
           f"mean input {out['mean_input_tokens']:.0f} tokens, concurrency {args.concurrency}, {out['db']}")
     for mode, run in runs.items():
         label = {"end_to_end": "end to end (prompts built during the run)",
-                 "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit"}.get(
-            mode, f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
+                 "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
+                 "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
+                 "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)"}.get(
+            mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
+        if "#" in mode:
+            label += f", run {mode.split('#')[1]}"
         print(f"{label}: {run['steps']} steps ({run['failed']} failed) in {run['wall_s']:.2f} s → "
               f"{run['steps_per_s']:.0f} steps/s; client CPU {run['client_cpu_s']:.2f} s → "
               f"{run['steps_per_client_cpu_s']:.0f} steps per CPU-second"
@@ -297,7 +325,61 @@ def main() -> None:
         for name, seconds in sorted(run["parts_s"].items(), key=lambda kv: -kv[1]):
             print(f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
                   f"  ({run['parts_calls'][name]} calls)")
+    for mode, (lo, med, hi) in summary.items():
+        unit = "×" if "_over_" in mode else ""
+        print(f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
+              + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s"))
     print("budget (DESIGN.md §9): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
+
+
+def _min_med_max(values: list[float]) -> tuple[float, float, float]:
+    return (min(values), statistics.median(values), max(values)) if values else (0.0, 0.0, 0.0)
+
+
+class _json_codec:
+    """Within the block, HttpClient encodes and decodes bodies with the stdlib json."""
+
+    def __init__(self, *, stdlib: bool) -> None:
+        self.stdlib = stdlib
+
+    def __enter__(self) -> None:
+        from hcapo_store.scoring.backends import http
+
+        self.saved = http.orjson
+        if self.stdlib:
+            http.orjson = None
+
+    def __exit__(self, *exc: object) -> None:
+        from hcapo_store.scoring.backends import http
+
+        http.orjson = self.saved
+
+
+def _timed_run(store: Any, prep: Any, options: Any, timers: Timers, *, profile: str | None = None) -> dict[str, Any]:
+    from hcapo_store.scoring.job import run_scoring
+
+    timers.seconds.clear()
+    timers.calls.clear()
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile(time.process_time)  # CPU shares: waiting on the server is not cost
+        profiler.enable()
+    t, cpu = time.perf_counter(), time.process_time()
+    result = run_scoring(store, prep, options)
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    return {
+        "steps": result.scored, "failed": result.failed, "wall_s": round(wall, 3),
+        "steps_per_s": round(result.scored / wall, 1) if wall else 0.0,
+        # The client's own CPU time (all threads): what it could sustain on a free core.
+        "client_cpu_s": round(cpu, 3), "steps_per_client_cpu_s": round(result.scored / cpu, 1) if cpu else 0.0,
+        "parts_s": {k: round(v, 3) for k, v in timers.seconds.items()},
+        "parts_calls": dict(timers.calls),
+    }
 
 
 def _worker(url: str, prep: Any, options: Any, out: Any) -> None:
@@ -314,7 +396,6 @@ def _worker(url: str, prep: Any, options: Any, out: Any) -> None:
 
 def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
     """N processes on one queue; wall time from the first start to the last exit."""
-    from dataclasses import replace
 
     _reset_scorer(store, prep.scorer_id)
     store.engine.dispose()  # forked children must not inherit open database connections

@@ -1,23 +1,33 @@
 """Client-side preparation benchmark: the original `_build_prompt_pair` loop vs PromptBuilder.
 
-    python bench/prep.py --tokenizer /work/shared/tokenizers/qwen3 --episodes 2
+    python bench/prep.py --tokenizer ../shared/tokenizers/qwen3 --episodes 2 --repeat 3 [--grouped]
 
-Builds synthetic 100-step agent episodes (~85k tokens with Qwen3), then times per step
+Inputs (``--input``): ``real`` (default) copies of the long real-format samples
+(bench/ingest.py; ~100 steps, ~90k tokens each), ingested into a temporary store and loaded
+back from it, as ``score`` does; ``synthetic`` the older generated episodes. Times per step
 (a) a faithful re-implementation of the original scorer's preparation
 (`map_steps_to_subtasks` walk, `build_hindsight_info`, `_build_prompt_pair` with its
-render/encode of prefix and full text and its decode/re-encode truncation) and
-(b) `PromptBuilder.build_episode`, in the same process, and checks that both produce the
-same token ids and span wherever the original is correct (no truncation, aligned prefix).
+render/encode of prefix and full text and its decode/re-encode truncation) on the
+original's inputs (its loader never kept thinking, FORMATS-ORIGIN Q2), and
+(b) `PromptBuilder.build_episode` as deployed (thinking kept, plan from the store) and on
+the original's inputs, in the same process, after one unmeasured warm-up of each, in
+alternating order, ``--repeat`` times. Checks that the original and ours produce the same
+token ids and span on the same inputs wherever the original is correct (no truncation,
+aligned prefix). ``--grouped`` also times prompt building plus request grouping
+(``scoring.grouping``) where this branch has it, and says so where it does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -294,15 +304,143 @@ def compare(tokenizer: Any, original: list[dict], ours: list[StepPrompt | Prompt
     return counts
 
 
+# --------------------------------------------------------------------------- real-shaped inputs
+
+
+def stored_episodes(root: Path, include_thinking: bool) -> list[tuple[dict[str, Any], list[Any]]]:
+    """Ingest the episode directories under root; load them back as ``score`` does.
+
+    Returns per episode the original's episode dict (messages + outcome) and our steps."""
+    from sqlalchemy import text
+
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.storage.episodes import load_episode
+    from hcapo_store.storage.store import Store
+
+    db = root.parent / f"prep-{'thinking' if include_thinking else 'original'}.db"
+    store = Store.open(str(db))
+    ingest(store, [root], options=ConvertOptions(include_thinking=include_thinking))
+    out = []
+    with store.engine.connect() as conn:
+        for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id")).all():
+            ep = load_episode(conn, episode_id)
+            o = ep.outcome
+            episode = {"messages": ep.messages, "reward": o.reward, "phase": o.phase or "?",
+                       "plan_score": o.plan_score or 0, "plan": o.plan, "frozen_scores": o.frozen_scores}
+            out.append((episode, list(ep.steps)))
+    store.close()
+    return out
+
+
+def _grouping() -> Any:
+    try:
+        return importlib.import_module("hcapo_store.scoring.grouping")
+    except ImportError:
+        return None
+
+
+def time_ours(builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]],
+              grouped: bool = False) -> tuple[float, list[list[Any]]]:
+    """ms per step of build_episode (+ grouping), and the prompts (or groups) built."""
+    grouping = _grouping() if grouped else None
+    built, steps, start = [], 0, time.perf_counter()
+    for episode, ep_steps in inputs:
+        prompts = builder.build_episode(episode["messages"], episode, ep_steps)
+        built.append(grouping.group_prompts(prompts, grouping="grouped") if grouping else prompts)
+        steps += len(ep_steps)
+    return (time.perf_counter() - start) * 1000 / steps, built
+
+
+def time_original(tokenizer: Any, inputs: list[tuple[dict[str, Any], list[Any]]], max_context: int,
+                  max_logprob_tokens: int) -> tuple[float, list[list[dict]]]:
+    built, steps, start = [], 0, time.perf_counter()
+    for episode, _ in inputs:
+        built.append(run_original(tokenizer, episode, max_context, max_logprob_tokens))
+        steps += len(built[-1])
+    return (time.perf_counter() - start) * 1000 / steps, built
+
+
+def _mmm(values: list[float], unit: str = "") -> str:
+    return (f"min {unit}{min(values):.2f} / median {unit}{statistics.median(values):.2f} / "
+            f"max {unit}{max(values):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory (e.g. Qwen3)")
+    parser.add_argument("--input", choices=("real", "synthetic"), default="real")
     parser.add_argument("--episodes", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="synthetic episodes only")
+    parser.add_argument("--repeat", type=int, default=3, help="paired rounds (alternating order)")
+    parser.add_argument("--grouped", action="store_true", help="also time prompts + request grouping")
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--max-logprob-tokens", type=int, default=2048)
     args = parser.parse_args()
+    if args.input == "synthetic":
+        return main_synthetic(args)
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ingest import write_real_episodes
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-prep-"))
+    try:
+        write_real_episodes(tmp / "episodes", args.episodes)
+        deployed = stored_episodes(tmp / "episodes", include_thinking=True)
+        original_inputs = stored_episodes(tmp / "episodes", include_thinking=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    builder = PromptBuilder(tokenizer, max_context=args.max_context, max_logprob_tokens=args.max_logprob_tokens)
+    print(f"fast path: {builder.encoder.fast_path_off_reason or 'on'}")
+    for name, inputs in (("deployed (thinking kept)", deployed), ("original's inputs", original_inputs)):
+        sizes = [len(tokenizer.encode(tokenizer.apply_chat_template(e["messages"], tokenize=False),
+                                      add_special_tokens=False)) for e, _ in inputs]
+        print(f"{name}: {len(inputs)} episodes, steps {[len(s) for _, s in inputs]}, tokens {sizes}")
+
+    cases = {
+        "original": lambda: time_original(tokenizer, original_inputs, args.max_context, args.max_logprob_tokens),
+        "ours_deployed": lambda: time_ours(builder, deployed),
+        "ours_original_inputs": lambda: time_ours(builder, original_inputs),
+    }
+    if args.grouped:
+        if _grouping() is None:
+            print("--grouped: skipped, this branch has no hcapo_store.scoring.grouping")
+        else:
+            cases["ours_deployed_grouped"] = lambda: time_ours(builder, deployed, grouped=True)
+    results = {name: case() for name, case in cases.items()}  # warm-up (template compile, caches)
+    _report_identity(tokenizer, results["original"][1], results["ours_original_inputs"][1])
+    if "ours_deployed_grouped" in results:
+        groups = [g for ep in results["ours_deployed_grouped"][1] for g in ep]
+        steps = sum(len(s) for _, s in deployed)
+        print(f"grouped: {len(groups)} requests for {steps} steps")
+    ms: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(args.repeat):
+        order = list(cases) if rep % 2 == 0 else list(reversed(cases))
+        for name in order:
+            ms[name].append(cases[name]()[0])
+        print(f"round {rep + 1} ({' → '.join(order)}): " + ", ".join(f"{n} {ms[n][-1]:.2f}" for n in cases)
+              + " ms/step")
+    for name, values in ms.items():
+        print(f"{name}: {_mmm(values)} ms/step")
+    for name in cases:
+        if name != "original":
+            ratios = [o / m for o, m in zip(ms["original"], ms[name])]
+            print(f"speed-up original / {name} (paired): {_mmm(ratios, '×')}")
+    print("budget (DESIGN.md §9): >= 20x per step vs the original, same token ids")
+
+
+def _report_identity(tokenizer: Any, originals: list[list[dict]], ours: list[list[Any]]) -> None:
+    for i, (orig, mine) in enumerate(zip(originals, ours)):
+        by_index = {p.step_index: p for p in mine}
+        if len(orig) != len(mine):
+            print(f"episode {i}: original {len(orig)} steps, ours {len(mine)}")
+        aligned = [by_index[o["step"]] for o in orig if o["step"] in by_index]
+        print(f"episode {i}: {compare(tokenizer, orig, aligned)}")
+
+
+def main_synthetic(args: argparse.Namespace) -> None:
+    """The older single-pass synthetic run (both on the same generated messages)."""
     tokenizer = load_tokenizer(args.tokenizer)
     episodes = [synthetic_episode(seed, args.steps) for seed in range(args.episodes)]
     # The original runs first: PromptBuilder memoizes the shared template's sandbox checks,

@@ -1,0 +1,43 @@
+"""The benchmarks' real-shaped inputs: copies of the long real-format samples that ingest
+as new episodes (new ids, new hashes) and keep the samples' shape. No timing here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from hcapo_store.ingestion.pipeline import ingest
+
+BENCH_INGEST = Path(__file__).resolve().parent.parent / "bench" / "ingest.py"
+
+
+def _bench_ingest():
+    spec = importlib.util.spec_from_file_location("bench_ingest", BENCH_INGEST)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_real_shaped_copies_ingest_as_new_episodes_of_the_samples_size(tmp_path, store):
+    bench = _bench_ingest()
+    if not bench.SAMPLES.is_dir():
+        pytest.skip(f"no long samples at {bench.SAMPLES}")
+    samples = sorted(p for p in bench.SAMPLES.iterdir() if (p / "pi_session.jsonl").is_file())
+    n = 2 * len(samples) + 1
+    total = bench.write_real_episodes(tmp_path / "eps", n)
+
+    report = ingest(store, [tmp_path / "eps"])
+    assert (report.new, report.failed) == (n, 0)
+    with store.engine.connect() as conn:
+        hashes = conn.execute(text("SELECT COUNT(DISTINCT content_hash) FROM episodes")).scalar_one()
+        steps = conn.execute(text("SELECT num_steps FROM episodes ORDER BY id")).scalars().all()
+    assert hashes == n
+    # Round robin over the samples: copy i has the size and the steps of sample i % len.
+    sizes = [(p / "pi_session.jsonl").stat().st_size for p in samples]
+    written = [(tmp_path / "eps" / f"episode_{i:05d}" / "pi_session.jsonl").stat().st_size for i in range(n)]
+    assert all(abs(w - sizes[i % len(samples)]) < 64 for i, w in enumerate(written))
+    assert steps[: len(samples)] == steps[len(samples): 2 * len(samples)]
+    assert total >= sum(written)
