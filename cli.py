@@ -254,11 +254,14 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
 @click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
               help="1 for old SGLang servers that mishandle prefill-only requests.")
+@click.option("--grouping", type=click.Choice(["grouped", "per-step"]), default="grouped", show_default=True,
+              help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
+                   "one request; per-step: one request per step. Same results either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
           hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, as_json) -> None:
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, grouping, as_json) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -282,11 +285,11 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     prep = prepare(store, cfg)
     filters = Filters(episodes=tuple(episodes), min_reward=min_reward)
     if dry_run:
-        result = run_dry(store, prep, filters, limit)
+        result = run_dry(store, prep, filters, limit, grouping=grouping)
         _echo_json(result.__dict__) if as_json else click.echo(result.summary())
         return
     options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
-                         filters=filters, limit=limit, worker_id=worker_id)
+                         filters=filters, limit=limit, worker_id=worker_id, grouping=grouping)
     with Progress("score", enabled=not as_json, unit="steps") as progress:
         def on_progress(report) -> None:
             if progress.total is None and report.planned:

@@ -15,6 +15,7 @@ from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
                                  PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
+from hcapo_store.scoring.grouping import Grouping, group_prompts
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_label
 from hcapo_store.ingestion.sources import ConvertOptions
@@ -130,18 +131,21 @@ class DryRun:
     label: str
     steps: int
     episodes: int
+    requests: int
     prompt_tokens: int
     scored_tokens: int
     prompt_failures: int
 
     def summary(self) -> str:
         return (f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
-                f"{self.episodes} episode(s) to score, {self.prompt_tokens} prompt tokens "
-                f"({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); nothing was sent")
+                f"{self.episodes} episode(s) to score, {self.requests} request(s) of {self.prompt_tokens} "
+                f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
+                "nothing was sent")
 
 
-def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None) -> DryRun:
-    """Count the steps and prompt tokens a run would send; writes nothing, calls nothing."""
+def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None, *,
+            grouping: Grouping = "grouped") -> DryRun:
+    """Count the steps, requests and prompt tokens a run would send; writes nothing, calls nothing."""
     conv = prep.spec["conversion"]
     rows = work_queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                                 max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
@@ -149,17 +153,20 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
             by_episode.setdefault(ep, set()).add(idx)
-        tokens = scored = failures = 0
+        requests = tokens = scored = failures = 0
         for ep, wanted in by_episode.items():
             episode = load_episode(conn, ep)
-            for p in prep.builder.build_episode(episode.messages, episode.outcome,
-                                                [s for s in episode.steps if s.step_index in wanted]):
-                if isinstance(p, PromptFailure):
+            prompts = prep.builder.build_episode(episode.messages, episode.outcome,
+                                                 [s for s in episode.steps if s.step_index in wanted])
+            for r in group_prompts(prompts, grouping=grouping, max_tokens=prep.builder.max_context):
+                if isinstance(r, PromptFailure):
                     failures += 1
                 else:
-                    tokens += len(p.input_ids)
-                    scored += p.scored_tokens
-    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), tokens, scored, failures)
+                    requests += 1
+                    tokens += len(r.input_ids)
+                    scored += sum(m.scored_tokens for m in r.members)
+    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), requests, tokens, scored,
+                  failures)
 
 
 def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,

@@ -29,6 +29,7 @@ from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.clock import utcnow
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError
+from hcapo_store.scoring.grouping import GroupPrompt, Grouping, group_prompts
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 from hcapo_store.storage.store import Store
 
@@ -55,6 +56,7 @@ class RunOptions:
     worker_id: str | None = None
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
+    grouping: Grouping = "grouped"  # steps whose prompts are exact prefixes share one request
 
 
 @dataclass
@@ -184,15 +186,18 @@ class Scheduler:
 
     async def _score_episode(self, claim: work_queue.Claim) -> None:
         prompts = await asyncio.to_thread(self._prompts_for, claim)
-        for lease in claim.leases:
+        leases = {lease.step_index: lease for lease in claim.leases}
+        requests = group_prompts([prompts[lease.step_index] for lease in claim.leases],
+                                 grouping=self.options.grouping, max_tokens=self.builder.max_context)
+        for request in requests:
             if self._stopping.is_set():
                 return  # unstarted leases are released at the end
-            prompt = prompts[lease.step_index]
-            if isinstance(prompt, PromptFailure):
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=prompt.reason,
-                                           error=prompt.message, final=True))
+            if isinstance(request, PromptFailure):
+                lease = leases[request.step_index]
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=request.reason,
+                                           error=request.message, final=True))
                 continue
-            await self._score_step(lease, prompt)
+            await self._score_request([leases[m.step_index] for m in request.members], request)
 
     def _prompts_for(self, claim: work_queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
         with self.store.engine.connect() as conn:
@@ -203,27 +208,40 @@ class Scheduler:
             built = self.builder.build_episode(episode.messages, episode.outcome, steps)
         return {p.step_index: p for p in built}
 
-    async def _score_step(self, lease: work_queue.Lease, prompt: StepPrompt) -> None:
-        attempt = lease.attempt_count
+    async def _request(self, group: GroupPrompt) -> list[BackendScore]:
+        """One request for the group (a lone step goes through ``score`` exactly as before)."""
+        if len(group.members) == 1:
+            results = [await self.backend.score(group.members[0])]
+        else:
+            results = await self.backend.score_group(group)
+        for prompt, result in zip(group.members, results, strict=True):
+            if len(result.logprobs) != prompt.scored_tokens:
+                raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
+                                     f"{prompt.scored_tokens} scored tokens", retryable=False)
+        return results
+
+    async def _score_request(self, leases: list[work_queue.Lease], group: GroupPrompt) -> None:
+        """Score one request's steps; every attempt's outcome is recorded for each of them."""
+        attempt = max(lease.attempt_count for lease in leases)
         while True:
             attempt += 1
             try:
-                result = await self.backend.score(prompt)
-                if len(result.logprobs) != prompt.scored_tokens:
-                    raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
-                                         f"{prompt.scored_tokens} scored tokens", retryable=False)
+                results = await self._request(group)
             except InferenceError as exc:
                 final = not exc.retryable or attempt >= self.options.max_attempts
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
-                                           error=str(exc)[:2000], final=final))
+                for lease in leases:
+                    self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
+                                                       error=str(exc)[:2000], final=final))
                 if final or self._stopping.is_set():
                     return
-                self.report.retried += 1
+                self.report.retried += len(leases)
                 await asyncio.sleep(backoff_delay(attempt, base=self.options.backoff_base,
                                                   cap=self.options.backoff_cap, retry_after=exc.retry_after))
                 continue
-            self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result)))
-            self._pending_tokens += len(prompt.input_ids)
+            for lease, prompt, result in zip(leases, group.members, results):
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id,
+                                                   score_row=score_row(prompt, result)))
+            self._pending_tokens += len(group.input_ids)
             return
 
     # -- the single writer -------------------------------------------------------

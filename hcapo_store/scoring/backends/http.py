@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 
 from hcapo_store.errors import InferenceError
+from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.grouping import GroupPrompt, split_score
 
 try:  # optional: 3-4x faster than json on the large id lists and logprob arrays
     import orjson
@@ -117,3 +119,9 @@ class HttpBackend:
             if not exc.kind.startswith("http_4"):
                 raise
             return None
+
+    async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
+        """One request from the first member's first scored token to the end (SGLang:
+        ``logprob_start_len`` one before it; vLLM returns every position anyway). Every
+        position is verified as for one step, then each member keeps its own span."""
+        return split_score(group, await self.score(group.as_prompt()))  # type: ignore[attr-defined]
