@@ -84,6 +84,16 @@ def request_key(prompt: Any) -> str:
     return input_key(prompt.input_ids, prompt.first_scored)
 
 
+def steps_covered(requests: Sequence[tuple[Sequence[int], int]], prompts: Mapping[Any, Any]) -> Counter:
+    """Per step key, how many of the requests ``(input_ids, first_scored)`` scored that step:
+    the step's ids are a prefix of the request's and its scored span lies inside the request's."""
+    out: Counter = Counter()
+    for key, p in prompts.items():
+        n, ids = len(p.input_ids), tuple(p.input_ids)
+        out[key] = sum(1 for r_ids, first in requests if first <= p.first_scored and tuple(r_ids[:n]) == ids)
+    return out
+
+
 def no_faults(key: str, n: int) -> None:
     return None
 
@@ -161,13 +171,8 @@ class FaultServer(BackgroundHTTPServer):
         its ids are a prefix of the request's and its scored span inside the request's.
         ``answered``: only requests that got a correct answer."""
         with self._lock:
-            entries = [e for e in self.log if e.fault is None or not answered]
-        out: Counter = Counter()
-        for key, p in prompts.items():
-            n = len(p.input_ids)
-            ids = tuple(p.input_ids)
-            out[key] = sum(1 for e in entries if e.first_scored <= p.first_scored and e.ids[:n] == ids)
-        return out
+            entries = [(e.ids, e.first_scored) for e in self.log if e.fault is None or not answered]
+        return steps_covered(entries, prompts)
 
     def _arrive(self, ids: Any, start: Any) -> tuple[str, str | None]:
         valid = isinstance(ids, list) and ids and isinstance(ids[0], int) and isinstance(start, int)
