@@ -369,7 +369,6 @@ def test_demo_end_to_end_on_postgres_matches_sqlite(pg_url: str, tmp_path) -> No
     from click.testing import CliRunner
 
     from cli import cli
-from faultserver import step_prompts, steps_covered
 
     runner = CliRunner()
     outs = []
