@@ -257,11 +257,15 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
 @click.option("--grouping", type=click.Choice(["grouped", "per-step"]), default="grouped", show_default=True,
               help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
                    "one request; per-step: one request per step. Same results either way.")
+@click.option("--truncation", type=click.Choice(["sliding", "window"]), default="sliding", show_default=True,
+              help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
+                   "window starts the tail at block boundaries so a window's steps share one request "
+                   "(a different scorer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
           hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, grouping, as_json) -> None:
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, grouping, truncation, as_json) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -277,7 +281,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
         conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens, truncation=truncation,
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()

@@ -211,3 +211,75 @@ def _columns(store: Store) -> dict[tuple[str, int], tuple]:
         "s.truncated_prefix_tokens, s.input_tokens, s.logprob_start_len, s.flattened FROM scores s "
         "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id")[1]
     return {(r[0], r[1]): tuple(r[2:]) for r in rows}
+
+
+# --- --truncation window ---------------------------------------------------------------------
+
+
+def test_window_truncation_shares_a_start_and_keeps_half_the_tail(demo_tokenizer_dir):
+    tokenizer = _demo_tokenizer(demo_tokenizer_dir)
+    messages, outcome, steps = episode(8, steps=80, extra_user_turns=False)
+    ctx = 4000
+    sliding = PromptBuilder(tokenizer, max_context=ctx).build_episode(messages, outcome, steps)
+    window = PromptBuilder(tokenizer, max_context=ctx, truncation="window").build_episode(messages, outcome, steps)
+    anchor_builder = PromptBuilder(tokenizer, max_context=ctx)
+    truncated = 0
+    for s, w in zip(sliding, window):
+        assert isinstance(s, StepPrompt) and isinstance(w, StepPrompt)
+        assert len(w.input_ids) <= ctx and w.total_action_tokens == s.total_action_tokens
+        assert w.input_ids[w.first_scored:] == s.input_ids[s.first_scored:]  # the same action tokens
+        if not s.truncated_prefix_tokens:
+            assert w == s  # untruncated steps are untouched
+            continue
+        truncated += 1
+        # Same anchor + marker head; the window keeps a tail of at least half the sliding one.
+        head = _head_len(s, anchor_builder)
+        assert head == _head_len(w, anchor_builder) and w.input_ids[:head] == s.input_ids[:head]
+        assert w.truncated_prefix_tokens >= s.truncated_prefix_tokens
+        assert _tail_len(w, anchor_builder) >= _tail_len(s, anchor_builder) / 2
+    assert truncated >= 10
+    sliding_groups = _assert_exact(group_prompts(sliding))
+    window_groups = _assert_exact(group_prompts(window))
+    # Truncated steps go alone under sliding truncation; under window they share requests.
+    assert all(len(g.members) == 1 for g in sliding_groups if g.members[0].truncated_prefix_tokens)
+    assert any(len(g.members) > 1 for g in window_groups if g.members[0].truncated_prefix_tokens)
+    assert len(window_groups) < len(sliding_groups)
+    assert sum(len(g.input_ids) for g in window_groups) < sum(len(g.input_ids) for g in sliding_groups) / 2
+
+
+def _tail_len(prompt: StepPrompt, builder: PromptBuilder) -> int:
+    """Prefix tokens kept after the anchor and the marker."""
+    return len(prompt.input_ids) - prompt.total_action_tokens - _head_len(prompt, builder)
+
+
+def _head_len(prompt: StepPrompt, builder: PromptBuilder) -> int:
+    marker = builder._marker_ids
+    ids = prompt.input_ids
+    for i in range(len(ids) - len(marker) + 1):
+        if ids[i:i + len(marker)] == marker:
+            return i + len(marker)
+    raise AssertionError("no truncation marker in a truncated prompt")
+
+
+def test_window_truncation_is_another_scorer_and_scores_like_per_step(tmp_path, demo_ref, tiny_model_dir):
+    write_standard_episodes(tmp_path / "eps", 1, seed=9, steps_per_subtask=3, output_words=30)
+    results = {}
+    for grouping in ("per-step", "grouped"):
+        store = Store.open(str(tmp_path / f"{grouping}.db"))
+        ingest(store, [tmp_path / "eps"])
+        sliding = prepare(store, ScoreConfig(backend="sglang", server=demo_ref.url, tokenizer=str(tiny_model_dir),
+                                             max_context=1024))
+        window = prepare(store, ScoreConfig(backend="sglang", server=demo_ref.url, tokenizer=str(tiny_model_dir),
+                                            max_context=1024, truncation="window"))
+        assert "truncation" not in sliding.spec and window.spec["truncation"] == "window"
+        assert window.scorer_id != sliding.scorer_id and "trunc=window" in store.query(
+            "SELECT label FROM scorers WHERE id = :i", {"i": window.scorer_id})[1][0][0]
+        before = demo_ref.requests
+        assert run_scoring(store, window, RunOptions(concurrency=1, grouping=grouping)).failed == 0
+        results[grouping] = (demo_ref.requests - before, stored_scores(store, window.scorer_id), _columns(store))
+        store.close()
+    (n_a, a, cols_a), (n_b, b, cols_b) = results["per-step"], results["grouped"]
+    assert cols_a == cols_b and any(c[3] for c in cols_a.values())  # some steps were truncated
+    assert n_b < n_a == len(a)
+    for key, (mean, blob, n) in a.items():
+        np.testing.assert_allclose(np.frombuffer(b[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=TOL, rtol=0)

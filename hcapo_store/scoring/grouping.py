@@ -60,8 +60,10 @@ class GroupPrompt:
 
 def joins(group: list[StepPrompt], prompt: StepPrompt, max_tokens: int | None) -> bool:
     """Can ``prompt`` extend ``group`` exactly? Its ids must start with the group's ids and
-    its first scored token must come after the group's last one (spans never overlap)."""
-    if not group or prompt.truncated_prefix_tokens or group[-1].truncated_prefix_tokens:
+    its first scored token must come after the group's last one (spans never overlap).
+    A step under sliding truncation never passes (its tail starts later than the previous
+    step's), so it goes alone; under ``--truncation window`` the steps of one window do."""
+    if not group:
         return False
     ids, last = prompt.input_ids, group[-1].input_ids
     if max_tokens is not None and len(ids) > max_tokens:

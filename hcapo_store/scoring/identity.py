@@ -29,7 +29,8 @@ def scorer_id(spec: dict[str, Any]) -> str:
 def scorer_label(spec: dict[str, Any]) -> str:
     b = spec["backend"]
     model = b.get("model") or b.get("server_model") or "?"
-    return f"{b['kind']}:{model} ctx={spec['max_context']} lp={spec['max_logprob_tokens']}"
+    window = f" trunc={spec['truncation']}" if spec.get("truncation") else ""
+    return f"{b['kind']}:{model} ctx={spec['max_context']} lp={spec['max_logprob_tokens']}{window}"
 
 
 def register(store: Store, spec: dict[str, Any]) -> str:

@@ -14,7 +14,8 @@ from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
-                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, template_hash)
+                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, Truncation,
+                                 template_hash)
 from hcapo_store.scoring.grouping import Grouping, group_prompts
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_label
@@ -41,6 +42,7 @@ class ScoreConfig:
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = 0
     device: str = "cpu"
+    truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -112,7 +114,7 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
     except (OSError, ValueError) as exc:
         raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
     builder = PromptBuilder(tokenizer, hindsight_template=cfg.hindsight_template, max_context=cfg.max_context,
-                            max_logprob_tokens=cfg.max_logprob_tokens)
+                            max_logprob_tokens=cfg.max_logprob_tokens, truncation=cfg.truncation)
     spec = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
@@ -122,6 +124,8 @@ def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
     }
+    if cfg.truncation != "sliding":  # only when set: the default keeps existing scorer ids
+        spec["truncation"] = cfg.truncation
     return Prepared(scorer_id=register(store, spec), spec=spec, backend=backend, builder=builder)
 
 
