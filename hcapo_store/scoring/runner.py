@@ -1,6 +1,8 @@
 """Resumable scoring: claim episodes under a lease, build prompts, request, verify, commit.
 
-- ``concurrency`` episodes are in flight at once; the steps of one episode go in order.
+- ``concurrency`` episodes are in flight at once; the steps of one episode go in order,
+  consecutive steps whose prompts are exact prefixes of one another in one request
+  (``grouping.py``; ``RunOptions.grouping = "per-step"`` sends one request per step).
 - Results are written by one writer in short transactions (a batch every
   ``FLUSH_SECONDS`` or ``FLUSH_RESULTS``); a score is durable once it is counted.
 - Every failed attempt is recorded; retryable failures are retried with bounded,
