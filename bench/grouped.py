@@ -6,9 +6,10 @@
 
 A tiny random Qwen2 model with the tokenizer's vocabulary (``local/tiny_model.py``;
 cached under ``--cache``) scores the first ``--steps`` steps of every benchmark episode
-through ``run_scoring`` (queue, leases, single writer: the real path), once with
-``--grouping per-step`` and once ``grouped``, into fresh copies of one ingested database,
-in alternating order, ``--rounds`` times. The in-process backend has no prefix cache (like
+through ``run_scoring`` (queue, leases, single writer: the real path) with
+``--grouping per-step``, ``grouped``, and ``grouped`` + ``--truncation window`` (another
+scorer: other prompts above the budget), into fresh copies of one ingested database, in
+alternating order, ``--rounds`` times. The in-process backend has no prefix cache (like
 vLLM for prompt-logprob requests), so every request is computed in full.
 
 Reported per mode: wall seconds, requests, prompt tokens, and per step: wall ms, model
@@ -45,7 +46,8 @@ from hcapo_store.scoring.runner import RunOptions  # noqa: E402
 from hcapo_store.scoring.work_queue import Filters  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 
-MODES = ("per-step", "grouped")
+# (label, grouping, truncation); grouped+window is another scorer (other prompts over the budget)
+MODES = (("per-step", "per-step", "sliding"), ("grouped", "grouped", "sliding"), ("grouped+window", "grouped", "window"))
 
 
 class ModelClock:
@@ -82,25 +84,27 @@ def stored(store: Store) -> dict[tuple[int, int], np.ndarray]:
     return {(e, i): np.frombuffer(blob, "<f4") for e, i, blob in rows}
 
 
-def run_once(base_db: Path, scratch: Path, cfg: ScoreConfig, mode: str, steps: int, episodes: int,
-             clock: ModelClock) -> dict[str, Any]:
-    db = scratch / f"{mode}.db"
+def run_once(base_db: Path, scratch: Path, cfg: ScoreConfig, mode: tuple[str, str, str], steps: int,
+             episodes: int, clock: ModelClock) -> dict[str, Any]:
+    label, grouping, truncation = mode
+    db = scratch / f"{label}.db"
     shutil.copy(base_db, db)
     store = Store.open(str(db))
+    cfg.truncation = truncation  # type: ignore[assignment]
     prep = prepare(store, cfg)  # loads the model, outside the timed part
     prep.backend.close = _keep_loaded  # type: ignore[method-assign]  # run_scoring would drop it after each call
     clock.reset()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     scored = 0
     for name in [r[0] for r in store.query("SELECT name FROM episodes ORDER BY id")[1]][:episodes]:
-        report = run_scoring(store, prep, RunOptions(concurrency=1, grouping=mode, limit=steps,
+        report = run_scoring(store, prep, RunOptions(concurrency=1, grouping=grouping, limit=steps,
                                                      filters=Filters(episodes=(name,))))
         assert report.failed == 0, report.summary()
         scored += report.scored
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     values = stored(store)
     store.close()
-    return {"mode": mode, "steps": scored, "wall_s": wall, "requests": clock.requests, "tokens": clock.tokens,
+    return {"mode": label, "steps": scored, "wall_s": wall, "requests": clock.requests, "tokens": clock.tokens,
             "model_cpu_s": clock.cpu, "client_cpu_s": cpu - clock.cpu, "values": values}
 
 
@@ -127,31 +131,35 @@ def main() -> None:
         with Store.open(str(base)) as store:
             ingest(store, sorted(p for p in args.episodes.iterdir() if (p / "result.json").exists()))
         cfg = ScoreConfig(backend="transformers", model=str(model_dir), max_context=args.max_context)
-        results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        results: dict[str, list[dict[str, Any]]] = {m[0]: [] for m in MODES}
         for round_ in range(args.rounds):
             for mode in (MODES if round_ % 2 == 0 else MODES[::-1]):
                 r = run_once(base, scratch, cfg, mode, args.steps, args.max_episodes, clock)
-                results[mode].append(r)
-                print(f"round {round_} {mode:8}: {r['steps']} steps, {r['requests']} requests, "
+                results[mode[0]].append(r)
+                print(f"round {round_} {mode[0]:14}: {r['steps']} steps, {r['requests']} requests, "
                       f"{r['tokens'] / 1e3:.0f}k tokens, {r['wall_s']:.1f} s wall, model CPU {r['model_cpu_s']:.1f} s, "
                       f"client CPU {r['client_cpu_s']:.2f} s", flush=True)
     a, b = results["per-step"][0]["values"], results["grouped"][0]["values"]
     assert a.keys() == b.keys()
     worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     assert worst <= 1e-5, worst
-    ratios = [p["wall_s"] / g["wall_s"] for p, g in zip(results["per-step"], results["grouped"])]
-    print(f"\nmachine: {platform.platform()}, {os.cpu_count()} CPUs; torch threads 1; model {model_dir.name}")
-    for mode in MODES:
-        rs = results[mode]
+    print(f"\nmachine: {platform.platform()}, {os.cpu_count()} CPUs; torch threads 1; model {model_dir.name}; "
+          f"max_context {args.max_context}")
+    for label, _, _ in MODES:
+        rs = results[label]
         n = rs[0]["steps"]
         walls = sorted(r["wall_s"] for r in rs)
-        print(f"{mode:8}: {n} steps, {rs[0]['requests']} requests, {rs[0]['tokens'] / 1e6:.2f}M prompt tokens; "
+        print(f"{label:14}: {n} steps, {rs[0]['requests']} requests, {rs[0]['tokens'] / 1e6:.2f}M prompt tokens; "
               f"wall min/median/max {walls[0]:.1f}/{statistics.median(walls):.1f}/{walls[-1]:.1f} s; per step: "
               f"wall {statistics.median(r['wall_s'] for r in rs) / n * 1e3:.0f} ms, "
               f"model CPU {statistics.median(r['model_cpu_s'] for r in rs) / n * 1e3:.0f} ms, "
               f"client CPU {statistics.median(r['client_cpu_s'] for r in rs) / n * 1e3:.1f} ms")
-    print(f"grouped speed-up (paired, wall): min/median/max x{min(ratios):.2f}/x{statistics.median(ratios):.2f}/"
-          f"x{max(ratios):.2f}; largest |grouped - per-step| logprob difference {worst:.2e}")
+    for label in ("grouped", "grouped+window"):
+        for what in ("wall_s", "model_cpu_s"):
+            ratios = [p[what] / g[what] for p, g in zip(results["per-step"], results[label])]
+            print(f"{label} speed-up vs per-step (paired, {what}): min/median/max x{min(ratios):.2f}/"
+                  f"x{statistics.median(ratios):.2f}/x{max(ratios):.2f}")
+    print(f"largest |grouped - per-step| logprob difference {worst:.2e}")
 
 
 if __name__ == "__main__":

@@ -283,3 +283,20 @@ def test_window_truncation_is_another_scorer_and_scores_like_per_step(tmp_path, 
     assert n_b < n_a == len(a)
     for key, (mean, blob, n) in a.items():
         np.testing.assert_allclose(np.frombuffer(b[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=TOL, rtol=0)
+
+
+def test_in_process_group_runs_the_lm_head_on_the_spans_only_in_chunks(tiny_model_dir):
+    from hcapo_store.scoring.forward import LogprobModel
+
+    model = LogprobModel(tiny_model_dir, chunk_size=7)
+    rows: list[int] = []
+    head = model._log_softmax
+    model._log_softmax = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]  # type: ignore[method-assign]
+    ids = [(i * 37) % 1800 + 3 for i in range(300)]
+    spans = [(40, 52), (120, 121), (200, 230), (290, 300)]
+    values = model.score_spans(ids, spans)
+    assert sum(rows) == sum(e - s for s, e in spans) and max(rows) <= 7  # never a row outside a span
+    for (start, end), got in zip(spans, values):
+        np.testing.assert_allclose(got, model.score(ids[:end], start), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="span"):
+        model.score_spans(ids, [(290, 301)])
