@@ -276,11 +276,19 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
               help="1 for old SGLang servers that mishandle prefill-only requests.")
 @click.option("--request-timeout", type=click.FloatRange(0.1), default=300.0, show_default=True, metavar="SECONDS",
               help="Give up on one HTTP request after this long (retried as a timeout).")
+@click.option("--grouping", type=click.Choice(["grouped", "per-step"]), default="grouped", show_default=True,
+              help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
+                   "one request; per-step: one request per step. Same results either way.")
+@click.option("--truncation", type=click.Choice(["sliding", "window"]), default="sliding", show_default=True,
+              help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
+                   "window starts the tail at block boundaries so a window's steps share one request "
+                   "(a different scorer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
           hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, request_timeout, as_json) -> None:
+          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, request_timeout, grouping, truncation,
+          as_json) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -298,20 +306,20 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
         conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
-        max_new_tokens=max_new_tokens, request_timeout=request_timeout,
+        max_new_tokens=max_new_tokens, request_timeout=request_timeout, truncation=truncation,
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
     # Options are checked (e.g. --worker-id) before anything touches the database.
     options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
-                         limit=limit, worker_id=worker_id)
+                         limit=limit, worker_id=worker_id, grouping=grouping)
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     with dbmod.read(store.engine) as conn:  # before the model loads: a wrong --episode fails at once
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
     options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
     if dry_run:
-        result = run_dry(store, prep, filters, limit)
+        result = run_dry(store, prep, filters, limit, grouping=grouping)
         reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
         if as_json:
             _echo_json({**result.__dict__, "reason": reason})
@@ -449,7 +457,7 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
 # credits, exports, report
 
 
-@cli.group(cls=_Group, short_help="Credit runs (Eq. 5-7) from stored logprobs, no model calls.")
+@cli.group(cls=_Group, short_help="Credit runs (Eq. 5-7): no model calls.")
 def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 

@@ -11,7 +11,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
+# ../shared next to the checkout; HCAPO_SHARED_TOKENIZERS points elsewhere (e.g. from a git worktree).
+SHARED_TOKENIZERS = Path(os.environ.get("HCAPO_SHARED_TOKENIZERS")
+                         or Path(__file__).resolve().parents[2] / "shared" / "tokenizers")
 
 CHATML_WITH_BOS = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"

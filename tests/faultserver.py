@@ -5,9 +5,10 @@ answers come from ``ref.generate(body)`` (real logprobs of a real model), and fa
 injected around them on a deterministic schedule. ``/model_info``, ``/server_info`` and
 ``/health`` are served from the reference server.
 
-Every ``/generate`` request is logged, keyed by a hash of its ``input_ids``
-(:func:`input_key`), so that tests can count requests per distinct input (per step) even
-when the clients are other processes.
+Every ``/generate`` request is logged, keyed by a hash of its ``input_ids`` and
+``logprob_start_len`` (:func:`input_key`), so that tests can count requests per distinct
+request even when the clients are other processes; :meth:`FaultServer.step_counts` maps
+the logged requests back to the steps they scored (a grouped request scores several).
 
 Faults (``FAULTS``)::
 
@@ -76,9 +77,26 @@ ERROR_KIND = {**RETRYABLE, **PERMANENT}
 FAULTS = tuple(k for k in ERROR_KIND if k != "hang")  # the random pool: a hang never ends by itself
 
 
-def input_key(input_ids: Sequence[int]) -> str:
-    """A short stable hash of a token id list (the same in every process)."""
-    return hashlib.sha1(array("q", input_ids).tobytes()).hexdigest()[:20]
+def input_key(input_ids: Sequence[int], first_scored: int | None = None) -> str:
+    """A short stable hash of a token id list and of the first scored position (the same
+    in every process): a group resumed after a kill sends the same ids from a later start."""
+    tail = [-1, first_scored] if first_scored is not None else []
+    return hashlib.sha1(array("q", [*input_ids, *tail]).tobytes()).hexdigest()[:20]
+
+
+def request_key(prompt: Any) -> str:
+    """The key of the request for a StepPrompt or a GroupPrompt."""
+    return input_key(prompt.input_ids, prompt.first_scored)
+
+
+def steps_covered(requests: Sequence[tuple[Sequence[int], int]], prompts: Mapping[Any, Any]) -> Counter:
+    """Per step key, how many of the requests ``(input_ids, first_scored)`` scored that step:
+    the step's ids are a prefix of the request's and its scored span lies inside the request's."""
+    out: Counter = Counter()
+    for key, p in prompts.items():
+        n, ids = len(p.input_ids), tuple(p.input_ids)
+        out[key] = sum(1 for r_ids, first in requests if first <= p.first_scored and tuple(r_ids[:n]) == ids)
+    return out
 
 
 def no_faults(key: str, n: int) -> None:
@@ -113,6 +131,8 @@ class LogEntry:
     n: int
     fault: str | None
     at: float
+    ids: tuple[int, ...] = ()
+    first_scored: int = 0
 
 
 class FaultServer(BackgroundHTTPServer):
@@ -172,13 +192,23 @@ class FaultServer(BackgroundHTTPServer):
         with self._lock:
             return [e.fault for e in sorted(self.log, key=lambda e: e.n) if e.key == key]
 
-    def _arrive(self, ids: Any) -> tuple[str, str | None]:
-        key = input_key(ids) if isinstance(ids, list) and ids and isinstance(ids[0], int) else "?"
+    def step_counts(self, prompts: Mapping[Any, Any], *, answered: bool = True) -> Counter:
+        """Per step key of ``prompts`` (StepPrompts), how many logged requests scored it:
+        its ids are a prefix of the request's and its scored span inside the request's.
+        ``answered``: only requests that got a correct answer."""
+        with self._lock:
+            entries = [(e.ids, e.first_scored) for e in self.log if e.fault is None or not answered]
+        return steps_covered(entries, prompts)
+
+    def _arrive(self, ids: Any, start: Any) -> tuple[str, str | None]:
+        valid = isinstance(ids, list) and ids and isinstance(ids[0], int) and isinstance(start, int)
+        first = start + 1 if valid else 0
+        key = input_key(ids, first) if valid else "?"
         with self._lock:
             n = self.counts[key]
             self.counts[key] += 1
             fault = self.schedule(key, n)
-            self.log.append(LogEntry(key, n, fault, time.monotonic()))
+            self.log.append(LogEntry(key, n, fault, time.monotonic(), tuple(ids) if valid else (), first))
         return key, fault
 
 
@@ -257,7 +287,7 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if not body.get("return_logprob"):  # the client's vocabulary probe: no faults, not logged
                 self._answer(body, None)
                 return
-            _, fault = server._arrive(body.get("input_ids"))
+            _, fault = server._arrive(body.get("input_ids"), body.get("logprob_start_len"))
             if server.delay:
                 time.sleep(server.delay)
             if server.gate is not None:
@@ -342,6 +372,25 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def step_requests(store: Any, builder: Any, grouping: str = "grouped") -> dict[str, list[tuple[str, int]]]:
+    """The requests a run with all steps claimed sends: request key -> its steps' keys."""
+    from sqlalchemy import text
+
+    from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
+    from hcapo_store.storage.episodes import load_episode
+
+    out: dict[str, list[tuple[str, int]]] = {}
+    with store.engine.connect() as conn:
+        ids = [r for (r,) in conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id"))]
+        for episode_id in ids:
+            episode = load_episode(conn, episode_id)
+            built = builder.build_episode(episode.messages, episode.outcome, episode.steps)
+            for r in group_prompts(built, grouping=grouping, max_tokens=builder.max_context):
+                if isinstance(r, GroupPrompt):
+                    out[request_key(r)] = [(episode.name, m.step_index) for m in r.members]
+    return out
 
 
 def step_prompts(store: Any, builder: Any) -> dict[tuple[str, int], Any]:

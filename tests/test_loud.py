@@ -118,7 +118,7 @@ def test_group_help_is_not_cut_and_db_after_the_command_gets_a_hint(runner, tmp_
     r = runner.invoke(cli, ["--help"])
     assert r.exit_code == 0
     line = next(x for x in r.output.splitlines() if x.strip().startswith("credits "))
-    assert "(Eq. 5-7)" in line and line.rstrip().endswith("calls."), line  # not cut at "(Eq."
+    assert "(Eq. 5-7)" in line and line.rstrip().endswith("no model calls."), line  # not cut at "(Eq."
     for command in (["status"], ["credits", "list"]):
         r = runner.invoke(cli, [*command, "--db", str(tmp_path / "x.db")])
         assert r.exit_code == 2

@@ -28,11 +28,14 @@ from click.testing import CliRunner
 from sqlalchemy import text
 
 from cli import cli
+from faultserver import step_prompts, steps_covered
 from hcapo_store import clock
 from hcapo_store.storage import db
 from hcapo_store.scoring import work_queue
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.scoring.identity import register
+from hcapo_store.scoring.prompts import PromptBuilder
+from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage.status import status
 from hcapo_store.storage.store import Store
 from hcapo_store.local.synth import write_standard_episodes
@@ -212,13 +215,14 @@ def test_leases_use_server_clock_and_late_results_are_discarded(pg_store: Store,
 
 
 class CountingServer:
-    """The reference server in this process, counting requests per distinct input and
-    slowed down a little so that a worker can be killed mid-run."""
+    """The reference server in this process, counting requests per distinct request (ids and
+    first scored position: grouped requests score several steps) and slowed down a little so
+    that a worker can be killed mid-run."""
 
     def __init__(self, model_dir: Path, delay: float, monkeypatch: pytest.MonkeyPatch) -> None:
         from hcapo_store.local import refserver
 
-        self.counts: Counter[tuple[int, ...]] = Counter()
+        self.counts: Counter[tuple[tuple[int, ...], int]] = Counter()
         self.lock = threading.Lock()
         original = refserver._POST_ROUTES["/generate"]
 
@@ -226,7 +230,7 @@ class CountingServer:
             if not body.get("return_logprob"):  # the client's vocabulary probe, not a step
                 return original(server, body)
             with self.lock:
-                self.counts[tuple(body.get("input_ids") or ())] += 1
+                self.counts[(tuple(body.get("input_ids") or ()), body.get("logprob_start_len", -1) + 1)] += 1
             time.sleep(delay)
             return original(server, body)
 
@@ -311,6 +315,8 @@ def _multiworker(db_arg: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch:
         counting.close()
 
     with Store.open(db_arg) as store:
+        builder = PromptBuilder(load_tokenizer(tiny_model_dir), max_context=8192)
+        per_step = steps_covered(list(counting.counts.elements()), step_prompts(store, builder))
         # Every step scored exactly once, none missing, all attempts done.
         assert _one(store, "SELECT COUNT(*) FROM scores") == steps
         assert _one(store, "SELECT COUNT(DISTINCT step_id) FROM scores") == steps
@@ -330,13 +336,15 @@ def _multiworker(db_arg: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch:
     else:
         assert by_worker.get("final", 0) == 0
     assert all(w["leases"] == 0 for w in info["workers"])
-    # At the server: every step's input was requested; only inputs the killed worker
-    # had in flight (leased, not yet committed) may have been requested twice.
+    # At the server: every step was requested (grouped: fewer requests than steps); only
+    # steps the killed worker had in flight (leased, not yet committed) may have been
+    # requested twice.
     print(f"scores by worker {by_worker}; leased by the killed worker {len(held_at_kill)}; "
           f"server requests {sum(counting.counts.values())} for {steps} steps")
-    assert len(counting.counts) == steps
-    repeats = sum(n - 1 for n in counting.counts.values())
-    assert repeats <= len(held_at_kill), counting.counts.most_common(5)
+    assert len(per_step) == steps and min(per_step.values()) == 1
+    assert len(counting.counts) < steps
+    repeats = sum(n - 1 for n in per_step.values())
+    assert repeats <= len(held_at_kill), per_step.most_common(5)
     if not kill:
         assert repeats == 0
 

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import cli
-from faultserver import step_prompts, stored_scores
+from faultserver import step_prompts, step_requests, stored_scores
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
@@ -183,39 +183,57 @@ def test_cli_dry_run_limit_resume(tmp_path, runner, episodes_dir, ref, tiny_mode
     assert ref.requests == before  # nothing sent
     assert (dry["steps"], dry["episodes"], dry["prompt_failures"]) == (n, EPISODES, 0)
     prompts = step_prompts(store, scored[1].builder)
-    assert dry["prompt_tokens"] == sum(len(p.input_ids) for p in prompts.values())
+    requests = step_requests(store, scored[1].builder)
+    groups = {rk: [prompts[k] for k in keys] for rk, keys in requests.items()}
+    assert dry["requests"] == len(requests) < n  # grouped by default
+    assert dry["prompt_tokens"] == sum(len(members[-1].input_ids) for members in groups.values())
     assert dry["scored_tokens"] == sum(p.scored_tokens for p in prompts.values())
+    r = runner.invoke(cli, [*base, "--dry-run", "--json", "--grouping", "per-step"], catch_exceptions=False)
+    per_step = json.loads(r.output)
+    assert per_step["requests"] == n and per_step["prompt_tokens"] == sum(len(p.input_ids) for p in prompts.values())
     assert count(store, "SELECT COUNT(*) FROM scores") == 0
     r = runner.invoke(cli, [*base, "--dry-run"], catch_exceptions=False)
     assert f"{n} step(s) in {EPISODES} episode(s)" in r.output and "nothing was sent" in r.output
     assert ref.requests == before
 
-    # --limit with several workers in flight: at most N steps, exactly N requests.
+    # --limit with several workers in flight: at most N steps, at most N requests (grouped).
     r = runner.invoke(cli, [*base, "--limit", "5", "--concurrency", "4", "--json"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["scored"] == 5
     assert count(store, "SELECT COUNT(*) FROM scores") == 5
-    assert ref.requests == before + 5
+    assert before < ref.requests <= before + 5
     r = runner.invoke(cli, [*base, "--dry-run", "--json"], catch_exceptions=False)
     assert json.loads(r.output)["steps"] == n - 5
 
-    # The rest, resumed: exactly the missing steps are requested.
-    r = runner.invoke(cli, base, catch_exceptions=False)
+    # The rest, resumed one request per step: exactly the missing steps are requested.
+    limited = ref.requests
+    r = runner.invoke(cli, [*base, "--grouping", "per-step"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert f"scored {n - 5}, failed 0" in r.output
-    assert ref.requests == before + n
+    assert ref.requests == limited + n - 5
     r = runner.invoke(cli, base, catch_exceptions=False)
     assert "scored 0, failed 0" in r.output
-    assert ref.requests == before + n
+    assert ref.requests == limited + n - 5
 
-    # Same scorer as the library run, same values.
+    # Same scorer as the library run (grouping is not part of it), same values.
     library_store, library_prep, _ = scored
     sid = store.query("SELECT id FROM scorers")[1]
     assert sid == [(library_prep.scorer_id,)]
-    assert stored_scores(store, library_prep.scorer_id) == stored_scores(library_store, library_prep.scorer_id)
+    _assert_same_values(stored_scores(store, library_prep.scorer_id),
+                        stored_scores(library_store, library_prep.scorer_id))
     r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
     assert f"scored {n} / failed 0 / missing 0" in r.output
     store.close()
+
+
+def _assert_same_values(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    """Per step: the same token count, per-token values and mean within float tolerance
+    (grouped and per-step requests differ only in the server's reduction order)."""
+    assert got.keys() == expected.keys()
+    for key, (mean, blob, token_count) in expected.items():
+        assert got[key][2] == token_count, key
+        np.testing.assert_allclose(np.frombuffer(got[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=atol, rtol=0)
+        assert got[key][0] == pytest.approx(mean, abs=atol), key
 
 
 def test_transformers_backend_stores_the_same_values(scored, tiny_model_dir, runner):

@@ -1,10 +1,11 @@
 """Scoring against a fault-injecting server (tests/faultserver.py) over real HTTP.
 
 The clean value of every step is computed first by calling the reference server's
-``generate`` directly. Then: no wrong value is ever stored, retryable faults are retried
-and end scored, permanent ones end failed with the right kind and one ``attempt_errors``
-row per failed attempt, the counts are reported correctly, and ``--retry-failed`` against
-a clean server completes the rest.
+``generate`` directly, one request per step. Then, with grouped requests (the default):
+no wrong value is ever stored, retryable faults are retried and end scored, permanent ones
+end failed with the right kind and one ``attempt_errors`` row per failed attempt of every
+step of the request, the counts are reported correctly, and ``--retry-failed`` against a
+clean server completes the rest.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import pytest
 from sqlalchemy import text
 
 from cli import cli
-from faultserver import (ERROR_KIND, FAULTS, PERMANENT, FaultServer, input_key, plan_schedule, random_schedule,
-                         step_prompts, stored_scores)
+from faultserver import (ERROR_KIND, FAULTS, PERMANENT, FaultServer, plan_schedule, random_schedule, request_key,
+                         step_prompts, step_requests, stored_scores)
 from hcapo_store.scoring.backends.sglang import build_payload, parse_response
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
@@ -34,7 +35,7 @@ MAX_ATTEMPTS = 4
 CLIENT_TIMEOUT = 1.0  # seconds; a "timeout" fault holds the request for 3 s
 OPTIONS = RunOptions(concurrency=4, max_attempts=MAX_ATTEMPTS, backoff_base=0.01, backoff_cap=0.1)
 
-# Per step (cyclically): the faults of its first requests; later requests are answered.
+# Per request (cyclically): the faults of its first attempts; later attempts are answered.
 PLANS: list[list[str]] = [
     ["http_500"],
     ["http_503", "http_503"],
@@ -96,8 +97,10 @@ def clean(tmp_path_factory, episodes_dir, ref, tiny_model_dir) -> dict[str, Any]
     prompts = step_prompts(store, prep.builder)
     values = {key: np.asarray(parse_response(p, ref.generate(build_payload(p))).logprobs, dtype="<f4")
               for key, p in prompts.items()}
+    requests = step_requests(store, prep.builder)
+    assert len(requests) < len(prompts), "the episodes should give grouped requests"
     store.close()
-    return {"prompts": prompts, "values": values, "scorer_id": prep.scorer_id}
+    return {"prompts": prompts, "values": values, "scorer_id": prep.scorer_id, "requests": requests}
 
 
 def _cfg(url: str, tiny_model_dir: Path) -> ScoreConfig:
@@ -147,15 +150,19 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
     db = str(tmp_path / "x.db")
     store = Store.open(db)
     ingest(store, [episodes_dir])
+    requests = clean["requests"]  # request key -> the steps it scores
     keys = sorted(clean["prompts"])
-    assert len(keys) >= len(PLANS)
-    plans = {key: PLANS[i % len(PLANS)] for i, key in enumerate(keys)}
-    fault_server.reset(plan_schedule({input_key(clean["prompts"][k].input_ids): p for k, p in plans.items()}))
+    assert len(requests) >= len(PLANS)
+    plans = {rk: PLANS[i % len(PLANS)] for i, rk in enumerate(sorted(requests))}
+    fault_server.reset(plan_schedule(plans))
 
     prep, report = _score_through(store, fault_server.url, tiny_model_dir)
     assert prep.scorer_id == clean["scorer_id"]
 
-    expected = {key: _expected_outcome(plan) for key, plan in plans.items()}
+    # Every step of a request shares the request's outcome.
+    expected = {step: _expected_outcome(plans[rk]) for rk, steps in requests.items() for step in steps}
+    plan_of = {step: plans[rk] for rk, steps in requests.items() for step in steps}
+    assert sorted(expected) == keys
     n_failed = sum(state == "failed" for state, _ in expected.values())
     assert 0 < n_failed < len(keys)
     assert (report.scored, report.failed) == (len(keys) - n_failed, n_failed)
@@ -163,13 +170,14 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
         len(kinds) - 1 for state, kinds in expected.values() if state == "failed")
 
     attempts = _attempts(store, prep.scorer_id)
+    for rk, steps in requests.items():
+        # The server saw exactly the planned faults, then (when scored) one good answer.
+        state, kinds = _expected_outcome(plans[rk])
+        assert fault_server.faults_for(rk) == plans[rk][: len(kinds)] + ([None] if state == "done" else []), steps
     for key, (state, kinds) in expected.items():
         row = attempts[key]
-        assert row["status"] == state, (key, plans[key], row)
-        assert row["errors"] == kinds, (key, plans[key], row)  # one attempt_errors row per failed attempt
-        # The server saw exactly the planned faults, then (when scored) one good answer.
-        seen = fault_server.faults_for(input_key(clean["prompts"][key].input_ids))
-        assert seen == plans[key][: len(kinds)] + ([None] if state == "done" else []), key
+        assert row["status"] == state, (key, plan_of[key], row)
+        assert row["errors"] == kinds, (key, plan_of[key], row)  # one attempt_errors row per failed attempt
         if state == "failed":
             assert row["kind"] == kinds[-1] and row["attempt_count"] == len(kinds) and row["error"]
     assert _assert_no_wrong_value(store, prep.scorer_id, clean) == len(keys) - n_failed
@@ -182,7 +190,8 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
     r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
     assert f"scored {len(keys) - n_failed} / failed {n_failed} / missing 0" in r.output
 
-    # A plain rerun leaves failed steps alone; --retry-failed against a clean server completes them.
+    # A plain rerun leaves failed steps alone; --retry-failed against a clean server completes them,
+    # regrouped into the requests that failed (their steps fail together).
     base = ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir),
             "--max-context", str(MAX_CONTEXT)]
     before = ref.requests
@@ -191,7 +200,7 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
     r = runner.invoke(cli, [*base, "--retry-failed"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert f"scored {n_failed}, failed 0" in r.output
-    assert ref.requests == before + n_failed
+    assert ref.requests == before + sum(_expected_outcome(plans[rk])[0] == "failed" for rk in requests)
     assert _assert_no_wrong_value(store, prep.scorer_id, clean) == len(keys)
     counts = _status(runner, db)
     assert (counts["scored"], counts["failed"], counts["missing"]) == (len(keys), 0, 0)
@@ -215,8 +224,9 @@ def test_random_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean,
     failed = [k for k, row in attempts.items() if row["status"] == "failed"]
     assert scored + len(failed) == len(keys) == len(attempts)
     assert (report.scored, report.failed) == (scored, len(failed))
+    request_of = {step: rk for rk, steps in clean["requests"].items() for step in steps}
     for key, row in attempts.items():
-        seen = fault_server.faults_for(input_key(clean["prompts"][key].input_ids))
+        seen = fault_server.faults_for(request_of[key])
         faults = [f for f in seen if f is not None]
         # Every faulty answer is one recorded failed attempt, with the fault's kind, in order.
         assert row["errors"] == [ERROR_KIND[f] for f in faults], (key, seen, row)
@@ -244,7 +254,7 @@ def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_pat
     store = Store.open(str(tmp_path / "x.db"))
     ingest(store, [episodes_dir])
     key = sorted(clean["prompts"])[0]
-    fault_server.reset(plan_schedule({input_key(clean["prompts"][key].input_ids): ["http_429"] * 3}))
+    fault_server.reset(plan_schedule({request_key(clean["prompts"][key]): ["http_429"] * 3}))
     prep, report = _score_through(store, fault_server.url, tiny_model_dir,
                                   RunOptions(concurrency=1, max_attempts=4, backoff_base=0.001, backoff_cap=1.0,
                                              filters=__import__("hcapo_store.scoring.work_queue", fromlist=["Filters"]).Filters(

@@ -73,6 +73,32 @@ class LogprobModel:
         """log p(input_ids[i] | input_ids[:i]) for i in range(first_scored, len(input_ids))."""
         return self.score_positions(input_ids, first_scored).logprobs
 
+    def score_spans(self, input_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[list[float]]:
+        """Per span ``[start, end)``, log p(input_ids[i] | input_ids[:i]) for i in the span.
+
+        One decoder pass over the whole sequence; the LM head runs only on the rows that
+        score a span token, ``chunk_size`` rows at a time (a grouped request's spans are a
+        small part of its positions)."""
+        ids = self._validate(input_ids, min((s for s, _ in spans), default=len(input_ids)))
+        for start, end in spans:
+            if not 1 <= start <= end <= len(ids):
+                raise ValueError(f"span [{start}, {end}) is outside [1, {len(ids)}]")
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.cat([torch.arange(s - 1, e - 1) for s, e in spans]) if spans else torch.empty(0, dtype=torch.long)
+        rows = rows.to(self.device)
+        values: list[float] = []
+        with self._lock, torch.inference_mode():
+            hidden = self._hidden_states(tokens)
+            for begin in range(0, len(rows), self.chunk_size):
+                chunk = rows[begin:begin + self.chunk_size]
+                logp = self._log_softmax(hidden[chunk])
+                values += logp.gather(-1, tokens[chunk + 1, None])[:, 0].tolist()
+        out, offset = [], 0
+        for start, end in spans:
+            out.append(values[offset:offset + end - start])
+            offset += end - start
+        return out
+
     def score_batch(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[list[float]]:
         """``score`` for several ``(input_ids, first_scored)`` pairs, in order.
 

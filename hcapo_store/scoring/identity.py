@@ -53,6 +53,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
         parts.append("no-thinking")
     if conv.get("max_tool_result_chars", ConvertOptions.max_tool_result_chars) != ConvertOptions.max_tool_result_chars:
         parts.append(f"tool-chars={conv['max_tool_result_chars']}")
+    if spec.get("truncation"):
+        parts.append(f"trunc={spec['truncation']}")
     return " ".join(parts)
 
 

@@ -17,8 +17,9 @@ from hcapo_store.storage.episodes import load_episode
 from hcapo_store.masking import mask_url
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
-                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, check_hindsight_template,
-                                 template_hash)
+                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, Truncation,
+                                 check_hindsight_template, template_hash)
+from hcapo_store.scoring.grouping import Grouping, group_prompts
 from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_id, scorer_label
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
@@ -50,6 +51,7 @@ class ScoreConfig:
     max_new_tokens: int = 0
     device: str = "cpu"
     request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
+    truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -164,7 +166,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     except (OSError, ValueError) as exc:
         raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
     builder = PromptBuilder(tokenizer, hindsight_template=cfg.hindsight_template, max_context=cfg.max_context,
-                            max_logprob_tokens=cfg.max_logprob_tokens)
+                            max_logprob_tokens=cfg.max_logprob_tokens, truncation=cfg.truncation)
     spec = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
@@ -176,6 +178,8 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "rendering_sha256": rendering_fingerprint(builder),
         "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
+    if cfg.truncation != "sliding":  # only when set: the default keeps existing scorer ids
+        spec["truncation"] = cfg.truncation
     return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
 
 
@@ -185,18 +189,21 @@ class DryRun:
     label: str
     steps: int
     episodes: int
+    requests: int
     prompt_tokens: int
     scored_tokens: int
     prompt_failures: int
 
     def summary(self) -> str:
         return (f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
-                f"{self.episodes} episode(s) to score, {self.prompt_tokens} prompt tokens "
-                f"({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); nothing was sent")
+                f"{self.episodes} episode(s) to score, {self.requests} request(s) of {self.prompt_tokens} "
+                f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
+                "nothing was sent")
 
 
-def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None) -> DryRun:
-    """Count the steps and prompt tokens a run would send; writes nothing, calls nothing."""
+def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None, *,
+            grouping: Grouping = "grouped") -> DryRun:
+    """Count the steps, requests and prompt tokens a run would send; writes nothing, calls nothing."""
     conv = prep.spec["conversion"]
     rows = work_queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
                                 max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
@@ -204,17 +211,20 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
             by_episode.setdefault(ep, set()).add(idx)
-        tokens = scored = failures = 0
+        requests = tokens = scored = failures = 0
         for ep, wanted in by_episode.items():
             episode = load_episode(conn, ep)
-            for p in prep.builder.build_episode(episode.messages, episode.outcome,
-                                                [s for s in episode.steps if s.step_index in wanted]):
-                if isinstance(p, PromptFailure):
+            prompts = prep.builder.build_episode(episode.messages, episode.outcome,
+                                                 [s for s in episode.steps if s.step_index in wanted])
+            for r in group_prompts(prompts, grouping=grouping, max_tokens=prep.builder.max_context):
+                if isinstance(r, PromptFailure):
                     failures += 1
                 else:
-                    tokens += len(p.input_ids)
-                    scored += p.scored_tokens
-    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), tokens, scored, failures)
+                    requests += 1
+                    tokens += len(r.input_ids)
+                    scored += sum(m.scored_tokens for m in r.members)
+    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), requests, tokens, scored,
+                  failures)
 
 
 async def check_vocabulary(prep: Prepared) -> None:

@@ -59,6 +59,10 @@ DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_MAX_LOGPROB_TOKENS = 2048
 
 FailureReason = Literal["alignment", "empty_action", "template"]
+Truncation = Literal["sliding", "window"]
+TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window")
+# --truncation window: the window start moves in blocks of this fraction of the tail budget.
+WINDOW_BLOCK_FRACTION = 4
 
 
 @dataclass(frozen=True)
@@ -388,9 +392,13 @@ class PromptBuilder:
         hindsight_template: str = HINDSIGHT_TEMPLATE,
         max_context: int = DEFAULT_MAX_CONTEXT,
         max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS,
+        truncation: Truncation = "sliding",
     ) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        self.truncation = truncation
         check_hindsight_template(hindsight_template)
         self.tokenizer = tokenizer
         self.hindsight_template = hindsight_template
@@ -539,7 +547,10 @@ class PromptBuilder:
     def _truncate(
         self, prefix_ids: list[int], action_ids: list[int], anchor: Any
     ) -> tuple[list[int], list[int]]:
-        """The original's truncation, on ids: anchor + marker + recent prefix tail + action."""
+        """The original's truncation, on ids: anchor + marker + recent prefix tail + action.
+
+        ``window``: the tail starts at a multiple of a block instead, so consecutive steps
+        keep the same start and their prompts stay prefixes of one another (one request)."""
         if len(prefix_ids) + len(action_ids) <= self.max_context:
             return prefix_ids, action_ids
         max_prefix = self.max_context - len(action_ids)
@@ -549,6 +560,19 @@ class PromptBuilder:
         marker = self._marker_ids
         tail_budget = max_prefix - len(anchor_ids) - len(marker)
         if tail_budget > 0:
-            return anchor_ids + marker + prefix_ids[-tail_budget:], action_ids
+            start = len(prefix_ids) - tail_budget
+            if self.truncation == "window":
+                start = self._window_start(start, len(prefix_ids), tail_budget, len(anchor_ids) + len(marker))
+            return anchor_ids + marker + prefix_ids[start:], action_ids
         kept = anchor_ids[: max(max_prefix - len(marker), 0)] + marker
         return kept[:max_prefix], action_ids
+
+    def _window_start(self, sliding_start: int, prefix_len: int, tail_budget: int, head: int) -> int:
+        """The smallest block boundary at or after the sliding start; the sliding start when
+        that would leave less than half of this step's tail budget as recent context.
+
+        The block depends only on ``max_context`` and the anchor (the same for every step of
+        one hindsight block), never on the step, so steps share their window start."""
+        block = max((self.max_context - head) // WINDOW_BLOCK_FRACTION, 1)
+        start = -(-sliding_start // block) * block
+        return start if prefix_len - start >= tail_budget / 2 else sliding_start

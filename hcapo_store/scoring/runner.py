@@ -1,6 +1,8 @@
 """Resumable scoring: claim episodes under a lease, build prompts, request, verify, commit.
 
-- ``concurrency`` episodes are in flight at once; the steps of one episode go in order.
+- ``concurrency`` episodes are in flight at once; the steps of one episode go in order,
+  consecutive steps whose prompts are exact prefixes of one another in one request
+  (``grouping.py``; ``RunOptions.grouping = "per-step"`` sends one request per step).
 - Results are written by one writer in short transactions (a batch every
   ``FLUSH_SECONDS`` or ``FLUSH_RESULTS``); a score is durable once it is counted. A
   failed write (database locked, disk full) keeps the batch and is retried with backoff;
@@ -39,6 +41,7 @@ from hcapo_store.errors import InferenceError, ScoringError, StoreError
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
 from hcapo_store.errors import UsageError
 from hcapo_store.storage.models import WORKER_ID_LENGTH
+from hcapo_store.scoring.grouping import GroupPrompt, Grouping, group_prompts
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 from hcapo_store.storage.store import Store
 
@@ -71,6 +74,7 @@ class RunOptions:
     worker_id: str | None = None
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
+    grouping: Grouping = "grouped"  # steps whose prompts are exact prefixes share one request
     stop_grace_seconds: float = 10.0  # after a stop, in-flight requests get this long, then are cancelled
     down_after: int = 8  # consecutive transport failures (any episodes) before the server is probed
 
@@ -285,25 +289,48 @@ class Scheduler:
             # Reserve before the (awaited) claim so that concurrent workers cannot all
             # claim the same remaining budget; give back what the claim did not use.
             self._claimed += remaining or 0
-            claim = await asyncio.to_thread(
-                work_queue.claim, self.store, self.scorer_id, self.worker, lease_seconds=self.options.lease_seconds,
-                filters=self.options.filters, max_steps=remaining)
+            try:
+                claim = await self._claim(remaining)
+            except StoreError as exc:
+                # The database keeps refusing (locked, full): stop claiming; the writer stores
+                # or gives up on what is pending, and the run ends with one line.
+                self._gave_up = self._gave_up or exc
+                self.stop()
+                return
             self._claimed += (len(claim.leases) if claim is not None else 0) - (remaining or 0)
             if claim is None:
                 return
             await self._score_episode(claim)
 
+    async def _claim(self, remaining: int | None) -> work_queue.Claim | None:
+        """Claim an episode; a database error is retried with backoff as a failed write is."""
+        failures = 0
+        while True:
+            try:
+                return await asyncio.to_thread(
+                    work_queue.claim, self.store, self.scorer_id, self.worker,
+                    lease_seconds=self.options.lease_seconds, filters=self.options.filters, max_steps=remaining)
+            except StoreError as exc:
+                failures += 1
+                if failures >= FLUSH_ATTEMPTS or self._stopping.is_set():
+                    raise
+                log.warning("claiming work failed (%d time(s) in a row; retrying): %s", failures, exc)
+                await asyncio.sleep(backoff_delay(failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP))
+
     async def _score_episode(self, claim: work_queue.Claim) -> None:
         prompts = await asyncio.to_thread(self._prompts_for, claim)
-        for lease in claim.leases:
+        leases = {lease.step_index: lease for lease in claim.leases}
+        requests = group_prompts([prompts[lease.step_index] for lease in claim.leases],
+                                 grouping=self.options.grouping, max_tokens=self.builder.max_context)
+        for request in requests:
             if self._stopping.is_set():
                 return  # unstarted leases are released at the end
-            prompt = prompts[lease.step_index]
-            if isinstance(prompt, PromptFailure):
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=prompt.reason,
-                                           error=prompt.message, final=True))
+            if isinstance(request, PromptFailure):
+                lease = leases[request.step_index]
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=request.reason,
+                                           error=request.message, final=True))
                 continue
-            await self._score_step(lease, prompt)
+            await self._score_request([leases[m.step_index] for m in request.members], request)
 
     def _prompts_for(self, claim: work_queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
         with db.read(self.store.engine) as conn:
@@ -314,41 +341,55 @@ class Scheduler:
             built = self.builder.build_episode(episode.messages, episode.outcome, steps)
         return {p.step_index: p for p in built}
 
-    async def _score_step(self, lease: work_queue.Lease, prompt: StepPrompt) -> None:
-        attempt = lease.attempt_count
+    async def _request(self, group: GroupPrompt) -> list[BackendScore]:
+        """One request for the group (a lone step goes through ``score`` exactly as before)."""
+        if len(group.members) == 1:
+            results = [await self.backend.score(group.members[0])]
+        else:
+            results = await self.backend.score_group(group)
+        for prompt, result in zip(group.members, results, strict=True):
+            if len(result.logprobs) != prompt.scored_tokens:
+                raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
+                                     f"{prompt.scored_tokens} scored tokens", retryable=False)
+        return results
+
+    async def _score_request(self, leases: list[work_queue.Lease], group: GroupPrompt) -> None:
+        """Score one request's steps; every attempt's outcome is recorded for each of them."""
+        attempt = max(lease.attempt_count for lease in leases)
         while True:
             attempt += 1
             try:
-                result = await self.backend.score(prompt)
-                if len(result.logprobs) != prompt.scored_tokens:
-                    raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
-                                         f"{prompt.scored_tokens} scored tokens", retryable=False)
+                results = await self._request(group)
             except InferenceError as exc:
                 if exc.kind == MODEL_CHANGED:
-                    self._model_changed(lease, exc)
+                    self._model_changed(leases, exc)
                     return
                 final = not exc.retryable or attempt >= self.options.max_attempts
                 if await self._server_is_down(exc, final):
-                    final = False  # not the step's fault: it stays pending for the next run
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
-                                           error=str(exc)[:2000], final=final))
+                    final = False  # not the steps' fault: they stay pending for the next run
+                for lease in leases:
+                    self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
+                                                       error=str(exc)[:2000], final=final))
                 if final or self._stopping.is_set():
                     return
-                self.report.retried += 1
+                self.report.retried += len(leases)
                 await asyncio.sleep(backoff_delay(attempt, base=self.options.backoff_base,
                                                   cap=self.options.backoff_cap, retry_after=exc.retry_after))
                 if self._stopping.is_set():
                     return  # stopped while waiting: the step goes back to the queue
                 continue
             self._transport_failures = 0
-            self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result)))
-            self._pending_tokens += len(prompt.input_ids)
+            for lease, prompt, result in zip(leases, group.members, results):
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id,
+                                                   score_row=score_row(prompt, result)))
+            self._pending_tokens += len(group.input_ids)
             return
 
-    def _model_changed(self, lease: work_queue.Lease, exc: InferenceError) -> None:
-        """Another model answers at the URL: record the attempt (the step stays unscored) and stop."""
-        self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
-                                           error=str(exc)[:2000], final=False))
+    def _model_changed(self, leases: list[work_queue.Lease], exc: InferenceError) -> None:
+        """Another model answers at the URL: record the attempt (the steps stay unscored) and stop."""
+        for lease in leases:
+            self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
+                                               error=str(exc)[:2000], final=False))
         if self._model_error is None:
             self._model_error = ScoringError(f"scoring stopped: {exc}; rerun `score` against the scorer's model, "
                                              "or with the new one to start a new scorer")

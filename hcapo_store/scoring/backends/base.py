@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hcapo_store.scoring.prompts import StepPrompt
+
+if TYPE_CHECKING:
+    from hcapo_store.scoring.grouping import GroupPrompt
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,6 @@ class Backend(Protocol):
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         """Score one prompt; raise InferenceError (retryable or not) on any failure."""
+
+    async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
+        """Score every member of a group with one request; one result per member, in order."""

@@ -22,6 +22,8 @@ import httpx
 
 from hcapo_store.errors import InferenceError
 from hcapo_store.masking import mask_credentials, mask_url
+from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.grouping import GroupPrompt, split_score
 
 try:  # optional: 3-4x faster than json on the large id lists and logprob arrays
     import orjson
@@ -189,3 +191,9 @@ class HttpBackend:
                 return
             self._compare_served(await self.read_served_facts(), "after a reconnect")
             client.verified_connections = seen
+
+    async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
+        """One request from the first member's first scored token to the end (SGLang:
+        ``logprob_start_len`` one before it; vLLM returns every position anyway). Every
+        position is verified as for one step, then each member keeps its own span."""
+        return split_score(group, await self.score(group.as_prompt()))  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ from typing import Any
 
 from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
+from hcapo_store.scoring.grouping import GroupPrompt
 from hcapo_store.scoring.prompts import StepPrompt
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -69,10 +70,18 @@ class InProcessBackend:
         return str(self.model_dir)
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
+        return (await self._score_spans(prompt.input_ids, [(prompt.first_scored, len(prompt.input_ids))]))[0]
+
+    async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
+        """One decoder pass over the group's ids; the LM head only on the members' spans."""
+        return await self._score_spans(group.input_ids, group.spans)
+
+    async def _score_spans(self, ids: list[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
         started = time.monotonic()
         try:
-            logprobs = await asyncio.to_thread(self.scorer.score, prompt.input_ids, prompt.first_scored)
+            values = await asyncio.to_thread(self.scorer.score_spans, ids, spans)
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
             raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
-        return BackendScore(logprobs=[float(x) for x in logprobs], prompt_tokens=len(prompt.input_ids),
-                            cached_tokens=0, latency_s=time.monotonic() - started, model_id=str(self.model_dir))
+        latency = time.monotonic() - started
+        return [BackendScore(logprobs=[float(x) for x in v], prompt_tokens=len(ids), cached_tokens=0,
+                             latency_s=latency, model_id=str(self.model_dir)) for v in values]

@@ -1,0 +1,99 @@
+"""Grouped requests: consecutive steps whose prompts are prefixes of one another share one request.
+
+Steps of one subtask share the hindsight block; with a prefix-stable chat template step
+k's prompt ids are a prefix of step k+1's, so one request carrying the conversation up
+to the group's last step yields the logprobs of every member's scored span. Exactness
+is checked, never assumed: a step joins the group only if its own prompt ids (built
+exactly as for a per-step request) equal the group's ids up to its end, position for
+position. Where they differ (a template that rewrites history, a new hindsight block,
+a truncated prompt) the group splits, so every stored value is the one a per-step
+request would give (up to float reduction order on the server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.prompts import PromptFailure, StepPrompt
+
+Grouping = Literal["per-step", "grouped"]
+GROUPINGS: tuple[Grouping, ...] = ("per-step", "grouped")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GroupPrompt:
+    """One request: ``input_ids`` is the last member's ids; every member's ids are a prefix of it."""
+
+    members: tuple[StepPrompt, ...]
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.members[-1].input_ids
+
+    @property
+    def first_scored(self) -> int:
+        return self.members[0].first_scored
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Per member, the positions ``[first_scored, end)`` of its scored tokens in ``input_ids``."""
+        return [(m.first_scored, len(m.input_ids)) for m in self.members]
+
+    def as_prompt(self) -> StepPrompt:
+        """The whole request as one prompt: every position from the first member's first
+        scored token to the end is scored (the backends' per-step path then verifies it)."""
+        last = self.members[-1]
+        return StepPrompt(step_index=last.step_index, input_ids=last.input_ids, first_scored=self.first_scored,
+                          total_action_tokens=0, skipped_action_tokens=0, truncated_prefix_tokens=0,
+                          flattened=last.flattened)
+
+    def split(self, logprobs: Sequence[T]) -> list[list[T]]:
+        """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
+        offset = self.first_scored
+        return [list(logprobs[start - offset:end - offset]) for start, end in self.spans]
+
+
+def joins(group: list[StepPrompt], prompt: StepPrompt, max_tokens: int | None) -> bool:
+    """Can ``prompt`` extend ``group`` exactly? Its ids must start with the group's ids and
+    its first scored token must come after the group's last one (spans never overlap).
+    A step under sliding truncation never passes (its tail starts later than the previous
+    step's), so it goes alone; under ``--truncation window`` the steps of one window do."""
+    if not group:
+        return False
+    ids, last = prompt.input_ids, group[-1].input_ids
+    if max_tokens is not None and len(ids) > max_tokens:
+        return False
+    return len(ids) > len(last) and prompt.first_scored >= len(last) and ids[: len(last)] == last
+
+
+def group_prompts(prompts: Sequence[StepPrompt | PromptFailure], *, grouping: Grouping = "grouped",
+                  max_tokens: int | None = None) -> list[GroupPrompt | PromptFailure]:
+    """Requests for the prompts of one episode, in step order: failures stay on their own;
+    with ``per-step`` every prompt is its own request."""
+    out: list[GroupPrompt | PromptFailure] = []
+    current: list[StepPrompt] = []
+    for prompt in prompts:
+        if isinstance(prompt, PromptFailure):
+            out.append(prompt)
+            continue
+        if grouping == "grouped" and joins(current, prompt, max_tokens):
+            current.append(prompt)
+            continue
+        if current:
+            out.append(GroupPrompt(tuple(current)))
+        current = [prompt]
+    if current:
+        out.append(GroupPrompt(tuple(current)))
+    return out
+
+
+def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:
+    """One request's verified result → one result per member (request facts shared)."""
+    return [BackendScore(logprobs=values, prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                         latency_s=result.latency_s, model_id=result.model_id)
+            for values in group.split(result.logprobs)]
