@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,25 @@ def test_subprocess_console_script(tmp_path, samples):
     assert "0 failed" in out.stdout
     out = subprocess.run([*cmd, "--db", str(db), "status"], capture_output=True, text=True, check=True)
     assert "episodes" in out.stdout
+
+
+HEAVY = ("sqlalchemy", "alembic", "numpy", "transformers", "torch", "httpx", "rich")
+
+
+def test_help_imports_no_heavy_module():
+    """`hcapo-store --help` starts fast: the CLI module and --help load no database or ML stack."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['hcapo-store', '--help']\n"
+        "import cli\n"
+        "try:\n"
+        "    cli.cli()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert "Usage:" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -22,29 +22,9 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from hcapo_store.errors import SchemaOutOfDate, SchemaTooNew, StoreError
+from hcapo_store.storage.location import DEFAULT_DB, ENV_DB, display_url, resolve_url  # noqa: F401 - re-exported
 
-DEFAULT_DB = "hcapo.db"
-ENV_DB = "HCAPO_STORE_DB"
 BUSY_TIMEOUT_MS = 60_000
-
-
-def resolve_url(db: str | os.PathLike[str] | None) -> str:
-    """A path becomes a SQLite URL; ``postgresql://`` gets the psycopg 3 driver."""
-    db = str(db or os.environ.get(ENV_DB) or DEFAULT_DB)
-    if "://" not in db:
-        return "sqlite:///" + str(Path(db).expanduser().resolve())
-    if db.startswith("postgresql://") or db.startswith("postgres://"):
-        return "postgresql+psycopg://" + db.split("://", 1)[1]
-    return db
-
-
-def display_url(url: str) -> str:
-    """What to show users: the file path for SQLite, the URL without password otherwise."""
-    if url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def _sqlite_hooks(engine: Engine) -> None:
