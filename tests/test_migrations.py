@@ -1,4 +1,4 @@
-"""Schema versions: blank → head, models agree with revisions, behind-head is refused."""
+"""Schema versions: blank → head, models agree with revisions, a newer or older database is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from cli import cli
 from hcapo_store.storage import db
-from hcapo_store.errors import SchemaOutOfDate
+from hcapo_store.errors import SchemaOutOfDate, SchemaTooNew
 from hcapo_store.storage.store import Store
 
 DATA = Path(__file__).parent / "data"
@@ -31,17 +31,21 @@ def test_blank_to_head_and_models_agree(tmp_path):
     engine.dispose()
 
 
-def test_behind_head_is_refused_with_the_upgrade_command(tmp_path):
-    path = tmp_path / "old.db"
+def test_unknown_revision_is_refused_as_too_new(tmp_path):
+    """A file at a revision this version does not know was written by a newer hcapo-store."""
+    path = tmp_path / "future.db"
     engine = db.make_engine(db.resolve_url(path))
     db.upgrade(engine)
-    with engine.begin() as conn:  # pretend the file was written by an older release
-        conn.exec_driver_sql("UPDATE alembic_version SET version_num = 'base-older'")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = 'f00d_from_the_future'")
     engine.dispose()
-    # unknown revision = too new; a known older one is the interesting case when it exists
-    with pytest.raises(Exception) as info:
+    with pytest.raises(SchemaTooNew) as info:
         Store.open(str(path))
-    assert "newer version" in str(info.value) or "db upgrade" in str(info.value)
+    assert str(info.value) == (
+        f"Database {path} is at revision f00d_from_the_future, unknown to this hcapo-store "
+        f"(head {db.head_revision()}); it was written by a newer version: upgrade hcapo-store.")
+    r = CliRunner().invoke(cli, ["--db", str(path), "status"])
+    assert r.exit_code == 1 and r.output == f"Error: {info.value}\n"  # one line, no traceback
 
 
 def test_schema_out_of_date_message_names_the_command():
