@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     # errors
     "HcapoError": "hcapo_store.errors",
+    "MissingExtra": "hcapo_store.errors",
     "StoreError": "hcapo_store.errors",
     "SchemaOutOfDate": "hcapo_store.errors",
     "SchemaTooNew": "hcapo_store.errors",
@@ -73,7 +74,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.credits.equations import CreditParams
     from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
-    from hcapo_store.errors import (CreditError, ExportError, HcapoError, InferenceError, IngestError,
+    from hcapo_store.errors import (CreditError, ExportError, HcapoError, InferenceError, IngestError, MissingExtra,
                                     SchemaOutOfDate, SchemaTooNew, ScoringError, SkipEpisode, StoreError)
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions

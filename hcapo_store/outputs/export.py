@@ -25,7 +25,7 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import CreditParams, hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.storage.episodes import loader_message
-from hcapo_store.errors import ExportError
+from hcapo_store.errors import ExportError, MissingExtra
 from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.outputs.files import atomic_write
 from hcapo_store.storage.store import Store
@@ -285,8 +285,8 @@ def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
-    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
-        raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
+    except ImportError as exc:
+        raise MissingExtra("pyarrow", "parquet", "export --format parquet") from exc
     writer = None
     for batch in _batched(rows, PARQUET_BATCH):
         if writer is None:
