@@ -13,7 +13,7 @@ Faults (``FAULTS``)::
 
     http_500 http_503 http_429   retryable statuses (429 carries Retry-After: 0.1)
     abort abort_503              HTTP 200 with finish_reason.type == "abort" (retryable)
-    timeout                      sleeps ``timeout_sleep`` s, then drops the connection
+    timeout                      holds the request until the client gives up, then drops it
     drop                         closes the socket without any response
     http_400                     SGLang's 400 body (permanent)
     malformed_json               200 with a truncated JSON body (permanent)
@@ -33,6 +33,8 @@ import copy
 import hashlib
 import json
 import random
+import select
+import socket
 import threading
 import time
 from array import array
@@ -45,6 +47,8 @@ from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
 from hcapo_store.local.refserver import ReferenceServer
+
+HOLD_LIMIT_S = 300.0  # a hang guard for held requests, far above any client timeout in the tests
 
 Schedule = Callable[[str, int], "str | None"]
 
@@ -112,14 +116,16 @@ class LogEntry:
 
 class FaultServer(BackgroundHTTPServer):
     """Serve /generate from ``ref.generate`` with faults; ``delay`` adds latency to every
-    /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request."""
+    /generate; a ``timeout`` fault holds the request until the client gives up. /generate
+    waits while ``gate`` is clear (a test decides when scoring may start)."""
 
     def __init__(self, ref: ReferenceServer, schedule: Schedule = no_faults, *, host: str = "127.0.0.1",
-                 port: int = 0, timeout_sleep: float = 3.0, delay: float = 0.0) -> None:
+                 port: int = 0, delay: float = 0.0) -> None:
         self.ref = ref
         self.schedule = schedule
-        self.timeout_sleep = timeout_sleep
         self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
         self._lock = threading.Lock()
@@ -211,6 +217,7 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             except ValueError as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed JSON body: {exc}"}})
                 return
+            server.gate.wait(HOLD_LIMIT_S)
             _, fault = server._arrive(body.get("input_ids"))
             if server.delay:
                 time.sleep(server.delay)
@@ -218,7 +225,7 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True  # no status line, no headers: the socket just closes
                 return
             if fault == "timeout":
-                time.sleep(server.timeout_sleep)
+                self._hold_until_client_leaves()
                 self.close_connection = True
                 return
             if fault in ("http_500", "http_503"):
@@ -252,6 +259,14 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if fault is not None:
                 response = _corrupt(fault, response)
             self._json(HTTPStatus.OK, response)
+
+        def _hold_until_client_leaves(self) -> None:
+            """Answer nothing until the client closes the connection (its timeout fired)."""
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while time.monotonic() < deadline:
+                readable, _, _ = select.select([self.connection], [], [], 0.1)
+                if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                    return
 
         def _json(self, status: HTTPStatus, payload: Any, headers: Mapping[str, str] | None = None) -> None:
             self._send(status, json.dumps(payload).encode(), "application/json", headers)
