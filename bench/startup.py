@@ -67,7 +67,7 @@ def main() -> None:
                 times[name].append(_time(case))
     print(f"{platform.node()} · {os.cpu_count()} cores · Python {platform.python_version()} · "
           f"load {os.getloadavg()[0]:.2f} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {runs} rounds")
-    print(f"| case | min | median | max |\n| --- | ---: | ---: | ---: |")
+    print("| case | min | median | max |\n| --- | ---: | ---: | ---: |")
     for name, ts in times.items():
         print(f"| {name} | {min(ts):.3f} s | {statistics.median(ts):.3f} s | {max(ts):.3f} s |")
 
