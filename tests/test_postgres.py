@@ -41,6 +41,11 @@ from hcapo_store.local.synth import write_standard_episodes
 import pg
 from _waiting import HANG_GUARD_S, wait_until
 
+# Leases outlive the test: work comes back only because the next worker on this host finds
+# a killed one's process gone, never because a loaded machine let a lease run out. (Lease
+# expiry itself is tested on the server's clock, and with a clock the test controls.)
+LEASE_S = 3600
+
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
@@ -163,7 +168,7 @@ def test_concurrent_claims_are_disjoint_on_postgres(pg_store: Store, tmp_path: P
     def grab(i: int) -> list[int]:
         got = []
         barrier.wait()
-        while (c := work_queue.claim(pg_store, scorer, f"t{i}", lease_seconds=60, filters=work_queue.Filters(),
+        while (c := work_queue.claim(pg_store, scorer, f"t{i}", lease_seconds=LEASE_S, filters=work_queue.Filters(),
                                 max_steps=3)) is not None:
             got += [lease.attempt_id for lease in c.leases]
         return got
@@ -282,12 +287,6 @@ class CountingServer:
 def _cli() -> list[str]:
     exe = Path(sys.executable).with_name("hcapo-store")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "cli"]
-
-
-# Leases outlive the test: a killed worker's steps come back only because the next worker
-# on this host finds its process gone, never because a loaded machine let a lease run out.
-# (Lease expiry itself is tested with a clock the test controls.)
-LEASE_S = 3600
 
 
 def _score_cmd(db_arg: str, server: str, model_dir: Path, worker: str) -> list[str]:
