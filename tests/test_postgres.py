@@ -403,6 +403,7 @@ def test_two_workers_one_killed_on_sqlite(tiny_model_dir: Path, tmp_path: Path,
 # --- the main job on PostgreSQL ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_end_to_end_on_postgres_matches_sqlite(pg_url: str, tmp_path) -> None:
     """Ingest, score (reference server over HTTP) and credits compute, set-based on PG."""
     import json

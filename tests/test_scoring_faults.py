@@ -242,6 +242,7 @@ def test_random_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean,
     store.close()
 
 
+@pytest.mark.slow
 def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_path, episodes_dir, ref,
                                                                            fault_server, clean, tiny_model_dir):
     """429 with Retry-After 0.1 waits 0.1 s (not the tiny backoff); a dead server fails to start cleanly."""
