@@ -48,7 +48,7 @@ from typing import Any
 from hcapo_store.http_server import BackgroundHTTPServer
 from hcapo_store.local.refserver import ReferenceServer
 
-HOLD_LIMIT_S = 300.0  # a hang guard for held requests, far above any client timeout in the tests
+HOLD_LIMIT_S = 1800.0  # a hang guard for held requests, far above any client timeout in the tests
 
 Schedule = Callable[[str, int], "str | None"]
 
