@@ -9,14 +9,18 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from hcapo_store.storage import db as dbmod
+# Only light modules at the top: `--help` must not pay for SQLAlchemy, Alembic, numpy or
+# transformers (tests/test_cli.py checks). Commands import what they use.
 from hcapo_store import formatting
 from hcapo_store.errors import HcapoError
-from hcapo_store.storage.store import Store
+from hcapo_store.storage.location import DEFAULT_DB, ENV_DB
+
+if TYPE_CHECKING:
+    from hcapo_store.storage.store import Store
 
 EXIT_INTERRUPTED = 130
 
@@ -49,6 +53,8 @@ class _Ctx:
 
     def store(self, *, create: bool = True) -> Store:
         if self._store is None:
+            from hcapo_store.storage.store import Store
+
             self._store = Store.open(self.db, create=create)
         return self._store
 
@@ -61,8 +67,8 @@ pass_ctx = click.make_pass_decorator(_Ctx)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar=dbmod.ENV_DB, metavar="PATH_OR_URL", default=None,
-              help=f"SQLite file or database URL (env {dbmod.ENV_DB}; default ./{dbmod.DEFAULT_DB}).")
+@click.option("--db", envvar=ENV_DB, metavar="PATH_OR_URL", default=None,
+              help=f"SQLite file or database URL (env {ENV_DB}; default ./{DEFAULT_DB}).")
 @click.version_option(package_name="hcapo-store")
 @click.pass_context
 def cli(ctx: click.Context, db: str | None) -> None:
@@ -92,6 +98,8 @@ def _warn(warnings: list[str]) -> None:
 @pass_ctx
 def init(state: _Ctx) -> None:
     """Create a new database (or confirm an existing one is current)."""
+    from hcapo_store.storage import db as dbmod
+
     store = state.store(create=True)
     click.echo(f"{store.display}: schema at revision {dbmod.current_revision(store.engine)} (head)")
 
@@ -105,6 +113,8 @@ def db() -> None:
 @pass_ctx
 def db_current(state: _Ctx) -> None:
     """Print the database's schema revision and the head this version needs."""
+    from hcapo_store.storage import db as dbmod
+
     url = dbmod.resolve_url(state.db)
     engine = dbmod.make_engine(url)
     try:
@@ -121,6 +131,8 @@ def db_current(state: _Ctx) -> None:
 @pass_ctx
 def db_upgrade(state: _Ctx, no_backup: bool) -> None:
     """Upgrade the database schema to this version's head (backs up SQLite files first)."""
+    from hcapo_store.storage import db as dbmod
+
     result = dbmod.upgrade_database(state.db, take_backup=not no_backup)
     if not result.changed:
         click.echo(f"{result.url}: already at head {result.head}")
@@ -314,7 +326,9 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
                          limit=limit, worker_id=worker_id, grouping=grouping)
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
-    with dbmod.read(store.engine) as conn:  # before the model loads: a wrong --episode fails at once
+    from hcapo_store.storage.db import read as db_read
+
+    with db_read(store.engine) as conn:  # before the model loads: a wrong --episode fails at once
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
     options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
@@ -657,7 +671,7 @@ def datasette_metadata_cmd(ctx: click.Context, out: Path, database: str | None) 
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.outputs.files import atomic_write
 
-    location = (ctx.find_object(_Ctx).db or dbmod.DEFAULT_DB).removeprefix("sqlite:///")
+    location = (ctx.find_object(_Ctx).db or DEFAULT_DB).removeprefix("sqlite:///")
     name = database or ("hcapo" if "://" in location else Path(location).stem)  # datasette names a file by its stem
     doc = json.dumps(datasette_metadata(name), indent=2).encode()
     atomic_write(out, lambda f: f.write(doc))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     # errors
     "HcapoError": "hcapo_store.errors",
+    "MissingExtra": "hcapo_store.errors",
     "StoreError": "hcapo_store.errors",
     "SchemaOutOfDate": "hcapo_store.errors",
     "SchemaTooNew": "hcapo_store.errors",
@@ -90,8 +91,8 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.credits.equations import CreditParams
     from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
     from hcapo_store.errors import (CreditError, DatabaseFull, DatabaseLocked, ExportError, HcapoError,
-                                    InferenceError, IngestError, NotAStore, SchemaOutOfDate, SchemaTooNew,
-                                    ScoringError, SkipEpisode, StoreError, UsageError)
+                                    InferenceError, IngestError, MissingExtra, NotAStore, SchemaOutOfDate,
+                                    SchemaTooNew, ScoringError, SkipEpisode, StoreError, UsageError)
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.export import export_dataset, export_hindsight_json

@@ -12,6 +12,14 @@ class HcapoError(Exception):
     """Base class of every error hcapo-store raises on purpose."""
 
 
+class MissingExtra(HcapoError):
+    """An optional dependency (torch, pyarrow, ...) is not installed; names the extra to install."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        self.module, self.extra = module, extra
+        super().__init__(f"{purpose} needs {module}, which is not installed: pip install 'hcapo-store[{extra}]'")
+
+
 class StoreError(HcapoError):
     """The database cannot be opened or used."""
 

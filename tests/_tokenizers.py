@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from _shared import TOKENIZERS as SHARED_TOKENIZERS
 
-# ../shared next to the checkout; HCAPO_SHARED_TOKENIZERS points elsewhere (e.g. from a git worktree).
-SHARED_TOKENIZERS = Path(os.environ.get("HCAPO_SHARED_TOKENIZERS")
-                         or Path(__file__).resolve().parents[2] / "shared" / "tokenizers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CHATML_WITH_BOS = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"

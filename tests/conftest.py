@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from _shared import EXAMPLES, REPO, SAMPLES, SHARED, TOKENIZERS  # noqa: F401 - re-exported to tests
 from hcapo_store.storage.store import Store
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-SAMPLES = SHARED / "samples" / "trajectories"
-EXAMPLES = REPO / "examples" / "trajectories"
-TOKENIZERS = SHARED / "tokenizers"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ Faults (``FAULTS``)::
 
     http_500 http_503 http_429   retryable statuses (429 carries Retry-After: 0.1)
     abort abort_503              HTTP 200 with finish_reason.type == "abort" (retryable)
-    timeout                      sleeps ``timeout_sleep`` s, then drops the connection
+    timeout                      holds the request until the client gives up, then drops it
     hang                         holds the request until ``die()`` or ``shutdown()``, then drops it
     drop                         closes the socket without any response
     http_400                     SGLang's 400 body (permanent)
@@ -38,6 +38,8 @@ import copy
 import hashlib
 import json
 import random
+import select
+import socket
 import threading
 import time
 from array import array
@@ -50,6 +52,8 @@ from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
 from hcapo_store.local.refserver import ReferenceServer
+
+HOLD_LIMIT_S = 1800.0  # a hang guard for held requests, far above any client timeout in the tests
 
 Schedule = Callable[[str, int], "str | None"]
 
@@ -137,16 +141,19 @@ class LogEntry:
 
 class FaultServer(BackgroundHTTPServer):
     """Serve /generate from ``ref.generate`` with faults; ``delay`` adds latency to every
-    /generate; ``timeout_sleep`` is how long a ``timeout`` fault holds the request; while
-    ``gate`` is set to a cleared ``threading.Event``, /generate answers wait for it."""
+    /generate; a ``timeout`` fault holds the request until the client gives up. /generate
+    waits while ``gate`` is clear, before the request is logged (a test decides when scoring
+    may start); while ``hold_answers`` is a cleared ``threading.Event``, logged requests wait
+    for it before they are answered (a test acts between arrival and answer)."""
 
     def __init__(self, ref: ReferenceServer, schedule: Schedule = no_faults, *, host: str = "127.0.0.1",
-                 port: int = 0, timeout_sleep: float = 3.0, delay: float = 0.0) -> None:
+                 port: int = 0, delay: float = 0.0) -> None:
         self.ref = ref
         self.schedule = schedule
-        self.timeout_sleep = timeout_sleep
         self.delay = delay
-        self.gate: threading.Event | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.hold_answers: threading.Event | None = None
         self.generation = 0  # bumped by swap(): connections of an older generation are dropped
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
@@ -287,11 +294,12 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if not body.get("return_logprob"):  # the client's vocabulary probe: no faults, not logged
                 self._answer(body, None)
                 return
+            server.gate.wait(HOLD_LIMIT_S)
             _, fault = server._arrive(body.get("input_ids"), body.get("logprob_start_len"))
             if server.delay:
                 time.sleep(server.delay)
-            if server.gate is not None:
-                server.gate.wait()
+            if server.hold_answers is not None:
+                server.hold_answers.wait(HOLD_LIMIT_S)
             if self._stale():
                 return
             if fault == "drop":
@@ -302,7 +310,7 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             if fault == "timeout":
-                time.sleep(server.timeout_sleep)
+                self._hold_until_client_leaves()
                 self.close_connection = True
                 return
             if fault in ("http_500", "http_503"):
@@ -339,6 +347,14 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if fault is not None:
                 response = _corrupt(fault, response)
             self._json(HTTPStatus.OK, response)
+
+        def _hold_until_client_leaves(self) -> None:
+            """Answer nothing until the client closes the connection (its timeout fired)."""
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while time.monotonic() < deadline:
+                readable, _, _ = select.select([self.connection], [], [], 0.1)
+                if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                    return
 
         def _json(self, status: HTTPStatus, payload: Any, headers: Mapping[str, str] | None = None) -> None:
             self._send(status, json.dumps(payload).encode(), "application/json", headers)

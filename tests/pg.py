@@ -32,7 +32,7 @@ def server_url() -> str:
         try:
             import psycopg
 
-            psycopg.connect(_libpq(url), connect_timeout=5).close()
+            psycopg.connect(_libpq(url), connect_timeout=30).close()
             _reachable[url] = None
         except Exception as exc:  # noqa: BLE001 - any failure means: skip with the reason
             _reachable[url] = f"{type(exc).__name__}: {exc}".strip()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,12 @@ def test_ingest_status_sql(runner, db_path, samples):
 
 def test_sql_is_read_only_by_default(runner, db_path, samples):
     runner.invoke(cli, ["--db", str(db_path), "ingest", str(samples)])
+    count = ["--db", str(db_path), "sql", "SELECT COUNT(*) AS n FROM steps", "--format", "json"]
+    before = json.loads(runner.invoke(cli, count).output)[0]["n"]
+    assert before > 0
     r = runner.invoke(cli, ["--db", str(db_path), "sql", "DELETE FROM steps"])
     assert r.exit_code == 1 and "read-only" in r.output
-    r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT COUNT(*) FROM steps"])
-    assert "0\n" not in r.output.split("\n", 2)[2]
+    assert json.loads(runner.invoke(cli, count).output)[0]["n"] == before  # nothing was deleted
 
 
 def test_ingest_json_and_failure_exit_status(runner, db_path, tmp_path):
@@ -75,3 +78,25 @@ def test_subprocess_console_script(tmp_path, samples):
     assert "0 failed" in out.stdout
     out = subprocess.run([*cmd, "--db", str(db), "status"], capture_output=True, text=True, check=True)
     assert "episodes" in out.stdout
+
+
+HEAVY = ("sqlalchemy", "alembic", "numpy", "transformers", "torch", "httpx", "rich")
+
+
+def test_help_imports_no_heavy_module():
+    """`hcapo-store --help` starts fast: the CLI module and --help load no database or ML stack."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['hcapo-store', '--help']\n"
+        "import cli\n"
+        "try:\n"
+        "    cli.cli()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert "Usage:" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -116,20 +116,20 @@ def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, l
     (its claim is committed); release it when ``release_when()`` holds, else after the
     process ended. Returns the exit status."""
     server.reset()
-    server.gate = threading.Event()
+    server.hold_answers = threading.Event()
     proc = _spawn(_score_cmd(db, server, tiny_model_dir), log, SHORT_BUSY)
     lock = None
     try:
         wait_for(lambda: server.requests >= 1, "the first request (the claim is committed)")
         lock = WriteLock(db)
-        server.gate.set()
+        server.hold_answers.set()
         if release_when is not None:
             wait_for(release_when, "the state that releases the lock")
             lock.release()
         return proc.wait(timeout=WAIT)
     finally:
-        server.gate.set()
-        server.gate = None
+        server.hold_answers.set()
+        server.hold_answers = None
         if lock is not None:
             lock.release()
         if proc.poll() is None:

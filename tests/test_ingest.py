@@ -179,18 +179,28 @@ def test_tags_survive_new_versions(store, tmp_path):
 def test_interrupted_ingest_leaves_database_consistent(tmp_path):
     """SIGINT a real `hcapo-store ingest` process mid-run; the database stays whole."""
     import signal
-    import time
+    import sqlite3
+    from contextlib import closing
+
+    from _waiting import HANG_GUARD_S, wait_until
 
     write_standard_episodes(tmp_path / "t", 400, steps_per_subtask=6, output_words=200)
     db = tmp_path / "i.db"
     cmd = [sys.executable, "-m", "cli", "--db", str(db), "ingest", str(tmp_path / "t")]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (db.exists() and db.with_name("i.db-wal").exists()):
-        time.sleep(0.05)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+
+    def committed() -> int:  # episodes of the batches committed so far (a reader never blocks in WAL mode)
+        if not db.with_name("i.db-wal").exists():
+            return 0
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            try:
+                return conn.execute("SELECT COUNT(*) FROM episodes").fetchone()[0]
+            except sqlite3.OperationalError:  # the schema is not there yet
+                return 0
+
+    wait_until(lambda: committed() > 0, "the first batch is committed", procs={"ingest": proc})
+    proc.send_signal(signal.SIGINT)  # mid-run: later batches are still to come
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode in (0, 130), err
     from hcapo_store.storage.store import Store
 

@@ -1,4 +1,4 @@
-"""Schema versions: blank → head, models agree with revisions, behind-head is refused."""
+"""Schema versions: blank → head, models agree with revisions, a newer or older database is refused."""
 
 from __future__ import annotations
 
@@ -35,14 +35,20 @@ def test_blank_to_head_and_models_agree(tmp_path):
 
 
 def test_unknown_revision_is_refused_as_too_new(tmp_path):
-    path = tmp_path / "new.db"
+    """A file at a revision this version does not know was written by a newer hcapo-store."""
+    path = tmp_path / "future.db"
     engine = db.make_engine(db.resolve_url(path))
     db.upgrade(engine)
-    with engine.begin() as conn:  # as if written by a later release
-        conn.exec_driver_sql("UPDATE alembic_version SET version_num = 'ffff-future'")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = 'f00d_from_the_future'")
     engine.dispose()
-    with pytest.raises(SchemaTooNew, match="written by a newer version: upgrade hcapo-store"):
+    with pytest.raises(SchemaTooNew) as info:
         Store.open(str(path))
+    assert str(info.value) == (
+        f"Database {path} is at revision f00d_from_the_future, unknown to this hcapo-store "
+        f"(head {db.head_revision()}); it was written by a newer version: upgrade hcapo-store.")
+    r = CliRunner().invoke(cli, ["--db", str(path), "status"])
+    assert r.exit_code == 1 and r.output == f"Error: {info.value}\n"  # one line, no traceback
 
 
 def test_schema_out_of_date_message_names_the_command():

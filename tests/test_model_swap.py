@@ -58,7 +58,7 @@ def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, cha
     """Score in a thread; once the first request is at the server, ``change()`` the server."""
     prep = prepare(store, ScoreConfig(backend="sglang", server=proxy.url, tokenizer=str(tiny_model_dir),
                                       max_context=MAX_CONTEXT))
-    proxy.gate = threading.Event()
+    proxy.hold_answers = threading.Event()
     outcome: list[BaseException | None] = []
 
     def work() -> None:
@@ -74,9 +74,9 @@ def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, cha
         wait_for(lambda: proxy.requests >= 1, "the first request")
         change()
     finally:
-        proxy.gate.set()
+        proxy.hold_answers.set()
         thread.join(WAIT)
-        proxy.gate = None
+        proxy.hold_answers = None
     assert not thread.is_alive()
     return outcome[0]
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from _shared import TOKENIZERS
 from hcapo_store.scoring.forward import LogprobModel
 from hcapo_store.local.tiny_model import build_demo_tokenizer, build_tiny_model, ensure_demo_model
 
 TOL = 1e-5
-QWEN25_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen2.5"
+QWEN25_TOKENIZER = TOKENIZERS / "qwen2.5"
 
 CHAT = [
     {"role": "system", "content": "You fix bugs."},

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hcapo_store.errors import MissingExtra
+
 # The trainer's target; the built-in corpus supports ~1800 tokens (bytes + merges).
 DEMO_VOCAB_SIZE = 2000
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -385,7 +387,10 @@ def build_tiny_model(
     The tokenizer files are saved next to the weights, so the directory alone is a
     complete model. Rebuilding with the same parameters is a no-op.
     """
-    import torch
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingExtra("torch", "local", "building the tiny demo model") from exc
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     out, tok_dir = Path(out_dir), Path(tokenizer_dir)

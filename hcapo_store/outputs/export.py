@@ -23,7 +23,7 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import CreditParams, hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.storage.episodes import loader_message
-from hcapo_store.errors import ExportError
+from hcapo_store.errors import ExportError, MissingExtra
 from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.storage import db
@@ -376,8 +376,8 @@ def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], provenance: dic
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
-    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
-        raise ExportError("Parquet export needs pyarrow: pip install pyarrow") from exc
+    except ImportError as exc:
+        raise MissingExtra("pyarrow", "parquet", "export --format parquet") from exc
     metadata = {PARQUET_METADATA_KEY: json.dumps(provenance, ensure_ascii=False)}
     schema_for = schema or (lambda id_type: _parquet_schema(id_type, weighted))
     writer = None

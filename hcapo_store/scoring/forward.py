@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from hcapo_store.errors import MissingExtra, ScoringError
 
-from hcapo_store.errors import ScoringError
+try:
+    import torch
+except ImportError as exc:  # pip install . (no extras): scoring against a server still works
+    raise MissingExtra("torch", "local", "a local model (score --model, serve-reference, demo)") from exc
 
 
 @dataclass(frozen=True)

@@ -343,15 +343,24 @@ def _memoize_sandbox_checks(tokenizer: Any) -> None:
     the object and the attribute name (``value`` is unused), so caching the verdict per
     (type, name) changes no output and keeps the sandbox. A subclass that overrides the
     check is left alone.
+
+    The environment to patch is the one transformers renders with, reached through its
+    private ``_compile_jinja_template``; a transformers without it renders unpatched: the
+    same text, only slower (an environment compiled here would not be the one in use).
     """
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
     try:
         template = tokenizer.get_chat_template()
     except ValueError:  # no template: rendering fails later with a clear message
         return
-    env = _compile_jinja_template(template).environment
+    env = getattr(_compile_jinja_template(template), "environment", None)
+    if env is None:  # a transformers whose private helper changed shape
+        return
     check = type(env).is_safe_attribute
     if check not in (ImmutableSandboxedEnvironment.is_safe_attribute, SandboxedEnvironment.is_safe_attribute):
         return

@@ -27,9 +27,8 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, NotAStore, SchemaOutOfDate, SchemaTooNew, StoreError
+from hcapo_store.storage.location import DEFAULT_DB, ENV_DB, display_url, resolve_url  # noqa: F401 - re-exported
 
-DEFAULT_DB = "hcapo.db"
-ENV_DB = "HCAPO_STORE_DB"
 ENV_BUSY_TIMEOUT = "HCAPO_STORE_BUSY_TIMEOUT"  # seconds a writer waits for SQLite's write lock
 BUSY_TIMEOUT_MS = 60_000
 # Tables every hcapo-store database has had since revision 0001: a file without them is not ours.
@@ -44,25 +43,6 @@ def busy_timeout_ms() -> int:
         return max(int(float(raw) * 1000), 0)
     except ValueError:
         raise StoreError(f"{ENV_BUSY_TIMEOUT}={raw!r} is not a number of seconds") from None
-
-
-def resolve_url(db: str | os.PathLike[str] | None) -> str:
-    """A path becomes a SQLite URL; ``postgresql://`` gets the psycopg 3 driver."""
-    db = str(db or os.environ.get(ENV_DB) or DEFAULT_DB)
-    if "://" not in db:
-        return "sqlite:///" + str(Path(db).expanduser().resolve())
-    if db.startswith("postgresql://") or db.startswith("postgres://"):
-        return "postgresql+psycopg://" + db.split("://", 1)[1]
-    return db
-
-
-def display_url(url: str) -> str:
-    """What to show users: the file path for SQLite, the URL without password otherwise."""
-    if url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def _sqlite_hooks(engine: Engine) -> None:

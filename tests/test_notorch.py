@@ -1,0 +1,103 @@
+"""`pip install .` without extras, as an SGLang/vLLM user installs it: a fresh venv (no torch,
+no pyarrow) built from the checkout's tracked files, scoring against a reference server
+that runs here (this environment has torch).
+
+The venv's dependencies are cached under the temp dir, keyed by pyproject.toml; the
+package itself is reinstalled from the current files on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hcapo_store.local.refserver import ReferenceServer, make_server
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.notorch]
+PIP_TIMEOUT_S = 1800  # a hang guard: the first build downloads the dependencies
+
+
+def _copy_tracked_files(dest: Path) -> Path:
+    """The files a clean clone has (with their current contents): nothing untracked or built."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout (an unpacked sdist): everything but build output
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns("*.egg-info", "build", "dist", "__pycache__"))
+        return dest
+    for name in filter(None, listed.stdout.split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def _pip(venv: Path, *args: str) -> None:
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
+                       capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = _copy_tracked_files(tmp_path_factory.mktemp("clean-clone"))
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + sys.version.encode()).hexdigest()[:16]
+    cached = Path(tempfile.gettempdir()) / f"hcapo-store-notorch-venv-{key}"
+    if not (cached / "bin" / "hcapo-store").exists():
+        building = Path(tempfile.mkdtemp(prefix="hcapo-store-notorch-build-"))
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
+        _pip(building, str(src))  # the package with all its declared dependencies
+        shutil.rmtree(cached, ignore_errors=True)
+        building.rename(cached)  # venvs are not relocatable: rebuild the console script below
+    _pip(cached, "--no-deps", "--force-reinstall", str(src))
+    assert subprocess.run([str(cached / "bin" / "python"), "-c", "import torch"], capture_output=True).returncode != 0
+    return cached
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as s:
+        yield s
+
+
+def _run(venv: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run([str(venv / "bin" / "hcapo-store"), "--db", str(tmp_path / "x.db"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, env={**env, "NO_COLOR": "1"}, timeout=600)
+
+
+def test_plain_install_scores_against_a_server(venv, server, tiny_model_dir, tmp_path):
+    r = _run(venv, tmp_path, "ingest", str(ROOT / "examples" / "trajectories"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run(venv, tmp_path, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
+             "--max-context", "2048", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout[r.stdout.index("{"):])
+    assert report["scored"] > 0 and report["failed"] == 0
+    steps = json.loads(_run(venv, tmp_path, "status", "--json").stdout)["steps"]
+    assert report["scored"] == steps
+    assert _run(venv, tmp_path, "credits", "compute").returncode == 0
+    r = _run(venv, tmp_path, "export", "dataset", str(tmp_path / "d.jsonl"))
+    assert r.returncode == 0 and (tmp_path / "d.jsonl").stat().st_size > 0, r.stdout + r.stderr
+    # pyarrow is really absent here: one line naming the extra.
+    r = _run(venv, tmp_path, "export", "dataset", str(tmp_path / "d.parquet"), "--format", "parquet")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "Error: export --format parquet needs pyarrow, which is not installed: pip install 'hcapo-store[parquet]'"]
+
+
+def test_plain_install_names_the_local_extra(venv, tmp_path):
+    """torch is really absent here: one line naming the extra, no traceback."""
+    (tmp_path / "model").mkdir()
+    r = _run(venv, tmp_path, "serve-reference", "--model", str(tmp_path / "model"))
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "Error: a local model (score --model, serve-reference, demo) needs torch, which is not installed: "
+        "pip install 'hcapo-store[local]'"]
