@@ -174,8 +174,8 @@ def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_too
     stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
     """
     from hcapo_store.ingestion.pipeline import ingest as run_ingest
-    from hcapo_store.progress import EpisodeProgress
     from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.progress import EpisodeProgress
 
     store = state.store()
     options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
@@ -306,13 +306,14 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
     limits): the same options resume, different ones start a new scorer.
     """
+    from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.progress import Progress
+    from hcapo_store.scoring.explain import why_nothing_to_score
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.job import dry_run as run_dry
+    from hcapo_store.scoring.runner import RunOptions
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.storage.episodes import resolve_episodes
-    from hcapo_store.scoring.runner import RunOptions
-    from hcapo_store.scoring.explain import why_nothing_to_score
-    from hcapo_store.scoring.job import ScoreConfig, dry_run as run_dry, prepare, run_scoring
-    from hcapo_store.ingestion.sources import ConvertOptions
 
     cfg = ScoreConfig(
         backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,

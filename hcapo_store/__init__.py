@@ -88,17 +88,31 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static tools see the real names
-    from hcapo_store.credits.equations import CreditParams
-    from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
-    from hcapo_store.errors import (CreditError, DatabaseFull, DatabaseLocked, ExportError, HcapoError,
-                                    InferenceError, IngestError, MissingExtra, NotAStore, SchemaOutOfDate,
-                                    SchemaTooNew, ScoringError, SkipEpisode, StoreError, UsageError)
-    from hcapo_store.ingestion.pipeline import IngestReport, ingest
-    from hcapo_store.ingestion.sources import ConvertOptions
-    from hcapo_store.outputs.export import export_dataset, export_hindsight_json
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.analysis.frames import credits_frame, steps_frame
+    from hcapo_store.credits.equations import CreditParams
+    from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
+    from hcapo_store.errors import (
+        CreditError,
+        DatabaseFull,
+        DatabaseLocked,
+        ExportError,
+        HcapoError,
+        InferenceError,
+        IngestError,
+        MissingExtra,
+        NotAStore,
+        SchemaOutOfDate,
+        SchemaTooNew,
+        ScoringError,
+        SkipEpisode,
+        StoreError,
+        UsageError,
+    )
+    from hcapo_store.ingestion.pipeline import IngestReport, ingest
+    from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.episode_view import write_episode_page
+    from hcapo_store.outputs.export import export_dataset, export_hindsight_json
     from hcapo_store.outputs.report import write_report
     from hcapo_store.outputs.scores import export_scores
     from hcapo_store.outputs.tokenized import export_tokenized

@@ -6,7 +6,8 @@ import csv
 import io
 import json
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def cell(value: Any) -> str:

@@ -26,10 +26,17 @@ class Progress:
         self._started = time.monotonic()
         self._last_log = self._started
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self._tty:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
-                                       SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
                 SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from _shared import TOKENIZERS as SHARED_TOKENIZERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

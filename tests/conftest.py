@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from _shared import EXAMPLES, REPO, SAMPLES, SHARED, TOKENIZERS  # noqa: F401 - re-exported to tests
 from click.testing import CliRunner
 
-from _shared import EXAMPLES, REPO, SAMPLES, SHARED, TOKENIZERS  # noqa: F401 - re-exported to tests
 from hcapo_store.storage.store import Store
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,8 +13,7 @@ from hcapo_store.local.refserver import make_server
 @pytest.fixture(scope="module")
 def scored_db(tmp_path_factory, tiny_model_dir):
     from click.testing import CliRunner
-
-    from conftest import SAMPLES, EXAMPLES
+    from conftest import EXAMPLES, SAMPLES
 
     samples = SAMPLES if SAMPLES.exists() else EXAMPLES
     db = tmp_path_factory.mktemp("credits") / "c.db"

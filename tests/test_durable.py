@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from faultserver import FaultServer, wait_for
 from sqlalchemy import event, text
 
-from faultserver import FaultServer, wait_for
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, StoreError
 from hcapo_store.ingestion.pipeline import ingest

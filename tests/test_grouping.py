@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from _tokenizers import SHARED_TOKENIZERS, episode, real_tokenizer
 from faultserver import stored_scores
+
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
 from hcapo_store.local.synth import write_standard_episodes
@@ -282,7 +282,7 @@ def test_window_truncation_is_another_scorer_and_scores_like_per_step(tmp_path, 
     (n_a, a, cols_a), (n_b, b, cols_b) = results["per-step"], results["grouped"]
     assert cols_a == cols_b and any(c[3] for c in cols_a.values())  # some steps were truncated
     assert n_b < n_a == len(a)
-    for key, (mean, blob, n) in a.items():
+    for key, (_mean, blob, _n) in a.items():
         np.testing.assert_allclose(np.frombuffer(b[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=TOL, rtol=0)
 
 

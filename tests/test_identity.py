@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from builders import EpisodeBuilder, write_standard_episodes
+from test_credits import add_scorer, add_scores
+
 from cli import cli
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import EpisodeLookupError
@@ -17,7 +18,7 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_hindsight_json
 from hcapo_store.storage.episodes import resolve_episode
 from hcapo_store.storage.store import Store
-from test_credits import add_scorer, add_scores
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def any_store(request, tmp_path):
@@ -173,7 +174,7 @@ def test_jsonl_ids_are_normalised_and_a_clash_is_refused_on_every_line(any_store
 
 
 def test_jsonl_explicit_line2_and_idless_line2_are_two_episodes_and_reingest_is_a_noop(any_store, tmp_path):
-    path = write_jsonl(tmp_path / "run" / "eps.jsonl", [
+    write_jsonl(tmp_path / "run" / "eps.jsonl", [
         jsonl_episode(0.5, "explicit", episode_id="line2"), jsonl_episode(0.25, "no id"),
         jsonl_episode(0.75, "seven", episode_id=7), jsonl_episode(0.75, "seven", episode_id=7)])  # a repeat
     r = ingest(any_store, [tmp_path / "run"])

@@ -9,8 +9,8 @@ import zlib
 from pathlib import Path
 
 import pytest
-
 from builders import EpisodeBuilder, write_bad_episodes, write_standard_episodes
+
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.ingestion.sources import ConvertOptions
 
@@ -84,7 +84,7 @@ def test_submit_plan_with_bash_in_same_message(store, tmp_path):
 
 
 def test_bad_inputs_never_abort_the_batch(store, tmp_path):
-    cases = write_bad_episodes(tmp_path / "bad")
+    write_bad_episodes(tmp_path / "bad")
     write_standard_episodes(tmp_path / "bad", 2)
     r = ingest(store, [tmp_path / "bad"])
     failures = dict((Path(s).name if "#" not in s else s, e) for s, e in r.failures)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import TOKENIZERS
 
 from cli import cli
-from conftest import TOKENIZERS
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
 from hcapo_store.local.synth import write_standard_episodes

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from faultserver import FaultServer
 
 from cli import cli
-from faultserver import FaultServer
 from hcapo_store.local.refserver import make_server
 from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.masking import mask_credentials

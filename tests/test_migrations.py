@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from sqlalchemy import Integer, MetaData, select, text
 
 from cli import cli
-from hcapo_store.storage import db
 from hcapo_store.errors import SchemaOutOfDate, SchemaTooNew
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 DATA = Path(__file__).parent / "data"

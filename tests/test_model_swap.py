@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from faultserver import FaultServer, wait_for
 from sqlalchemy import text
 
-from faultserver import FaultServer, wait_for
 from hcapo_store.errors import ScoringError
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_credits import add_scorer, add_scores
 
 from cli import cli
 from hcapo_store.credits.equations import CreditParams
@@ -22,10 +23,9 @@ from hcapo_store.credits.runs import compute_credits, get_run, list_runs
 from hcapo_store.errors import CreditError, ExportError, StoreError
 from hcapo_store.formatting import table
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.outputs.export import PARQUET_METADATA_KEY, export_dataset, export_hindsight_json
 from hcapo_store.storage.store import Store
-from hcapo_store.local.synth import write_standard_episodes
-from test_credits import add_scorer, add_scores
 
 
 def _digest(path: Path) -> str:
@@ -188,7 +188,6 @@ def pg_store():
 
 def _pg(store: Store, sql: str):  # noqa: ANN202
     import psycopg
-
     from pg import _libpq
 
     with psycopg.connect(_libpq(store.url.replace("+psycopg", "")), autocommit=True) as conn:
@@ -212,7 +211,6 @@ def _pg(store: Store, sql: str):  # noqa: ANN202
 ])
 def test_sql_read_only_on_postgres_has_no_side_effects(pg_store: Store, sql: str) -> None:
     import psycopg
-
     from pg import _libpq
 
     lo = _pg(pg_store, "SELECT lo_from_bytea(0, 'keep'::bytea)")[0][0]
@@ -376,9 +374,8 @@ def test_postgres_select_only_role_cannot_make_large_objects_through_sql(pg_stor
     import uuid
 
     import psycopg
-    from sqlalchemy.engine import make_url
-
     from pg import _libpq
+    from sqlalchemy.engine import make_url
 
     admin = _libpq(pg_store.url.replace("+psycopg", ""))
     role = f"hcapo_ro_{uuid.uuid4().hex[:8]}"

@@ -13,9 +13,9 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode
 from click.testing import CliRunner
 
-from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode
 from cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent

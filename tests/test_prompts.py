@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _tokenizers import bos_tokenizer, episode, real_tokenizer
+
 from hcapo_store.scoring.prompts import (
     HINDSIGHT_TEMPLATE,
     TRUNCATION_MARKER,

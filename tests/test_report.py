@@ -7,14 +7,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from sqlalchemy import text
+from test_credits import add_scorer, add_scores
 
-from hcapo_store.storage import db
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.report import write_report
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
-from test_credits import add_scorer, add_scores
 
 
 def _failures(store: Store, scorer: str, episode: str, kinds: list[str]) -> None:

@@ -12,19 +12,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from faultserver import step_prompts, step_requests, stored_scores
 from sqlalchemy import text
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import cli
-from faultserver import step_prompts, step_requests, stored_scores
-from hcapo_store.storage.episodes import load_episode
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
 from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.scoring.runner import RunOptions
-from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.storage.store import Store, count
 from hcapo_store.local.synth import write_standard_episodes
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.store import Store, count
 
 MAX_CONTEXT = 2048
 EPISODES = 3
@@ -270,7 +270,7 @@ def test_scorer_identity_and_max_logprob_tokens(scored, ref, tiny_model_dir):
     n = _steps(store)
     assert report.scored == n
     full, tail = stored_scores(store, prep.scorer_id), stored_scores(store, short.scorer_id)
-    for key, (mean, blob, token_count) in tail.items():
+    for key, (_mean, blob, token_count) in tail.items():
         assert token_count == 8
         # Same input ids (truncation depends on max_context only): the last 8 values agree.
         np.testing.assert_allclose(np.frombuffer(blob, "<f4"), np.frombuffer(full[key][1], "<f4")[-8:],

@@ -17,18 +17,28 @@ from typing import Any
 
 import numpy as np
 import pytest
+from faultserver import (
+    ERROR_KIND,
+    FAULTS,
+    PERMANENT,
+    FaultServer,
+    plan_schedule,
+    random_schedule,
+    request_key,
+    step_prompts,
+    step_requests,
+    stored_scores,
+)
 from sqlalchemy import text
 
 from cli import cli
-from faultserver import (ERROR_KIND, FAULTS, PERMANENT, FaultServer, plan_schedule, random_schedule, request_key,
-                         step_prompts, step_requests, stored_scores)
-from hcapo_store.scoring.backends.sglang import build_payload, parse_response
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.scoring.runner import RunOptions
-from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.storage.store import Store
 from hcapo_store.local.synth import write_standard_episodes
+from hcapo_store.scoring.backends.sglang import build_payload, parse_response
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.storage.store import Store
 
 MAX_CONTEXT = 2048
 MAX_ATTEMPTS = 4

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sqlalchemy import text
-
 from _waiting import HANG_GUARD_S, wait_until
 from faultserver import FaultServer, step_prompts, stored_scores
+from sqlalchemy import text
+
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.local.refserver import make_server
-from hcapo_store.scoring.runner import RunOptions
-from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.storage.store import Store, count
 from hcapo_store.local.synth import write_standard_episodes
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.storage.store import Store, count
 
 MAX_CONTEXT = 2048
 CONCURRENCY = 2
@@ -121,7 +121,8 @@ def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, ti
             proc = _spawn(_cmd(db, round_server, tiny_model_dir), tmp_path / f"killed-{round_}.log")
             # However slow start-up and requests are, each killed run has committed something:
             # the random moment counts from its first committed score.
-            wait_until(lambda: _scores(store) > before_scores or proc.poll() is not None, "a committed score")
+            wait_until(lambda before=before_scores, p=proc: _scores(store) > before or p.poll() is not None,
+                       "a committed score")
             time.sleep(rng.uniform(0.0, 1.5))  # the random moment of the kill (no assertion rides on it)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)

@@ -33,7 +33,7 @@ def _two_turn_episodes(path: Path) -> Path:
     """Two JSONL episodes with a second user message after two assistant steps."""
     lines = []
     for name, reward in (("good", 0.9), ("bad", 0.3)):
-        def call(i: int) -> dict:
+        def call(i: int, name: str = name) -> dict:
             return {"role": "assistant", "content": f"step {i} of {name}", "tool_calls": [
                 {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _shared import TOKENIZERS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from _shared import TOKENIZERS
-from hcapo_store.scoring.forward import LogprobModel
 from hcapo_store.local.tiny_model import build_demo_tokenizer, build_tiny_model, ensure_demo_model
+from hcapo_store.scoring.forward import LogprobModel
 
 TOL = 1e-5
 QWEN25_TOKENIZER = TOKENIZERS / "qwen2.5"

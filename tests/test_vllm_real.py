@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _tokenizers import episode
+
 from hcapo_store.scoring.backends.vllm import VLLMBackend
 from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
 from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt

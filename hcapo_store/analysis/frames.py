@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 from sqlalchemy import text
 
-from hcapo_store.storage import db
 from hcapo_store.credits.runs import get_run
 from hcapo_store.errors import HcapoError
 from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 CREDITS_SQL = "SELECT * FROM step_credits WHERE run_id = :run ORDER BY episode, episode_id, step_index"

@@ -12,8 +12,9 @@ episode, so a batch of thousands of episodes costs a handful of numpy calls.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class CreditParams:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CreditParams":
+    def from_dict(cls, d: dict[str, Any]) -> CreditParams:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     @property

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.storage import db
-from hcapo_store.clock import utcnow
 from hcapo_store.canonical import canonical_json
+from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, run_hash
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 50_000  # rows per fetch of the streaming select

@@ -13,8 +13,9 @@ documented quirk of FORMATS-ORIGIN.md §8:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from hcapo_store.tool_arguments import as_mapping
 

@@ -16,20 +16,21 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlchemyError
 
-from hcapo_store.storage import db
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
-from hcapo_store.ingestion.mapping import map_steps
-from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
 from hcapo_store.ingestion import identity
+from hcapo_store.ingestion.mapping import map_steps
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
+from hcapo_store.storage import db
+from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
 from hcapo_store.storage.store import Store
 
 BATCH_EPISODES = 64

@@ -8,16 +8,17 @@ computes the default credits, and returns the per-subtask summary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from hcapo_store.local.tiny_model import ensure_demo_model
 from hcapo_store.ingestion.pipeline import IngestReport, ingest
-from hcapo_store.scoring.runner import RunOptions, ScoreReport
-from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.storage.store import Store
 from hcapo_store.local.synth import write_examples
+from hcapo_store.local.tiny_model import ensure_demo_model
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.runner import RunOptions, ScoreReport
+from hcapo_store.storage.store import Store
 
 EXAMPLES = Path("examples") / "trajectories"
 DEMO_MAX_CONTEXT = 8192

@@ -27,7 +27,7 @@ from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
 from hcapo_store.scoring.backends.vllm import VLLM_LOGPROB_FLOOR
-from hcapo_store.scoring.forward import PositionScores, LogprobModel
+from hcapo_store.scoring.forward import LogprobModel, PositionScores
 
 log = logging.getLogger(__name__)
 

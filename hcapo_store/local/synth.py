@@ -8,8 +8,8 @@ string or object args, thinking blocks, errors, compaction entries, extra roles)
 from __future__ import annotations
 
 import json
-import zlib
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ class EpisodeBuilder:
         self.entries.append(e)
         return e
 
-    def header(self) -> "EpisodeBuilder":
+    def header(self) -> EpisodeBuilder:
         h: dict[str, Any] = {"type": "session", "timestamp": "2026-04-20T11:00:00Z", "cwd": "/app/postgres-sqlite"}
         if self.version >= 2:
             h["version"] = self.version
@@ -71,12 +71,12 @@ class EpisodeBuilder:
             self._entry("model_change", provider="openai-compat", modelId="Qwen/Qwen3.6-27B")
         return self
 
-    def user(self, text: str) -> "EpisodeBuilder":
+    def user(self, text: str) -> EpisodeBuilder:
         self._entry("message", message={"role": "user", "content": [{"type": "text", "text": text}], "timestamp": 0})
         return self
 
     def assistant(self, *, text: str | None = None, thinking: str | None = None,
-                  calls: list[tuple[str, str, Any]] = ()) -> "EpisodeBuilder":
+                  calls: list[tuple[str, str, Any]] = ()) -> EpisodeBuilder:
         """``calls`` = [(call_id, name, arguments)]."""
         content: list[dict[str, Any]] = []
         if thinking:
@@ -93,14 +93,14 @@ class EpisodeBuilder:
         })
         return self
 
-    def tool_result(self, call_id: str, name: str, text: str, *, is_error: bool = False) -> "EpisodeBuilder":
+    def tool_result(self, call_id: str, name: str, text: str, *, is_error: bool = False) -> EpisodeBuilder:
         self._entry("message", message={
             "role": "toolResult", "toolCallId": call_id, "toolName": name,
             "content": [{"type": "text", "text": text}], "isError": is_error, "timestamp": 0,
         })
         return self
 
-    def compaction(self) -> "EpisodeBuilder":
+    def compaction(self) -> EpisodeBuilder:
         if self.version == 1:
             self._entry("compaction", summary="earlier work", firstKeptEntryIndex=2, tokensBefore=115000)
         else:
@@ -108,7 +108,7 @@ class EpisodeBuilder:
                         tokensBefore=115000)
         return self
 
-    def raw_message(self, role: str, **fields: Any) -> "EpisodeBuilder":
+    def raw_message(self, role: str, **fields: Any) -> EpisodeBuilder:
         self._entry("message", message={"role": role, **fields})
         return self
 
@@ -116,14 +116,14 @@ class EpisodeBuilder:
     def mcp(self, call_id: str, tool: str, args: Any, *, as_string: bool = False) -> tuple[str, str, Any]:
         return (call_id, "mcp", {"tool": f"openenv_{tool}", "args": json.dumps(args) if as_string else args})
 
-    def bash_turn(self, n: int = 1, *, output_words: int = 40) -> "EpisodeBuilder":
+    def bash_turn(self, n: int = 1, *, output_words: int = 40) -> EpisodeBuilder:
         for _ in range(n):
             cid = f"call_{self._id()}"
             self.assistant(thinking=words(self.rng, 12), calls=[(cid, "bash", {"command": f"ls {words(self.rng, 2)}"})])
             self.tool_result(cid, "bash", words(self.rng, output_words))
         return self
 
-    def submit_plan(self, *, ok: bool = True, with_bash: bool = False, as_string: bool = False) -> "EpisodeBuilder":
+    def submit_plan(self, *, ok: bool = True, with_bash: bool = False, as_string: bool = False) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
         plan = [{"id": s, "description": words(self.rng, 6), "acceptance_criteria": words(self.rng, 4)} for s in self.plan_ids]
         calls = []
@@ -139,14 +139,14 @@ class EpisodeBuilder:
         self.tool_result(cid, "mcp", json.dumps(body))
         return self
 
-    def submit_subtask(self, sid: str) -> "EpisodeBuilder":
+    def submit_subtask(self, sid: str) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
         self.assistant(calls=[self.mcp(cid, "submit_subtask", {"subtask_id": sid})])
         self.tool_result(cid, "mcp", json.dumps({"score": self.frozen_scores[sid], "best_score": self.frozen_scores[sid],
                                                  "feedback": "ok", "attempts_remaining": 1}))
         return self
 
-    def advance(self, next_id: str | None, *, ok: bool = True) -> "EpisodeBuilder":
+    def advance(self, next_id: str | None, *, ok: bool = True) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
         self.assistant(text="Moving on.", calls=[self.mcp(cid, "advance", {})])
         body: dict[str, Any] = ({"frozen_score": 0.5, "next_subtask_id": next_id, "episode_done": next_id is None}
@@ -154,7 +154,7 @@ class EpisodeBuilder:
         self.tool_result(cid, "mcp", json.dumps(body))
         return self
 
-    def standard(self, *, steps_per_subtask: int = 2, output_words: int = 40) -> "EpisodeBuilder":
+    def standard(self, *, steps_per_subtask: int = 2, output_words: int = 40) -> EpisodeBuilder:
         """header, task, exploration, plan, each subtask worked, submitted and advanced."""
         self.header().user("# PostgreSQL Wire Adapter\n" + words(self.rng, 30) + "\n\nPlease begin.")
         self.bash_turn(1, output_words=output_words)

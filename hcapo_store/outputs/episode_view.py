@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.storage import db
-from hcapo_store.storage.episodes import resolve_episode
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.identity import scorer_spec
-from hcapo_store.storage.episodes import StoredEpisode, load_episode
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import StoredEpisode, load_episode, resolve_episode
 from hcapo_store.storage.store import Store
 
 METRICS = ("rho", "q_h", "q_h_smoothed")

@@ -14,19 +14,20 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 import numpy as np
 from sqlalchemy import Connection, text
 
 from hcapo_store.credits.equations import CreditParams, hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
-from hcapo_store.storage.episodes import loader_message
 from hcapo_store.errors import ExportError, MissingExtra
-from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.outputs.files import atomic_write, check_output
+from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.storage import db
+from hcapo_store.storage.episodes import loader_message
 from hcapo_store.storage.store import Store
 
 FETCH_ROWS = 20_000

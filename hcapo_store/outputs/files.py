@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Callable, Iterable
+from typing import IO
 
 from hcapo_store.errors import ExportError
 

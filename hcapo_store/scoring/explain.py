@@ -6,8 +6,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from hcapo_store.storage import db
 from hcapo_store.scoring.work_queue import Filters
+from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 

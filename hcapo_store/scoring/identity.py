@@ -22,7 +22,6 @@ from hcapo_store.storage.db import sql_now
 from hcapo_store.storage.models import Scorer
 from hcapo_store.storage.store import Store
 
-
 # Spec keys stored with the scorer but not part of its id (e.g. library versions: the
 # rendering they produce is in the id as ``rendering_sha256``).
 NOT_IDENTITY = ("provenance",)

@@ -4,30 +4,38 @@ queue the missing steps, and run the scheduler (or count the work for ``--dry-ru
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
+from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.ingestion.sources import ConvertOptions
+from hcapo_store.masking import mask_url
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
-from hcapo_store.storage.episodes import load_episode
-from hcapo_store.masking import mask_url
-from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.scoring.prompts import (DEFAULT_MAX_CONTEXT, DEFAULT_MAX_LOGPROB_TOKENS, HINDSIGHT_TEMPLATE,
-                                 PROMPT_BUILDER_VERSION, PromptBuilder, PromptFailure, Truncation,
-                                 check_hindsight_template, template_hash)
 from hcapo_store.scoring.grouping import Grouping, group_prompts
-from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.identity import register, scorer_id, scorer_label
+from hcapo_store.scoring.prompts import (
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_MAX_LOGPROB_TOKENS,
+    HINDSIGHT_TEMPLATE,
+    PROMPT_BUILDER_VERSION,
+    PromptBuilder,
+    PromptFailure,
+    Truncation,
+    check_hindsight_template,
+    template_hash,
+)
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
-from hcapo_store.ingestion.sources import ConvertOptions
-from hcapo_store.storage import db
-from hcapo_store.storage.store import Store
+from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
-
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.store import Store
 
 T = TypeVar("T")
 

@@ -478,7 +478,7 @@ class PromptBuilder:
                 self.encoder.encode(full_text, full_state),
                 flattened,
             )
-            results.append(self._finish(index, texts, lambda: self._anchor(anchors, key, first)))
+            results.append(self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first)))
         self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
         return results
 

@@ -20,29 +20,29 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
-import gc
 import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from hcapo_store.storage import db
+from hcapo_store.clock import utcnow
+from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
-from hcapo_store.clock import utcnow
-from hcapo_store.storage.episodes import load_episode
-from hcapo_store.errors import InferenceError, ScoringError, StoreError
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
-from hcapo_store.errors import UsageError
-from hcapo_store.storage.models import WORKER_ID_LENGTH
-from hcapo_store.scoring.grouping import GroupPrompt, Grouping, group_prompts
+from hcapo_store.scoring.grouping import Grouping, GroupPrompt, group_prompts
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.models import WORKER_ID_LENGTH
 from hcapo_store.storage.store import Store
 
 FLUSH_SECONDS = 0.2

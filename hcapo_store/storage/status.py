@@ -7,10 +7,10 @@ from typing import Any
 
 from sqlalchemy import text
 
-from hcapo_store.storage.db import sql_now
 from hcapo_store.scoring.identity import scorer_counts
-from hcapo_store.storage import db
 from hcapo_store.scoring.work_queue import pid_alive
+from hcapo_store.storage import db
+from hcapo_store.storage.db import sql_now
 from hcapo_store.storage.store import Store
 
 # A worker that holds no lease is judged by this age of its heartbeat (the default lease).

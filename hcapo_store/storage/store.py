@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from hcapo_store.storage import db, readonly
 from hcapo_store.errors import StoreError
+from hcapo_store.storage import db, readonly
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Store:
     engine: Engine
 
     @classmethod
-    def open(cls, location: str | None = None, *, create: bool = True) -> "Store":
+    def open(cls, location: str | None = None, *, create: bool = True) -> Store:
         """Open (and, when blank and ``create``, initialise) a database.
 
         A database behind the code's schema is refused with the command that upgrades it.
@@ -49,7 +49,7 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

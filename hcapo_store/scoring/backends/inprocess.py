@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.scoring.grouping import GroupPrompt
 from hcapo_store.scoring.prompts import StepPrompt
 

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 

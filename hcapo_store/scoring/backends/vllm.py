@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
