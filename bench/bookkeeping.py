@@ -1,5 +1,5 @@
 """Benchmark: scoring bookkeeping (claim → build prompt → request → verify → commit) in
-steps/s against a zero-latency server (budget: ≥ 500 steps/s, DESIGN.md §9).
+steps/s against a zero-latency server (budget: ≥ 500 steps/s, BENCHMARKS.md budgets).
 
     python bench/bookkeeping.py --episodes 6 --repeat 3
     python bench/bookkeeping.py --episodes 6 --db postgresql://postgres@127.0.0.1:5432/postgres
@@ -329,7 +329,7 @@ def main() -> None:
         unit = "×" if "_over_" in mode else ""
         print(f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
               + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s"))
-    print("budget (DESIGN.md §9): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
+    print("budget (BENCHMARKS.md budgets): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
 
 
 def _min_med_max(values: list[float]) -> tuple[float, float, float]:

@@ -10,7 +10,7 @@ Inputs (``--input``):
 Each run ingests into a new database in a fresh subprocess, so its peak RSS is its own.
 ``--baseline TREE`` pairs every run with the same inputs ingested by the code in another
 checkout (e.g. /work/main), alternating which goes first; ``--repeat`` sets the number of
-pairs. Budget (DESIGN.md §9): >= 100 episodes/s, peak RSS flat from 1,000 to 5,000.
+pairs. Budget (BENCHMARKS.md budgets): >= 100 episodes/s, peak RSS flat from 1,000 to 5,000.
 
     python bench/ingest.py --sizes 1000 --repeat 3 --baseline /work/main
     python bench/ingest.py --sizes 1000 5000
@@ -170,7 +170,7 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     if len(peak_rss) > 1:
         print(f"peak RSS ratio {args.sizes[-1]}/{args.sizes[0]} episodes: {peak_rss[-1] / peak_rss[0]:.2f}")
-    print("budget (DESIGN.md §9): >= 100 episodes/s; peak RSS flat in the number of episodes")
+    print("budget (BENCHMARKS.md budgets): >= 100 episodes/s; peak RSS flat in the number of episodes")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ back from it, as ``score`` does; ``synthetic`` the older generated episodes. Tim
 (a) a faithful re-implementation of the original scorer's preparation
 (`map_steps_to_subtasks` walk, `build_hindsight_info`, `_build_prompt_pair` with its
 render/encode of prefix and full text and its decode/re-encode truncation) on the
-original's inputs (its loader never kept thinking, FORMATS-ORIGIN Q2), and
+original's inputs (its loader never kept thinking, docs/ORIGINAL.md Q2), and
 (b) `PromptBuilder.build_episode` as deployed (thinking kept, plan from the store) and on
 the original's inputs, in the same process, after one unmeasured warm-up of each, in
 alternating order, ``--repeat`` times. Checks that the original and ours produce the same
@@ -100,7 +100,7 @@ def synthetic_episode(seed: int, steps: int = 100) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the original procedure
-# Re-implemented from compute_hindsight_scores.py @ f8e68b68 (FORMATS-ORIGIN.md §6.1).
+# Re-implemented from compute_hindsight_scores.py @ f8e68b68 (docs/ORIGINAL.md §2).
 
 # The template text is the original's verbatim (tests/test_prompts.py pins the literal).
 ORIGINAL_TEMPLATE = HINDSIGHT_TEMPLATE
@@ -427,7 +427,7 @@ def main() -> None:
         if name != "original":
             ratios = [o / m for o, m in zip(ms["original"], ms[name])]
             print(f"speed-up original / {name} (paired): {_mmm(ratios, '×')}")
-    print("budget (DESIGN.md §9): >= 20x per step vs the original, same token ids")
+    print("budget (BENCHMARKS.md budgets): >= 20x per step vs the original, same token ids")
 
 
 def _report_identity(tokenizer: Any, originals: list[list[dict]], ours: list[list[Any]]) -> None:

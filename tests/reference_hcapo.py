@@ -1,6 +1,6 @@
 """An independent plain-Python reference of the original HCAPO scripts' math.
 
-Written straight from FORMATS-ORIGIN §6.1 step 6 (``compute_ratios_and_qh``) and §6.3
+Written straight from docs/ORIGINAL.md §2 (``compute_ratios_and_qh``) and §3
 (``build_hcapo_dataset.py``): lists, dicts and loops, no numpy, no code shared with
 ``hcapo_store.credits.equations``. Tests and ``bench/credits.py`` compare against it.
 """

@@ -1,9 +1,9 @@
 """The pure math of credits, vectorised with numpy.
 
 Eq. 5–7 (``episode_credits``): the original ``compute_ratios_and_qh`` of
-``compute_hindsight_scores.py`` (FORMATS-ORIGIN §6.1 step 6), applied to many episodes at
+``compute_hindsight_scores.py`` (docs/ORIGINAL.md §2), applied to many episodes at
 once. Eq. 8 (``hcapo_weights``): the advantage path of ``build_hcapo_dataset.py``
-(FORMATS-ORIGIN §6.3). Nothing here touches the database.
+(docs/ORIGINAL.md §3). Nothing here touches the database.
 
 Episodes are passed as flat arrays in (episode, step) order plus the start offset of each
 episode, so a batch of thousands of episodes costs a handful of numpy calls.
@@ -210,7 +210,7 @@ def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) ->
 
 def hcapo_weights(rewards: np.ndarray, q: Sequence[np.ndarray], omega: float = 1.0,
                   groups: Sequence[Any] | None = None) -> Eq8Result:
-    """Eq. 8 as ``build_hcapo_dataset.py`` implements it (FORMATS-ORIGIN §6.3)."""
+    """Eq. 8 as ``build_hcapo_dataset.py`` implements it (docs/ORIGINAL.md §3)."""
     grpo = grpo_advantages(rewards, groups)
     flat = np.concatenate(q) if len(q) else np.zeros(0)
     mu, sigma = _zscore_stats(flat)

@@ -1,7 +1,7 @@
-"""Step → subtask mapping (DESIGN.md §4; the original's ``map_steps_to_subtasks`` fixed).
+"""Step → subtask mapping (docs/ORIGINAL.md §2; the original's ``map_steps_to_subtasks`` fixed).
 
 Pure functions over a converted message list. Differences from the original, each a
-documented quirk of FORMATS-ORIGIN.md §8:
+documented quirk of docs/ORIGINAL.md §4:
 - the plan comes from result.json (Q1), so executing steps get their subtask ids;
 - ``mcp`` proxy calls are resolved from Pi's native dict arguments, a JSON string, or the
   legacy nested ``arguments`` (Q21);

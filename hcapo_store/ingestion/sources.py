@@ -1,7 +1,7 @@
 """Reading inputs: episode directories (result.json + Pi session JSONL) and OpenAI JSONL.
 
 Conversion follows the original loader (``build_training_dataset.load_trajectory``) with
-the fixes of DESIGN.md §4: thinking is read from the block's ``thinking`` key, ``plan`` is
+the fixes listed in docs/ORIGINAL.md §4: thinking is read from the block's ``thinking`` key, ``plan`` is
 kept, a null ``plan_score`` stays null, a malformed line names its file and line number.
 Every field read is checked for its type and size (a bad one fails that episode alone,
 naming file, line and field), and a NUL character becomes U+FFFD. Both formats go through

@@ -1,7 +1,7 @@
 """Write realistic episodes in the real on-disk format (result.json + Pi session JSONL).
 
 Used by the tests, the benchmarks, the demo and ``examples/``. ``EpisodeBuilder`` produces the
-shapes of FORMATS-ORIGIN.md §3 (v1, v2 and v3 session files, mcp proxy calls with
+shapes of the Pi session format (v1, v2 and v3 session files, mcp proxy calls with
 string or object args, thinking blocks, errors, compaction entries, extra roles).
 """
 

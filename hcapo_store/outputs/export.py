@@ -3,7 +3,7 @@
 Both stream from the database in episode order and write atomically (a temporary file in
 the target directory, then ``os.replace``), so a reader never sees a half-written file.
 
-Dataset rows are readable by the original trainer (FORMATS-ORIGIN §6.3/§6.4). Parquet
+Dataset rows are readable by the original trainer (docs/ORIGINAL.md §3). Parquet
 stores ``messages`` as a list of structs {role, content, tool_calls, name, tool_call_id}
 (absent keys are null; ``tool_calls[].function.arguments`` stays a JSON string), which
 ``datasets.load_dataset("parquet", ...)`` loads as a list of dicts without any decoding.

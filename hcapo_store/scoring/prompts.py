@@ -1,4 +1,4 @@
-"""Per-step hindsight prompts with exact token spans (DESIGN §5, steps 1–5).
+"""Per-step hindsight prompts with exact token spans (README, Score; docs/ORIGINAL.md §2 for the original's).
 
 For step t (assistant message m) the request is ``prefix + action`` where
 ``prefix = render(messages[:m] with the hindsight block in message 0, add_generation_prompt=True)``
@@ -106,7 +106,7 @@ def _field(obj: Any, name: str, default: Any = None) -> Any:
 def hindsight_text(outcome: Any, step: Any, template: str = HINDSIGHT_TEMPLATE) -> str:
     """Fill the hindsight block the way the original ``build_hindsight_info`` did.
 
-    A null ``plan_score`` prints as ``0`` (DESIGN §4: null counts as 0 where a number is needed).
+    A null ``plan_score`` prints as ``0`` (the store's rule: null counts as 0 where a number is needed; docs/ORIGINAL.md Q11).
     """
     frozen: Mapping[str, float] = _field(outcome, "frozen_scores") or {}
     plan = _field(outcome, "plan") or frozen

@@ -35,7 +35,7 @@ class StoredEpisode:
 
 def loader_message(role: str, content: str, tool_calls: str | None, name: str | None,
                    tool_call_id: str | None) -> dict[str, Any]:
-    """A stored message in the original loader's shape (FORMATS-ORIGIN §5): tool_calls only
+    """A stored message in the original loader's shape (docs/ORIGINAL.md §1): tool_calls only
     when present, arguments as JSON strings (what the trainer expects)."""
     if role == "tool":
         return {"role": "tool", "name": name or "unknown", "tool_call_id": tool_call_id or "", "content": content}

@@ -1,4 +1,4 @@
-"""SGLang native ``POST /generate`` (reference/SERVERS.md §0–§1).
+"""SGLang native ``POST /generate`` (SGLang's native API: ``input_ids``, ``return_logprob``, ``logprob_start_len``).
 
 Pure payload building and response parsing, plus a thin Backend over ``HttpClient``.
 We send ``input_ids`` (never text: the server would re-tokenize and may add BOS) with

@@ -1,4 +1,4 @@
-"""vLLM OpenAI-compatible ``POST /v1/completions`` with ``prompt_logprobs`` (reference/SERVERS.md §4, §6).
+"""vLLM OpenAI-compatible ``POST /v1/completions`` with ``prompt_logprobs`` (vLLM's OpenAI-compatible server, ``prompt_logprobs`` sampling parameter).
 
 Pure payload building and response parsing, plus a thin Backend over ``HttpClient``.
 We send the token ids as ``prompt`` (no tokenizer runs, so no BOS is added),
@@ -25,7 +25,7 @@ from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
-DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (SERVERS.md §4.3)
+DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (vLLM's SamplingParams)
 
 
 def build_payload(prompt: StepPrompt, *, model: str | None = None,
