@@ -8,7 +8,7 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.credits.runs import get_run
-from hcapo_store.errors import HcapoError
+from hcapo_store.errors import MissingExtra
 from hcapo_store.scoring.identity import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -26,7 +26,7 @@ def _pandas() -> Any:
     try:
         import pandas as pd
     except ImportError as exc:
-        raise HcapoError("DataFrames need pandas: pip install 'hcapo-store[pandas]'") from exc
+        raise MissingExtra("pandas", "pandas", "DataFrames (credits_frame, steps_frame)") from exc
     return pd
 
 
