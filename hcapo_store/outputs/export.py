@@ -301,7 +301,8 @@ def export_dataset(
         episodes = _selected(conn, run, min_reward, use_smoothed)
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
                             [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
-        rows: Iterator[dict[str, Any]] = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+        rows: Iterator[dict[str, Any]] = (
+            stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
         if layout == "weights-in-messages":
             from hcapo_store.outputs.tokenized import with_message_weights
 
