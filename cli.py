@@ -36,8 +36,11 @@ class _Group(click.Group):
         except click.NoSuchOption as exc:
             if exc.option_name == "--db" and exc.ctx is not None:
                 root, _, rest = exc.ctx.command_path.partition(" ")
-                exc.message = (f"No such option '--db' here: --db is a global option, given before the command: "
-                               f"{root} --db PATH_OR_URL {rest}")
+                # a new error, not a changed one: click declares ``message`` Final
+                raise click.NoSuchOption(
+                    exc.option_name, possibilities=exc.possibilities, ctx=exc.ctx,
+                    message=(f"No such option '--db' here: --db is a global option, given before the command: "
+                             f"{root} --db PATH_OR_URL {rest}")) from exc
             raise
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -664,15 +667,15 @@ def export_scores_cmd(state: _Ctx, out: Path, scorer: str | None, fmt: str) -> N
 @cli.command("datasette-metadata")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--database", help="datasette's name of the database (default: the --db file's stem).")
-@click.pass_context
-def datasette_metadata_cmd(ctx: click.Context, out: Path, database: str | None) -> None:
+@pass_ctx
+def datasette_metadata_cmd(state: _Ctx, out: Path, database: str | None) -> None:
     """Write datasette metadata: column descriptions and the example queries (datasette --metadata OUT)."""
     import json
 
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.outputs.files import atomic_write
 
-    location = (ctx.find_object(_Ctx).db or DEFAULT_DB).removeprefix("sqlite:///")
+    location = (state.db or DEFAULT_DB).removeprefix("sqlite:///")
     name = database or ("hcapo" if "://" in location else Path(location).stem)  # datasette names a file by its stem
     doc = json.dumps(datasette_metadata(name), indent=2).encode()
     atomic_write(out, lambda f: f.write(doc))

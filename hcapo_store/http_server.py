@@ -23,7 +23,8 @@ class BackgroundHTTPServer:
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        # the bound socket's own address (what TCPServer stores): a str host, as typeshed cannot promise
+        host, port = self.httpd.socket.getsockname()[:2]
         return f"http://{host}:{port}"
 
     def start(self: _S) -> _S:

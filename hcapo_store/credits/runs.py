@@ -285,7 +285,7 @@ def _fill_run(conn: Connection, run_id: int, scorer_id: str, params: CreditParam
     return totals
 
 
-def _raw_stream(conn: Connection, sql: Any, bind: dict[str, Any]) -> Iterator[list[tuple]]:
+def _raw_stream(conn: Connection, sql: Any, bind: dict[str, Any]) -> Iterator[Sequence[tuple]]:
     """Blocks of plain DB-API tuples: no per-row SQLAlchemy objects for a million rows.
 
     PostgreSQL gets a named (server-side) cursor so memory stays flat; SQLite's cursor

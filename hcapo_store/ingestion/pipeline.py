@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlchemyError
 
 from hcapo_store.clock import utcnow
@@ -191,7 +191,8 @@ def _ingest_one(
         _fail(report, where, f"{where}: same episode as {first[1]} ({item.key}) with different "
                              "content: not stored (give each episode its own id)")
         return "failed"
-    parsed = name = None
+    parsed: ParsedEpisode | None = None
+    name = ""  # set together with parsed
     try:
         # A savepoint per episode: a database error on this episode undoes only this episode.
         with conn.begin_nested():
@@ -310,7 +311,7 @@ def check_tags(tags: dict[str, str]) -> None:
 def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
     if not tags:
         return
-    conn.execute(Tag.__table__.delete().where(Tag.episode_id == episode_id, Tag.key.in_(list(tags))))
+    conn.execute(delete(Tag).where(Tag.episode_id == episode_id, Tag.key.in_(list(tags))))
     conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
 
 

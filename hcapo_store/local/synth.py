@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ class EpisodeBuilder:
         return self
 
     def assistant(self, *, text: str | None = None, thinking: str | None = None,
-                  calls: list[tuple[str, str, Any]] = ()) -> EpisodeBuilder:
+                  calls: Sequence[tuple[str, str, Any]] = ()) -> EpisodeBuilder:
         """``calls`` = [(call_id, name, arguments)]."""
         content: list[dict[str, Any]] = []
         if thinking:
@@ -142,7 +143,9 @@ class EpisodeBuilder:
     def submit_subtask(self, sid: str) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
         self.assistant(calls=[self.mcp(cid, "submit_subtask", {"subtask_id": sid})])
-        self.tool_result(cid, "mcp", json.dumps({"score": self.frozen_scores[sid], "best_score": self.frozen_scores[sid],
+        scores = self.frozen_scores
+        assert scores is not None  # filled in by __post_init__
+        self.tool_result(cid, "mcp", json.dumps({"score": scores[sid], "best_score": scores[sid],
                                                  "feedback": "ok", "attempts_remaining": 1}))
         return self
 

@@ -418,7 +418,8 @@ def build_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
         with _quiet_progress():
             model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))

@@ -354,6 +354,10 @@ def page_filename(name: str) -> str:
     return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.html"
 
 
+def _write_html(path: Path, page: str, inputs: list[Path]) -> None:
+    atomic_write(path, lambda f: f.write(page.encode()), inputs=inputs)
+
+
 def write_episode_page(store: Store, name: str, out_html: Path | str, run_name: str | None = None, *,
                        tokenizer: str | Path | None = None) -> dict[str, Any]:
     """Write one episode's page; returns its path and the run it shows."""
@@ -361,7 +365,7 @@ def write_episode_page(store: Store, name: str, out_html: Path | str, run_name: 
     page = episode_page(view)
     out = Path(out_html)
     check_output(out, store.files)
-    atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
+    _write_html(out, page, store.files)
     return {"path": str(out), "episode": view.episode.name, "run": view.run.name if view.run else None,
             "bytes": len(page.encode())}
 
@@ -387,7 +391,7 @@ def write_episode_pages(store: Store, out_dir: Path | str, run_name: str | None 
         view = episode_view(store, row["name"], run.name, tokens=tokens)
         page = episode_page(view, back_link=back_link)
         row["file"] = page_filename(row["name"])
-        atomic_write(out / row["file"], lambda f, p=page: f.write(p.encode()), inputs=store.files)
+        _write_html(out / row["file"], page, store.files)
     return rows
 
 

@@ -180,7 +180,8 @@ def _groups(conn: Connection, episodes: list[dict[str, Any]], group_by: str | No
             warnings: list[str]) -> list[Any] | None:
     if group_by is None:
         return None
-    tags = dict(conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all())
+    tags: dict[int, str] = dict(conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"),
+                                             {"k": group_by}).all())
     groups = [tags.get(e["id"]) for e in episodes]
     untagged = groups.count(None)
     if episodes and untagged == len(episodes):
@@ -300,7 +301,8 @@ def export_dataset(
         episodes = _selected(conn, run, min_reward, use_smoothed)
         eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
                             [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
-        rows = (stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+        rows: Iterator[dict[str, Any]] = (
+            stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
         if layout == "weights-in-messages":
             from hcapo_store.outputs.tokenized import with_message_weights
 

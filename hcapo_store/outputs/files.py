@@ -56,7 +56,7 @@ def check_output(path: Path | str, inputs: Iterable[Path | str] = ()) -> None:
         raise ExportError(f"{out} is a SQLite database; refusing to overwrite it: pick another output path")
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, inputs: Iterable[Path | str] = ()) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, inputs: Iterable[Path | str] = ()) -> None:
     """Write through ``write(fileobj)`` into a temp file beside ``path``, then rename over it.
 
     The file gets the mode a plain ``open()`` would give (0666 minus the umask), not

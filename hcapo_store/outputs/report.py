@@ -121,8 +121,8 @@ def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40
     if len(values) == 0:
         return _frame(title, [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">no data</text>'])
     lo, hi = float(values.min()), float(values.max())
-    for x, _ in markers:
-        lo, hi = min(lo, x), max(hi, x)
+    for at, _ in markers:
+        lo, hi = min(lo, at), max(hi, at)
     if from_zero:
         lo = min(lo, 0.0)
     if hi == lo:

@@ -48,7 +48,7 @@ def why_nothing_to_score(store: Store, scorer_id: str, conversion: dict[str, Any
                 return f"no episode has reward >= {filters.min_reward}"
         params.update(scorer=scorer_id, include_thinking=wanted[0], max_tool_result_chars=wanted[1])
         where = filters.sql(params)
-        states = dict(conn.execute(text(
+        states: dict[str, int] = dict(conn.execute(text(
             "SELECT a.status, COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
             "WHERE a.scorer_id = :scorer AND e.is_current AND e.include_thinking = :include_thinking "
             f"AND e.max_tool_result_chars = :max_tool_result_chars{where} GROUP BY a.status"), params).all())

@@ -66,7 +66,8 @@ class LogprobModel:
         except (OSError, ValueError) as exc:
             raise ScoringError(f"cannot load a causal LM from {self.model_dir}: {exc}") from exc
         _reject_logit_transforms(model.config)
-        self.model = model.to(self.device).eval()
+        # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self._body = self.model.get_decoder()
         self._head = self.model.get_output_embeddings()
         self.vocab_size: int = self._head.out_features

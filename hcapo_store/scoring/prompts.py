@@ -151,11 +151,10 @@ def check_hindsight_template(template: str) -> None:
         raise ValueError(f"hindsight template cannot be filled: {exc!r}; {allowed}") from exc
 
 
-def inject_hindsight(messages: Sequence[dict], hindsight: str) -> list[dict]:
-    out = list(messages)
-    first = dict(out[0])
-    first["content"] = (first.get("content") or "") + "\n\n" + hindsight
-    out[0] = first
+def inject_hindsight(messages: Sequence[Mapping[str, Any]], hindsight: str) -> list[dict[str, Any]]:
+    """Copies of ``messages`` with ``hindsight`` appended to the first one's content."""
+    out = [dict(m) for m in messages]
+    out[0]["content"] = (out[0].get("content") or "") + "\n\n" + hindsight
     return out
 
 
@@ -374,7 +373,7 @@ def _memoize_sandbox_checks(tokenizer: Any) -> None:
             verdicts[key] = check(env, obj, attr, value)
         return verdicts[key]
 
-    env.is_safe_attribute = is_safe_attribute  # type: ignore[method-assign]
+    env.is_safe_attribute = is_safe_attribute
 
 
 # --------------------------------------------------------------------------- building

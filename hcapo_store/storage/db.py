@@ -252,7 +252,10 @@ def backup(engine: Engine) -> Path | None:
     partial.unlink(missing_ok=True)  # left by an earlier process with our pid
     try:
         with read(engine) as conn:
-            conn.connection.driver_connection.execute("VACUUM INTO ?", (str(partial),))
+            sqlite_conn = conn.connection.driver_connection
+            if sqlite_conn is None:  # only after the pool invalidated it
+                raise StoreError(f"cannot back up {path}: its database connection was closed; run the command again")
+            sqlite_conn.execute("VACUUM INTO ?", (str(partial),))
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)

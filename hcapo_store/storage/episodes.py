@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select, text
+from sqlalchemy import Connection, Row, select, text
 
 from hcapo_store.errors import EpisodeLookupError
 from hcapo_store.ingestion.mapping import StepInfo
@@ -113,7 +114,7 @@ def resolve_episode(conn: Connection, value: str) -> str:
     raise _ambiguous(value, loose)
 
 
-def _ambiguous(value: str, rows: list[Any]) -> EpisodeLookupError:
+def _ambiguous(value: str, rows: Sequence[Row]) -> EpisodeLookupError:
     shown = ", ".join(f"{name} (id {ep_id})" for _, name, ep_id in rows[:LISTED])
     more = f" and {len(rows) - LISTED} more" if len(rows) > LISTED else ""
     return EpisodeLookupError(f"episode {value!r} is ambiguous: it matches {len(rows)} episodes: {shown}{more}; "

@@ -44,7 +44,7 @@ def _retry_after(response: httpx.Response) -> float | None:
 class HttpClient:
     """One pooled async client per server, with an API key sent as a Bearer token."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
                  max_connections: int = 64) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")  # may carry user:password (sent as basic auth)
@@ -119,6 +119,12 @@ class HttpBackend:
         if self.client is None:
             self.client = HttpClient(self.url, api_key=self.api_key,
                                      timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
+        return self.client
+
+    def _started(self) -> HttpClient:
+        """The client ``start()`` opened: scoring reuses it and never opens one itself."""
+        if self.client is None:
+            raise RuntimeError(f"{type(self).__name__}.score() before start()")
         return self.client
 
     async def close(self) -> None:

@@ -168,7 +168,7 @@ class SGLangBackend(HttpBackend):
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
-        body = await self.client.post_json("/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens))
+        body = await self._started().post_json("/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens))
         await self.verify_model()
         self._check_weight_version(body)
         result = parse_response(prompt, body)

@@ -183,10 +183,9 @@ class VLLMBackend(HttpBackend):
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
-        if self.client is None:
-            raise RuntimeError("VLLMBackend.score() before start()")
+        client = self._started()
         started = time.monotonic()
-        body = await self.client.post_json(
+        body = await client.post_json(
             "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs))
         await self.verify_model()
         reported = body.get("model") if isinstance(body, dict) else None
