@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hcapo_store.local.refserver import ReferenceServer, make_server
 from hcapo_store.scoring import job
+from hcapo_store.scoring.identity import register
 from hcapo_store.scoring.job import ScoreConfig, prepare
 from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt
 from hcapo_store.scoring.rendering import PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS
@@ -40,9 +41,11 @@ def test_the_probe_exercises_every_message_kind(tiny_model_dir):
 
 def test_same_rendering_keeps_the_scorer_whatever_the_versions(store, ref, tiny_model_dir, monkeypatch):
     first = _prepare(store, ref, tiny_model_dir)
+    register(store, first.spec)  # as run_scoring does (prepare writes nothing)
     monkeypatch.setattr(job, "library_versions", lambda: {"transformers": "99.0", "tokenizers": "9.9",
                                                           "jinja2": "9.0"})
     upgraded = _prepare(store, ref, tiny_model_dir)
+    register(store, upgraded.spec)  # the same id: the first registration's spec stays
     assert upgraded.spec["rendering_sha256"] == first.spec["rendering_sha256"]
     assert upgraded.spec["provenance"] != first.spec["provenance"]
     assert upgraded.scorer_id == first.scorer_id
