@@ -38,9 +38,14 @@ class _Group(click.Group):
                 root, _, rest = exc.ctx.command_path.partition(" ")
                 # a new error, not a changed one: click declares ``message`` Final
                 raise click.NoSuchOption(
-                    exc.option_name, possibilities=exc.possibilities, ctx=exc.ctx,
-                    message=(f"No such option '--db' here: --db is a global option, given before the command: "
-                             f"{root} --db PATH_OR_URL {rest}")) from exc
+                    exc.option_name,
+                    possibilities=exc.possibilities,
+                    ctx=exc.ctx,
+                    message=(
+                        f"No such option '--db' here: --db is a global option, given before the command: "
+                        f"{root} --db PATH_OR_URL {rest}"
+                    ),
+                ) from exc
             raise
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -70,8 +75,13 @@ pass_ctx = click.make_pass_decorator(_Ctx)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar=ENV_DB, metavar="PATH_OR_URL", default=None,
-              help=f"SQLite file or database URL (env {ENV_DB}; default ./{DEFAULT_DB}).")
+@click.option(
+    "--db",
+    envvar=ENV_DB,
+    metavar="PATH_OR_URL",
+    default=None,
+    help=f"SQLite file or database URL (env {ENV_DB}; default ./{DEFAULT_DB}).",
+)
 @click.version_option(package_name="hcapo-store")
 @click.pass_context
 def cli(ctx: click.Context, db: str | None) -> None:
@@ -125,8 +135,10 @@ def db_current(state: _Ctx) -> None:
     finally:
         engine.dispose()
     head = dbmod.head_revision()
-    click.echo(f"{dbmod.display_url(url)}: {current or 'empty'} (head {head})"
-               + ("" if current == head else " — run `hcapo-store db upgrade`"))
+    click.echo(
+        f"{dbmod.display_url(url)}: {current or 'empty'} (head {head})"
+        + ("" if current == head else " — run `hcapo-store db upgrade`")
+    )
 
 
 @db.command("upgrade")
@@ -161,16 +173,36 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
 
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--include-thinking/--no-thinking", default=True, show_default=True,
-              help="Keep the assistant's thinking as <think>…</think> in its message.")
-@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True,
-              help="Cut tool results longer than this (the original's suffix is added); 0 = never.")
-@click.option("--tag", "tags", multiple=True, metavar="KEY=VALUE",
-              help="Label the ingested episodes (repeatable), e.g. --tag task=postgres --tag run=pg-01.")
+@click.option(
+    "--include-thinking/--no-thinking",
+    default=True,
+    show_default=True,
+    help="Keep the assistant's thinking as <think>…</think> in its message.",
+)
+@click.option(
+    "--max-tool-result-chars",
+    type=int,
+    default=4000,
+    show_default=True,
+    help="Cut tool results longer than this (the original's suffix is added); 0 = never.",
+)
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Label the ingested episodes (repeatable), e.g. --tag task=postgres --tag run=pg-01.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
-def ingest(state: _Ctx, paths: tuple[Path, ...], include_thinking: bool, max_tool_result_chars: int,
-           tags: tuple[str, ...], as_json: bool) -> None:
+def ingest(
+    state: _Ctx,
+    paths: tuple[Path, ...],
+    include_thinking: bool,
+    max_tool_result_chars: int,
+    tags: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
 
     Unchanged episodes are skipped; changed ones become a new version. One bad file never
@@ -219,12 +251,16 @@ def status(state: _Ctx, as_json: bool) -> None:
     if not data["scorers"]:
         click.echo(f"scorers      none yet: scored 0 / failed 0 / missing {data['steps']}")
     for s in data["scorers"]:
-        click.echo(f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
-                   f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})")
+        click.echo(
+            f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
+            f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})"
+        )
     notes = {"dead": " (process gone: killed?)", "stale": " (no heartbeat within its lease: hung, or gone)"}
     for w in data["workers"][:20]:
-        click.echo(f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
-                   f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago")
+        click.echo(
+            f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
+            f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago"
+        )
 
 
 @cli.command()
@@ -250,60 +286,152 @@ def sql(state: _Ctx, query: str, fmt: str, write: bool) -> None:
         click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
 
 
-
 # ---------------------------------------------------------------------------
 # scoring
 
 
 @cli.command()
 @click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm).")
-@click.option("--backend", type=click.Choice(["sglang", "vllm", "transformers"]), default=None,
-              help="Default: sglang with --server, transformers with --model and no --server.")
-@click.option("--model", metavar="NAME_OR_DIR",
-              help="Model directory (transformers backend) or served model name (HTTP backends).")
+@click.option(
+    "--backend",
+    type=click.Choice(["sglang", "vllm", "transformers"]),
+    default=None,
+    help="Default: sglang with --server, transformers with --model and no --server.",
+)
+@click.option(
+    "--model",
+    metavar="NAME_OR_DIR",
+    help="Model directory (transformers backend) or served model name (HTTP backends).",
+)
 @click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's / the server's).")
 @click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
-@click.option("--concurrency", type=click.IntRange(1), default=4, show_default=True,
-              help="Episodes in flight at once (each sends its steps in order).")
-@click.option("--max-context", type=click.IntRange(2), default=32768, show_default=True,
-              help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
-                   "truncation marker and the most recent history before the action.")
-@click.option("--max-logprob-tokens", type=int, default=2048, show_default=True,
-              help="Score only the last N action tokens (<= 0: all).")
-@click.option("--hindsight-template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).")
-@click.option("--include-thinking/--no-thinking", default=True, show_default=True,
-              help="Score episodes ingested with these conversion options.")
-@click.option("--max-tool-result-chars", type=int, default=4000, show_default=True,
-              help="Score episodes ingested with this tool-result cut (the ingest option of the same name).")
-@click.option("--episode", "episodes", multiple=True, metavar="NAME",
-              help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Episodes in flight at once (each sends its steps in order).",
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(2),
+    default=32768,
+    show_default=True,
+    help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
+    "truncation marker and the most recent history before the action.",
+)
+@click.option(
+    "--max-logprob-tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Score only the last N action tokens (<= 0: all).",
+)
+@click.option(
+    "--hindsight-template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).",
+)
+@click.option(
+    "--include-thinking/--no-thinking",
+    default=True,
+    show_default=True,
+    help="Score episodes ingested with these conversion options.",
+)
+@click.option(
+    "--max-tool-result-chars",
+    type=int,
+    default=4000,
+    show_default=True,
+    help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
+)
+@click.option(
+    "--episode",
+    "episodes",
+    multiple=True,
+    metavar="NAME",
+    help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.",
+)
 @click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
 @click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
 @click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
-@click.option("--max-attempts", type=click.IntRange(1), default=4, show_default=True,
-              help="Attempts per step before it is marked failed.")
-@click.option("--lease-seconds", type=click.FloatRange(1), default=120.0, show_default=True,
-              help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.")
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Attempts per step before it is marked failed.",
+)
+@click.option(
+    "--lease-seconds",
+    type=click.FloatRange(1),
+    default=120.0,
+    show_default=True,
+    help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
+)
 @click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
-@click.option("--max-new-tokens", type=click.IntRange(0, 1), default=0, show_default=True,
-              help="1 for old SGLang servers that mishandle prefill-only requests.")
-@click.option("--request-timeout", type=click.FloatRange(0.1), default=300.0, show_default=True, metavar="SECONDS",
-              help="Give up on one HTTP request after this long (retried as a timeout).")
-@click.option("--grouping", type=click.Choice(["grouped", "per-step"]), default="grouped", show_default=True,
-              help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
-                   "one request; per-step: one request per step. Same results either way.")
-@click.option("--truncation", type=click.Choice(["sliding", "window"]), default="sliding", show_default=True,
-              help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
-                   "window starts the tail at block boundaries so a window's steps share one request "
-                   "(a different scorer).")
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(0, 1),
+    default=0,
+    show_default=True,
+    help="1 for old SGLang servers that mishandle prefill-only requests.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(0.1),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Give up on one HTTP request after this long (retried as a timeout).",
+)
+@click.option(
+    "--grouping",
+    type=click.Choice(["grouped", "per-step"]),
+    default="grouped",
+    show_default=True,
+    help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
+    "one request; per-step: one request per step. Same results either way.",
+)
+@click.option(
+    "--truncation",
+    type=click.Choice(["sliding", "window"]),
+    default="sliding",
+    show_default=True,
+    help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
+    "window starts the tail at block boundaries so a window's steps share one request "
+    "(a different scorer).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
-def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, max_context, max_logprob_tokens,
-          hindsight_template, include_thinking, max_tool_result_chars, episodes, min_reward, limit, retry_failed,
-          dry_run, max_attempts, lease_seconds, worker_id, max_new_tokens, request_timeout, grouping, truncation,
-          as_json) -> None:
+def score(
+    state: _Ctx,
+    server,
+    backend,
+    model,
+    tokenizer,
+    api_key,
+    concurrency,
+    max_context,
+    max_logprob_tokens,
+    hindsight_template,
+    include_thinking,
+    max_tool_result_chars,
+    episodes,
+    min_reward,
+    limit,
+    retry_failed,
+    dry_run,
+    max_attempts,
+    lease_seconds,
+    worker_id,
+    max_new_tokens,
+    request_timeout,
+    grouping,
+    truncation,
+    as_json,
+) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
 
     The scorer is everything that determines the logprobs (model, tokenizer, templates,
@@ -319,16 +447,29 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     from hcapo_store.storage.episodes import resolve_episodes
 
     cfg = ScoreConfig(
-        backend=backend, server=server, model=model, tokenizer=tokenizer, api_key=api_key, max_context=max_context,
+        backend=backend,
+        server=server,
+        model=model,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        max_context=max_context,
         max_logprob_tokens=max_logprob_tokens,
         conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
-        max_new_tokens=max_new_tokens, request_timeout=request_timeout, truncation=truncation,
+        max_new_tokens=max_new_tokens,
+        request_timeout=request_timeout,
+        truncation=truncation,
     )
     if hindsight_template:
         cfg.hindsight_template = hindsight_template.read_text()
     # Options are checked (e.g. --worker-id) before anything touches the database.
-    options = RunOptions(concurrency=concurrency, max_attempts=max_attempts, lease_seconds=lease_seconds,
-                         limit=limit, worker_id=worker_id, grouping=grouping)
+    options = RunOptions(
+        concurrency=concurrency,
+        max_attempts=max_attempts,
+        lease_seconds=lease_seconds,
+        limit=limit,
+        worker_id=worker_id,
+        grouping=grouping,
+    )
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     from hcapo_store.storage.db import read as db_read
 
@@ -345,6 +486,7 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
             click.echo(result.summary() + (f"\n{reason}" if reason else ""))
         return
     with Progress("score", enabled=not as_json, unit="steps") as progress:
+
         def on_progress(report) -> None:
             if progress.total is None and report.planned:
                 progress.total = report.planned
@@ -365,8 +507,10 @@ def score(state: _Ctx, server, backend, model, tokenizer, api_key, concurrency, 
     if report.interrupted:
         sys.exit(EXIT_INTERRUPTED)
     if report.server_down:
-        click.echo(f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the "
-                   "server is back", err=True)
+        click.echo(
+            f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the server is back",
+            err=True,
+        )
         sys.exit(1)
     if report.failed:
         sys.exit(1)
@@ -379,8 +523,11 @@ def _echo_score_errors(report, scorer_id: str) -> None:
     click.echo(f"{report.failed} step(s) failed for good; first distinct error(s):", err=True)
     for line in report.error_lines():
         click.echo(f"  {line}", err=True)
-    click.echo(f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
-               f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed", err=True)
+    click.echo(
+        f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
+        f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed",
+        err=True,
+    )
 
 
 @cli.group(cls=_Group)
@@ -403,16 +550,28 @@ def scorers_list(state: _Ctx, as_json: bool) -> None:
     if not rows:
         click.echo("no scorers yet: run `hcapo-store score`")
         return
-    click.echo(formatting.table(["scorer", "label", "scored", "failed", "missing", "created"],
-                                [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"],
-                                  r["created_at"]) for r in rows]))
+    click.echo(
+        formatting.table(
+            ["scorer", "label", "scored", "failed", "missing", "created"],
+            [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"], r["created_at"]) for r in rows],
+        )
+    )
 
 
 @cli.command("serve-reference")
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Local transformers causal LM directory.")
-@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Tokenizer directory (default: the model directory).")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Local transformers causal LM directory.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Tokenizer directory (default: the model directory).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=30000, show_default=True, help="Port to listen on (SGLang's default).")
 def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
@@ -430,10 +589,15 @@ def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port
         server.shutdown()
 
 
-
 @cli.command()
-@click.option("--dir", "workdir", type=click.Path(file_okay=False, path_type=Path), default=Path(".hcapo-demo"),
-              show_default=True, help="Where the demo model (and episodes, outside a checkout) are built.")
+@click.option(
+    "--dir",
+    "workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(".hcapo-demo"),
+    show_default=True,
+    help="Where the demo model (and episodes, outside a checkout) are built.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_context
 def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
@@ -450,7 +614,9 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     if state.db is None:
         state.db = str(workdir / "demo.db")
     store = state.store()
-    result = run_demo(store, workdir, on_step=(lambda _: None) if as_json else (lambda m: click.echo(f"• {m}", err=True)))
+    result = run_demo(
+        store, workdir, on_step=(lambda _: None) if as_json else (lambda m: click.echo(f"• {m}", err=True))
+    )
     commands = manual_commands(result, store.display)
     if as_json:
         _echo_json({**demo_summary(result), "commands": commands})
@@ -462,13 +628,14 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     if result.credits:
         click.echo("\ncredits per subtask (run 'default'):")
         click.echo(formatting.table(*result.credits))
-    click.echo(f"\ndatabase: {store.display} — try: hcapo-store --db {store.display} sql "
-               "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\"")
+    click.echo(
+        f"\ndatabase: {store.display} — try: hcapo-store --db {store.display} sql "
+        "\"SELECT subtask_id, avg(q_h_smoothed) FROM step_credits WHERE run = 'default' GROUP BY 1\""
+    )
     click.echo(f"\ntiny model (weights and tokenizer): {result.model_dir}")
     click.echo("score by hand against it (two shells):")
     for command in commands:
         click.echo(f"  {command}")
-
 
 
 # ---------------------------------------------------------------------------
@@ -483,24 +650,52 @@ def credits() -> None:
 @credits.command("compute")
 @click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
 @click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
-@click.option("--t-temp", type=float, default=5.0, show_default=True,
-              help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).")
-@click.option("--gamma", type=float, default=0.95, show_default=True,
-              help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.")
-@click.option("--c-min", type=float, default=0.8, show_default=True,
-              help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.")
-@click.option("--c-max", type=float, default=1.2, show_default=True,
-              help="Upper clip c_max of the ratio ρ.")
-@click.option("--alpha", type=float, default=0.5, show_default=True,
-              help="Backward smoothing weight α of q_h into q_h_smoothed.")
+@click.option(
+    "--t-temp",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
+)
+@click.option(
+    "--gamma",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
+)
+@click.option(
+    "--c-min",
+    type=float,
+    default=0.8,
+    show_default=True,
+    help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
+)
+@click.option("--c-max", type=float, default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ.")
+@click.option(
+    "--alpha", type=float, default=0.5, show_default=True, help="Backward smoothing weight α of q_h into q_h_smoothed."
+)
 @click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
 @click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
 @click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")
 @click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
-def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alpha, no_smooth, no_dense_rewards,
-                    max_logprob_tokens, recompute, as_json) -> None:
+def credits_compute(
+    state: _Ctx,
+    name,
+    scorer,
+    t_temp,
+    gamma,
+    c_min,
+    c_max,
+    alpha,
+    no_smooth,
+    no_dense_rewards,
+    max_logprob_tokens,
+    recompute,
+    as_json,
+) -> None:
     """Compute pi_hind, rho, q_h, q_h_smoothed for every completely scored episode.
 
     Same scorer + same hyperparameters is the same run (returned, not recomputed).
@@ -510,8 +705,16 @@ def credits_compute(state: _Ctx, name, scorer, t_temp, gamma, c_min, c_max, alph
     from hcapo_store.credits.runs import compute_credits
 
     # Invalid values are refused by CreditParams itself (one line, with the valid range).
-    params = CreditParams(t_temp=t_temp, gamma=gamma, c_min=c_min, c_max=c_max, alpha=alpha,
-                          smooth=not no_smooth, dense=not no_dense_rewards, max_logprob_tokens=max_logprob_tokens)
+    params = CreditParams(
+        t_temp=t_temp,
+        gamma=gamma,
+        c_min=c_min,
+        c_max=c_max,
+        alpha=alpha,
+        smooth=not no_smooth,
+        dense=not no_dense_rewards,
+        max_logprob_tokens=max_logprob_tokens,
+    )
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
     _echo_json(result.as_dict()) if as_json else click.echo(result.message)
 
@@ -530,10 +733,25 @@ def credits_list(state: _Ctx, as_json: bool) -> None:
     if not runs:
         click.echo("no credit runs yet: run `hcapo-store credits compute`")
         return
-    click.echo(formatting.table(
-        ["name", "scorer", "params", "episodes", "steps", "incomplete", "stale", "created"],
-        [(r.name, r.scorer_label, formatting.params_text(r.params), r.episodes, r.steps, r.incomplete_episodes,
-          "STALE" if r.stale else "", r.created_at) for r in runs], max_width=None))
+    click.echo(
+        formatting.table(
+            ["name", "scorer", "params", "episodes", "steps", "incomplete", "stale", "created"],
+            [
+                (
+                    r.name,
+                    r.scorer_label,
+                    formatting.params_text(r.params),
+                    r.episodes,
+                    r.steps,
+                    r.incomplete_episodes,
+                    "STALE" if r.stale else "",
+                    r.created_at,
+                )
+                for r in runs
+            ],
+            max_width=None,
+        )
+    )
     _warn([r.stale for r in runs if r.stale])
 
 
@@ -605,8 +823,10 @@ def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
 
     result = export_hindsight_json(state.store(create=False), out_dir, run)
     _warn(result["warnings"])
-    click.echo(f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
-               f"(credit run {result['run']!r})")
+    click.echo(
+        f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
+        f"(credit run {result['run']!r})"
+    )
     if not result["episodes"]:
         sys.exit(1)
 
@@ -619,34 +839,64 @@ def export_hindsight(state: _Ctx, out_dir: Path, run: str | None) -> None:
 @click.option("--min-reward", type=float, default=0.2, show_default=True, help="Only episodes with reward >= X.")
 @click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
-@click.option("--tokenized", is_flag=True,
-              help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer).")
-@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
-              help="With --tokenized: the scorer's tokenizer directory.")
+@click.option(
+    "--tokenized", is_flag=True, help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer)."
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --tokenized: the scorer's tokenizer directory.",
+)
 @click.option("--weights-in-messages", is_flag=True, help='A "weight" on each credited assistant message.')
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
-def export_dataset_cmd(state: _Ctx, out: Path, run, fmt, omega, min_reward, group_by, no_smooth, tokenized,
-                       tokenizer, weights_in_messages, as_json) -> None:
+def export_dataset_cmd(
+    state: _Ctx,
+    out: Path,
+    run,
+    fmt,
+    omega,
+    min_reward,
+    group_by,
+    no_smooth,
+    tokenized,
+    tokenizer,
+    weights_in_messages,
+    as_json,
+) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
     from hcapo_store.outputs.export import export_dataset
 
     if tokenized and weights_in_messages:
         raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
     layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
-    summary = export_dataset(state.store(create=False), out, run, omega=omega, min_reward=min_reward,
-                             group_by=group_by, fmt=fmt, use_smoothed=not no_smooth, layout=layout,
-                             tokenizer=tokenizer)
+    summary = export_dataset(
+        state.store(create=False),
+        out,
+        run,
+        omega=omega,
+        min_reward=min_reward,
+        group_by=group_by,
+        fmt=fmt,
+        use_smoothed=not no_smooth,
+        layout=layout,
+        tokenizer=tokenizer,
+    )
     _warn(summary["warnings"])
     if as_json:
         _echo_json(summary)
     elif tokenized:
-        click.echo(f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
-                   f"weighted step(s), {summary['unaligned_steps']} step(s) refused (could not be aligned)")
+        click.echo(
+            f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
+            f"weighted step(s), {summary['unaligned_steps']} step(s) refused (could not be aligned)"
+        )
     else:
-        click.echo(f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
-                   f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero); "
-                   f"summary {summary['summary_path']}")
+        click.echo(
+            f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
+            f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero); "
+            f"summary {summary['summary_path']}"
+        )
     if not summary["episodes_in_dataset"]:
         sys.exit(1)
 
@@ -685,10 +935,18 @@ def datasette_metadata_cmd(state: _Ctx, out: Path, database: str | None) -> None
 @cli.command()
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
-@click.option("--episodes", "episode_pages", is_flag=True,
-              help="Also write one page per episode (OUT's stem + _episodes/) and link them.")
-@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
-              help="With --episodes: the scorer's tokenizer, for per-token heat maps.")
+@click.option(
+    "--episodes",
+    "episode_pages",
+    is_flag=True,
+    help="Also write one page per episode (OUT's stem + _episodes/) and link them.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --episodes: the scorer's tokenizer, for per-token heat maps.",
+)
 @pass_ctx
 def report(state: _Ctx, out: Path, run: str | None, episode_pages: bool, tokenizer: str | None) -> None:
     """Write one self-contained HTML page: histograms, Q_H by subtask, coverage, failures."""
@@ -702,14 +960,23 @@ def report(state: _Ctx, out: Path, run: str | None, episode_pages: bool, tokeniz
 @cli.command()
 @click.argument("episode")
 @click.option("--credits", "run", help="Credit run name (default: the only run, if any).")
-@click.option("--html", "out_html", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write the episode's HTML page (transcript tinted by credit) here.")
-@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), metavar="DIR",
-              help="With --html: the scorer's tokenizer, for per-token heat maps.")
+@click.option(
+    "--html",
+    "out_html",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the episode's HTML page (transcript tinted by credit) here.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --html: the scorer's tokenizer, for per-token heat maps.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the steps as JSON.")
 @pass_ctx
-def show(state: _Ctx, episode: str, run: str | None, out_html: Path | None, tokenizer: str | None,
-         as_json: bool) -> None:
+def show(
+    state: _Ctx, episode: str, run: str | None, out_html: Path | None, tokenizer: str | None, as_json: bool
+) -> None:
     """Print one episode's steps: subtask, reward, tokens, mean logprob, pi_hind, rho, q_h."""
     from hcapo_store.outputs.episode_view import episode_page, episode_table, episode_view
     from hcapo_store.outputs.files import atomic_write

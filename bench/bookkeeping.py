@@ -73,17 +73,32 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                 req = _loads(body)
                 ids = req["input_ids"]
                 start = req["logprob_start_len"]
-                entries = [[None, ids[start], None]] + [[-0.5, t, None] for t in ids[start + 1:]]
-                out = _dumps({"text": "", "output_ids": [], "meta_info": {
-                    "id": req.get("rid"), "finish_reason": {"type": "length", "length": 0},
-                    "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
-                    "input_token_logprobs": entries, "output_token_logprobs": []}})
+                entries = [[None, ids[start], None]] + [[-0.5, t, None] for t in ids[start + 1 :]]
+                out = _dumps(
+                    {
+                        "text": "",
+                        "output_ids": [],
+                        "meta_info": {
+                            "id": req.get("rid"),
+                            "finish_reason": {"type": "length", "length": 0},
+                            "prompt_tokens": len(ids),
+                            "completion_tokens": 0,
+                            "cached_tokens": 0,
+                            "input_token_logprobs": entries,
+                            "output_token_logprobs": [],
+                        },
+                    }
+                )
             elif path.startswith(b"/model_info") or path.startswith(b"/server_info"):
                 out = info
             else:
                 out = b'{"ok": true}'
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(out)).encode() + b"\r\n\r\n" + out)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(out)).encode()
+                + b"\r\n\r\n"
+                + out
+            )
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
@@ -118,8 +133,14 @@ def write_long_episodes(root: Path, n: int, *, words_per_action: int, steps_per_
         for entry in b.entries:
             message = entry.get("message") or {}
             if message.get("role") == "assistant":
-                message["content"].insert(0, {"type": "thinking", "thinking": words(rng, words_per_action),
-                                              "thinkingSignature": "reasoning_content"})
+                message["content"].insert(
+                    0,
+                    {
+                        "type": "thinking",
+                        "thinking": words(rng, words_per_action),
+                        "thinkingSignature": "reasoning_content",
+                    },
+                )
         b.write(root / f"episode_{i:03d}")
 
 
@@ -170,23 +191,32 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=6)
     ap.add_argument("--input", choices=("real", "synthetic"), default="real")
     ap.add_argument("--steps-per-subtask", type=int, default=1, help="synthetic: 15 steps per episode with 1")
-    ap.add_argument("--words-per-action", type=int, default=2300,
-                    help="synthetic: thinking words added to every action")
+    ap.add_argument(
+        "--words-per-action", type=int, default=2300, help="synthetic: thinking words added to every action"
+    )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=None, help="default: 32768 (real), 4096 (synthetic)")
-    ap.add_argument("--baseline-input", choices=("synthetic",),
-                    help="also pair with the old synthetic ~4k-id requests (7 episodes of 15 steps per --episodes)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="bookkeeping runs, each paired with a stdlib-json run (alternating order)")
+    ap.add_argument(
+        "--baseline-input",
+        choices=("synthetic",),
+        help="also pair with the old synthetic ~4k-id requests (7 episodes of 15 steps per --episodes)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="bookkeeping runs, each paired with a stdlib-json run (alternating order)"
+    )
     ap.add_argument("--max-logprob-tokens", type=int, default=2048)
-    ap.add_argument("--tokenizer", default=str(QWEN3) if QWEN3.is_dir() else None,
-                    help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)")
+    ap.add_argument(
+        "--tokenizer",
+        default=str(QWEN3) if QWEN3.is_dir() else None,
+        help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)",
+    )
     ap.add_argument("--db", default=None, help="database URL or SQLite path (default: a fresh temporary SQLite file)")
     ap.add_argument("--no-timers", action="store_true", help="do not wrap calls to time the parts")
     ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the scoring run to FILE")
     ap.add_argument("--only-bookkeeping", action="store_true", help="skip the end-to-end run (e.g. to profile)")
-    ap.add_argument("--workers", type=int, default=0,
-                    help="also run bookkeeping with N separate worker processes sharing the queue")
+    ap.add_argument(
+        "--workers", type=int, default=0, help="also run bookkeeping with N separate worker processes sharing the queue"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.max_context is None:
@@ -226,14 +256,23 @@ def main() -> None:
 
         write_real_episodes(tmp / "episodes", args.episodes)
     else:
-        write_long_episodes(tmp / "episodes", args.episodes, words_per_action=args.words_per_action,
-                            steps_per_subtask=args.steps_per_subtask)
+        write_long_episodes(
+            tmp / "episodes",
+            args.episodes,
+            words_per_action=args.words_per_action,
+            steps_per_subtask=args.steps_per_subtask,
+        )
     store = Store.open(args.db or str(tmp / "bench.db"))
     report = ingest(store, [tmp / "episodes"])
     setup_s = time.perf_counter() - t
 
-    cfg = ScoreConfig(backend="sglang", server=url, tokenizer=tokenizer, max_context=args.max_context,
-                      max_logprob_tokens=args.max_logprob_tokens)
+    cfg = ScoreConfig(
+        backend="sglang",
+        server=url,
+        tokenizer=tokenizer,
+        max_context=args.max_context,
+        max_logprob_tokens=args.max_logprob_tokens,
+    )
     prep = prepare(store, cfg)
     if args.db:  # a reused database: start this scorer from scratch
         _reset_scorer(store, prep.scorer_id)
@@ -255,12 +294,18 @@ def main() -> None:
     # The same run again with every prompt built beforehand: claim → request → verify →
     # commit only (client-side preparation has its own budget, bench/prep.py).
     prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder))
-    cases: dict[str, tuple[Any, Any, bool]] = {"bookkeeping": (store, prep, False),
-                                               "bookkeeping_stdlib_json": (store, prep, True)}
+    cases: dict[str, tuple[Any, Any, bool]] = {
+        "bookkeeping": (store, prep, False),
+        "bookkeeping_stdlib_json": (store, prep, True),
+    }
     if args.baseline_input == "synthetic":
         # The old bench's ~4k-id requests, same code and server, paired in the same process.
-        write_long_episodes(tmp / "synthetic", max(args.episodes * 7, 1), words_per_action=args.words_per_action,
-                            steps_per_subtask=args.steps_per_subtask)
+        write_long_episodes(
+            tmp / "synthetic",
+            max(args.episodes * 7, 1),
+            words_per_action=args.words_per_action,
+            steps_per_subtask=args.steps_per_subtask,
+        )
         store2 = Store.open(str(tmp / "synthetic.db"))
         ingest(store2, [tmp / "synthetic"])
         prep2 = prepare(store2, replace(cfg, max_context=4096))
@@ -279,14 +324,24 @@ def main() -> None:
         for rep, result in enumerate(results):
             runs[f"{mode}#{rep + 1}"] = result
     summary = {mode: _min_med_max([r["steps_per_s"] for r in results]) for mode, results in pairs.items()}
-    summary.update({f"{mode}_client_cpu_ms_per_step": _min_med_max(
-        [1000 * r["client_cpu_s"] / max(r["steps"], 1) for r in results]) for mode, results in pairs.items()})
+    summary.update(
+        {
+            f"{mode}_client_cpu_ms_per_step": _min_med_max(
+                [1000 * r["client_cpu_s"] / max(r["steps"], 1) for r in results]
+            )
+            for mode, results in pairs.items()
+        }
+    )
     summary["orjson_over_stdlib"] = _min_med_max(
-        [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])])
+        [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])]
+    )
     if "bookkeeping_synthetic_4k" in pairs:
         summary["client_cpu_real_over_synthetic_4k"] = _min_med_max(
-            [(a["client_cpu_s"] / a["steps"]) / (b["client_cpu_s"] / b["steps"])
-             for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_synthetic_4k"])])
+            [
+                (a["client_cpu_s"] / a["steps"]) / (b["client_cpu_s"] / b["steps"])
+                for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_synthetic_4k"])
+            ]
+        )
     if "bookkeeping_synthetic_4k" in cases:
         cases["bookkeeping_synthetic_4k"][0].close()
 
@@ -294,41 +349,60 @@ def main() -> None:
         runs[f"workers_{args.workers}"] = _run_workers(store, prep, options, args.workers)
 
     with store.engine.connect() as conn:
-        tokens = conn.execute(text("SELECT MIN(token_count), AVG(token_count), AVG(input_tokens) FROM scores "
-                                   "WHERE scorer_id = :s"), {"s": prep.scorer_id}).one()
+        tokens = conn.execute(
+            text("SELECT MIN(token_count), AVG(token_count), AVG(input_tokens) FROM scores WHERE scorer_id = :s"),
+            {"s": prep.scorer_id},
+        ).one()
     server.terminate()
     store.close()
 
     out = {
-        "episodes": args.episodes, "concurrency": args.concurrency, "db": store.display,
-        "min_scored_tokens": tokens[0], "mean_scored_tokens": float(tokens[1] or 0),
-        "mean_input_tokens": float(tokens[2] or 0), "budget_steps_per_s": 500, "setup_s": round(setup_s, 2),
-        "ingested": report.new, "timing_hooks": not args.no_timers, **runs, "summary": summary,
+        "episodes": args.episodes,
+        "concurrency": args.concurrency,
+        "db": store.display,
+        "min_scored_tokens": tokens[0],
+        "mean_scored_tokens": float(tokens[1] or 0),
+        "mean_input_tokens": float(tokens[2] or 0),
+        "budget_steps_per_s": 500,
+        "setup_s": round(setup_s, 2),
+        "ingested": report.new,
+        "timing_hooks": not args.no_timers,
+        **runs,
+        "summary": summary,
     }
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"{args.episodes} episodes, scored span min {tokens[0]} / mean {out['mean_scored_tokens']:.0f} tokens, "
-          f"mean input {out['mean_input_tokens']:.0f} tokens, concurrency {args.concurrency}, {out['db']}")
+    print(
+        f"{args.episodes} episodes, scored span min {tokens[0]} / mean {out['mean_scored_tokens']:.0f} tokens, "
+        f"mean input {out['mean_input_tokens']:.0f} tokens, concurrency {args.concurrency}, {out['db']}"
+    )
     for mode, run in runs.items():
-        label = {"end_to_end": "end to end (prompts built during the run)",
-                 "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
-                 "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
-                 "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)"}.get(
-            mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
+        label = {
+            "end_to_end": "end to end (prompts built during the run)",
+            "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
+            "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
+            "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)",
+        }.get(mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
         if "#" in mode:
             label += f", run {mode.split('#')[1]}"
-        print(f"{label}: {run['steps']} steps ({run['failed']} failed) in {run['wall_s']:.2f} s → "
-              f"{run['steps_per_s']:.0f} steps/s; client CPU {run['client_cpu_s']:.2f} s → "
-              f"{run['steps_per_client_cpu_s']:.0f} steps per CPU-second"
-              + ("" if args.no_timers else " [with timing hooks]"))
+        print(
+            f"{label}: {run['steps']} steps ({run['failed']} failed) in {run['wall_s']:.2f} s → "
+            f"{run['steps_per_s']:.0f} steps/s; client CPU {run['client_cpu_s']:.2f} s → "
+            f"{run['steps_per_client_cpu_s']:.0f} steps per CPU-second"
+            + ("" if args.no_timers else " [with timing hooks]")
+        )
         for name, seconds in sorted(run["parts_s"].items(), key=lambda kv: -kv[1]):
-            print(f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
-                  f"  ({run['parts_calls'][name]} calls)")
+            print(
+                f"  {name:28s} {seconds:7.3f} s  {1000 * seconds / max(run['steps'], 1):7.3f} ms/step"
+                f"  ({run['parts_calls'][name]} calls)"
+            )
     for mode, (lo, med, hi) in summary.items():
         unit = "×" if "_over_" in mode else ""
-        print(f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
-              + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s"))
+        print(
+            f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
+            + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s")
+        )
     print("budget (BENCHMARKS.md budgets): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
 
 
@@ -373,10 +447,13 @@ def _timed_run(store: Any, prep: Any, options: Any, timers: Timers, *, profile: 
         profiler.disable()
         profiler.dump_stats(profile)
     return {
-        "steps": result.scored, "failed": result.failed, "wall_s": round(wall, 3),
+        "steps": result.scored,
+        "failed": result.failed,
+        "wall_s": round(wall, 3),
         "steps_per_s": round(result.scored / wall, 1) if wall else 0.0,
         # The client's own CPU time (all threads): what it could sustain on a free core.
-        "client_cpu_s": round(cpu, 3), "steps_per_client_cpu_s": round(result.scored / cpu, 1) if cpu else 0.0,
+        "client_cpu_s": round(cpu, 3),
+        "steps_per_client_cpu_s": round(result.scored / cpu, 1) if cpu else 0.0,
         "parts_s": {k: round(v, 3) for k, v in timers.seconds.items()},
         "parts_calls": dict(timers.calls),
     }
@@ -416,10 +493,15 @@ def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
     scored = sum(r[0] for r in results)
     cpu = sum(r[3] for r in results)
     return {
-        "steps": scored, "failed": sum(r[1] for r in results), "wall_s": round(wall, 3),
-        "steps_per_s": round(scored / wall, 1) if wall else 0.0, "client_cpu_s": round(cpu, 3),
+        "steps": scored,
+        "failed": sum(r[1] for r in results),
+        "wall_s": round(wall, 3),
+        "steps_per_s": round(scored / wall, 1) if wall else 0.0,
+        "client_cpu_s": round(cpu, 3),
         "steps_per_client_cpu_s": round(scored / cpu, 1) if cpu else 0.0,
-        "per_worker_steps": [r[0] for r in results], "parts_s": {}, "parts_calls": {},
+        "per_worker_steps": [r[0] for r in results],
+        "parts_s": {},
+        "parts_calls": {},
     }
 
 
@@ -453,8 +535,10 @@ def _reset_scorer(store: Any, scorer_id: str) -> None:
 
     with store.engine.begin() as conn:
         conn.execute(text("DELETE FROM scores WHERE scorer_id = :s"), {"s": scorer_id})
-        conn.execute(text("DELETE FROM attempt_errors WHERE attempt_id IN "
-                          "(SELECT id FROM attempts WHERE scorer_id = :s)"), {"s": scorer_id})
+        conn.execute(
+            text("DELETE FROM attempt_errors WHERE attempt_id IN (SELECT id FROM attempts WHERE scorer_id = :s)"),
+            {"s": scorer_id},
+        )
         conn.execute(text("DELETE FROM attempts WHERE scorer_id = :s"), {"s": scorer_id})
 
 

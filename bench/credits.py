@@ -55,33 +55,59 @@ def build(path: Path, episodes: int, steps: int, seed: int = 0) -> None:
     now = "2025-01-01T00:00:00+00:00"
     with db.write(store.engine) as conn:
         conn.exec_driver_sql(
-            "INSERT INTO scorers (id, label, spec, created_at) VALUES (?, ?, ?, ?)",
-            (SCORER, "bench", "{}", now))
+            "INSERT INTO scorers (id, label, spec, created_at) VALUES (?, ?, ?, ?)", (SCORER, "bench", "{}", now)
+        )
         step_id = 0
         for first in range(0, episodes, 500):
             ep_rows, step_rows, score_rows = [], [], []
             for e in range(first + 1, min(first + 500, episodes) + 1):
-                ep_rows.append((e, f"bench/{e}", 1, True, "h", "jsonl", str(e), f"episode_{e:06d}",
-                                round(rng.random(), 4), "{}", False, True, 4000, 2 * steps, steps, b"", now))
+                ep_rows.append(
+                    (
+                        e,
+                        f"bench/{e}",
+                        1,
+                        True,
+                        "h",
+                        "jsonl",
+                        str(e),
+                        f"episode_{e:06d}",
+                        round(rng.random(), 4),
+                        "{}",
+                        False,
+                        True,
+                        4000,
+                        2 * steps,
+                        steps,
+                        b"",
+                        now,
+                    )
+                )
                 for t, (phase, sid, r) in enumerate(_episode_steps(rng, steps)):
                     step_id += 1
                     step_rows.append((step_id, e, t, 2 * t + 1, phase, sid, r))
                     lps = [rng.uniform(-4.0, 0.0) for _ in range(TOKENS)]
                     blob = struct.pack(f"<{TOKENS}f", *lps)
-                    score_rows.append((step_id, SCORER, blob, TOKENS, sum(lps) / TOKENS, TOKENS, 0, 0,
-                                       1000, 900, False, now))
+                    score_rows.append(
+                        (step_id, SCORER, blob, TOKENS, sum(lps) / TOKENS, TOKENS, 0, 0, 1000, 900, False, now)
+                    )
             conn.exec_driver_sql(
                 "INSERT INTO episodes (id, source_key, version, is_current, content_hash, source_format,"
                 " external_id, name, reward, frozen_scores, reward_backfilled, include_thinking,"
                 " max_tool_result_chars, num_messages, num_steps, raw_source, ingested_at)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", ep_rows)
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                ep_rows,
+            )
             conn.exec_driver_sql(
                 "INSERT INTO steps (id, episode_id, step_index, message_index, phase, subtask_id,"
-                " subtask_reward) VALUES (?,?,?,?,?,?,?)", step_rows)
+                " subtask_reward) VALUES (?,?,?,?,?,?,?)",
+                step_rows,
+            )
             conn.exec_driver_sql(
                 "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob,"
                 " total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens,"
-                " logprob_start_len, flattened, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", score_rows)
+                " logprob_start_len, flattened, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                score_rows,
+            )
     store.close()
 
 
@@ -104,7 +130,8 @@ def measure(path: Path, params: CreditParams) -> dict:
             "sc.token_count, sc.token_logprobs "
             "FROM episodes e JOIN steps s ON s.episode_id = e.id JOIN scores sc ON sc.step_id = s.id "
             "JOIN credits c ON c.step_id = s.id AND c.run_id = ? ORDER BY e.id, s.step_index",
-            (result.run.id,)).all()
+            (result.run.id,),
+        ).all()
     episodes: dict[int, tuple[float, list[dict]]] = {}
     n_tok = params.max_logprob_tokens
     for e, reward, phase, sid, sr, m, q, count, blob in rows:
@@ -112,19 +139,32 @@ def measure(path: Path, params: CreditParams) -> dict:
             lps = struct.unpack(f"<{count}f", blob)[-n_tok:]
             m = sum(lps) / n_tok
         episodes.setdefault(e, (reward, []))[1].append(
-            {"phase": phase, "subtask_id": sid, "subtask_reward": sr, "mean_logprob": m, "_db": q})
+            {"phase": phase, "subtask_id": sid, "subtask_reward": sr, "mean_logprob": m, "_db": q}
+        )
     del rows
     t1 = time.perf_counter()
     for reward, steps in episodes.values():
-        compute_ratios_and_qh(steps, reward, params.t_temp, params.gamma, params.c_min, params.c_max,
-                              params.alpha, params.smooth, params.dense)
+        compute_ratios_and_qh(
+            steps,
+            reward,
+            params.t_temp,
+            params.gamma,
+            params.c_min,
+            params.c_max,
+            params.alpha,
+            params.smooth,
+            params.dense,
+        )
     ref_seconds = time.perf_counter() - t1
     max_diff = max(abs(s["q_h_smoothed"] - s["_db"]) for _, steps in episodes.values() for s in steps)
     store.close()
     n = result.run.steps
     return {
-        "episodes": result.run.episodes, "steps": n, "seconds": round(seconds, 3),
-        "steps_per_s": round(n / seconds), "peak_rss_mb": round(peak_mb, 1),
+        "episodes": result.run.episodes,
+        "steps": n,
+        "seconds": round(seconds, 3),
+        "steps_per_s": round(n / seconds),
+        "peak_rss_mb": round(peak_mb, 1),
         "reference_seconds": round(ref_seconds, 3),
         "reference_over_store": round(ref_seconds / seconds, 2),
         "max_abs_diff_vs_reference": max_diff,
@@ -136,8 +176,9 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--db", type=Path, help="reuse/keep this database file")
-    ap.add_argument("--max-logprob-tokens", type=int, default=None,
-                    help="also exercise the suffix re-aggregation (e.g. 8)")
+    ap.add_argument(
+        "--max-logprob-tokens", type=int, default=None, help="also exercise the suffix re-aggregation (e.g. 8)"
+    )
     ap.add_argument("--no-dense-rewards", action="store_true")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child process mode
     args = ap.parse_args()
@@ -157,11 +198,15 @@ def main() -> None:
     if args.no_dense_rewards:
         cmd.append("--no-dense-rewards")
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    print(f"credits compute: {out['steps']:,} steps of {out['episodes']:,} episodes in {out['seconds']} s "
-          f"({out['steps_per_s']:,} steps/s), peak RSS {out['peak_rss_mb']} MB")
-    print(f"reference (plain Python, in memory, same data): {out['reference_seconds']} s "
-          f"= {out['reference_over_store']}x the store's time (which includes SQL read + write); "
-          f"max |q_h_smoothed diff| = {out['max_abs_diff_vs_reference']:.3g}")
+    print(
+        f"credits compute: {out['steps']:,} steps of {out['episodes']:,} episodes in {out['seconds']} s "
+        f"({out['steps_per_s']:,} steps/s), peak RSS {out['peak_rss_mb']} MB"
+    )
+    print(
+        f"reference (plain Python, in memory, same data): {out['reference_seconds']} s "
+        f"= {out['reference_over_store']}x the store's time (which includes SQL read + write); "
+        f"max |q_h_smoothed diff| = {out['max_abs_diff_vs_reference']:.3g}"
+    )
     tmp.cleanup()
 
 

@@ -98,9 +98,20 @@ def child(tree: str, root: str, db: str, profile: str | None) -> None:
         profiler.disable()
         profiler.dump_stats(profile)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"episodes": report.new, "steps": report.steps, "seconds": dt, "cpu_s": cpu,
-                      "episodes_per_s": report.new / dt, "episodes_per_cpu_s": report.new / cpu,
-                      "peak_rss_mb": rss_mb, "failed": report.failed}))
+    print(
+        json.dumps(
+            {
+                "episodes": report.new,
+                "steps": report.steps,
+                "seconds": dt,
+                "cpu_s": cpu,
+                "episodes_per_s": report.new / dt,
+                "episodes_per_cpu_s": report.new / cpu,
+                "peak_rss_mb": rss_mb,
+                "failed": report.failed,
+            }
+        )
+    )
 
 
 def run_child(tree: Path, episodes: Path, db: Path, profile: str | None = None) -> dict:
@@ -123,8 +134,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per size (pairs with --baseline)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout measured (default: this one)")
     ap.add_argument("--baseline", type=Path, help="another checkout whose ingest runs paired with --tree")
-    ap.add_argument("--baseline-input", choices=("real", "synthetic"),
-                    help="pair with this tree ingesting the other kind of input instead")
+    ap.add_argument(
+        "--baseline-input",
+        choices=("real", "synthetic"),
+        help="pair with this tree ingesting the other kind of input instead",
+    )
     ap.add_argument("--profile", metavar="FILE", help="cProfile the (first) run of this tree to FILE")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,19 +167,25 @@ def main() -> None:
                     r = run_child(tree, episodes, db, args.profile if rep == 0 and name == "this" else None)
                     db.unlink()
                     runs[name].append(r)
-                    print(f"  run {rep + 1} {name:8s}: {r['episodes']} episodes ({r['steps']} steps) in "
-                          f"{r['seconds']:.1f} s → {r['episodes_per_s']:.0f} episodes/s "
-                          f"({r['episodes_per_cpu_s']:.0f} per CPU-second), peak RSS {r['peak_rss_mb']:.0f} MB, "
-                          f"failed {r['failed']}")
+                    print(
+                        f"  run {rep + 1} {name:8s}: {r['episodes']} episodes ({r['steps']} steps) in "
+                        f"{r['seconds']:.1f} s → {r['episodes_per_s']:.0f} episodes/s "
+                        f"({r['episodes_per_cpu_s']:.0f} per CPU-second), peak RSS {r['peak_rss_mb']:.0f} MB, "
+                        f"failed {r['failed']}"
+                    )
             peak_rss.append(max(r["peak_rss_mb"] for r in runs["this"]))
             for name, results in runs.items():
-                print(f"  {name} episodes/s: {_summary([r['episodes_per_s'] for r in results])}; per CPU-second: "
-                      f"{_summary([r['episodes_per_cpu_s'] for r in results])}")
+                print(
+                    f"  {name} episodes/s: {_summary([r['episodes_per_s'] for r in results])}; per CPU-second: "
+                    f"{_summary([r['episodes_per_cpu_s'] for r in results])}"
+                )
             if "baseline" in runs:
                 for key, what in (("episodes_per_s", "wall"), ("episodes_per_cpu_s", "CPU")):
                     ratios = [a[key] / b[key] for a, b in zip(runs["this"], runs["baseline"])]
-                    print(f"  this / baseline (paired, {what}): min ×{min(ratios):.2f} / "
-                          f"median ×{statistics.median(ratios):.2f} / max ×{max(ratios):.2f}")
+                    print(
+                        f"  this / baseline (paired, {what}): min ×{min(ratios):.2f} / "
+                        f"median ×{statistics.median(ratios):.2f} / max ×{max(ratios):.2f}"
+                    )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if len(peak_rss) > 1:

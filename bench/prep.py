@@ -55,13 +55,17 @@ def _code(rng: random.Random, lines: int) -> str:
     out = []
     for i in range(lines):
         name = rng.choice(_WORDS)
-        out.append(f"{'    ' * rng.randint(0, 3)}{name}_{i} = {rng.choice(_WORDS)}({rng.randint(0, 999)}, '{_prose(rng, 3)}')")
+        out.append(
+            f"{'    ' * rng.randint(0, 3)}{name}_{i} = {rng.choice(_WORDS)}({rng.randint(0, 999)}, '{_prose(rng, 3)}')"
+        )
     return "\n".join(out)
 
 
 def _tool_result(rng: random.Random) -> str:
-    body = _code(rng, rng.randint(20, 70)) if rng.random() < 0.7 else json.dumps(
-        {"status": "ok", "rows": [[_prose(rng, 3), rng.randint(0, 10**6)] for _ in range(40)]}
+    body = (
+        _code(rng, rng.randint(20, 70))
+        if rng.random() < 0.7
+        else json.dumps({"status": "ok", "rows": [[_prose(rng, 3), rng.randint(0, 10**6)] for _ in range(40)]})
     )
     if len(body) > 4000:  # the loader's max_tool_result_chars
         body = body[:4000] + f"\n... [truncated, {len(body)} chars total]"
@@ -81,22 +85,41 @@ def synthetic_episode(seed: int, steps: int = 100) -> dict[str, Any]:
             name, args = "mcp", {"tool": "openenv_advance", "args": "{}"}
         else:
             name, args = "bash", {"command": _prose(rng, rng.randint(3, 20))}
-        calls = [{"id": f"call_{t}", "type": "function",
-                  "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}]
+        calls = [
+            {
+                "id": f"call_{t}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        ]
         if rng.random() < 0.15:  # parallel calls
-            calls.append({"id": f"call_{t}b", "type": "function",
-                          "function": {"name": "bash", "arguments": json.dumps({"command": _prose(rng, 5)})}})
-        messages.append({"role": "assistant", "content": thinking + _prose(rng, rng.randint(0, 40)), "tool_calls": calls})
+            calls.append(
+                {
+                    "id": f"call_{t}b",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": json.dumps({"command": _prose(rng, 5)})},
+                }
+            )
+        messages.append(
+            {"role": "assistant", "content": thinking + _prose(rng, rng.randint(0, 40)), "tool_calls": calls}
+        )
         for call in calls:
             if call["function"]["name"] == "mcp":
                 content = json.dumps({"ok": True, "next_subtask_id": "S2" if t == 40 else "S3"})
             else:
                 content = _tool_result(rng)
-            messages.append({"role": "tool", "name": call["function"]["name"],
-                             "tool_call_id": call["id"], "content": content})
-    return {"episode_id": seed, "messages": messages, "reward": 0.4795, "phase": "executing",
-            "plan_score": 0.72, "plan": plan,
-            "frozen_scores": {"S1": 0.5845, "S2": 0.412, "S3": 0.0, "S4": 0.0}}
+            messages.append(
+                {"role": "tool", "name": call["function"]["name"], "tool_call_id": call["id"], "content": content}
+            )
+    return {
+        "episode_id": seed,
+        "messages": messages,
+        "reward": 0.4795,
+        "phase": "executing",
+        "plan_score": 0.72,
+        "plan": plan,
+        "frozen_scores": {"S1": 0.5845, "S2": 0.412, "S3": 0.0, "S4": 0.0},
+    }
 
 
 # --------------------------------------------------------------------------- the original procedure
@@ -207,7 +230,9 @@ def orig_map_steps(messages: list[dict], episode: dict) -> list[dict]:
             info.append({"phase": "planning", "subtask_id": None, "subtask_reward": episode.get("plan_score", 0)})
         else:
             sid = ids[idx] if 0 <= idx < len(ids) else None
-            info.append({"phase": "executing", "subtask_id": sid, "subtask_reward": frozen.get(sid, 0.0) if sid else 0.0})
+            info.append(
+                {"phase": "executing", "subtask_id": sid, "subtask_reward": frozen.get(sid, 0.0) if sid else 0.0}
+            )
         for name in _orig_effective_names(msg):
             canonical = name.replace("openenv_", "")
             if canonical in ("submit_plan", "advance"):
@@ -219,15 +244,20 @@ def orig_hindsight(episode: dict, current_subtask: str, current_subtask_score: f
     frozen = episode.get("frozen_scores", {})
     plan = episode.get("plan") or frozen
     return ORIGINAL_TEMPLATE.format(
-        reward=episode["reward"], phase=episode.get("phase", "?"), plan_score=episode.get("plan_score", 0),
+        reward=episode["reward"],
+        phase=episode.get("phase", "?"),
+        plan_score=episode.get("plan_score", 0),
         scores_summary=", ".join(f"{k}={v:.3f}" for k, v in frozen.items()) or "none",
-        scored_count=len(frozen), plan_count=max(len(plan), 1), current_subtask=current_subtask,
+        scored_count=len(frozen),
+        plan_count=max(len(plan), 1),
+        current_subtask=current_subtask,
         current_subtask_score=f"{current_subtask_score:.3f}" if current_subtask_score >= 0 else "n/a",
     )
 
 
-def orig_build_prompt_pair(tokenizer: Any, prefix: list[dict], action: dict, hindsight: str,
-                           max_context: int) -> tuple[str, int, int] | None:
+def orig_build_prompt_pair(
+    tokenizer: Any, prefix: list[dict], action: dict, hindsight: str, max_context: int
+) -> tuple[str, int, int] | None:
     hind_prefix = [_orig_normalize(m) for m in prefix]
     hind_prefix[0] = dict(hind_prefix[0], content=hind_prefix[0].get("content", "") + "\n\n" + hindsight)
     action_msg = _orig_normalize(action)
@@ -276,9 +306,17 @@ def run_original(tokenizer: Any, episode: dict, max_context: int, max_logprob_to
             continue
         full_text, prefix_len, action_len = pair
         scored = min(action_len, max_logprob_tokens) if max_logprob_tokens > 0 else action_len
-        out.append({"step": step, "message_index": m, "info": si, "full_text": full_text,
-                    "prefix_len": prefix_len, "action_len": action_len,
-                    "logprob_start_len": prefix_len + action_len - scored})
+        out.append(
+            {
+                "step": step,
+                "message_index": m,
+                "info": si,
+                "full_text": full_text,
+                "prefix_len": prefix_len,
+                "action_len": action_len,
+                "logprob_start_len": prefix_len + action_len - scored,
+            }
+        )
     return out
 
 
@@ -286,8 +324,14 @@ def run_original(tokenizer: Any, episode: dict, max_context: int, max_logprob_to
 
 
 def compare(tokenizer: Any, original: list[dict], ours: list[StepPrompt | PromptFailure]) -> dict[str, int]:
-    counts = {"identical": 0, "different": 0, "truncated": 0, "ours_failed": 0, "prompt_tokens_original": 0,
-              "prompt_tokens_ours": 0}
+    counts = {
+        "identical": 0,
+        "different": 0,
+        "truncated": 0,
+        "ours_failed": 0,
+        "prompt_tokens_original": 0,
+        "prompt_tokens_ours": 0,
+    }
     for orig, mine in zip(original, ours):
         if isinstance(mine, PromptFailure):
             counts["ours_failed"] += 1
@@ -298,8 +342,11 @@ def compare(tokenizer: Any, original: list[dict], ours: list[StepPrompt | Prompt
         if mine.truncated_prefix_tokens:
             counts["truncated"] += 1
             continue
-        same = (orig_ids == mine.input_ids and orig["logprob_start_len"] == mine.first_scored
-                and orig["action_len"] == mine.total_action_tokens)
+        same = (
+            orig_ids == mine.input_ids
+            and orig["logprob_start_len"] == mine.first_scored
+            and orig["action_len"] == mine.total_action_tokens
+        )
         counts["identical" if same else "different"] += 1
     return counts
 
@@ -326,8 +373,14 @@ def stored_episodes(root: Path, include_thinking: bool) -> list[tuple[dict[str, 
         for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id")).all():
             ep = load_episode(conn, episode_id)
             o = ep.outcome
-            episode = {"messages": ep.messages, "reward": o.reward, "phase": o.phase or "?",
-                       "plan_score": o.plan_score or 0, "plan": o.plan, "frozen_scores": o.frozen_scores}
+            episode = {
+                "messages": ep.messages,
+                "reward": o.reward,
+                "phase": o.phase or "?",
+                "plan_score": o.plan_score or 0,
+                "plan": o.plan,
+                "frozen_scores": o.frozen_scores,
+            }
             out.append((episode, list(ep.steps)))
     store.close()
     return out
@@ -340,8 +393,9 @@ def _grouping() -> Any:
         return None
 
 
-def time_ours(builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]],
-              grouped: bool = False) -> tuple[float, list[list[Any]]]:
+def time_ours(
+    builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]], grouped: bool = False
+) -> tuple[float, list[list[Any]]]:
     """ms per step of build_episode (+ grouping), and the prompts (or groups) built."""
     grouping = _grouping() if grouped else None
     built, steps, start = [], 0, time.perf_counter()
@@ -352,8 +406,9 @@ def time_ours(builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[An
     return (time.perf_counter() - start) * 1000 / steps, built
 
 
-def time_original(tokenizer: Any, inputs: list[tuple[dict[str, Any], list[Any]]], max_context: int,
-                  max_logprob_tokens: int) -> tuple[float, list[list[dict]]]:
+def time_original(
+    tokenizer: Any, inputs: list[tuple[dict[str, Any], list[Any]]], max_context: int, max_logprob_tokens: int
+) -> tuple[float, list[list[dict]]]:
     built, steps, start = [], 0, time.perf_counter()
     for episode, _ in inputs:
         built.append(run_original(tokenizer, episode, max_context, max_logprob_tokens))
@@ -362,8 +417,7 @@ def time_original(tokenizer: Any, inputs: list[tuple[dict[str, Any], list[Any]]]
 
 
 def _mmm(values: list[float], unit: str = "") -> str:
-    return (f"min {unit}{min(values):.2f} / median {unit}{statistics.median(values):.2f} / "
-            f"max {unit}{max(values):.2f}")
+    return f"min {unit}{min(values):.2f} / median {unit}{statistics.median(values):.2f} / max {unit}{max(values):.2f}"
 
 
 def main() -> None:
@@ -394,8 +448,12 @@ def main() -> None:
     builder = PromptBuilder(tokenizer, max_context=args.max_context, max_logprob_tokens=args.max_logprob_tokens)
     print(f"fast path: {builder.encoder.fast_path_off_reason or 'on'}")
     for name, inputs in (("deployed (thinking kept)", deployed), ("original's inputs", original_inputs)):
-        sizes = [len(tokenizer.encode(tokenizer.apply_chat_template(e["messages"], tokenize=False),
-                                      add_special_tokens=False)) for e, _ in inputs]
+        sizes = [
+            len(
+                tokenizer.encode(tokenizer.apply_chat_template(e["messages"], tokenize=False), add_special_tokens=False)
+            )
+            for e, _ in inputs
+        ]
         print(f"{name}: {len(inputs)} episodes, steps {[len(s) for _, s in inputs]}, tokens {sizes}")
 
     cases = {
@@ -419,8 +477,9 @@ def main() -> None:
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
         for name in order:
             ms[name].append(cases[name]()[0])
-        print(f"round {rep + 1} ({' → '.join(order)}): " + ", ".join(f"{n} {ms[n][-1]:.2f}" for n in cases)
-              + " ms/step")
+        print(
+            f"round {rep + 1} ({' → '.join(order)}): " + ", ".join(f"{n} {ms[n][-1]:.2f}" for n in cases) + " ms/step"
+        )
     for name, values in ms.items():
         print(f"{name}: {_mmm(values)} ms/step")
     for name in cases:
@@ -461,11 +520,15 @@ def main_synthetic(args: argparse.Namespace) -> None:
         ours_ms.append((time.perf_counter() - start) * 1000 / len(ours))
         counts = compare(tokenizer, original, ours)
         total = len(tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False))
-        print(f"episode {seed}: {len(steps)} steps, {total} tokens, {len(messages)} messages | "
-              f"original {orig_ms[seed]:.1f} ms/step, ours {ours_ms[-1]:.2f} ms/step, "
-              f"x{orig_ms[seed] / ours_ms[-1]:.1f} | {counts}")
+        print(
+            f"episode {seed}: {len(steps)} steps, {total} tokens, {len(messages)} messages | "
+            f"original {orig_ms[seed]:.1f} ms/step, ours {ours_ms[-1]:.2f} ms/step, "
+            f"x{orig_ms[seed] / ours_ms[-1]:.1f} | {counts}"
+        )
     orig_mean, ours_mean = statistics.mean(orig_ms), statistics.mean(ours_ms)
-    print(f"mean: original {orig_mean:.1f} ms/step, ours {ours_mean:.2f} ms/step, speed-up x{orig_mean / ours_mean:.1f}")
+    print(
+        f"mean: original {orig_mean:.1f} ms/step, ours {ours_mean:.2f} ms/step, speed-up x{orig_mean / ours_mean:.1f}"
+    )
 
 
 if __name__ == "__main__":

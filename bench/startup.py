@@ -56,8 +56,13 @@ def main() -> None:
         checkouts["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "bench.db"
-        subprocess.run([sys.executable, "-m", "cli", "--db", str(db), "ingest", str(ROOT / "examples" / "trajectories")],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "cli", "--db", str(db), "ingest", str(ROOT / "examples" / "trajectories")],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         cases = _cases(checkouts, db)
         for case in cases.values():  # warm the page cache and .pyc files
             _time(case)
@@ -65,8 +70,10 @@ def main() -> None:
         for _ in range(runs):
             for name, case in cases.items():
                 times[name].append(_time(case))
-    print(f"{platform.node()} · {os.cpu_count()} cores · Python {platform.python_version()} · "
-          f"load {os.getloadavg()[0]:.2f} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {runs} rounds")
+    print(
+        f"{platform.node()} · {os.cpu_count()} cores · Python {platform.python_version()} · "
+        f"load {os.getloadavg()[0]:.2f} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {runs} rounds"
+    )
     print("| case | min | median | max |\n| --- | ---: | ---: | ---: |")
     for name, ts in times.items():
         print(f"| {name} | {min(ts):.3f} s | {statistics.median(ts):.3f} s | {max(ts):.3f} s |")

@@ -39,8 +39,11 @@ from hcapo_store.scoring.tokens import load_tokenizer  # noqa: E402
 from hcapo_store.storage.episodes import load_episode  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 
-MODES = (("per-step", "per-step", "sliding"), ("grouped", "grouped", "sliding"),
-         ("grouped+window", "grouped", "window"))
+MODES = (
+    ("per-step", "per-step", "sliding"),
+    ("grouped", "grouped", "sliding"),
+    ("grouped+window", "grouped", "window"),
+)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -78,8 +81,9 @@ def load_episodes(root: Path, scratch: Path) -> list[Any]:
 def measure(tokenizer: Any, episode: Any, max_context: int, grouping: str, truncation: str) -> dict[str, Any]:
     builder = PromptBuilder(tokenizer, max_context=max_context, truncation=truncation)
     prompts = builder.build_episode(episode.messages, episode.outcome, episode.steps)
-    requests = [r for r in group_prompts(prompts, grouping=grouping, max_tokens=max_context)
-                if isinstance(r, GroupPrompt)]
+    requests = [
+        r for r in group_prompts(prompts, grouping=grouping, max_tokens=max_context) if isinstance(r, GroupPrompt)
+    ]
     ids = [r.input_ids for r in requests]
     return {
         "steps": sum(len(r.members) for r in requests),
@@ -123,9 +127,11 @@ def print_row(row: dict[str, Any]) -> None:
     parts = []
     for label, _, _ in MODES:
         m = row[label]
-        parts.append(f"{label}: {m['requests']} req, {m['prompt'] / 1e6:.3f}M prompt "
-                     f"(x{base['prompt'] / max(m['prompt'], 1):.1f}), {m['prefill'] / 1e6:.3f}M prefill-cached "
-                     f"(x{base['prefill'] / max(m['prefill'], 1):.1f})")
+        parts.append(
+            f"{label}: {m['requests']} req, {m['prompt'] / 1e6:.3f}M prompt "
+            f"(x{base['prompt'] / max(m['prompt'], 1):.1f}), {m['prefill'] / 1e6:.3f}M prefill-cached "
+            f"(x{base['prefill'] / max(m['prefill'], 1):.1f})"
+        )
     print(head + "\n    " + "\n    ".join(parts), flush=True)
 
 

@@ -40,21 +40,27 @@ def collate(rows: list[dict], pad_id: int, max_length: int | None = None) -> dic
 
     ids = pad("input_ids", pad_id, torch.long)
     mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask, "labels": pad("labels", IGNORE_INDEX, torch.long),
-            "advantages": pad("advantages", 0.0, torch.float32)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": pad("labels", IGNORE_INDEX, torch.long),
+        "advantages": pad("advantages", 0.0, torch.float32),
+    }
 
 
 def weighted_nll(logits: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """Token t is predicted from position t - 1: shift, weight, average over weighted tokens."""
     logits, labels, adv = logits[:, :-1], labels[:, 1:], advantages[:, 1:]
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                                            ignore_index=IGNORE_INDEX, reduction="none").view_as(adv)
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view_as(adv)
     weighted = labels != IGNORE_INDEX
     return (nll * adv * weighted).sum() / weighted.sum().clamp(min=1)
 
 
-def train(rows: list[dict], model_dir: str, *, steps: int, lr: float, max_length: int | None,
-          seed: int = 0) -> list[float]:
+def train(
+    rows: list[dict], model_dir: str, *, steps: int, lr: float, max_length: int | None, seed: int = 0
+) -> list[float]:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()

@@ -50,6 +50,8 @@ class DatabaseFull(StoreError):
 
 class NotAStore(StoreError):
     """The file is a database, but not an hcapo-store one; it is left untouched."""
+
+
 class UsageError(HcapoError):
     """An option or argument the database cannot hold (too long, a NUL character); nothing was done."""
 

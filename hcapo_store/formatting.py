@@ -26,11 +26,12 @@ CUT_MARK = "…"
 def _cut(text: str, max_width: int | None) -> str:
     if max_width is None or len(text) <= max_width:
         return text
-    return text[:max_width - 1] + CUT_MARK
+    return text[: max_width - 1] + CUT_MARK
 
 
-def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int | None = 60,
-          full: str = "--json") -> str:
+def table(
+    columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: int | None = 60, full: str = "--json"
+) -> str:
     """A padded text table. Cells longer than ``max_width`` are cut, marked with …, and a
     last line says so and how to see whole values (``full``); None never cuts."""
     whole = [[cell(v) for v in row] for row in rows]
@@ -43,8 +44,9 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, max_width: i
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     if cells != whole:
-        body.append(f"(cells longer than {max_width} characters are cut and end in {CUT_MARK}; "
-                    f"{full} shows whole values)")
+        body.append(
+            f"(cells longer than {max_width} characters are cut and end in {CUT_MARK}; {full} shows whole values)"
+        )
     return "\n".join([line, sep, *body])
 
 
@@ -59,7 +61,12 @@ def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
     for row in rows:
-        w.writerow(["" if v is None else (f"<{len(bytes(v))} bytes>" if isinstance(v, (bytes, memoryview)) else v) for v in row])
+        w.writerow(
+            [
+                "" if v is None else (f"<{len(bytes(v))} bytes>" if isinstance(v, (bytes, memoryview)) else v)
+                for v in row
+            ]
+        )
     return buf.getvalue()
 
 

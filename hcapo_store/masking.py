@@ -15,7 +15,9 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<secret>[^/\s@]+)@")
 _QUERY_SECRET = re.compile(
     r"(?P<head>[?&](?:api[_-]?key|access[_-]?token|token|key|password|passwd|secret|sig|signature)=)"
-    r"(?P<secret>[^&#\s]+)", re.I)
+    r"(?P<secret>[^&#\s]+)",
+    re.I,
+)
 
 
 def mask_credentials(text: str) -> str:

@@ -53,7 +53,9 @@ def bos_tokenizer(tmp_path: Path, *, template: str = CHATML_WITH_BOS):
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
         additional_special_tokens=specials[2:],
     )
     fast.chat_template = template
@@ -67,8 +69,7 @@ def text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def episode(seed: int, *, steps: int = 12, tool_chars: int = 400, thinking: bool = True,
-            extra_user_turns: bool = True):
+def episode(seed: int, *, steps: int = 12, tool_chars: int = 400, thinking: bool = True, extra_user_turns: bool = True):
     """Messages, outcome and steps shaped like the converted loader output."""
     rng = random.Random(seed)
     messages: list[dict] = [{"role": "user", "content": "Task: " + text(rng, 60)}]
@@ -84,8 +85,13 @@ def episode(seed: int, *, steps: int = 12, tool_chars: int = 400, thinking: bool
         for c in range(rng.choice([0, 1, 1, 2])):
             args = {"command": text(rng, 8), "n": rng.randint(0, 9)}
             raw = json.dumps(args, ensure_ascii=False) if rng.random() < 0.9 else "not json {"
-            calls.append({"id": f"call_{t}_{c}", "type": "function",
-                          "function": {"name": rng.choice(["bash", "mcp"]), "arguments": raw}})
+            calls.append(
+                {
+                    "id": f"call_{t}_{c}",
+                    "type": "function",
+                    "function": {"name": rng.choice(["bash", "mcp"]), "arguments": raw},
+                }
+            )
         msg: dict = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
@@ -95,12 +101,25 @@ def episode(seed: int, *, steps: int = 12, tool_chars: int = 400, thinking: bool
         index = len(messages) - 1
         phase = "planning" if t < 3 else "executing"
         sid = None if phase == "planning" else plan[min((t - 3) // 4, 2)]["id"]
-        step_rows.append({"step_index": t, "message_index": index, "phase": phase,
-                          "subtask_id": sid, "subtask_reward": 0.72 if sid is None else 0.5})
+        step_rows.append(
+            {
+                "step_index": t,
+                "message_index": index,
+                "phase": phase,
+                "subtask_id": sid,
+                "subtask_reward": 0.72 if sid is None else 0.5,
+            }
+        )
         for call in calls:
             body = text(rng, 5) + "\n" + "x" * rng.randint(0, tool_chars) + "\n" + text(rng, tool_chars // 6)
-            messages.append({"role": "tool", "name": call["function"]["name"],
-                             "tool_call_id": call["id"], "content": body})
-    outcome = {"reward": 0.4795, "phase": "executing", "plan_score": 0.72, "plan": plan,
-               "frozen_scores": {"S1": 0.5845, "S2": 0.412, "S3": 0.0}}
+            messages.append(
+                {"role": "tool", "name": call["function"]["name"], "tool_call_id": call["id"], "content": body}
+            )
+    outcome = {
+        "reward": 0.4795,
+        "phase": "executing",
+        "plan_score": 0.72,
+        "plan": plan,
+        "frozen_scores": {"S1": 0.5845, "S2": 0.412, "S3": 0.0},
+    }
     return messages, outcome, step_rows

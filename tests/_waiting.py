@@ -16,8 +16,13 @@ from collections.abc import Callable, Mapping
 HANG_GUARD_S = 1800.0
 
 
-def wait_until(condition: Callable[[], bool], what: str, *,
-               procs: Mapping[str, subprocess.Popen] | None = None, poll_s: float = 0.05) -> None:
+def wait_until(
+    condition: Callable[[], bool],
+    what: str,
+    *,
+    procs: Mapping[str, subprocess.Popen] | None = None,
+    poll_s: float = 0.05,
+) -> None:
     deadline = time.monotonic() + HANG_GUARD_S
     while not condition():
         for name, proc in (procs or {}).items():

@@ -146,8 +146,15 @@ class FaultServer(BackgroundHTTPServer):
     may start); while ``hold_answers`` is a cleared ``threading.Event``, logged requests wait
     for it before they are answered (a test acts between arrival and answer)."""
 
-    def __init__(self, ref: ReferenceServer, schedule: Schedule = no_faults, *, host: str = "127.0.0.1",
-                 port: int = 0, delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        ref: ReferenceServer,
+        schedule: Schedule = no_faults,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        delay: float = 0.0,
+    ) -> None:
         self.ref = ref
         self.schedule = schedule
         self.delay = delay
@@ -315,26 +322,44 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 return
             if fault in ("http_500", "http_503"):
                 code = int(fault[5:])
-                self._json(HTTPStatus(code), {"object": "error", "message": "injected failure",
-                                              "type": str(code), "code": code})
+                self._json(
+                    HTTPStatus(code),
+                    {"object": "error", "message": "injected failure", "type": str(code), "code": code},
+                )
                 return
             if fault == "http_429":
-                self._json(HTTPStatus.TOO_MANY_REQUESTS, {"error": {"message": "slow down"}},
-                           headers={"Retry-After": "0.1"})
+                self._json(
+                    HTTPStatus.TOO_MANY_REQUESTS, {"error": {"message": "slow down"}}, headers={"Retry-After": "0.1"}
+                )
                 return
             if fault == "http_400":
                 self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": "injected bad request"}})
                 return
             if fault == "malformed_json":
-                self._send(HTTPStatus.OK, b'{"text": "", "output_ids": [], "meta_info": {"input_token_logp',
-                           "application/json")
+                self._send(
+                    HTTPStatus.OK, b'{"text": "", "output_ids": [], "meta_info": {"input_token_logp', "application/json"
+                )
                 return
             if fault in ("abort", "abort_503"):
                 status = 503 if fault == "abort_503" else None
-                self._json(HTTPStatus.OK, {"text": "", "output_ids": [], "meta_info": {
-                    "id": body.get("rid"), "prompt_tokens": len(body.get("input_ids") or []),
-                    "finish_reason": {"type": "abort", "message": "Abort before prefill", "status_code": status},
-                    "input_token_logprobs": [], "output_token_logprobs": []}})
+                self._json(
+                    HTTPStatus.OK,
+                    {
+                        "text": "",
+                        "output_ids": [],
+                        "meta_info": {
+                            "id": body.get("rid"),
+                            "prompt_tokens": len(body.get("input_ids") or []),
+                            "finish_reason": {
+                                "type": "abort",
+                                "message": "Abort before prefill",
+                                "status_code": status,
+                            },
+                            "input_token_logprobs": [],
+                            "output_token_logprobs": [],
+                        },
+                    },
+                )
                 return
             self._answer(body, fault)
 
@@ -359,8 +384,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
         def _json(self, status: HTTPStatus, payload: Any, headers: Mapping[str, str] | None = None) -> None:
             self._send(status, json.dumps(payload).encode(), "application/json", headers)
 
-        def _send(self, status: HTTPStatus, data: bytes, content_type: str,
-                  headers: Mapping[str, str] | None = None) -> None:
+        def _send(
+            self, status: HTTPStatus, data: bytes, content_type: str, headers: Mapping[str, str] | None = None
+        ) -> None:
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
@@ -430,8 +456,12 @@ def stored_scores(store: Any, scorer_id: str) -> dict[tuple[str, int], tuple[flo
     from sqlalchemy import text
 
     with store.engine.connect() as conn:
-        rows = conn.execute(text(
-            "SELECT e.name, st.step_index, s.mean_logprob, s.token_logprobs, s.token_count FROM scores s "
-            "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id "
-            "WHERE s.scorer_id = :sc"), {"sc": scorer_id}).all()
+        rows = conn.execute(
+            text(
+                "SELECT e.name, st.step_index, s.mean_logprob, s.token_logprobs, s.token_count FROM scores s "
+                "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id "
+                "WHERE s.scorer_id = :sc"
+            ),
+            {"sc": scorer_id},
+        ).all()
     return {(name, idx): (mean, bytes(blob), n) for name, idx, mean, blob, n in rows}

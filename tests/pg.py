@@ -22,8 +22,10 @@ def server_url() -> str:
     """The admin URL (a database we may CREATE DATABASE from), or skip the test."""
     url = os.environ.get(ENV)
     if not url:
-        pytest.skip(f"no PostgreSQL: set {ENV}=postgresql://user@host:port/postgres "
-                    "(e.g. export {ENV}=$(bash .ci/start-postgres.sh))".replace("{ENV}", ENV))
+        pytest.skip(
+            f"no PostgreSQL: set {ENV}=postgresql://user@host:port/postgres "
+            "(e.g. export {ENV}=$(bash .ci/start-postgres.sh))".replace("{ENV}", ENV)
+        )
     try:
         import psycopg  # noqa: F401
     except ImportError:
@@ -45,7 +47,7 @@ def _libpq(url: str) -> str:
     """psycopg wants postgresql://; accept the SQLAlchemy spelling too."""
     for prefix in ("postgresql+psycopg://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql://" + url[len(prefix):]
+            return "postgresql://" + url[len(prefix) :]
     return url
 
 

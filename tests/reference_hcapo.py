@@ -141,15 +141,17 @@ def build_hcapo_rows(
         if not any(w > 0 for w in weights):
             continue
         indices = [i for i, m in enumerate(e["messages"]) if m["role"] == "assistant"]
-        rows.append({
-            "messages": e["messages"],
-            "step_advantages": [round(w, 6) for w in weights],
-            "step_message_indices": indices,
-            "_episode_id": e["episode_id"],
-            "_reward": e["reward"],
-            "_grpo_advantage": round(grpo[e["episode_id"]], 6),
-            "_num_steps": len(weights),
-        })
+        rows.append(
+            {
+                "messages": e["messages"],
+                "step_advantages": [round(w, 6) for w in weights],
+                "step_message_indices": indices,
+                "_episode_id": e["episode_id"],
+                "_reward": e["reward"],
+                "_grpo_advantage": round(grpo[e["episode_id"]], 6),
+                "_num_steps": len(weights),
+            }
+        )
     all_w = [w for r in rows for w in r["step_advantages"]]
     nonzero = [w for w in all_w if w > 0]
     summary = {

@@ -43,8 +43,9 @@ def _cfg(ref: ReferenceServer, tiny_model_dir: Path) -> hs.ScoreConfig:
     return hs.ScoreConfig(backend="sglang", server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048)
 
 
-def test_sync_scoring_works_inside_a_running_event_loop(tmp_path: Path, ref: ReferenceServer,
-                                                        tiny_model_dir: Path) -> None:
+def test_sync_scoring_works_inside_a_running_event_loop(
+    tmp_path: Path, ref: ReferenceServer, tiny_model_dir: Path
+) -> None:
     store = _new_store(tmp_path)
 
     async def notebook_cell() -> hs.ScoreReport:
@@ -57,8 +58,7 @@ def test_sync_scoring_works_inside_a_running_event_loop(tmp_path: Path, ref: Ref
     store.close()
 
 
-def test_async_entry_points_run_on_the_callers_loop(tmp_path: Path, ref: ReferenceServer,
-                                                   tiny_model_dir: Path) -> None:
+def test_async_entry_points_run_on_the_callers_loop(tmp_path: Path, ref: ReferenceServer, tiny_model_dir: Path) -> None:
     store = _new_store(tmp_path)
 
     async def notebook_cell() -> hs.ScoreReport:
@@ -87,8 +87,10 @@ def test_frames(credited: Store) -> None:
         got = frame[frame["episode"] == name].sort_values("step_index")
         assert got["q_h_smoothed"].tolist() == [s["q_h_smoothed"] for s in steps]
     steps = hs.steps_frame(credited, token_logprobs=True)
-    _, blobs = credited.query("SELECT s.step_id, sc.token_logprobs FROM step_scores s JOIN scores sc "
-                              "ON sc.step_id = s.step_id AND sc.scorer_id = s.scorer_id")
+    _, blobs = credited.query(
+        "SELECT s.step_id, sc.token_logprobs FROM step_scores s JOIN scores sc "
+        "ON sc.step_id = s.step_id AND sc.scorer_id = s.scorer_id"
+    )
     by_step = {sid: np.frombuffer(b, dtype="<f4") for sid, b in blobs}
     assert len(steps) == len(by_step)
     for sid, lps, mean in zip(steps["step_id"], steps["token_logprobs"], steps["mean_logprob"]):
@@ -135,18 +137,16 @@ def test_export_scores_parquet(credited: Store, db_path: Path, tmp_path: Path, r
         assert row["scorer_id"] == "sc" and row["episode"] and row["step_index"] >= 0
 
 
-def test_export_scores_without_scorer_is_a_clean_error(store: Store, db_path: Path, tmp_path: Path,
-                                                       runner) -> None:
+def test_export_scores_without_scorer_is_a_clean_error(store: Store, db_path: Path, tmp_path: Path, runner) -> None:
     r = runner.invoke(cli, ["--db", str(db_path), "export", "scores", str(tmp_path / "s.parquet")])
     assert r.exit_code == 1 and "no scorer" in r.output and "Traceback" not in r.output
 
 
-def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Path, tmp_path: Path,
-                                                   runner) -> None:
+def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Path, tmp_path: Path, runner) -> None:
     r = runner.invoke(cli, ["--db", str(db_path), "datasette-metadata", str(tmp_path / "m.json")])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "m.json").read_text())
-    (name, database), = doc["databases"].items()
+    ((name, database),) = doc["databases"].items()
     assert name == db_path.stem
     con = sqlite3.connect(db_path)
     for table, meta in database["tables"].items():

@@ -39,5 +39,5 @@ def test_real_shaped_copies_ingest_as_new_episodes_of_the_samples_size(tmp_path,
     sizes = [(p / "pi_session.jsonl").stat().st_size for p in samples]
     written = [(tmp_path / "eps" / f"episode_{i:05d}" / "pi_session.jsonl").stat().st_size for i in range(n)]
     assert all(abs(w - sizes[i % len(samples)]) < 64 for i, w in enumerate(written))
-    assert steps[: len(samples)] == steps[len(samples): 2 * len(samples)]
+    assert steps[: len(samples)] == steps[len(samples) : 2 * len(samples)]
     assert total >= sum(written)

@@ -8,8 +8,11 @@ from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.credits.equations import CreditParams, run_hash
 from hcapo_store.scoring.identity import scorer_id
 
-SPEC = {"backend": {"kind": "sglang", "model": "Qwen3-8B-Ünïcode", "server_model": "模型"},
-        "max_context": 32768, "hindsight_template": "Résumé ☃"}
+SPEC = {
+    "backend": {"kind": "sglang", "model": "Qwen3-8B-Ünïcode", "server_model": "模型"},
+    "max_context": 32768,
+    "hindsight_template": "Résumé ☃",
+}
 SCORER_ID = "03d7f0d8b220a356f16d7ce242673b4692d45e9510b110b986cae1c9d5381a63"
 
 
@@ -20,7 +23,8 @@ def test_scorer_id_of_a_non_ascii_spec_is_unchanged():
 def test_run_hashes_are_unchanged():
     assert run_hash(SCORER_ID, CreditParams()) == "8d3d1c8cc7a8473f8d064f3728c29c016ae9fb72c7d8e833862539819b184cf6"
     assert run_hash(SCORER_ID, CreditParams(gamma=0.5)) == (
-        "cd75d68248f75101cab85ec16f7df180552a0532e3f4278677605a817c200067")
+        "cd75d68248f75101cab85ec16f7df180552a0532e3f4278677605a817c200067"
+    )
 
 
 def test_the_two_forms_differ_only_in_escaping():

@@ -39,7 +39,9 @@ def test_ingest_status_sql(runner, db_path, samples):
     r = runner.invoke(cli, ["--db", str(db_path), "status", "--json"], catch_exceptions=False)
     data = json.loads(r.output)
     assert data["episodes"] == len(list(samples.glob("episode_*"))) and data["steps"] > 0
-    r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT subtask_id, count(*) AS n FROM steps GROUP BY 1", "--format", "json"])
+    r = runner.invoke(
+        cli, ["--db", str(db_path), "sql", "SELECT subtask_id, count(*) AS n FROM steps GROUP BY 1", "--format", "json"]
+    )
     got = json.loads(r.output)
     assert sum(x["n"] for x in got) == data["steps"]
     r = runner.invoke(cli, ["--db", str(db_path), "sql", "SELECT key, value FROM tags LIMIT 1", "--format", "csv"])
@@ -96,7 +98,13 @@ def test_help_imports_no_heavy_module():
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
     )
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert "Usage:" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

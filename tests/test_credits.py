@@ -28,19 +28,25 @@ NOW = "2025-01-01T00:00:00+00:00"
 
 def add_scorer(store: Store, scorer_id: str, label: str = "test", spec: dict | None = None) -> None:
     with db.write(store.engine) as conn:
-        conn.execute(text("INSERT INTO scorers (id, label, spec, created_at) VALUES (:i, :l, :s, :t)"),
-                     {"i": scorer_id, "l": label, "s": json.dumps(spec or {}), "t": NOW})
+        conn.execute(
+            text("INSERT INTO scorers (id, label, spec, created_at) VALUES (:i, :l, :s, :t)"),
+            {"i": scorer_id, "l": label, "s": json.dumps(spec or {}), "t": NOW},
+        )
 
 
-def add_scores(store: Store, scorer_id: str, seed: int = 0, *, skip: set[tuple[str, int]] = frozenset(),
-               extreme: bool = False) -> int:
+def add_scores(
+    store: Store, scorer_id: str, seed: int = 0, *, skip: set[tuple[str, int]] = frozenset(), extreme: bool = False
+) -> int:
     """Score every current step (except ``skip`` = {(episode name, step_index)}) with random
     per-token logprobs; ``extreme`` mixes in -80 and 0 means. Returns the number of scores."""
     rng = random.Random(seed)
     with db.write(store.engine) as conn:
-        steps = conn.execute(text(
-            "SELECT s.id, e.name, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "
-            "WHERE e.is_current IS TRUE ORDER BY s.id")).all()
+        steps = conn.execute(
+            text(
+                "SELECT s.id, e.name, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "
+                "WHERE e.is_current IS TRUE ORDER BY s.id"
+            )
+        ).all()
         rows = []
         for step_id, name, idx in steps:
             if (name, idx) in skip:
@@ -50,19 +56,32 @@ def add_scores(store: Store, scorer_id: str, seed: int = 0, *, skip: set[tuple[s
             if extreme and rng.random() < 0.15:
                 lps = [rng.choice([-80.0, 0.0])] * n
             lps = list(struct.unpack(f"<{n}f", struct.pack(f"<{n}f", *lps)))  # what float32 keeps
-            rows.append({"step": step_id, "scorer": scorer_id, "blob": struct.pack(f"<{n}f", *lps),
-                         "n": n, "mean": sum(lps) / n, "at": NOW})
+            rows.append(
+                {
+                    "step": step_id,
+                    "scorer": scorer_id,
+                    "blob": struct.pack(f"<{n}f", *lps),
+                    "n": n,
+                    "mean": sum(lps) / n,
+                    "at": NOW,
+                }
+            )
         if rows:
-            conn.execute(text(
-                "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
-                "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
-                "logprob_start_len, flattened, created_at) VALUES (:step, :scorer, :blob, :n, :mean, :n, 0, 0, "
-                "1000, 900, :f, :at)"), [{**r, "f": False} for r in rows])
+            conn.execute(
+                text(
+                    "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
+                    "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
+                    "logprob_start_len, flattened, created_at) VALUES (:step, :scorer, :blob, :n, :mean, :n, 0, 0, "
+                    "1000, 900, :f, :at)"
+                ),
+                [{**r, "f": False} for r in rows],
+            )
     return len(rows)
 
 
-def add_synthetic_episodes(store: Store, count: int, seed: int = 0, *, max_len: int = 300,
-                           tags: dict[str, list[str]] | None = None) -> None:
+def add_synthetic_episodes(
+    store: Store, count: int, seed: int = 0, *, max_len: int = 300, tags: dict[str, list[str]] | None = None
+) -> None:
     """Episodes with random lengths 1..max_len, planning then subtasks (some revisited, some
     with a NULL or empty subtask_id), rewards incl. 0 and NULL, and matching messages."""
     rng = random.Random(seed)
@@ -79,31 +98,63 @@ def add_synthetic_episodes(store: Store, count: int, seed: int = 0, *, max_len: 
                 sid = rng.choice(["S1", "S2", "S3", "S4", "S5", None, ""])
                 steps += [("executing", sid, sub_rewards.get(sid or "", rng.choice([0.0, None])))] * rng.randint(1, 30)
             steps = steps[:length]
-            ep_id = conn.execute(text(
-                "INSERT INTO episodes (source_key, version, is_current, content_hash, source_format, "
-                "external_id, name, reward, frozen_scores, reward_backfilled, include_thinking, "
-                "max_tool_result_chars, num_messages, num_steps, raw_source, ingested_at) VALUES "
-                "(:k, 1, :cur, 'h', 'jsonl', :x, :name, :r, :fs, :f, :t, 4000, :nm, :ns, :raw, :at) RETURNING id"),
-                {"k": f"synth/{seed}/{e}", "cur": True, "x": str(1000 + e), "name": f"synth_{seed}_{e:04d}",
-                 "r": rng.choice([0.0, round(rng.random(), 4), 1.0]), "f": False, "t": True,
-                 "fs": json.dumps({k: v for k, v in sub_rewards.items() if v is not None}),
-                 "nm": 1 + 2 * length, "ns": length, "raw": b"", "at": NOW}).scalar_one()
+            ep_id = conn.execute(
+                text(
+                    "INSERT INTO episodes (source_key, version, is_current, content_hash, source_format, "
+                    "external_id, name, reward, frozen_scores, reward_backfilled, include_thinking, "
+                    "max_tool_result_chars, num_messages, num_steps, raw_source, ingested_at) VALUES "
+                    "(:k, 1, :cur, 'h', 'jsonl', :x, :name, :r, :fs, :f, :t, 4000, :nm, :ns, :raw, :at) RETURNING id"
+                ),
+                {
+                    "k": f"synth/{seed}/{e}",
+                    "cur": True,
+                    "x": str(1000 + e),
+                    "name": f"synth_{seed}_{e:04d}",
+                    "r": rng.choice([0.0, round(rng.random(), 4), 1.0]),
+                    "f": False,
+                    "t": True,
+                    "fs": json.dumps({k: v for k, v in sub_rewards.items() if v is not None}),
+                    "nm": 1 + 2 * length,
+                    "ns": length,
+                    "raw": b"",
+                    "at": NOW,
+                },
+            ).scalar_one()
             msgs = [{"i": 0, "role": "user", "c": "task", "tc": None, "n": None, "tcid": None}]
             for t in range(length):
-                call = [{"id": f"c{t}", "type": "function", "function": {"name": "bash", "arguments": "{\"command\": \"ls\"}"}}]
-                msgs.append({"i": 1 + 2 * t, "role": "assistant", "c": f"step {t}", "tc": json.dumps(call),
-                             "n": None, "tcid": None})
+                call = [
+                    {"id": f"c{t}", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+                ]
+                msgs.append(
+                    {
+                        "i": 1 + 2 * t,
+                        "role": "assistant",
+                        "c": f"step {t}",
+                        "tc": json.dumps(call),
+                        "n": None,
+                        "tcid": None,
+                    }
+                )
                 msgs.append({"i": 2 + 2 * t, "role": "tool", "c": "ok", "tc": None, "n": "bash", "tcid": f"c{t}"})
-            conn.execute(text(
-                "INSERT INTO messages (episode_id, message_index, role, content, tool_calls, name, tool_call_id) "
-                "VALUES (:e, :i, :role, :c, :tc, :n, :tcid)"), [{**m, "e": ep_id} for m in msgs])
-            conn.execute(text(
-                "INSERT INTO steps (episode_id, step_index, message_index, phase, subtask_id, subtask_reward) "
-                "VALUES (:e, :t, :m, :p, :s, :r)"),
-                [{"e": ep_id, "t": t, "m": 1 + 2 * t, "p": p, "s": s, "r": r} for t, (p, s, r) in enumerate(steps)])
+            conn.execute(
+                text(
+                    "INSERT INTO messages (episode_id, message_index, role, content, tool_calls, name, tool_call_id) "
+                    "VALUES (:e, :i, :role, :c, :tc, :n, :tcid)"
+                ),
+                [{**m, "e": ep_id} for m in msgs],
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO steps (episode_id, step_index, message_index, phase, subtask_id, subtask_reward) "
+                    "VALUES (:e, :t, :m, :p, :s, :r)"
+                ),
+                [{"e": ep_id, "t": t, "m": 1 + 2 * t, "p": p, "s": s, "r": r} for t, (p, s, r) in enumerate(steps)],
+            )
             for key, values in (tags or {}).items():
-                conn.execute(text("INSERT INTO tags (episode_id, key, value) VALUES (:e, :k, :v)"),
-                             {"e": ep_id, "k": key, "v": values[e % len(values)]})
+                conn.execute(
+                    text("INSERT INTO tags (episode_id, key, value) VALUES (:e, :k, :v)"),
+                    {"e": ep_id, "k": key, "v": values[e % len(values)]},
+                )
 
 
 def read_credits(store: Store, run: str) -> dict[str, list[dict[str, Any]]]:
@@ -111,7 +162,9 @@ def read_credits(store: Store, run: str) -> dict[str, list[dict[str, Any]]]:
     cols, rows = store.query(
         "SELECT sc.episode, sc.reward, sc.phase, sc.subtask_id, sc.subtask_reward, sc.mean_logprob, "
         "sc.token_count, sc.pi_hind, sc.rho_raw, sc.rho, sc.r_t, sc.discount, sc.q_h, sc.q_h_smoothed "
-        "FROM step_credits sc WHERE sc.run = :run ORDER BY sc.episode_id, sc.step_index", {"run": run})
+        "FROM step_credits sc WHERE sc.run = :run ORDER BY sc.episode_id, sc.step_index",
+        {"run": run},
+    )
     out: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         d = dict(zip(cols, r))
@@ -122,10 +175,16 @@ def read_credits(store: Store, run: str) -> dict[str, list[dict[str, Any]]]:
 def assert_matches_reference(store: Store, run: str, p: CreditParams) -> int:
     n = 0
     for steps in read_credits(store, run).values():
-        ref = [{"mean_logprob": s["mean_logprob"], "subtask_id": s["subtask_id"], "phase": s["phase"],
-                "subtask_reward": s["subtask_reward"]} for s in steps]
-        compute_ratios_and_qh(ref, steps[0]["reward"], p.t_temp, p.gamma, p.c_min, p.c_max, p.alpha,
-                              p.smooth, p.dense)
+        ref = [
+            {
+                "mean_logprob": s["mean_logprob"],
+                "subtask_id": s["subtask_id"],
+                "phase": s["phase"],
+                "subtask_reward": s["subtask_reward"],
+            }
+            for s in steps
+        ]
+        compute_ratios_and_qh(ref, steps[0]["reward"], p.t_temp, p.gamma, p.c_min, p.c_max, p.alpha, p.smooth, p.dense)
         for got, want in zip(steps, ref):
             for key in ("pi_hind", "rho", "q_h", "q_h_smoothed"):
                 assert got[key] == pytest.approx(want[key], abs=1e-12, rel=0), (key, got, want)
@@ -135,8 +194,10 @@ def assert_matches_reference(store: Store, run: str, p: CreditParams) -> int:
 
 def current_steps(store: Store, *, except_episode: str = "") -> int:
     """Steps of the current episodes as ingested (the samples differ between ../shared and examples/)."""
-    return store.query("SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
-                       "WHERE e.is_current AND e.name <> :x", {"x": except_episode})[1][0][0]
+    return store.query(
+        "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current AND e.name <> :x",
+        {"x": except_episode},
+    )[1][0][0]
 
 
 @pytest.fixture
@@ -187,14 +248,22 @@ def test_rho_raw_and_columns(scored: Store) -> None:
 def test_group_discount_uses_last_occurrence_of_key(store: Store) -> None:
     # S1, S1, S2, S1 → step 0's group (S1) ends at index 3, not at index 1.
     with db.write(store.engine) as conn:
-        ep = conn.execute(text(
-            "INSERT INTO episodes (source_key, version, is_current, content_hash, source_format, name, reward, "
-            "frozen_scores, reward_backfilled, include_thinking, max_tool_result_chars, num_messages, num_steps, "
-            "raw_source, ingested_at) VALUES ('k', 1, :t, 'h', 'jsonl', 'ep', 1.0, '{}', :f, :t, 4000, 4, 4, :b, :at) "
-            "RETURNING id"), {"t": True, "f": False, "b": b"", "at": NOW}).scalar_one()
-        conn.execute(text("INSERT INTO steps (episode_id, step_index, message_index, phase, subtask_id, subtask_reward) "
-                          "VALUES (:e, :i, :i, 'executing', :s, 1.0)"),
-                     [{"e": ep, "i": i, "s": s} for i, s in enumerate(["S1", "S1", "S2", "S1"])])
+        ep = conn.execute(
+            text(
+                "INSERT INTO episodes (source_key, version, is_current, content_hash, source_format, name, reward, "
+                "frozen_scores, reward_backfilled, include_thinking, max_tool_result_chars, num_messages, num_steps, "
+                "raw_source, ingested_at) VALUES ('k', 1, :t, 'h', 'jsonl', 'ep', 1.0, '{}', :f, :t, 4000, 4, 4, :b, :at) "
+                "RETURNING id"
+            ),
+            {"t": True, "f": False, "b": b"", "at": NOW},
+        ).scalar_one()
+        conn.execute(
+            text(
+                "INSERT INTO steps (episode_id, step_index, message_index, phase, subtask_id, subtask_reward) "
+                "VALUES (:e, :i, :i, 'executing', :s, 1.0)"
+            ),
+            [{"e": ep, "i": i, "s": s} for i, s in enumerate(["S1", "S1", "S2", "S1"])],
+        )
     add_scorer(store, "s")
     add_scores(store, "s")
     compute_credits(store, CreditParams(gamma=0.5), name="g")
@@ -211,7 +280,8 @@ def test_max_logprob_tokens_reaggregates_suffix(scored: Store) -> None:
     _, rows = scored.query(
         "SELECT sc.token_logprobs, sc.token_count, sc.mean_logprob, c.mean_logprob, c.token_count "
         "FROM scores sc JOIN credits c ON c.step_id = sc.step_id JOIN credit_runs r ON r.id = c.run_id "
-        "WHERE r.name = 'last5'")
+        "WHERE r.name = 'last5'"
+    )
     reaggregated = 0
     for blob, count, stored, used, used_count in rows:
         values = struct.unpack(f"<{count}f", blob)
@@ -222,8 +292,10 @@ def test_max_logprob_tokens_reaggregates_suffix(scored: Store) -> None:
             assert used == stored and used_count == count
     assert 0 < reaggregated < len(rows)
     assert get_run(scored, "all").params["max_logprob_tokens"] is None
-    all_means = scored.query("SELECT c.mean_logprob, sc.mean_logprob FROM credits c JOIN credit_runs r ON "
-                             "r.id = c.run_id JOIN scores sc ON sc.step_id = c.step_id WHERE r.name = 'all'")[1]
+    all_means = scored.query(
+        "SELECT c.mean_logprob, sc.mean_logprob FROM credits c JOIN credit_runs r ON "
+        "r.id = c.run_id JOIN scores sc ON sc.step_id = c.step_id WHERE r.name = 'all'"
+    )[1]
     assert all(a == b for a, b in all_means)
     assert assert_matches_reference(scored, "last5", CreditParams(max_logprob_tokens=5)) == current_steps(scored)
 
@@ -272,7 +344,9 @@ def test_incomplete_episodes_get_no_credits(store: Store, samples: Path) -> None
     add_scores(store, "s", skip={("trajectories/episode_002", 3)})
     result = compute_credits(store)
     assert result.run.incomplete == ["trajectories/episode_002"] and result.run.incomplete_episodes == 1
-    assert result.run.episodes == 3 and result.run.steps == current_steps(store, except_episode="trajectories/episode_002")
+    assert result.run.episodes == 3 and result.run.steps == current_steps(
+        store, except_episode="trajectories/episode_002"
+    )
     assert "trajectories/episode_002" not in read_credits(store, "default")
 
 
@@ -298,10 +372,13 @@ def test_list_show_diff(scored: Store) -> None:
     assert shown["steps"] == steps and shown["params"]["t_temp"] == 5.0
     by_subtask = {r["subtask"]: r for r in shown["subtasks"]}
     assert shown["subtasks"][0]["subtask"] == "planning"
-    _, per_subtask = scored.query("SELECT COALESCE(s.subtask_id, 'planning'), COUNT(*), COUNT(DISTINCT s.episode_id) "
-                                  "FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current GROUP BY 1")
+    _, per_subtask = scored.query(
+        "SELECT COALESCE(s.subtask_id, 'planning'), COUNT(*), COUNT(DISTINCT s.episode_id) "
+        "FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current GROUP BY 1"
+    )
     assert {r["subtask"]: (r["steps"], r["episodes"]) for r in shown["subtasks"]} == {
-        name: (n, eps) for name, n, eps in per_subtask}
+        name: (n, eps) for name, n, eps in per_subtask
+    }
     assert {"planning", "S1", "S2"} <= set(by_subtask) and by_subtask["S1"]["episodes"] == 4
     assert sum(r["steps"] for r in shown["subtasks"]) == steps
 

@@ -42,8 +42,9 @@ def unversioned(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("args", [["db", "upgrade"], ["init"], ["status"], ["ingest", "."], ["credits", "list"],
-                                  ["sql", "SELECT 1"]])
+@pytest.mark.parametrize(
+    "args", [["db", "upgrade"], ["init"], ["status"], ["ingest", "."], ["credits", "list"], ["sql", "SELECT 1"]]
+)
 @pytest.mark.parametrize("kind", ["foreign", "unversioned"])
 def test_commands_refuse_a_database_that_is_not_ours(kind, args, request, runner):
     path = request.getfixturevalue(kind)
@@ -99,10 +100,14 @@ KILL_DURING_BACKUP = textwrap.dedent("""
 def test_killed_backup_leaves_no_file_named_like_a_backup(tmp_path):
     path = tmp_path / "store.db"
     with Store.open(str(path)) as store:
-        store.query("INSERT INTO scorers (id, label, spec, created_at) VALUES ('s', 'l', '{}', 'now')",
-                    read_only=False)
-    proc = subprocess.run([sys.executable, "-c", KILL_DURING_BACKUP, str(path)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        store.query("INSERT INTO scorers (id, label, spec, created_at) VALUES ('s', 'l', '{}', 'now')", read_only=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_BACKUP, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert not list(tmp_path.glob("store.db.bak*")), list(tmp_path.iterdir())
     # The next backup is complete and named like one.

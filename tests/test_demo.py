@@ -26,8 +26,11 @@ def test_demo_end_to_end(runner, tmp_path):
     r = runner.invoke(cli, ["--db", str(db), "demo", "--dir", str(tmp_path / "d")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     model_dir = out["model_dir"]
-    assert (Path(model_dir) / "config.json").is_file() and f"tiny model (weights and tokenizer): {model_dir}" in r.output
+    assert (
+        Path(model_dir) / "config.json"
+    ).is_file() and f"tiny model (weights and tokenizer): {model_dir}" in r.output
     assert f"hcapo-store serve-reference --model {model_dir} --port 30000" in r.output
-    assert (f"hcapo-store --db {db} score --server http://127.0.0.1:30000 --tokenizer {model_dir} "
-            "--max-context 8192") in r.output
+    assert (
+        f"hcapo-store --db {db} score --server http://127.0.0.1:30000 --tokenizer {model_dir} --max-context 8192"
+    ) in r.output
     assert again["commands"][1].startswith(f"hcapo-store --db {db} score")

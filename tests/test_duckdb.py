@@ -20,8 +20,13 @@ def _sqlite_extension() -> Path | None:
         import duckdb_ext  # namespace package of the duckdb-ext-* wheels
     except ImportError:
         return None
-    path = Path(duckdb_ext.__path__[0]) / "extensions" / f"v{duckdb.__version__}" / "linux_amd64" / \
-        "sqlite_scanner.duckdb_extension"
+    path = (
+        Path(duckdb_ext.__path__[0])
+        / "extensions"
+        / f"v{duckdb.__version__}"
+        / "linux_amd64"
+        / "sqlite_scanner.duckdb_extension"
+    )
     return path if path.is_file() else None
 
 
@@ -37,8 +42,10 @@ def credited(store: Store, samples: Path) -> Store:
 def test_duckdb_reads_the_scores_parquet(credited: Store, tmp_path: Path) -> None:
     export_scores(credited, tmp_path / "scores.parquet")
     con = duckdb.connect()
-    got = con.execute(f"SELECT step_id, list_avg(token_logprobs), len(token_logprobs) "
-                      f"FROM '{tmp_path / 'scores.parquet'}' ORDER BY step_id").fetchall()
+    got = con.execute(
+        f"SELECT step_id, list_avg(token_logprobs), len(token_logprobs) "
+        f"FROM '{tmp_path / 'scores.parquet'}' ORDER BY step_id"
+    ).fetchall()
     want = credited.query("SELECT step_id, mean_logprob, token_count FROM scores ORDER BY step_id")[1]
     assert len(got) == len(want) > 0
     for (sid, mean, n), (wsid, wmean, wn) in zip(got, want):

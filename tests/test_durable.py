@@ -66,8 +66,7 @@ class WriteLock:
     """Another connection holding SQLite's write lock (``BEGIN IMMEDIATE``) until released."""
 
     def __init__(self, path: Path) -> None:
-        self.conn: sqlite3.Connection | None = sqlite3.connect(str(path), isolation_level=None,
-                                                               check_same_thread=False)
+        self.conn: sqlite3.Connection | None = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.conn.execute("BEGIN IMMEDIATE")
 
     def release(self) -> None:
@@ -78,13 +77,28 @@ class WriteLock:
 
 
 def _score_cmd(db: Path, server: FaultServer, tiny_model_dir: Path, *extra: str) -> list[str]:
-    return [HCAPO, "--db", str(db), "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-            "--max-context", str(MAX_CONTEXT), "--concurrency", "1", "--json", *extra]
+    return [
+        HCAPO,
+        "--db",
+        str(db),
+        "score",
+        "--server",
+        server.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--concurrency",
+        "1",
+        "--json",
+        *extra,
+    ]
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                            env={**os.environ, "NO_COLOR": "1", **(env or {})})
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ, "NO_COLOR": "1", **(env or {})}
+    )
 
 
 def _one_line_error(log: Path) -> str:
@@ -110,8 +124,7 @@ def _steps(path: Path) -> int:
         return conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
 
 
-def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, log: Path,
-                          release_when=None) -> int:
+def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, log: Path, release_when=None) -> int:
     """Run `score` in a process; take the write lock once its first request is at the server
     (its claim is committed); release it when ``release_when()`` holds, else after the
     process ended. Returns the exit status."""
@@ -139,8 +152,9 @@ def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, l
 def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_dir, tmp_path):
     """A writer blocked by another process's lock keeps its batch, retries, and stores everything."""
     log = tmp_path / "score.err"
-    rc = _score_locked_mid_run(ingested, server, tiny_model_dir, log,
-                               release_when=lambda: "failed (1 time(s) in a row" in log.read_text())
+    rc = _score_locked_mid_run(
+        ingested, server, tiny_model_dir, log, release_when=lambda: "failed (1 time(s) in a row" in log.read_text()
+    )
     assert rc == 0, log.read_text()
     steps = _steps(ingested)
     assert _scores(ingested) == steps
@@ -159,8 +173,9 @@ def test_flush_gives_up_with_one_line_and_nonzero_exit(ingested, server, tiny_mo
     assert _scores(ingested) == 0
     assert "done" not in _statuses(ingested)
     # The dead worker's leases are released by the next run on this host, which scores everything.
-    rerun = subprocess.run(_score_cmd(ingested, server, tiny_model_dir), capture_output=True, text=True,
-                           timeout=WAIT * 2)
+    rerun = subprocess.run(
+        _score_cmd(ingested, server, tiny_model_dir), capture_output=True, text=True, timeout=WAIT * 2
+    )
     assert rerun.returncode == 0, rerun.stderr
     assert _statuses(ingested) == {"done": _steps(ingested)}
 
@@ -180,12 +195,18 @@ def _limit_pages(store: Store, extra: int = 0) -> None:
 def test_full_database_stops_scoring_and_releases_leases(ingested, server, tiny_model_dir):
     store = Store.open(str(ingested))
     try:
-        prep = prepare(store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
-                                          max_context=MAX_CONTEXT))
+        prep = prepare(
+            store,
+            ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT),
+        )
         conv = prep.spec["conversion"]
         register(store, prep.spec)  # run_scoring registers; enqueueing by hand needs the scorer row first
-        work_queue.enqueue(store, prep.scorer_id, include_thinking=conv["include_thinking"],
-                           max_tool_result_chars=conv["max_tool_result_chars"])
+        work_queue.enqueue(
+            store,
+            prep.scorer_id,
+            include_thinking=conv["include_thinking"],
+            max_tool_result_chars=conv["max_tool_result_chars"],
+        )
         _limit_pages(store)
         server.reset()
         with pytest.raises(DatabaseFull) as info:
@@ -231,8 +252,10 @@ def test_credits_compute_into_a_full_database_rolls_back(tmp_path, episodes_dir,
     store = Store.open(str(ingested))
     try:
         ingest(store, [episodes_dir])
-        prep = prepare(store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
-                                          max_context=MAX_CONTEXT))
+        prep = prepare(
+            store,
+            ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT),
+        )
         server.reset()
         run_scoring(store, prep, RunOptions(concurrency=1))
         _limit_pages(store)
@@ -245,12 +268,13 @@ def test_credits_compute_into_a_full_database_rolls_back(tmp_path, episodes_dir,
 
 
 @pytest.mark.parametrize("command", ["ingest", "score", "credits"])
-def test_locked_database_is_one_line_and_unchanged(command, ingested, episodes_dir, server, tiny_model_dir,
-                                                   tmp_path):
+def test_locked_database_is_one_line_and_unchanged(command, ingested, episodes_dir, server, tiny_model_dir, tmp_path):
     if command == "credits":
         store = Store.open(str(ingested))
-        prep = prepare(store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
-                                          max_context=MAX_CONTEXT))
+        prep = prepare(
+            store,
+            ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT),
+        )
         run_scoring(store, prep, RunOptions(concurrency=1))
         store.close()
         cmd = [HCAPO, "--db", str(ingested), "credits", "compute"]
@@ -263,8 +287,9 @@ def test_locked_database_is_one_line_and_unchanged(command, ingested, episodes_d
     before = _snapshot(ingested)
     lock = WriteLock(ingested)
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT,
-                                env={**os.environ, "NO_COLOR": "1", **SHORT_BUSY})
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=WAIT, env={**os.environ, "NO_COLOR": "1", **SHORT_BUSY}
+        )
     finally:
         lock.release()
     assert result.returncode == 1, result.stderr
@@ -314,8 +339,13 @@ def test_ingest_on_a_full_disk_is_one_line_and_unchanged(small_disk, tmp_path):
     filler = small_disk / "filler"
     stat = os.statvfs(small_disk)
     filler.write_bytes(b"\0" * max(stat.f_bavail * stat.f_frsize - 48 * 1024, 0))  # leave 48 KiB
-    result = subprocess.run([HCAPO, "--db", str(path), "ingest", str(episodes)], capture_output=True, text=True,
-                            timeout=WAIT, env={**os.environ, "NO_COLOR": "1"})
+    result = subprocess.run(
+        [HCAPO, "--db", str(path), "ingest", str(episodes)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]

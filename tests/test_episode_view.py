@@ -43,7 +43,12 @@ class _Tree(HTMLParser):
         self.elements: list[dict[str, Any]] = []
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
-        el = {"tag": tag, "attrs": dict(attrs), "text": "", "parents": [e["attrs"].get("class", "") for _, e in self.stack]}
+        el = {
+            "tag": tag,
+            "attrs": dict(attrs),
+            "text": "",
+            "parents": [e["attrs"].get("class", "") for _, e in self.stack],
+        }
         self.elements.append(el)
         if tag not in VOID:
             self.stack.append((tag, el))
@@ -122,12 +127,26 @@ def test_episode_page_structure_and_heat_maps(scored: Store, tiny_model_dir: Pat
 
 def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
     nasty = '<script>alert("x")</script> & <b>bold</b>'
-    episode = {"episode_id": "e1", "reward": 0.7, "messages": [
-        {"role": "user", "content": f"task {nasty}"},
-        {"role": "assistant", "content": f"I will {nasty}", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": 'run"<x>', "arguments": json.dumps({"cmd": nasty})}}]},
-        {"role": "tool", "name": "<tool>", "tool_call_id": "c1", "content": f"out {nasty}"},
-        {"role": "assistant", "content": "done </div></details>"}]}
+    episode = {
+        "episode_id": "e1",
+        "reward": 0.7,
+        "messages": [
+            {"role": "user", "content": f"task {nasty}"},
+            {
+                "role": "assistant",
+                "content": f"I will {nasty}",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": 'run"<x>', "arguments": json.dumps({"cmd": nasty})},
+                    }
+                ],
+            },
+            {"role": "tool", "name": "<tool>", "tool_call_id": "c1", "content": f"out {nasty}"},
+            {"role": "assistant", "content": "done </div></details>"},
+        ],
+    }
     (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
     ingest(store, [tmp_path / "eps.jsonl"])
     add_scorer(store, "sc")
@@ -151,12 +170,26 @@ def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_
     lines = r.output.splitlines()
     assert lines[0].startswith("episode episodes/episode_002") and "credit run 'r'" in lines[0]
     assert lines[1].split()[:6] == ["step", "msg", "subtask", "r_t", "tokens", "mean_logprob"]
-    steps = scored.query("SELECT step_index, rho FROM step_credits WHERE run = 'r' AND episode = 'episodes/episode_002' "
-                         "ORDER BY step_index")[1]
+    steps = scored.query(
+        "SELECT step_index, rho FROM step_credits WHERE run = 'r' AND episode = 'episodes/episode_002' "
+        "ORDER BY step_index"
+    )[1]
     # the header, the table (its head, a rule, one line per step) and the note on cut cells
     assert len(lines) == 4 + len(steps) and "--json" in lines[-1], lines[-1]
-    r = runner.invoke(cli, ["--db", db, "show", "episode_002", "--json", "--html", str(tmp_path / "p.html"),
-                            "--tokenizer", str(tiny_model_dir)])
+    r = runner.invoke(
+        cli,
+        [
+            "--db",
+            db,
+            "show",
+            "episode_002",
+            "--json",
+            "--html",
+            str(tmp_path / "p.html"),
+            "--tokenizer",
+            str(tiny_model_dir),
+        ],
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert [s["rho"] for s in data["steps"]] == [rho for _, rho in steps]

@@ -15,11 +15,34 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_dataset, export_hindsight_json
 from hcapo_store.storage.store import Store
 
-TOP_KEYS = ["episode_id", "reward", "frozen_scores", "dense_rewards_used", "num_steps", "num_subtasks_covered",
-            "subtask_reward_range", "steps", "pi_hind_mean", "hyperparams"]
-STEP_KEYS = ["mean_logprob", "action_token_count", "total_action_tokens", "skipped_action_tokens",
-             "logprob_start_len", "step_index", "message_index", "subtask_id", "subtask_reward", "phase",
-             "pi_hind", "rho", "q_h", "q_h_smoothed"]
+TOP_KEYS = [
+    "episode_id",
+    "reward",
+    "frozen_scores",
+    "dense_rewards_used",
+    "num_steps",
+    "num_subtasks_covered",
+    "subtask_reward_range",
+    "steps",
+    "pi_hind_mean",
+    "hyperparams",
+]
+STEP_KEYS = [
+    "mean_logprob",
+    "action_token_count",
+    "total_action_tokens",
+    "skipped_action_tokens",
+    "logprob_start_len",
+    "step_index",
+    "message_index",
+    "subtask_id",
+    "subtask_reward",
+    "phase",
+    "pi_hind",
+    "rho",
+    "q_h",
+    "q_h_smoothed",
+]
 
 
 @pytest.fixture
@@ -40,8 +63,16 @@ def test_hindsight_json_schema_and_values(scored: Store, tmp_path: Path) -> None
         assert list(doc) == TOP_KEYS
         assert doc["episode_id"] == int(name.split("_")[1])  # external id "1" → 1
         assert doc["dense_rewards_used"] is False  # truthful, unlike the original
-        assert doc["hyperparams"] == {"t_temp": 5.0, "gamma": 0.95, "c_min": 0.8, "c_max": 1.2, "alpha": 0.5,
-                                      "smooth": True, "dense_rewards": False, "max_logprob_tokens": 2048}
+        assert doc["hyperparams"] == {
+            "t_temp": 5.0,
+            "gamma": 0.95,
+            "c_min": 0.8,
+            "c_max": 1.2,
+            "alpha": 0.5,
+            "smooth": True,
+            "dense_rewards": False,
+            "max_logprob_tokens": 2048,
+        }
         assert doc["num_steps"] == len(steps) == len(doc["steps"])
         assert doc["num_subtasks_covered"] == len({s["subtask_id"] or s["phase"] for s in steps})
         rewards = [s["subtask_reward"] for s in steps]
@@ -68,16 +99,20 @@ def _reference_inputs(store: Store, run: str) -> list[dict]:
     """What the original builder reads: loader messages, reward, and the per-step q values."""
     from hcapo_store.storage.episodes import loader_message
 
-    cols, rows = store.query("SELECT e.name, e.external_id, e.reward, m.role, m.content, m.tool_calls, m.name, "
-                             "m.tool_call_id FROM messages m JOIN episodes e ON e.id = m.episode_id "
-                             "ORDER BY e.name, e.id, m.message_index")
+    cols, rows = store.query(
+        "SELECT e.name, e.external_id, e.reward, m.role, m.content, m.tool_calls, m.name, "
+        "m.tool_call_id FROM messages m JOIN episodes e ON e.id = m.episode_id "
+        "ORDER BY e.name, e.id, m.message_index"
+    )
     msgs: dict[str, list] = {}
     meta = {}
     for name, ext, reward, *m in rows:
         msgs.setdefault(name, []).append(loader_message(*m))
         meta[name] = (int(ext), reward)
-    return [{"episode_id": meta[name][0], "reward": meta[name][1], "messages": msgs[name], "steps": steps}
-            for name, steps in sorted(read_credits(store, run).items())]
+    return [
+        {"episode_id": meta[name][0], "reward": meta[name][1], "messages": msgs[name], "steps": steps}
+        for name, steps in sorted(read_credits(store, run).items())
+    ]
 
 
 @pytest.mark.parametrize("use_smoothed", [True, False])
@@ -89,13 +124,21 @@ def test_dataset_matches_reference(store: Store, tmp_path: Path, use_smoothed: b
     out = tmp_path / "hcapo_train.jsonl"
     summary = export_dataset(store, out, "r", omega=0.7, min_reward=0.2, use_smoothed=use_smoothed)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    ref_rows, ref_summary = build_hcapo_rows(_reference_inputs(store, "r"), omega=0.7, min_reward=0.2,
-                                             use_smoothed=use_smoothed)
+    ref_rows, ref_summary = build_hcapo_rows(
+        _reference_inputs(store, "r"), omega=0.7, min_reward=0.2, use_smoothed=use_smoothed
+    )
     assert len(rows) == len(ref_rows) == summary["episodes_in_dataset"] > 0
     assert summary["total_episodes_loaded"] == ref_summary["total_episodes_loaded"]
     for got, want in zip(rows, ref_rows):
-        assert list(got) == ["messages", "step_advantages", "step_message_indices", "_episode_id", "_reward",
-                             "_grpo_advantage", "_num_steps"]
+        assert list(got) == [
+            "messages",
+            "step_advantages",
+            "step_message_indices",
+            "_episode_id",
+            "_reward",
+            "_grpo_advantage",
+            "_num_steps",
+        ]
         assert got["_episode_id"] == want["_episode_id"] and got["_reward"] == want["_reward"]
         assert got["messages"] == want["messages"]
         assert got["step_message_indices"] == want["step_message_indices"]

@@ -167,8 +167,15 @@ def test_grouped_equals_per_step_demo_tokenizer(demo_ref, tiny_model_dir):
 def test_grouped_equals_per_step_qwen_tokenizers(name, tmp_path_factory):
     if not (SHARED_TOKENIZERS / name).is_dir():
         pytest.skip(f"real tokenizer directory {SHARED_TOKENIZERS / name} is absent")
-    model_dir = build_tiny_model(tmp_path_factory.mktemp(name) / "model", SHARED_TOKENIZERS / name, layers=1,
-                                 hidden=32, heads=2, kv_heads=1, intermediate=64)
+    model_dir = build_tiny_model(
+        tmp_path_factory.mktemp(name) / "model",
+        SHARED_TOKENIZERS / name,
+        layers=1,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+        intermediate=64,
+    )
     groups = _assert_exact(group_prompts(_prompts(load_tokenizer(model_dir), 4, steps=12, tool_chars=120)))
     with make_server(model_dir) as ref:
         asyncio.run(_compare_all(ref, model_dir, groups))
@@ -180,9 +187,13 @@ def test_grouped_equals_per_step_qwen_tokenizers(name, tmp_path_factory):
 @pytest.mark.parametrize("backend", ["sglang", "transformers"])
 def test_runs_grouped_and_per_step_store_the_same_scores(tmp_path, demo_ref, tiny_model_dir, backend):
     write_standard_episodes(tmp_path / "eps", 2, seed=5, steps_per_subtask=2, output_words=20)
-    cfg = ScoreConfig(backend=backend, server=demo_ref.url if backend == "sglang" else None,
-                      model=None if backend == "sglang" else str(tiny_model_dir), tokenizer=str(tiny_model_dir),
-                      max_context=2048)
+    cfg = ScoreConfig(
+        backend=backend,
+        server=demo_ref.url if backend == "sglang" else None,
+        model=None if backend == "sglang" else str(tiny_model_dir),
+        tokenizer=str(tiny_model_dir),
+        max_context=2048,
+    )
     results, requests = {}, {}
     for grouping in ("per-step", "grouped"):
         store = Store.open(str(tmp_path / f"{grouping}.db"))
@@ -210,7 +221,8 @@ def _columns(store: Store) -> dict[tuple[str, int], tuple]:
     rows = store.query(
         "SELECT e.name, st.step_index, s.token_count, s.total_action_tokens, s.skipped_action_tokens, "
         "s.truncated_prefix_tokens, s.input_tokens, s.logprob_start_len, s.flattened FROM scores s "
-        "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id")[1]
+        "JOIN steps st ON st.id = s.step_id JOIN episodes e ON e.id = st.episode_id"
+    )[1]
     return {(r[0], r[1]): tuple(r[2:]) for r in rows}
 
 
@@ -228,7 +240,7 @@ def test_window_truncation_shares_a_start_and_keeps_half_the_tail(demo_tokenizer
     for s, w in zip(sliding, window):
         assert isinstance(s, StepPrompt) and isinstance(w, StepPrompt)
         assert len(w.input_ids) <= ctx and w.total_action_tokens == s.total_action_tokens
-        assert w.input_ids[w.first_scored:] == s.input_ids[s.first_scored:]  # the same action tokens
+        assert w.input_ids[w.first_scored :] == s.input_ids[s.first_scored :]  # the same action tokens
         if not s.truncated_prefix_tokens:
             assert w == s  # untruncated steps are untouched
             continue
@@ -257,7 +269,7 @@ def _head_len(prompt: StepPrompt, builder: PromptBuilder) -> int:
     marker = builder._marker_ids
     ids = prompt.input_ids
     for i in range(len(ids) - len(marker) + 1):
-        if ids[i:i + len(marker)] == marker:
+        if ids[i : i + len(marker)] == marker:
             return i + len(marker)
     raise AssertionError("no truncation marker in a truncated prompt")
 
@@ -268,10 +280,19 @@ def test_window_truncation_is_another_scorer_and_scores_like_per_step(tmp_path, 
     for grouping in ("per-step", "grouped"):
         store = Store.open(str(tmp_path / f"{grouping}.db"))
         ingest(store, [tmp_path / "eps"])
-        sliding = prepare(store, ScoreConfig(backend="sglang", server=demo_ref.url, tokenizer=str(tiny_model_dir),
-                                             max_context=1024))
-        window = prepare(store, ScoreConfig(backend="sglang", server=demo_ref.url, tokenizer=str(tiny_model_dir),
-                                            max_context=1024, truncation="window"))
+        sliding = prepare(
+            store, ScoreConfig(backend="sglang", server=demo_ref.url, tokenizer=str(tiny_model_dir), max_context=1024)
+        )
+        window = prepare(
+            store,
+            ScoreConfig(
+                backend="sglang",
+                server=demo_ref.url,
+                tokenizer=str(tiny_model_dir),
+                max_context=1024,
+                truncation="window",
+            ),
+        )
         assert "truncation" not in sliding.spec and window.spec["truncation"] == "window"
         # prepare() writes nothing; the label is what run_scoring() registers
         assert window.scorer_id != sliding.scorer_id and "trunc=window" in scorer_label(window.spec)

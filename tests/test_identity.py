@@ -66,8 +66,10 @@ def test_copied_or_moved_tree_is_unchanged_and_the_summary_says_where(any_store,
     shutil.move(str(tmp_path / "pg-01"), moved)  # same name, other mount point
     r = ingest(any_store, [moved])
     assert (r.new, r.changed, r.unchanged, r.elsewhere_count) == (0, 0, 3, 3)
-    assert f"3 unchanged already stored from another place (e.g. {moved / 'episode_001'} is pg-01/episode_001)" \
+    assert (
+        f"3 unchanged already stored from another place (e.g. {moved / 'episode_001'} is pg-01/episode_001)"
         in r.summary()
+    )
     assert ingest(any_store, [tmp_path / "cluster" / "scratch" / "run-a"]).elsewhere_count == 3
     assert names(any_store) == ["pg-01/episode_001", "pg-01/episode_002", "pg-01/episode_003"]
     assert rows(any_store, "SELECT COUNT(*) FROM episodes") == [(3,)]
@@ -82,8 +84,9 @@ def test_corrected_reward_in_a_copy_is_a_new_version_of_the_same_episode(store, 
     result.write_text(json.dumps({**json.loads(result.read_text()), "episode_reward": 0.99}))
     r = ingest(store, [copy])
     assert (r.new, r.changed, r.unchanged) == (0, 1, 2)
-    assert rows(store, "SELECT version, is_current, reward FROM episodes WHERE name = 'pg-01/episode_002' "
-                       "ORDER BY version")[1] == (2, 1, 0.99)
+    assert rows(
+        store, "SELECT version, is_current, reward FROM episodes WHERE name = 'pg-01/episode_002' ORDER BY version"
+    )[1] == (2, 1, 0.99)
     assert len({k for (k,) in rows(store, "SELECT source_key FROM episodes WHERE name = 'pg-01/episode_002'")}) == 1
 
 
@@ -121,8 +124,9 @@ def test_two_roots_give_six_names_in_views_and_six_exported_files(any_store, tmp
     add_scores(any_store, "sc", seed=1)
     compute_credits(any_store, name="r1")
     assert sorted(n for (n,) in rows(any_store, "SELECT DISTINCT episode FROM step_scores")) == ROOT_NAMES
-    by_episode = rows(any_store, "SELECT episode, COUNT(DISTINCT episode_id) FROM step_credits GROUP BY episode "
-                             "ORDER BY episode")
+    by_episode = rows(
+        any_store, "SELECT episode, COUNT(DISTINCT episode_id) FROM step_credits GROUP BY episode ORDER BY episode"
+    )
     assert by_episode == [(n, 1) for n in ROOT_NAMES]
     assert sorted({n for (n,) in rows(any_store, "SELECT episode FROM subtask_credits")}) == ROOT_NAMES
     out = export_hindsight_json(any_store, tmp_path / "hs", "r1")
@@ -139,18 +143,23 @@ def test_same_named_roots_and_single_directories_get_unique_names(store, tmp_pat
     EpisodeBuilder(seed=8).standard().write(tmp_path / "d" / "episode_001")
     for path in ("a/trajectories", "b/trajectories", "c/episode_001", "d/episode_001"):
         assert ingest(store, [tmp_path / path]).new == 1
-    assert names(store) == ["b/trajectories/episode_001", "d/episode_001", "episode_001",
-                            "trajectories/episode_001"]
+    assert names(store) == ["b/trajectories/episode_001", "d/episode_001", "episode_001", "trajectories/episode_001"]
 
 
 # ---- JSONL --------------------------------------------------------------------------------------------
 
 
 def jsonl_episode(reward: float, text: str, **extra) -> dict:
-    return {**extra, "reward": reward, "messages": [
-        {"role": "user", "content": f"task {text}"}, {"role": "assistant", "content": f"step one {text}"},
-        {"role": "tool", "tool_call_id": "t", "name": "bash", "content": "ok"},
-        {"role": "assistant", "content": f"step two {text}"}]}
+    return {
+        **extra,
+        "reward": reward,
+        "messages": [
+            {"role": "user", "content": f"task {text}"},
+            {"role": "assistant", "content": f"step one {text}"},
+            {"role": "tool", "tool_call_id": "t", "name": "bash", "content": "ok"},
+            {"role": "assistant", "content": f"step two {text}"},
+        ],
+    }
 
 
 def write_jsonl(path: Path, episodes: list[dict]) -> Path:
@@ -160,23 +169,36 @@ def write_jsonl(path: Path, episodes: list[dict]) -> Path:
 
 
 def test_jsonl_ids_are_normalised_and_a_clash_is_refused_on_every_line(any_store, tmp_path):
-    path = write_jsonl(tmp_path / "eps.jsonl", [
-        jsonl_episode(0.5, "a", episode_id=1), jsonl_episode(0.25, "b", episode_id="1"),
-        jsonl_episode(0.75, "c", episode_id=2)])
+    path = write_jsonl(
+        tmp_path / "eps.jsonl",
+        [
+            jsonl_episode(0.5, "a", episode_id=1),
+            jsonl_episode(0.25, "b", episode_id="1"),
+            jsonl_episode(0.75, "c", episode_id=2),
+        ],
+    )
     r = ingest(any_store, [path])
     assert (r.new, r.failed) == (1, 2)
     assert sorted(e for _, e in r.failures) == [
         f"{path}:{n}: lines 1, 2 are the same episode (jsonl:eps.jsonl#1) with different contents: none is "
-        "stored; give each its own episode_id" for n in (1, 2)]
+        "stored; give each its own episode_id"
+        for n in (1, 2)
+    ]
     assert names(any_store) == ["eps.jsonl#2"]
     again = ingest(any_store, [path])
     assert (again.new, again.changed, again.unchanged, again.failed) == (0, 0, 1, 2)
 
 
 def test_jsonl_explicit_line2_and_idless_line2_are_two_episodes_and_reingest_is_a_noop(any_store, tmp_path):
-    write_jsonl(tmp_path / "run" / "eps.jsonl", [
-        jsonl_episode(0.5, "explicit", episode_id="line2"), jsonl_episode(0.25, "no id"),
-        jsonl_episode(0.75, "seven", episode_id=7), jsonl_episode(0.75, "seven", episode_id=7)])  # a repeat
+    write_jsonl(
+        tmp_path / "run" / "eps.jsonl",
+        [
+            jsonl_episode(0.5, "explicit", episode_id="line2"),
+            jsonl_episode(0.25, "no id"),
+            jsonl_episode(0.75, "seven", episode_id=7),
+            jsonl_episode(0.75, "seven", episode_id=7),
+        ],
+    )  # a repeat
     r = ingest(any_store, [tmp_path / "run"])
     assert (r.new, r.changed, r.unchanged, r.failed) == (3, 0, 1, 0)
     assert names(any_store) == ["run/eps.jsonl#7", "run/eps.jsonl#line2", "run/eps.jsonl:2"]
@@ -192,15 +214,19 @@ def test_jsonl_explicit_line2_and_idless_line2_are_two_episodes_and_reingest_is_
 
 
 def test_jsonl_bad_id_fails_its_line_only(store, tmp_path):
-    path = write_jsonl(tmp_path / "eps.jsonl", [jsonl_episode(0.5, "a", episode_id=[1]),
-                                               jsonl_episode(0.5, "b", episode_id=True), jsonl_episode(0.5, "c")])
+    path = write_jsonl(
+        tmp_path / "eps.jsonl",
+        [jsonl_episode(0.5, "a", episode_id=[1]), jsonl_episode(0.5, "b", episode_id=True), jsonl_episode(0.5, "c")],
+    )
     r = ingest(store, [path])
     assert (r.new, r.failed) == (1, 2)
     assert [e.split(": ", 1)[0] for _, e in r.failures] == [f"{path}:1", f"{path}:2"]
 
 
-@pytest.mark.parametrize("value, want", [(1, "1"), ("1", "1"), (1.0, "1"), (" 7 ", "7"), ("01", "01"),
-                                         (1.5, "1.5"), (None, None), ("", None)])
+@pytest.mark.parametrize(
+    "value, want",
+    [(1, "1"), ("1", "1"), (1.0, "1"), (" 7 ", "7"), ("01", "01"), (1.5, "1.5"), (None, None), ("", None)],
+)
 def test_normalise_id(value, want):
     assert normalise_id(value) == want
 
@@ -224,7 +250,8 @@ def test_episode_lookup_by_name_end_or_id_and_ambiguity_lists_candidates(any_sto
         assert str(info.value) == (
             f"episode 'episode_001' is ambiguous: it matches 2 episodes: pg-01/episode_001 (id "
             f"{ids['pg-01/episode_001']}), pg-02/episode_001 (id {ids['pg-02/episode_001']}); "
-            "give the full name or the id")
+            "give the full name or the id"
+        )
         with pytest.raises(EpisodeLookupError, match="no episode 'episode_009'"):
             resolve_episode(conn, "episode_009")
 
@@ -237,7 +264,8 @@ def test_score_episode_refuses_an_ambiguous_name_in_one_line(runner, tmp_path):
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.output.strip().splitlines() == [
         "Error: episode 'episode_002' is ambiguous: it matches 2 episodes: pg-01/episode_002 (id 2), "
-        "pg-02/episode_002 (id 5); give the full name or the id"]
+        "pg-02/episode_002 (id 5); give the full name or the id"
+    ]
 
 
 def test_jsonl_same_file_name_and_id_in_two_runs_in_one_ingest_is_refused_naming_the_first(store, tmp_path):
@@ -256,7 +284,9 @@ def test_reingest_after_every_version_was_retired_by_hand_adds_the_next_version(
     r = ingest(store, [tmp_path / "pg-01"])
     assert (r.new, r.changed, r.failed) == (0, 1, 0)
     assert rows(store, "SELECT name, version, is_current FROM episodes ORDER BY version") == [
-        ("pg-01/episode_001", 1, 0), ("pg-01/episode_001", 2, 1)]
+        ("pg-01/episode_001", 1, 0),
+        ("pg-01/episode_001", 2, 1),
+    ]
 
 
 def test_a_change_from_another_place_is_a_version_and_is_said(store, tmp_path):
@@ -264,9 +294,13 @@ def test_a_change_from_another_place_is_a_version_and_is_said(store, tmp_path):
     ingest(store, [write_jsonl(tmp_path / "run1" / "eps.jsonl", [jsonl_episode(0.5, "one", episode_id=1)])])
     r = ingest(store, [write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.5, "two", episode_id=1)])])
     assert (r.new, r.changed, r.changed_elsewhere_count) == (0, 1, 1)
-    assert (f"1 changed an episode read from another place (e.g. {tmp_path / 'run2' / 'eps.jsonl'}:1 is a new "
-            "version of eps.jsonl#1; if it is another episode, give it its own id)") in r.summary()
-    same_place = ingest(store, [write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.9, "two", episode_id=1)])])
+    assert (
+        f"1 changed an episode read from another place (e.g. {tmp_path / 'run2' / 'eps.jsonl'}:1 is a new "
+        "version of eps.jsonl#1; if it is another episode, give it its own id)"
+    ) in r.summary()
+    same_place = ingest(
+        store, [write_jsonl(tmp_path / "run2" / "eps.jsonl", [jsonl_episode(0.9, "two", episode_id=1)])]
+    )
     assert (same_place.changed, same_place.changed_elsewhere_count) == (1, 0)  # run2's file is now the episode's
     write_standard_episodes(tmp_path / "pg-01", 1)
     ingest(store, [tmp_path / "pg-01"])

@@ -38,7 +38,9 @@ def test_edit_one_episode_gives_exactly_one_new_version(store, tmp_path):
     result.write_text(json.dumps(data))
     r = ingest(store, [tmp_path / "t"])
     assert (r.new, r.changed, r.unchanged) == (0, 1, 2)
-    versions = rows(store, "SELECT version, is_current, reward FROM episodes WHERE name = 't/episode_002' ORDER BY version")
+    versions = rows(
+        store, "SELECT version, is_current, reward FROM episodes WHERE name = 't/episode_002' ORDER BY version"
+    )
     assert [(v, c) for v, c, _ in versions] == [(1, 0), (2, 1)]
     assert versions[1][2] == 0.99 and versions[0][2] != 0.99
     # only current episodes count
@@ -72,7 +74,11 @@ def test_failed_submit_plan_keeps_planning(store, tmp_path):
     b.submit_plan(ok=False).bash_turn(1).submit_plan(ok=True).bash_turn(1)
     ingest(store, [b.write(tmp_path / "episode_001")])
     assert [r[0] for r in rows(store, "SELECT phase FROM steps ORDER BY step_index")] == [
-        "planning", "planning", "planning", "executing"]
+        "planning",
+        "planning",
+        "planning",
+        "executing",
+    ]
 
 
 def test_submit_plan_with_bash_in_same_message(store, tmp_path):
@@ -80,7 +86,9 @@ def test_submit_plan_with_bash_in_same_message(store, tmp_path):
     b.submit_plan(with_bash=True, as_string=True).bash_turn(1)
     ingest(store, [b.write(tmp_path / "episode_001")])
     assert rows(store, "SELECT phase, subtask_id FROM steps ORDER BY step_index") == [
-        ("planning", None), ("executing", "S1")]
+        ("planning", None),
+        ("executing", "S1"),
+    ]
 
 
 def test_bad_inputs_never_abort_the_batch(store, tmp_path):
@@ -93,18 +101,34 @@ def test_bad_inputs_never_abort_the_batch(store, tmp_path):
     assert "missing result.json" in failures["episode_missing_result"]
     assert r.skipped == {"no reward yet": 1, "no pi_session.jsonl": 1, "empty pi_session.jsonl": 1}
     names = {n for (n,) in rows(store, "SELECT name FROM episodes")}
-    assert names == {f"bad/{n}" for n in ("episode_truncated_last", "episode_null_plan_score", "episode_non_utf8",
-                                           "episode_unknown_roles", "episode_001", "episode_002")}
-    warn = {n.split("/")[1]: w for n, w in rows(store, "SELECT name, warnings FROM episodes WHERE warnings IS NOT NULL")}
+    assert names == {
+        f"bad/{n}"
+        for n in (
+            "episode_truncated_last",
+            "episode_null_plan_score",
+            "episode_non_utf8",
+            "episode_unknown_roles",
+            "episode_001",
+            "episode_002",
+        )
+    }
+    warn = {
+        n.split("/")[1]: w for n, w in rows(store, "SELECT name, warnings FROM episodes WHERE warnings IS NOT NULL")
+    }
     assert "truncated last line" in warn["episode_truncated_last"]
     assert "invalid UTF-8" in warn["episode_non_utf8"]
     assert "bashExecution" in warn["episode_unknown_roles"]
     assert "plan_score is null" in warn["episode_null_plan_score"]
-    assert rows(store, "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
-                       "WHERE e.name = 'bad/episode_null_plan_score' AND s.phase = 'planning' AND s.subtask_reward IS NULL") == [(2,)]
+    assert rows(
+        store,
+        "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id "
+        "WHERE e.name = 'bad/episode_null_plan_score' AND s.phase = 'planning' AND s.subtask_reward IS NULL",
+    ) == [(2,)]
     # nothing half-written: every stored episode has its messages and steps
-    assert rows(store, "SELECT COUNT(*) FROM episodes e WHERE num_steps != "
-                       "(SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id)") == [(0,)]
+    assert rows(
+        store,
+        "SELECT COUNT(*) FROM episodes e WHERE num_steps != (SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id)",
+    ) == [(0,)]
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])
@@ -142,20 +166,39 @@ def test_no_thinking_and_limit_change_is_a_new_version(store, tmp_path):
     ingest(store, [d])
     r = ingest(store, [d], options=ConvertOptions(include_thinking=False))
     assert r.changed == 1
-    assert rows(store, "SELECT COUNT(*) FROM messages m JOIN episodes e ON e.id = m.episode_id "
-                       "WHERE e.is_current AND m.content LIKE '<think>%'") == [(0,)]
+    assert rows(
+        store,
+        "SELECT COUNT(*) FROM messages m JOIN episodes e ON e.id = m.episode_id "
+        "WHERE e.is_current AND m.content LIKE '<think>%'",
+    ) == [(0,)]
 
 
 def test_openai_jsonl(store, tmp_path):
     path = tmp_path / "eps.jsonl"
     eps = [
-        {"episode_id": "a", "reward": 0.5, "plan": [{"id": "S1"}], "frozen_scores": {"S1": 0.25}, "plan_score": 0.4,
-         "messages": [
-             {"role": "user", "content": "do it"},
-             {"role": "assistant", "content": None, "tool_calls": [
-                 {"id": "t1", "type": "function", "function": {"name": "submit_plan", "arguments": {"subtasks": []}}}]},
-             {"role": "tool", "tool_call_id": "t1", "name": "submit_plan", "content": "{\"plan_score\": 0.4}"},
-             {"role": "assistant", "content": "working"}]},
+        {
+            "episode_id": "a",
+            "reward": 0.5,
+            "plan": [{"id": "S1"}],
+            "frozen_scores": {"S1": 0.25},
+            "plan_score": 0.4,
+            "messages": [
+                {"role": "user", "content": "do it"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "t1",
+                            "type": "function",
+                            "function": {"name": "submit_plan", "arguments": {"subtasks": []}},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "t1", "name": "submit_plan", "content": '{"plan_score": 0.4}'},
+                {"role": "assistant", "content": "working"},
+            ],
+        },
         {"episode_id": "b", "reward": None, "messages": []},
     ]
     path.write_text("\n".join(json.dumps(e) for e in eps) + "\n{not json\n")
@@ -163,7 +206,9 @@ def test_openai_jsonl(store, tmp_path):
     assert (r.new, sum(r.skipped.values()), r.failed) == (1, 1, 1)
     assert "eps.jsonl:3" in r.failures[0][1]
     assert rows(store, "SELECT phase, subtask_id, subtask_reward FROM steps ORDER BY step_index") == [
-        ("planning", None, 0.4), ("executing", "S1", 0.25)]
+        ("planning", None, 0.4),
+        ("executing", "S1", 0.25),
+    ]
     assert rows(store, "SELECT key, value FROM tags") == [("run", "r1")]
     assert ingest(store, [path]).unchanged == 1
 
@@ -172,8 +217,9 @@ def test_tags_survive_new_versions(store, tmp_path):
     d = EpisodeBuilder(seed=9).standard().write(tmp_path / "episode_001")
     ingest(store, [d], tags={"task": "pg"})
     ingest(store, [d], options=ConvertOptions(max_tool_result_chars=10), tags={"run": "2"})
-    assert sorted(rows(store, "SELECT t.key, t.value FROM tags t JOIN episodes e ON e.id = t.episode_id WHERE e.is_current")) == [
-        ("run", "2"), ("task", "pg")]
+    assert sorted(
+        rows(store, "SELECT t.key, t.value FROM tags t JOIN episodes e ON e.id = t.episode_id WHERE e.is_current")
+    ) == [("run", "2"), ("task", "pg")]
 
 
 def test_interrupted_ingest_leaves_database_consistent(tmp_path):
@@ -187,7 +233,9 @@ def test_interrupted_ingest_leaves_database_consistent(tmp_path):
     write_standard_episodes(tmp_path / "t", 400, steps_per_subtask=6, output_words=200)
     db = tmp_path / "i.db"
     cmd = [sys.executable, "-m", "cli", "--db", str(db), "ingest", str(tmp_path / "t")]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
     def committed() -> int:  # episodes of the batches committed so far (a reader never blocks in WAL mode)
         if not db.with_name("i.db-wal").exists():
@@ -206,8 +254,10 @@ def test_interrupted_ingest_leaves_database_consistent(tmp_path):
 
     with Store.open(str(db)) as s:
         assert s.query("PRAGMA integrity_check")[1] == [("ok",)]
-        assert s.query("SELECT COUNT(*) FROM episodes e WHERE num_steps != "
-                       "(SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id)")[1] == [(0,)]
+        assert s.query(
+            "SELECT COUNT(*) FROM episodes e WHERE num_steps != "
+            "(SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id)"
+        )[1] == [(0,)]
         n = s.query("SELECT COUNT(*) FROM episodes")[1][0][0]
         r = ingest(s, [tmp_path / "t"])
         assert r.new == 400 - n and r.unchanged == n and r.failed == 0

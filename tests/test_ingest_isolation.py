@@ -36,14 +36,26 @@ _unique = itertools.count(1)
 def jsonl_episode(marker: str) -> dict[str, Any]:
     """A valid OpenAI-format episode touching every field the converter reads."""
     return {
-        "episode_id": marker, "reward": 0.5, "plan_score": 0.4, "phase": "DONE", "turns": 4,
-        "tool_call_count": 1, "_reward_backfilled": False,
-        "plan": [{"id": "S1", "description": "do it"}], "frozen_scores": {"S1": 0.25},
+        "episode_id": marker,
+        "reward": 0.5,
+        "plan_score": 0.4,
+        "phase": "DONE",
+        "turns": 4,
+        "tool_call_count": 1,
+        "_reward_backfilled": False,
+        "plan": [{"id": "S1", "description": "do it"}],
+        "frozen_scores": {"S1": 0.25},
         "messages": [
             {"role": "user", "content": f"task {marker}"},
-            {"role": "assistant", "content": None, "reasoning_content": "plan first", "tool_calls": [
-                {"id": "t1", "type": "function", "function": {"name": "submit_plan", "arguments": {"subtasks": []}}}]},
-            {"role": "tool", "tool_call_id": "t1", "name": "submit_plan", "content": "{\"plan_score\": 0.4}"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "plan first",
+                "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "submit_plan", "arguments": {"subtasks": []}}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "t1", "name": "submit_plan", "content": '{"plan_score": 0.4}'},
             {"role": "assistant", "content": [{"type": "text", "text": "working"}]},
         ],
     }
@@ -78,20 +90,30 @@ def _j(strategy: st.SearchStrategy) -> st.SearchStrategy[str]:
 
 
 texts = _j(st.text(max_size=12))
-ints = _j(st.integers(min_value=-10**6, max_value=10**6))
+ints = _j(st.integers(min_value=-(10**6), max_value=10**6))
 floats = _j(st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6))
 bools = _j(st.booleans())
 lists = _j(st.lists(st.integers(min_value=0, max_value=9), max_size=3))
 objects = _j(st.dictionaries(st.text(max_size=4), st.integers(min_value=0, max_value=9), max_size=2))
 huge_ints = st.sampled_from([400, 5000]).map(lambda n: "9" * n) | st.integers(10, 600).map(lambda n: "1" + "0" * n)
-out_of_range = (_j(st.floats(min_value=1.01e9, max_value=1e300) | st.floats(min_value=-1e300, max_value=-1.01e9))
-                | st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400"]))
+out_of_range = _j(
+    st.floats(min_value=1.01e9, max_value=1e300) | st.floats(min_value=-1e300, max_value=-1.01e9)
+) | st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400"])
 deep = st.just(DEEP)
 
 WRONG: dict[str, st.SearchStrategy[str]] = {
     "score": st.one_of(texts, bools, lists, objects, huge_ints, out_of_range, deep),
-    "count": st.one_of(texts, bools, lists, objects, floats, huge_ints, deep,
-                       _j(st.integers(max_value=-1)), _j(st.integers(min_value=2**31, max_value=10**30))),
+    "count": st.one_of(
+        texts,
+        bools,
+        lists,
+        objects,
+        floats,
+        huge_ints,
+        deep,
+        _j(st.integers(max_value=-1)),
+        _j(st.integers(min_value=2**31, max_value=10**30)),
+    ),
     "string": st.one_of(ints, floats, bools, lists, objects, huge_ints, deep),
     "id": st.one_of(floats, bools, lists, objects, deep),
     "plan_id": st.one_of(floats, bools, lists, objects, deep, st.just("null")),
@@ -100,24 +122,47 @@ WRONG: dict[str, st.SearchStrategy[str]] = {
     "bool": st.one_of(texts, ints, floats, lists, objects, deep),
     "content": st.one_of(ints, floats, bools, objects, huge_ints, deep),
     "arguments": st.one_of(ints, floats, bools, lists, deep),
-    "version": st.one_of(texts, floats, bools, lists, objects, huge_ints, deep,
-                         _j(st.integers(max_value=0)), _j(st.integers(min_value=1000, max_value=10**30))),
+    "version": st.one_of(
+        texts,
+        floats,
+        bools,
+        lists,
+        objects,
+        huge_ints,
+        deep,
+        _j(st.integers(max_value=0)),
+        _j(st.integers(min_value=1000, max_value=10**30)),
+    ),
 }
 
 # (path in the JSONL episode, kind of wrong value)
 JSONL_FIELDS = [
-    (("reward",), "score"), (("plan_score",), "score"), (("frozen_scores",), "object"),
-    (("frozen_scores", "S1"), "score"), (("turns",), "count"), (("tool_call_count",), "count"),
-    (("phase",), "string"), (("_reward_backfilled",), "bool"), (("plan",), "list"), (("plan", 0), "object"),
-    (("plan", 0, "id"), "plan_id"), (("messages",), "list"), (("messages", 0), "object"),
-    (("messages", 0, "role"), "string"), (("messages", 0, "content"), "content"),
-    (("messages", 1, "reasoning_content"), "string"), (("messages", 1, "tool_calls"), "list"),
-    (("messages", 1, "tool_calls", 0), "object"), (("messages", 1, "tool_calls", 0, "id"), "string"),
+    (("reward",), "score"),
+    (("plan_score",), "score"),
+    (("frozen_scores",), "object"),
+    (("frozen_scores", "S1"), "score"),
+    (("turns",), "count"),
+    (("tool_call_count",), "count"),
+    (("phase",), "string"),
+    (("_reward_backfilled",), "bool"),
+    (("plan",), "list"),
+    (("plan", 0), "object"),
+    (("plan", 0, "id"), "plan_id"),
+    (("messages",), "list"),
+    (("messages", 0), "object"),
+    (("messages", 0, "role"), "string"),
+    (("messages", 0, "content"), "content"),
+    (("messages", 1, "reasoning_content"), "string"),
+    (("messages", 1, "tool_calls"), "list"),
+    (("messages", 1, "tool_calls", 0), "object"),
+    (("messages", 1, "tool_calls", 0, "id"), "string"),
     (("messages", 1, "tool_calls", 0, "function"), "object"),
     (("messages", 1, "tool_calls", 0, "function", "name"), "string"),
     (("messages", 1, "tool_calls", 0, "function", "arguments"), "arguments"),
-    (("messages", 2, "name"), "string"), (("messages", 2, "tool_call_id"), "string"),
-    (("messages", 2, "content"), "content"), (("messages", 3, "content", 0), "object"),
+    (("messages", 2, "name"), "string"),
+    (("messages", 2, "tool_call_id"), "string"),
+    (("messages", 2, "content"), "content"),
+    (("messages", 3, "content", 0), "object"),
     (("messages", 3, "content", 0, "text"), "string"),
 ]
 
@@ -126,6 +171,7 @@ def _first(role: str, block: str | None = None) -> Callable[[dict[str, Any]], bo
     def match(entry: dict[str, Any]) -> bool:
         msg = entry.get("message") or {}
         return msg.get("role") == role and (block is None or any(b.get("type") == block for b in msg["content"]))
+
     return match
 
 
@@ -133,24 +179,41 @@ def _first(role: str, block: str | None = None) -> Callable[[dict[str, Any]], bo
 # a thinking block then a tool call, the next picked one a text block then a tool call.
 PI_FIELDS = [
     ("header", ("version",), "version"),
-    ("result", ("episode_reward",), "score"), ("result", ("plan_score",), "score"),
-    ("result", ("frozen_scores",), "object"), ("result", ("frozen_scores", "S1"), "score"),
-    ("result", ("turns",), "count"), ("result", ("tool_call_count",), "count"), ("result", ("phase",), "string"),
-    ("result", ("plan",), "list"), ("result", ("plan", 0), "object"), ("result", ("plan", 0, "id"), "plan_id"),
+    ("result", ("episode_reward",), "score"),
+    ("result", ("plan_score",), "score"),
+    ("result", ("frozen_scores",), "object"),
+    ("result", ("frozen_scores", "S1"), "score"),
+    ("result", ("turns",), "count"),
+    ("result", ("tool_call_count",), "count"),
+    ("result", ("phase",), "string"),
+    ("result", ("plan",), "list"),
+    ("result", ("plan", 0), "object"),
+    ("result", ("plan", 0, "id"), "plan_id"),
     ("result", ("episode_id",), "id"),
-    ("user", ("message",), "object"), ("user", ("message", "role"), "string"),
-    ("user", ("message", "content"), "content"), ("user", ("message", "content", 0), "object"),
+    ("user", ("message",), "object"),
+    ("user", ("message", "role"), "string"),
+    ("user", ("message", "content"), "content"),
+    ("user", ("message", "content", 0), "object"),
     ("user", ("message", "content", 0, "text"), "string"),
-    ("thinking", ("message", "content"), "content"), ("thinking", ("message", "content", 0, "thinking"), "string"),
-    ("thinking", ("message", "content", 1, "id"), "string"), ("thinking", ("message", "content", 1, "name"), "string"),
+    ("thinking", ("message", "content"), "content"),
+    ("thinking", ("message", "content", 0, "thinking"), "string"),
+    ("thinking", ("message", "content", 1, "id"), "string"),
+    ("thinking", ("message", "content", 1, "name"), "string"),
     ("thinking", ("message", "content", 1, "arguments"), "arguments"),
     ("text", ("message", "content", 0, "text"), "string"),
-    ("tool", ("message", "toolName"), "string"), ("tool", ("message", "toolCallId"), "string"),
-    ("tool", ("message", "isError"), "bool"), ("tool", ("message", "content"), "content"),
+    ("tool", ("message", "toolName"), "string"),
+    ("tool", ("message", "toolCallId"), "string"),
+    ("tool", ("message", "isError"), "bool"),
+    ("tool", ("message", "content"), "content"),
     ("tool", ("message", "content", 0, "text"), "string"),
 ]
-PI_ENTRY = {"header": lambda e: e.get("type") == "session", "user": _first("user"), "thinking": _first("assistant", "thinking"), "text": _first("assistant", "text"),
-            "tool": _first("toolResult")}
+PI_ENTRY = {
+    "header": lambda e: e.get("type") == "session",
+    "user": _first("user"),
+    "thinking": _first("assistant", "thinking"),
+    "text": _first("assistant", "text"),
+    "tool": _first("toolResult"),
+}
 
 
 # --------------------------------------------------------------------------- checks
@@ -158,8 +221,13 @@ PI_ENTRY = {"header": lambda e: e.get("type") == "session", "user": _first("user
 
 def _stored(store: Store, marker: str) -> int:
     with store.engine.connect() as conn:
-        return conn.execute(text("SELECT COUNT(*) FROM messages m JOIN episodes e ON e.id = m.episode_id "
-                                 "WHERE e.is_current AND m.content = :c"), {"c": f"task {marker}"}).scalar_one()
+        return conn.execute(
+            text(
+                "SELECT COUNT(*) FROM messages m JOIN episodes e ON e.id = m.episode_id "
+                "WHERE e.is_current AND m.content = :c"
+            ),
+            {"c": f"task {marker}"},
+        ).scalar_one()
 
 
 def _failure_line(source: str, error: str) -> str:
@@ -177,9 +245,18 @@ def _assert_isolated(report, store: Store, names_file: str, good: list[str]) -> 
         assert _stored(store, marker) == 1, marker
 
 
-SETTINGS = settings(max_examples=4, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large, HealthCheck.large_base_example])
+SETTINGS = settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+    ],
+)
 
 
 @pytest.mark.parametrize("path,kind", JSONL_FIELDS, ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v)
@@ -197,8 +274,9 @@ def test_jsonl_wrong_field_fails_alone(store, tmp_path, path, kind):
     check()
 
 
-@pytest.mark.parametrize("target,path,kind", PI_FIELDS,
-                         ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize(
+    "target,path,kind", PI_FIELDS, ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v
+)
 def test_pi_wrong_field_fails_alone(store, tmp_path, target, path, kind):
     @SETTINGS
     @given(raw=WRONG[kind])
@@ -265,7 +343,7 @@ def _issue_batch(root: Path) -> tuple[dict[str, str], list[str]]:
         lines.append(_dumps_with(jsonl_episode(case), path, raw))
         expected[case] = f"{root / 'eps.jsonl'}:{len(lines)}"
     nul = jsonl_episode("nul-jsonl")
-    nul["messages"][2]["content"] = "{\"plan_score\": 0.4, \"out\": \"a\u0000b\"}"
+    nul["messages"][2]["content"] = '{"plan_score": 0.4, "out": "a\u0000b"}'
     nul["messages"][3]["content"] = [{"type": "text", "text": "bytes a\u0000b"}]
     lines.append(json.dumps(nul))
     lines.append(json.dumps(jsonl_episode("last")))
@@ -303,11 +381,13 @@ def test_issue_cases_fail_alone_with_exit_1(db_url, tmp_path):
         for marker in good:
             assert _stored(store, marker) == 1, marker
         with store.engine.connect() as conn:
-            contents = {c for (c,) in conn.execute(text("SELECT content FROM messages WHERE content LIKE :p"),
-                                                   {"p": "%\ufffd%"})}
+            contents = {
+                c
+                for (c,) in conn.execute(text("SELECT content FROM messages WHERE content LIKE :p"), {"p": "%\ufffd%"})
+            }
             warnings = [w for (w,) in conn.execute(text("SELECT warnings FROM episodes WHERE warnings LIKE '%NUL%'"))]
     # A NUL becomes U+FFFD on both databases, with a warning stored with the episode.
-    assert contents == {"bytes a\ufffdb", "{\"plan_score\": 0.4, \"out\": \"a\ufffdb\"}", "binary \ufffd output"}
+    assert contents == {"bytes a\ufffdb", '{"plan_score": 0.4, "out": "a\ufffdb"}', "binary \ufffd output"}
     assert len(warnings) == 2 and all("NUL character(s)" in w for w in warnings)
     assert "warning: " in result.stderr and "NUL character(s)" in result.stderr
 
@@ -316,13 +396,20 @@ def test_database_error_fails_only_that_episode(db_url, tmp_path):
     """A database refusing one episode's rows (a real trigger) fails that episode alone."""
     with Store.open(db_url) as store, store.engine.begin() as conn:
         if store.engine.dialect.name == "sqlite":
-            conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages WHEN NEW.content LIKE '%POISON%' "
-                              "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"))
+            conn.execute(
+                text(
+                    "CREATE TRIGGER poison BEFORE INSERT ON messages WHEN NEW.content LIKE '%POISON%' "
+                    "BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"
+                )
+            )
         else:
-            conn.execute(text(
-                "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                "IF NEW.content LIKE '%POISON%' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = '22000'; "
-                "END IF; RETURN NEW; END $$"))
+            conn.execute(
+                text(
+                    "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "IF NEW.content LIKE '%POISON%' THEN RAISE EXCEPTION 'poisoned row' USING ERRCODE = '22000'; "
+                    "END IF; RETURN NEW; END $$"
+                )
+            )
             conn.execute(text("CREATE TRIGGER poison BEFORE INSERT ON messages FOR EACH ROW EXECUTE FUNCTION poison()"))
     root = (tmp_path / "t").resolve()
     for name, marker in (("episode_a", "one"), ("episode_b", "POISON"), ("episode_c", "two")):
@@ -344,13 +431,15 @@ def test_too_long_tag_key_and_worker_id_are_refused_up_front(db_url, tmp_path):
     result = runner.invoke(cli, ["--db", db_url, "ingest", str(root), "--tag", "k" * 300 + "=v"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        f"Error: tag key {'k' * 40!r}… is 300 characters long: a tag key has 1 to 200 characters"]
+        f"Error: tag key {'k' * 40!r}… is 300 characters long: a tag key has 1 to 200 characters"
+    ]
     ok = runner.invoke(cli, ["--db", db_url, "ingest", str(root), "--tag", "k" * 200 + "=v"])
     assert ok.exit_code == 0, ok.output
     result = runner.invoke(cli, ["--db", db_url, "score", "--server", "http://127.0.0.1:9", "--worker-id", "w" * 300])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines() == [
-        f"Error: worker id {'w' * 40!r}… (300 characters): a worker id has at most 200 characters and no NUL"]
+        f"Error: worker id {'w' * 40!r}… (300 characters): a worker id has at most 200 characters and no NUL"
+    ]
     with Store.open(db_url) as store, store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM workers")).scalar_one() == 0
         assert conn.execute(text("SELECT COUNT(*) FROM scorers")).scalar_one() == 0
@@ -366,8 +455,12 @@ def test_a_file_that_is_not_jsonl_is_one_error(runner, db_path, tmp_path):
     result = runner.invoke(cli, ["--db", str(db_path), "ingest", str(readme)])
     assert result.exit_code == 1
     failed = [line for line in result.stderr.splitlines() if line.startswith("failed: ")]
-    assert failed == [(f"failed: {readme.resolve()}: not a JSONL file: none of its first 5 non-empty lines starts "
-                       "with '{' (one JSON episode object per line expected)")]
+    assert failed == [
+        (
+            f"failed: {readme.resolve()}: not a JSONL file: none of its first 5 non-empty lines starts "
+            "with '{' (one JSON episode object per line expected)"
+        )
+    ]
     assert "0 new" in result.stdout and "1 failed" in result.stdout
 
 
@@ -388,10 +481,14 @@ def test_warnings_are_listed_with_the_query(runner, db_path, tmp_path):
     warned = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warned) == 2
     assert "plan_score is null" in warned[0]
-    assert warned[1].endswith("plan has 1 subtask(s) but none of the 1 submit_plan result(s) is a JSON object "
-                              "without an 'error' key: every step is mapped to planning")
-    assert ('2 warning(s) stored with the episodes (hcapo-store sql "SELECT name, warnings FROM episodes '
-            'WHERE is_current AND warnings IS NOT NULL")') in result.stdout
+    assert warned[1].endswith(
+        "plan has 1 subtask(s) but none of the 1 submit_plan result(s) is a JSON object "
+        "without an 'error' key: every step is mapped to planning"
+    )
+    assert (
+        '2 warning(s) stored with the episodes (hcapo-store sql "SELECT name, warnings FROM episodes '
+        'WHERE is_current AND warnings IS NOT NULL")'
+    ) in result.stdout
 
 
 def test_plan_without_submit_plan_warns_and_accepted_plan_does_not(store, tmp_path):
@@ -401,4 +498,7 @@ def test_plan_without_submit_plan_warns_and_accepted_plan_does_not(store, tmp_pa
     (tmp_path / "eps.jsonl").write_text(json.dumps(silent) + "\n" + json.dumps(no_call) + "\n")
     r = ingest(store, [tmp_path / "eps.jsonl"])
     assert r.new == 2 and r.warnings == 1
-    assert r.warning_list[0][1] == "plan has 1 subtask(s) but no answered submit_plan call: every step is mapped to planning"
+    assert (
+        r.warning_list[0][1]
+        == "plan has 1 subtask(s) but no answered submit_plan call: every step is mapped to planning"
+    )

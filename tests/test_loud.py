@@ -42,8 +42,18 @@ def db(tmp_path: Path, episodes_dir: Path) -> str:
 
 
 def _score_args(db: str, ref: ReferenceServer, tokenizer: Path, *extra: str) -> list[str]:
-    return ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tokenizer),
-            "--max-context", str(MAX_CONTEXT), *extra]
+    return [
+        "--db",
+        db,
+        "score",
+        "--server",
+        ref.url,
+        "--tokenizer",
+        str(tokenizer),
+        "--max-context",
+        str(MAX_CONTEXT),
+        *extra,
+    ]
 
 
 def _dump(db: str) -> list[str]:
@@ -57,8 +67,9 @@ def test_dry_run_writes_nothing(runner, db, ref, tiny_model_dir):
     assert r.exit_code == 0, r.output
     assert "nothing was sent" in r.output
     assert _dump(db) == before  # no scorer row, no queue rows: `credits compute` still sees one scorer or none
-    r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--dry-run", "--max-logprob-tokens", "8"),
-                      catch_exceptions=False)
+    r = runner.invoke(
+        cli, _score_args(db, ref, tiny_model_dir, "--dry-run", "--max-logprob-tokens", "8"), catch_exceptions=False
+    )
     assert r.exit_code == 0 and _dump(db) == before
 
 
@@ -71,8 +82,20 @@ def test_failed_steps_exit_non_zero_with_their_reasons(runner, db, ref, tiny_mod
     from faultserver import FaultServer
 
     with FaultServer(ref, lambda key, n: "http_400") as faulty:
-        r = runner.invoke(cli, ["--db", db, "score", "--server", faulty.url, "--tokenizer", str(tiny_model_dir),
-                                "--max-context", str(MAX_CONTEXT)])
+        r = runner.invoke(
+            cli,
+            [
+                "--db",
+                db,
+                "score",
+                "--server",
+                faulty.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--max-context",
+                str(MAX_CONTEXT),
+            ],
+        )
     assert r.exit_code == 1, r.output
     failed = _count(db, "SELECT COUNT(*) FROM attempts WHERE status = 'failed'")
     assert failed > 0 and f"failed {failed}" in r.output
@@ -107,8 +130,13 @@ def test_every_option_of_score_and_credits_compute_is_described(runner):
         undescribed = [o.opts[0] for o in _options(command) if not (o.help or "").strip()]
         assert not undescribed, (command.name, undescribed)
     helps = {o.opts[0]: o.help for o in _options(credits_compute)}
-    for option, symbol in (("--t-temp", "T"), ("--gamma", "γ"), ("--alpha", "α"), ("--c-min", "c_min"),
-                           ("--c-max", "c_max")):
+    for option, symbol in (
+        ("--t-temp", "T"),
+        ("--gamma", "γ"),
+        ("--alpha", "α"),
+        ("--c-min", "c_min"),
+        ("--c-max", "c_max"),
+    ):
         assert symbol in helps[option], option
     r = runner.invoke(cli, ["credits", "compute", "--help"])
     assert r.exit_code == 0 and "γ" in r.output
@@ -140,11 +168,13 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
     config["model_max_length"] = 12345  # same name pattern, different files
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     base = dict(backend="sglang", server=ref.url, max_context=MAX_CONTEXT)
-    configs = [ScoreConfig(tokenizer=str(tiny_model_dir), **base),
-               ScoreConfig(tokenizer=str(demo_tokenizer_dir), **base),
-               ScoreConfig(tokenizer=str(other), **base),
-               ScoreConfig(tokenizer=str(tiny_model_dir), hindsight_template=HINDSIGHT_TEMPLATE + " ", **base),
-               ScoreConfig(tokenizer=str(tiny_model_dir), conversion=ConvertOptions(include_thinking=False), **base)]
+    configs = [
+        ScoreConfig(tokenizer=str(tiny_model_dir), **base),
+        ScoreConfig(tokenizer=str(demo_tokenizer_dir), **base),
+        ScoreConfig(tokenizer=str(other), **base),
+        ScoreConfig(tokenizer=str(tiny_model_dir), hindsight_template=HINDSIGHT_TEMPLATE + " ", **base),
+        ScoreConfig(tokenizer=str(tiny_model_dir), conversion=ConvertOptions(include_thinking=False), **base),
+    ]
     with Store.open(db) as store:
         specs = [prepare(store, cfg) for cfg in configs]
     assert len({p.scorer_id for p in specs}) == len(configs)
@@ -153,11 +183,17 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
     assert demo_tokenizer_dir.name in labels[1]
 
 
-@pytest.mark.parametrize("template, shown", [("Reward {reward} for {subtask_name}", "{subtask_name}"),
-                                             ("Reward {reward:.2f} {", "cannot be parsed"),
-                                             ("Reward {0}", "{0}")])
-def test_a_bad_hindsight_template_is_one_line_listing_the_placeholders(runner, db, ref, tiny_model_dir, tmp_path,
-                                                                      template, shown):
+@pytest.mark.parametrize(
+    "template, shown",
+    [
+        ("Reward {reward} for {subtask_name}", "{subtask_name}"),
+        ("Reward {reward:.2f} {", "cannot be parsed"),
+        ("Reward {0}", "{0}"),
+    ],
+)
+def test_a_bad_hindsight_template_is_one_line_listing_the_placeholders(
+    runner, db, ref, tiny_model_dir, tmp_path, template, shown
+):
     path = tmp_path / "hindsight.txt"
     path.write_text(template)
     r = runner.invoke(cli, _score_args(db, ref, tiny_model_dir, "--hindsight-template", str(path)))
@@ -189,14 +225,29 @@ def test_a_server_that_dies_mid_run_stops_the_run_and_leaves_the_rest_pending(ru
 
     steps = _count(db, "SELECT COUNT(*) FROM steps")
     with FaultServer(ref) as server:
+
         def kill_after_three_requests() -> None:
             _wait_for(lambda: server.requests >= 3, "3 requests")
             server.die()
 
         killer = threading.Thread(target=kill_after_three_requests, daemon=True)
         killer.start()
-        r = runner.invoke(cli, ["--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-                                "--max-context", str(MAX_CONTEXT), "--concurrency", "2"])
+        r = runner.invoke(
+            cli,
+            [
+                "--db",
+                db,
+                "score",
+                "--server",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--max-context",
+                str(MAX_CONTEXT),
+                "--concurrency",
+                "2",
+            ],
+        )
         killer.join()
     assert r.exit_code == 1, r.output
     assert "server stopped answering" in r.output and "stay pending" in r.output, r.output
@@ -220,8 +271,23 @@ def test_request_timeout_and_a_hung_request_do_not_fail_steps_of_a_live_server(r
         return "hang" if key == first["key"] and n == 0 else None
 
     with FaultServer(ref, hang_first_request_of_one_step) as server:
-        r = runner.invoke(cli, ["--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-                                "--max-context", str(MAX_CONTEXT), "--request-timeout", "5", "--json"])
+        r = runner.invoke(
+            cli,
+            [
+                "--db",
+                db,
+                "score",
+                "--server",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--max-context",
+                str(MAX_CONTEXT),
+                "--request-timeout",
+                "5",
+                "--json",
+            ],
+        )
         hung = server.faults_for(first["key"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -243,9 +309,24 @@ def test_first_ctrl_c_stops_within_the_grace_period_while_requests_hang(db, ref,
     with FaultServer(ref, lambda key, n: "hang") as server:
         log = tmp_path / "score.log"
         proc = subprocess.Popen(
-            [hcapo, "--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-             "--max-context", str(MAX_CONTEXT), "--concurrency", "2"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+            [
+                hcapo,
+                "--db",
+                db,
+                "score",
+                "--server",
+                server.url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--max-context",
+                str(MAX_CONTEXT),
+                "--concurrency",
+                "2",
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
         try:
             _wait_for(lambda: server.requests >= 2 or proc.poll() is not None, "two hung requests")
             proc.send_signal(signal.SIGINT)

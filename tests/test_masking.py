@@ -17,12 +17,18 @@ from hcapo_store.masking import mask_credentials
 SECRET = "s3cr3t-Pa55"
 
 
-@pytest.mark.parametrize("text, masked", [
-    (f"GET http://bob:{SECRET}@127.0.0.1:30000/generate: ConnectError", "GET http://bob:***@127.0.0.1:30000/generate"),
-    (f"https://u:{SECRET}@h/v1 and postgresql://x:{SECRET}@db/h", "https://u:***@h/v1 and postgresql://x:***@db/h"),
-    (f"http://h/generate?api_key={SECRET}&x=1", "http://h/generate?api_key=***&x=1"),
-    ("http://bob@h:1/ (no password)", "http://bob@h:1/ (no password)"),
-])
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        (
+            f"GET http://bob:{SECRET}@127.0.0.1:30000/generate: ConnectError",
+            "GET http://bob:***@127.0.0.1:30000/generate",
+        ),
+        (f"https://u:{SECRET}@h/v1 and postgresql://x:{SECRET}@db/h", "https://u:***@h/v1 and postgresql://x:***@db/h"),
+        (f"http://h/generate?api_key={SECRET}&x=1", "http://h/generate?api_key=***&x=1"),
+        ("http://bob@h:1/ (no password)", "http://bob@h:1/ (no password)"),
+    ],
+)
 def test_mask_credentials(text: str, masked: str) -> None:
     assert mask_credentials(text).startswith(masked)
     assert SECRET not in mask_credentials(text)
@@ -43,14 +49,33 @@ def test_server_password_is_masked_in_the_database_and_output(tmp_path: Path, ti
     assert runner.invoke(cli, ["--db", str(db), "ingest", str(tmp_path / "eps")]).exit_code == 0
     with make_server(tiny_model_dir) as ref, FaultServer(ref, lambda key, n: "drop") as server:
         url = server.url.replace("http://", f"http://bob:{SECRET}@")
-        r = runner.invoke(cli, ["--db", str(db), "score", "--server", url, "--tokenizer", str(tiny_model_dir),
-                                "--max-context", "2048", "--max-attempts", "1", "--concurrency", "1"])
+        r = runner.invoke(
+            cli,
+            [
+                "--db",
+                str(db),
+                "score",
+                "--server",
+                url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--max-context",
+                "2048",
+                "--max-attempts",
+                "1",
+                "--concurrency",
+                "1",
+            ],
+        )
         assert server.requests > 0  # the requests were sent, and failed
     dump = _all_text(db)
     assert "connect" in dump and "bob:***@" in dump  # the failures are stored, with the URL masked
     assert SECRET not in dump and SECRET not in r.output
-    for args in (["status", "--json"], ["scorers", "list", "--json"],
-                 ["sql", "SELECT * FROM attempt_errors", "--format", "json"]):
+    for args in (
+        ["status", "--json"],
+        ["scorers", "list", "--json"],
+        ["sql", "SELECT * FROM attempt_errors", "--format", "json"],
+    ):
         out = runner.invoke(cli, ["--db", str(db), *args]).output
         assert SECRET not in out, args
     # an unreachable server: the one-line error masks the password too

@@ -46,7 +46,8 @@ def test_unknown_revision_is_refused_as_too_new(tmp_path):
         Store.open(str(path))
     assert str(info.value) == (
         f"Database {path} is at revision f00d_from_the_future, unknown to this hcapo-store "
-        f"(head {db.head_revision()}); it was written by a newer version: upgrade hcapo-store.")
+        f"(head {db.head_revision()}); it was written by a newer version: upgrade hcapo-store."
+    )
     r = CliRunner().invoke(cli, ["--db", str(path), "status"])
     assert r.exit_code == 1 and r.output == f"Error: {info.value}\n"  # one line, no traceback
 
@@ -199,8 +200,12 @@ def _copy_rows(src, dst) -> None:
             if rows:
                 write.execute(meta_dst.tables[table.name].insert(), rows)
             if "id" in table.columns and isinstance(table.columns["id"].type, Integer):
-                write.execute(text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
-                                   f"(SELECT COALESCE(MAX(id), 1) FROM {table.name}))"))
+                write.execute(
+                    text(
+                        f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
+                        f"(SELECT COALESCE(MAX(id), 1) FROM {table.name}))"
+                    )
+                )
 
 
 def test_db_current_and_upgrade_commands(tmp_path):

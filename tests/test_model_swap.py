@@ -56,8 +56,9 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, change) -> BaseException | None:
     """Score in a thread; once the first request is at the server, ``change()`` the server."""
-    prep = prepare(store, ScoreConfig(backend="sglang", server=proxy.url, tokenizer=str(tiny_model_dir),
-                                      max_context=MAX_CONTEXT))
+    prep = prepare(
+        store, ScoreConfig(backend="sglang", server=proxy.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT)
+    )
     proxy.hold_answers = threading.Event()
     outcome: list[BaseException | None] = []
 

@@ -42,8 +42,12 @@ def _copy_tracked_files(dest: Path) -> Path:
 
 
 def _pip(venv: Path, *args: str) -> None:
-    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
-                       capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    r = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=PIP_TIMEOUT_S,
+    )
     assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
 
 
@@ -71,17 +75,33 @@ def server(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
 
 def _run(venv: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return subprocess.run([str(venv / "bin" / "hcapo-store"), "--db", str(tmp_path / "x.db"), *args],
-                          capture_output=True, text=True, cwd=tmp_path, env={**env, "NO_COLOR": "1"}, timeout=600)
+    return subprocess.run(
+        [str(venv / "bin" / "hcapo-store"), "--db", str(tmp_path / "x.db"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**env, "NO_COLOR": "1"},
+        timeout=600,
+    )
 
 
 def test_plain_install_scores_against_a_server(venv, server, tiny_model_dir, tmp_path):
     r = _run(venv, tmp_path, "ingest", str(ROOT / "examples" / "trajectories"))
     assert r.returncode == 0, r.stdout + r.stderr
-    r = _run(venv, tmp_path, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-             "--max-context", "2048", "--json")
+    r = _run(
+        venv,
+        tmp_path,
+        "score",
+        "--server",
+        server.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--max-context",
+        "2048",
+        "--json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    report = json.loads(r.stdout[r.stdout.index("{"):])
+    report = json.loads(r.stdout[r.stdout.index("{") :])
     assert report["scored"] > 0 and report["failed"] == 0
     steps = json.loads(_run(venv, tmp_path, "status", "--json").stdout)["steps"]
     assert report["scored"] == steps
@@ -91,7 +111,8 @@ def test_plain_install_scores_against_a_server(venv, server, tiny_model_dir, tmp
     # pyarrow is really absent here: one line naming the extra.
     r = _run(venv, tmp_path, "export", "dataset", str(tmp_path / "d.parquet"), "--format", "parquet")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "Error: export --format parquet needs pyarrow, which is not installed: pip install 'hcapo-store[parquet]'"]
+        "Error: export --format parquet needs pyarrow, which is not installed: pip install 'hcapo-store[parquet]'"
+    ]
 
 
 def test_plain_install_names_the_local_extra(venv, tmp_path):
@@ -100,4 +121,5 @@ def test_plain_install_names_the_local_extra(venv, tmp_path):
     r = _run(venv, tmp_path, "serve-reference", "--model", str(tmp_path / "model"))
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "Error: a local model (score --model, serve-reference, demo) needs torch, which is not installed: "
-        "pip install 'hcapo-store[local]'"]
+        "pip install 'hcapo-store[local]'"
+    ]

@@ -60,18 +60,21 @@ def _make_sqlite(path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["report", "dataset", "dataset-parquet", "hindsight"])
-def test_outputs_refuse_the_database_and_any_sqlite_file(credited: Store, db_path: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+def test_outputs_refuse_the_database_and_any_sqlite_file(
+    credited: Store, db_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sub").mkdir()
     (tmp_path / "link.html").symlink_to(db_path)
     _make_sqlite(tmp_path / "other.sqlite")
     before, other_before = _digest(db_path), _digest(tmp_path / "other.sqlite")
-    for target in [str(db_path), "store.db", "./sub/../store.db", "link.html", str(db_path) + "-wal",
-                   "other.sqlite"]:
-        args = {"report": ["report", target], "dataset": ["export", "dataset", target],
-                "dataset-parquet": ["export", "dataset", target, "--format", "parquet"],
-                "hindsight": ["export", "hindsight-json", target]}[command]
+    for target in [str(db_path), "store.db", "./sub/../store.db", "link.html", str(db_path) + "-wal", "other.sqlite"]:
+        args = {
+            "report": ["report", target],
+            "dataset": ["export", "dataset", target],
+            "dataset-parquet": ["export", "dataset", target, "--format", "parquet"],
+            "hindsight": ["export", "hindsight-json", target],
+        }[command]
         r = CliRunner().invoke(cli, ["--db", str(db_path), *args])
         if command == "hindsight" and r.exit_code == 2:  # click itself refuses a file as OUT_DIR
             assert "is a file" in r.output, r.output
@@ -106,8 +109,9 @@ def test_outputs_get_the_umask_mode(credited: Store, tmp_path: Path, umask: int,
         write_report(credited, tmp_path / "r.html", "r")
     finally:
         os.umask(old)
-    files = [tmp_path / n for n in ("d.jsonl", "d.jsonl.summary.json", "d.parquet", "d.parquet.summary.json",
-                                     "r.html")] + list((tmp_path / "hs").rglob("*.json"))
+    files = [
+        tmp_path / n for n in ("d.jsonl", "d.jsonl.summary.json", "d.parquet", "d.parquet.summary.json", "r.html")
+    ] + list((tmp_path / "hs").rglob("*.json"))
     assert len(files) > 5
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == mode, f
@@ -135,17 +139,21 @@ def test_one_summary_per_output_and_parquet_provenance(credited: Store, tmp_path
 # ---- read-only sql on SQLite ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sql, denied", [
-    ("ATTACH '{tmp}/new.db' AS x", "ATTACH"),
-    ("VACUUM INTO '{tmp}/copy.db'", None),  # VACUUM INTO attaches its target: refused either way
-    ("PRAGMA user_version = 7", "PRAGMA user_version"),
-    ("PRAGMA journal_mode = DELETE", "PRAGMA journal_mode"),
-    ("DELETE FROM steps", "DELETE"),
-    ("CREATE TEMP TABLE t AS SELECT 1", None),
-    ("SELECT load_extension('x')", "load_extension"),
-])
-def test_sql_read_only_on_sqlite_uses_the_authorizer(credited: Store, db_path: Path, tmp_path: Path,
-                                                     sql: str, denied: str | None) -> None:
+@pytest.mark.parametrize(
+    "sql, denied",
+    [
+        ("ATTACH '{tmp}/new.db' AS x", "ATTACH"),
+        ("VACUUM INTO '{tmp}/copy.db'", None),  # VACUUM INTO attaches its target: refused either way
+        ("PRAGMA user_version = 7", "PRAGMA user_version"),
+        ("PRAGMA journal_mode = DELETE", "PRAGMA journal_mode"),
+        ("DELETE FROM steps", "DELETE"),
+        ("CREATE TEMP TABLE t AS SELECT 1", None),
+        ("SELECT load_extension('x')", "load_extension"),
+    ],
+)
+def test_sql_read_only_on_sqlite_uses_the_authorizer(
+    credited: Store, db_path: Path, tmp_path: Path, sql: str, denied: str | None
+) -> None:
     out = tmp_path / "made"
     out.mkdir()
     before = _digest(db_path)
@@ -161,8 +169,12 @@ def test_sql_read_only_on_sqlite_uses_the_authorizer(credited: Store, db_path: P
 
 
 def test_sql_read_only_still_reads_and_introspects(credited: Store, db_path: Path) -> None:
-    for sql in ["PRAGMA table_info(steps)", "SELECT * FROM pragma_table_info('steps')", "PRAGMA user_version",
-                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) SELECT * FROM n"]:
+    for sql in [
+        "PRAGMA table_info(steps)",
+        "SELECT * FROM pragma_table_info('steps')",
+        "PRAGMA user_version",
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) SELECT * FROM n",
+    ]:
         r = CliRunner().invoke(cli, ["--db", str(db_path), "sql", sql, "--format", "json"])
         assert r.exit_code == 0, (sql, r.output)
         assert json.loads(r.output)
@@ -194,21 +206,24 @@ def _pg(store: Store, sql: str):  # noqa: ANN202
         return conn.execute(sql).fetchall()
 
 
-@pytest.mark.parametrize("sql", [
-    "SELECT lo_from_bytea(0, 'x'::bytea)",
-    "SELECT lo_import('/etc/hostname')",
-    "SELECT lo_unlink({lo})",
-    "SELECT \"lo_unlink\" ({lo})",
-    "SELECT pg_catalog.lo_unlink/**/({lo})",
-    "SELECT pg_terminate_backend({pid})",
-    "SELECT pg_cancel_backend({pid})",
-    "SELECT pg_reload_conf()",
-    "SELECT set_config('statement_timeout', '1', false)",
-    "SELECT pg_advisory_lock(1)",
-    "SELECT query_to_xml('select lo_' || 'unlink({lo})', true, true, '')",
-    "DO $$ BEGIN PERFORM pg_terminate_backend({pid}); END $$",
-    "SELECT U&\"lo\\005Funlink\"({lo})",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT lo_from_bytea(0, 'x'::bytea)",
+        "SELECT lo_import('/etc/hostname')",
+        "SELECT lo_unlink({lo})",
+        'SELECT "lo_unlink" ({lo})',
+        "SELECT pg_catalog.lo_unlink/**/({lo})",
+        "SELECT pg_terminate_backend({pid})",
+        "SELECT pg_cancel_backend({pid})",
+        "SELECT pg_reload_conf()",
+        "SELECT set_config('statement_timeout', '1', false)",
+        "SELECT pg_advisory_lock(1)",
+        "SELECT query_to_xml('select lo_' || 'unlink({lo})', true, true, '')",
+        "DO $$ BEGIN PERFORM pg_terminate_backend({pid}); END $$",
+        'SELECT U&"lo\\005Funlink"({lo})',
+    ],
+)
 def test_sql_read_only_on_postgres_has_no_side_effects(pg_store: Store, sql: str) -> None:
     import psycopg
     from pg import _libpq
@@ -225,8 +240,9 @@ def test_sql_read_only_on_postgres_has_no_side_effects(pg_store: Store, sql: str
         assert _pg(pg_store, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
 
 
-def test_postgres_read_only_work_is_rolled_back_even_past_the_check(pg_store: Store,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_postgres_read_only_work_is_rolled_back_even_past_the_check(
+    pg_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The second layer alone: with the function check disabled, a large object made in the
     READ ONLY transaction is gone afterwards (the transaction is rolled back, never committed)."""
     import re
@@ -245,9 +261,20 @@ def test_postgres_read_only_work_is_rolled_back_even_past_the_check(pg_store: St
 # ---- a missing database is never created by a read-only command --------------------------------
 
 
-@pytest.mark.parametrize("args", [["status"], ["sql", "SELECT 1"], ["credits", "list"], ["credits", "show"],
-                                  ["credits", "diff", "a", "b"], ["scorers", "list"], ["report", "{out}/r.html"],
-                                  ["export", "dataset", "{out}/d.jsonl"], ["export", "hindsight-json", "{out}/hs"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["sql", "SELECT 1"],
+        ["credits", "list"],
+        ["credits", "show"],
+        ["credits", "diff", "a", "b"],
+        ["scorers", "list"],
+        ["report", "{out}/r.html"],
+        ["export", "dataset", "{out}/d.jsonl"],
+        ["export", "hindsight-json", "{out}/hs"],
+    ],
+)
 def test_read_only_commands_never_create_a_database(tmp_path: Path, args: list[str]) -> None:
     missing = tmp_path / "typo" / "hcapo.db"
     r = CliRunner().invoke(cli, ["--db", str(missing), *[a.format(out=tmp_path) for a in args]])
@@ -306,8 +333,20 @@ def test_new_episode_version_makes_the_run_stale(store: Store, tmp_path: Path, d
 
 
 def test_group_by_a_missing_tag_warns(credited: Store, db_path: Path, tmp_path: Path) -> None:
-    r = CliRunner().invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "d.jsonl"),
-                                 "--min-reward", "-1", "--group-by", "nosuchtag"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "--db",
+            str(db_path),
+            "export",
+            "dataset",
+            str(tmp_path / "d.jsonl"),
+            "--min-reward",
+            "-1",
+            "--group-by",
+            "nosuchtag",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "warning: --group-by nosuchtag: no exported episode has this tag" in r.output
 
@@ -338,12 +377,24 @@ def test_sql_marks_a_cut_value(credited: Store, db_path: Path) -> None:
     assert "--format json" in r.output
 
 
-@pytest.mark.parametrize("flag, value", [("--gamma", "nan"), ("--gamma", "inf"), ("--gamma", "-1"),
-                                         ("--gamma", "1.5"), ("--t-temp", "0"), ("--t-temp", "nan"),
-                                         ("--alpha", "2"), ("--c-max", "inf"), ("--c-min", "-0.5"),
-                                         ("--c-min", "nan")])
-def test_credit_parameters_out_of_range_are_refused_in_one_line(credited: Store, db_path: Path,
-                                                                 flag: str, value: str) -> None:
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--gamma", "nan"),
+        ("--gamma", "inf"),
+        ("--gamma", "-1"),
+        ("--gamma", "1.5"),
+        ("--t-temp", "0"),
+        ("--t-temp", "nan"),
+        ("--alpha", "2"),
+        ("--c-max", "inf"),
+        ("--c-min", "-0.5"),
+        ("--c-min", "nan"),
+    ],
+)
+def test_credit_parameters_out_of_range_are_refused_in_one_line(
+    credited: Store, db_path: Path, flag: str, value: str
+) -> None:
     r = CliRunner().invoke(cli, ["--db", str(db_path), "credits", "compute", flag, value])
     line = _one_line_failure(r)
     assert f"({flag})" in line and "must be" in line and value in line, line
@@ -356,8 +407,12 @@ def test_credit_parameters_out_of_range_are_refused_in_one_line(credited: Store,
 
 def test_null_rewards_give_a_null_range(store: Store, tmp_path: Path) -> None:
     eps = tmp_path / "eps.jsonl"
-    msgs = [{"role": "user", "content": "do it"}, {"role": "assistant", "content": "ok"},
-            {"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}]
+    msgs = [
+        {"role": "user", "content": "do it"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "done"},
+    ]
     eps.write_text(json.dumps({"episode_id": 1, "messages": msgs, "reward": 0.5, "plan_score": None}) + "\n")
     assert ingest(store, [eps]).new == 1
     add_scorer(store, "sc")

@@ -21,8 +21,7 @@ from cli import cli
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "cli.py", *(ROOT / "hcapo_store").rglob("*.py"), *(ROOT / "migrations").rglob("*.py")]
 # Imported only behind an extra, each guarded by a MissingExtra (the tests below).
-EXTRAS = {"torch": "local", "safetensors": "local", "pyarrow": "parquet", "psycopg": "postgres",
-          "pandas": "pandas"}
+EXTRAS = {"torch": "local", "safetensors": "local", "pyarrow": "parquet", "psycopg": "postgres", "pandas": "pandas"}
 
 
 def _imported_top_level_modules() -> set[str]:
@@ -59,12 +58,21 @@ def test_every_imported_package_is_declared():
 def _cli_without(module: str, *args: str) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh interpreter where ``import <module>`` fails, as if not installed."""
     code = f"import sys; sys.modules[{module!r}] = None; from cli import cli; cli(prog_name='hcapo-store')"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("command", [["serve-reference"], ["score", "--backend", "transformers"]],
-                         ids=["serve-reference", "score-transformers"])
+@pytest.mark.parametrize(
+    "command",
+    [["serve-reference"], ["score", "--backend", "transformers"]],
+    ids=["serve-reference", "score-transformers"],
+)
 def test_missing_torch_is_one_line_naming_the_extra(tmp_path, command):
     (tmp_path / "model").mkdir()
     r = _cli_without("torch", "--db", str(tmp_path / "x.db"), *command, "--model", str(tmp_path / "model"))
@@ -72,7 +80,8 @@ def test_missing_torch_is_one_line_naming_the_extra(tmp_path, command):
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "Error: a local model (score --model, serve-reference, demo) needs torch, which is not installed: "
-        "pip install 'hcapo-store[local]'"]
+        "pip install 'hcapo-store[local]'"
+    ]
 
 
 def test_missing_pyarrow_is_one_line_naming_the_extra(tmp_path, monkeypatch):
@@ -93,8 +102,9 @@ def test_missing_pyarrow_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     out = tmp_path / "d.parquet"
     r = CliRunner().invoke(cli, ["--db", str(db), "export", "dataset", str(out), "--format", "parquet"])
     assert r.exit_code == 1
-    assert r.output == ("Error: export --format parquet needs pyarrow, which is not installed: "
-                        "pip install 'hcapo-store[parquet]'\n")
+    assert r.output == (
+        "Error: export --format parquet needs pyarrow, which is not installed: pip install 'hcapo-store[parquet]'\n"
+    )
     assert not out.exists()
 
 
@@ -106,7 +116,9 @@ def test_prompts_render_without_the_private_transformers_helper(tmp_path, monkey
     messages, outcome, steps = episode(3)
     # A template of its own (a comment makes it unique): transformers caches compiled templates.
     template = CHATML_WITH_BOS + "{# packaging test #}"
-    with_helper = PromptBuilder(bos_tokenizer(tmp_path / "a", template=template)).build_episode(messages, outcome, steps)
+    with_helper = PromptBuilder(bos_tokenizer(tmp_path / "a", template=template)).build_episode(
+        messages, outcome, steps
+    )
     compiled = chat_template_utils._compile_jinja_template(template)
     assert "is_safe_attribute" in vars(compiled.environment)  # the speed-up was applied
 

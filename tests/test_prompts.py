@@ -20,8 +20,13 @@ from hcapo_store.scoring.prompts import (
 )
 from hcapo_store.scoring.tokens import tokenizer_fingerprint
 
-OUTCOME = {"reward": 0.4795, "phase": "executing", "plan_score": 0.72, "plan": [{"id": "S1"}, {"id": "S2"}],
-           "frozen_scores": {"S1": 0.5845, "S2": 0.412}}
+OUTCOME = {
+    "reward": 0.4795,
+    "phase": "executing",
+    "plan_score": 0.72,
+    "plan": [{"id": "S1"}, {"id": "S2"}],
+    "frozen_scores": {"S1": 0.5845, "S2": 0.412},
+}
 
 
 def test_hindsight_text_is_the_original_block():
@@ -56,9 +61,17 @@ def test_bad_hindsight_template_fails_at_construction(tmp_path):
 
 def test_arguments_become_mappings_in_qwen25_render():
     tok = real_tokenizer("qwen2.5")
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls -la"}'}},
-        {"id": "b", "type": "function", "function": {"name": "bash", "arguments": "not json"}}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls -la"}'}},
+                {"id": "b", "type": "function", "function": {"name": "bash", "arguments": "not json"}},
+            ],
+        },
+    ]
     rendered = tok.apply_chat_template(normalize_messages(messages), tokenize=False)
     assert '"arguments": {"command": "ls -la"}' in rendered
     assert '"arguments": "not json"' in rendered
@@ -66,9 +79,14 @@ def test_arguments_become_mappings_in_qwen25_render():
 
 
 def test_flattening_matches_the_original_text():
-    messages = [{"role": "assistant", "content": "x", "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "bash", "arguments": '{"c": 1}'}}]},
-        {"role": "tool", "name": "bash", "tool_call_id": "a", "content": "out"}]
+    messages = [
+        {
+            "role": "assistant",
+            "content": "x",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "bash", "arguments": '{"c": 1}'}}],
+        },
+        {"role": "tool", "name": "bash", "tool_call_id": "a", "content": "out"},
+    ]
     assert flatten_messages(messages) == [
         {"role": "assistant", "content": 'x\n[Tool Call: bash]\n{"c": 1}'},
         {"role": "user", "content": "[Tool Result: bash]\nout"},
@@ -102,8 +120,11 @@ def test_qwen3_history_rewrite_is_an_alignment_failure():
     # Qwen3 renders the last assistant message with an empty think block and drops it once
     # the message is no longer last: two assistant messages in a row misalign the prefix.
     builder = PromptBuilder(real_tokenizer("qwen3"))
-    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "first"},
-                {"role": "assistant", "content": "second"}]
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "first"},
+        {"role": "assistant", "content": "second"},
+    ]
     step = {"step_index": 1, "message_index": 2, "phase": "planning", "subtask_id": None, "subtask_reward": 0.5}
     result = builder.build_step(messages, OUTCOME, step)
     assert isinstance(result, PromptFailure) and result.reason == "alignment"
@@ -125,8 +146,10 @@ def test_bos_emitting_template_keeps_exact_spans(tmp_path):
 
 
 def test_template_without_special_tokens_and_metaspace_fallback(tmp_path):
-    plain = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-             "{% if add_generation_prompt %}assistant:{% endif %}")
+    plain = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     builder = PromptBuilder(bos_tokenizer(tmp_path / "plain", template=plain))
     results = _compare(builder, 4, thinking=False)
     assert any(isinstance(r, StepPrompt) for r in results)
@@ -141,34 +164,43 @@ def test_template_without_special_tokens_and_metaspace_fallback(tmp_path):
 
 
 def test_generation_prompt_that_is_not_a_prefix_fails_alignment(tmp_path):
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant (draft)\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant (draft)\n{% endif %}"
+    )
     builder = PromptBuilder(bos_tokenizer(tmp_path, template=template))
     results = _compare(builder, 6, thinking=False)
     assert {r.reason for r in results} == {"alignment"}
 
 
 def test_template_rejection_flattens_and_records_it(tmp_path):
-    template = ("{% for m in messages %}{% if m.role == 'tool' or m.tool_calls %}"
-                "{{ raise_exception('no tools') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' or m.tool_calls %}"
+        "{{ raise_exception('no tools') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     builder = PromptBuilder(bos_tokenizer(tmp_path, template=template))
     results = _compare(builder, 7, thinking=False)
     assert any(isinstance(r, StepPrompt) and r.flattened for r in results)
 
 
 def test_empty_action_fails(tmp_path):
-    template = ("{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n"
-                "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+    template = (
+        "{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    )
     builder = PromptBuilder(bos_tokenizer(tmp_path, template=template))
     results = _compare(builder, 8, thinking=False)
     assert {r.reason for r in results} == {"empty_action"}
 
 
 def _single_step(prefix_words: int, action_words: int):
-    messages = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "ok"},
-                {"role": "user", "content": "data " * prefix_words},
-                {"role": "assistant", "content": "step " * action_words}]
+    messages = [
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "data " * prefix_words},
+        {"role": "assistant", "content": "step " * action_words},
+    ]
     step = {"step_index": 1, "message_index": 3, "phase": "planning", "subtask_id": None, "subtask_reward": 0.5}
     return messages, step
 
@@ -180,15 +212,16 @@ def test_truncation_keeps_anchor_marker_tail_and_whole_action(tmp_path):
     builder = PromptBuilder(tok, max_context=600, max_logprob_tokens=0)
     cut = builder.build_step(messages, OUTCOME, step)
     assert cut == builder.build_step_reference(messages, OUTCOME, step)
-    action = full.input_ids[full.first_scored:]
-    assert len(cut.input_ids) == 600 and cut.input_ids[-len(action):] == action
+    action = full.input_ids[full.first_scored :]
+    assert len(cut.input_ids) == 600 and cut.input_ids[-len(action) :] == action
     anchor_text = tok.apply_chat_template(
-        [{"role": "user", "content": messages[0]["content"] + "\n\n" + hindsight_text(OUTCOME, step)}], tokenize=False)
+        [{"role": "user", "content": messages[0]["content"] + "\n\n" + hindsight_text(OUTCOME, step)}], tokenize=False
+    )
     anchor = tok.encode(anchor_text, add_special_tokens=False)
     marker = tok.encode(TRUNCATION_MARKER, add_special_tokens=False)
     prefix_budget = 600 - len(action)
     assert prefix_budget > len(anchor) + len(marker)
-    tail = full.input_ids[: full.first_scored][-(prefix_budget - len(anchor) - len(marker)):]
+    tail = full.input_ids[: full.first_scored][-(prefix_budget - len(anchor) - len(marker)) :]
     assert cut.input_ids[: cut.first_scored] == anchor + marker + tail
     assert cut.truncated_prefix_tokens == full.first_scored - prefix_budget
     assert (cut.total_action_tokens, cut.skipped_action_tokens) == (len(action), 0)
@@ -203,7 +236,8 @@ def test_truncation_when_anchor_does_not_fit(tmp_path):
     assert cut == builder.build_step_reference(messages, OUTCOME, step)
     marker = tok.encode(TRUNCATION_MARKER, add_special_tokens=False)
     anchor_text = tok.apply_chat_template(
-        [{"role": "user", "content": "task\n\n" + hindsight_text(OUTCOME, step)}], tokenize=False)
+        [{"role": "user", "content": "task\n\n" + hindsight_text(OUTCOME, step)}], tokenize=False
+    )
     anchor = tok.encode(anchor_text, add_special_tokens=False)
     assert cut.first_scored == 40 and len(cut.input_ids) == action_len + 40
     assert cut.input_ids[:40] == (anchor[: max(40 - len(marker), 0)] + marker)[:40]

@@ -25,8 +25,16 @@ def test_every_public_name_resolves_to_a_documented_object_of_this_package():
 
 
 def test_the_whole_job_is_public():
-    for name in ("Store", "ingest", "prepare", "run_scoring", "compute_credits", "export_dataset",
-                 "export_hindsight_json", "write_report"):
+    for name in (
+        "Store",
+        "ingest",
+        "prepare",
+        "run_scoring",
+        "compute_credits",
+        "export_dataset",
+        "export_hindsight_json",
+        "write_report",
+    ):
         assert name in hcapo_store.__all__
 
 
@@ -41,8 +49,10 @@ def test_unknown_name_is_an_attribute_error():
 
 def test_import_is_light():
     """``import hcapo_store`` must not pull the heavy stack (start-up of every command)."""
-    code = ("import sys, hcapo_store; heavy = [m for m in ('sqlalchemy', 'alembic', 'numpy', 'transformers', "
-            "'torch', 'httpx') if m in sys.modules]; print(','.join(heavy))")
+    code = (
+        "import sys, hcapo_store; heavy = [m for m in ('sqlalchemy', 'alembic', 'numpy', 'transformers', "
+        "'torch', 'httpx') if m in sys.modules]; print(','.join(heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
 

@@ -86,8 +86,12 @@ def test_generate_matches_direct_forward(
         n = len(ids)
         start = {"zero": 0, "one": 1, "middle": n // 2, "last": n - 1, "end": n}[where]
         item = _generate(
-            client, input_ids=ids, return_logprob=True, logprob_start_len=start,
-            sampling_params={"max_new_tokens": 0}, rid="req-1",
+            client,
+            input_ids=ids,
+            return_logprob=True,
+            logprob_start_len=start,
+            sampling_params={"max_new_tokens": 0},
+            rid="req-1",
         )
         _check_input_logprobs(item, ids, start, full_logprobs(ids))
         meta = item["meta_info"]
@@ -104,8 +108,12 @@ def test_generate_batch_in_input_order(
 ) -> None:
     starts = [len(ids) // 3 for ids in sequences]
     items = _generate(
-        client, input_ids=sequences, return_logprob=True, logprob_start_len=starts,
-        sampling_params={"max_new_tokens": 0}, rid="batch",
+        client,
+        input_ids=sequences,
+        return_logprob=True,
+        logprob_start_len=starts,
+        sampling_params={"max_new_tokens": 0},
+        rid="batch",
     )
     assert isinstance(items, list) and len(items) == len(sequences)
     for i, (item, ids, start) in enumerate(zip(items, sequences, starts)):
@@ -131,7 +139,10 @@ def test_generate_one_greedy_token(
     ids = sequences[0]
     full = full_logprobs(ids)
     item = _generate(
-        client, input_ids=ids, return_logprob=True, logprob_start_len=len(ids) - 3,
+        client,
+        input_ids=ids,
+        return_logprob=True,
+        logprob_start_len=len(ids) - 3,
         sampling_params={"max_new_tokens": 1, "temperature": 0},
     )
     expected = int(full[-1].argmax())
@@ -239,7 +250,9 @@ def test_request_counter_counts_calls_and_sequences(
     client: httpx.Client, server: ReferenceServer, sequences: list[list[int]]
 ) -> None:
     requests, scored = server.requests, server.sequences
-    _generate(client, input_ids=sequences, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0})
+    _generate(
+        client, input_ids=sequences, return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0}
+    )
     client.post("/v1/completions", json={"prompt": sequences[0], "max_tokens": 1, "prompt_logprobs": 1})
     assert server.requests == requests + 2
     assert server.sequences == scored + len(sequences) + 1
@@ -251,8 +264,14 @@ def test_concurrent_requests_are_consistent(
     def one(ids: list[int]) -> dict[str, Any]:
         response = httpx.post(
             f"{server.url}/generate",
-            content=json.dumps({"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
-                                "sampling_params": {"max_new_tokens": 0}}),
+            content=json.dumps(
+                {
+                    "input_ids": ids,
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    "sampling_params": {"max_new_tokens": 0},
+                }
+            ),
             timeout=60,
         )
         return response.json()

@@ -27,8 +27,9 @@ def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
 
 
 def _prepare(store, ref: ReferenceServer, tiny_model_dir: Path) -> job.Prepared:
-    return prepare(store, ScoreConfig(backend="sglang", server=ref.url, tokenizer=str(tiny_model_dir),
-                                      max_context=2048))
+    return prepare(
+        store, ScoreConfig(backend="sglang", server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048)
+    )
 
 
 def test_the_probe_exercises_every_message_kind(tiny_model_dir):
@@ -42,8 +43,7 @@ def test_the_probe_exercises_every_message_kind(tiny_model_dir):
 def test_same_rendering_keeps_the_scorer_whatever_the_versions(store, ref, tiny_model_dir, monkeypatch):
     first = _prepare(store, ref, tiny_model_dir)
     register(store, first.spec)  # as run_scoring does (prepare writes nothing)
-    monkeypatch.setattr(job, "library_versions", lambda: {"transformers": "99.0", "tokenizers": "9.9",
-                                                          "jinja2": "9.0"})
+    monkeypatch.setattr(job, "library_versions", lambda: {"transformers": "99.0", "tokenizers": "9.9", "jinja2": "9.0"})
     upgraded = _prepare(store, ref, tiny_model_dir)
     register(store, upgraded.spec)  # the same id: the first registration's spec stays
     assert upgraded.spec["rendering_sha256"] == first.spec["rendering_sha256"]

@@ -19,14 +19,24 @@ from hcapo_store.storage.store import Store
 
 def _failures(store: Store, scorer: str, episode: str, kinds: list[str]) -> None:
     with db.write(store.engine) as conn:
-        step = conn.execute(text("SELECT s.id, s.episode_id, s.step_index FROM steps s JOIN episodes e ON "
-                                 "e.id = s.episode_id WHERE e.name = :n AND s.step_index = 0"), {"n": episode}).one()
-        attempt = conn.execute(text(
-            "INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at) "
-            "VALUES (:s, :sc, :e, :i, 'failed', :n, 0) RETURNING id"),
-            {"s": step[0], "sc": scorer, "e": step[1], "i": step[2], "n": len(kinds)}).scalar_one()
-        conn.execute(text("INSERT INTO attempt_errors (attempt_id, kind, message, at) VALUES (:a, :k, 'boom', 0)"),
-                     [{"a": attempt, "k": k} for k in kinds])
+        step = conn.execute(
+            text(
+                "SELECT s.id, s.episode_id, s.step_index FROM steps s JOIN episodes e ON "
+                "e.id = s.episode_id WHERE e.name = :n AND s.step_index = 0"
+            ),
+            {"n": episode},
+        ).one()
+        attempt = conn.execute(
+            text(
+                "INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at) "
+                "VALUES (:s, :sc, :e, :i, 'failed', :n, 0) RETURNING id"
+            ),
+            {"s": step[0], "sc": scorer, "e": step[1], "i": step[2], "n": len(kinds)},
+        ).scalar_one()
+        conn.execute(
+            text("INSERT INTO attempt_errors (attempt_id, kind, message, at) VALUES (:a, :k, 'boom', 0)"),
+            [{"a": attempt, "k": k} for k in kinds],
+        )
 
 
 def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path) -> None:

@@ -27,9 +27,13 @@ NS = "{http://www.w3.org/2000/svg}"
 def _labels(svg: str, *, anchor: str) -> list[str]:
     """Tick labels: the y axis is right-aligned ("end"), the x axis centred ("middle")."""
     root = ET.fromstring(svg)
-    return [t.text or "" for t in root.iter(f"{NS}text")
-            if t.get("text-anchor") == anchor and t.get("font-size") == "10"
-            and (anchor != "end" or t.get("x") == str(PAD_L - 4))]
+    return [
+        t.text or ""
+        for t in root.iter(f"{NS}text")
+        if t.get("text-anchor") == anchor
+        and t.get("font-size") == "10"
+        and (anchor != "end" or t.get("x") == str(PAD_L - 4))
+    ]
 
 
 def test_count_axes_have_whole_number_ticks() -> None:
@@ -76,8 +80,9 @@ def test_report_labels_subtasks_by_id(store: Store, samples: Path, tmp_path: Pat
     add_scores(store, "s")
     compute_credits(store)
     page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
-    ids = [r[0] for r in store.query("SELECT DISTINCT subtask_id FROM steps WHERE subtask_id IS NOT NULL "
-                                     "ORDER BY 1")[1]]
+    ids = [
+        r[0] for r in store.query("SELECT DISTINCT subtask_id FROM steps WHERE subtask_id IS NOT NULL ORDER BY 1")[1]
+    ]
     svg = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)[5]  # the subtask chart
     xs = _labels(svg, anchor="middle")
     assert xs[0] == "planning" and set(ids) <= set(xs)

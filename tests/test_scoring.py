@@ -60,13 +60,17 @@ def _steps(store: Store) -> int:
 
 def _attempt_states(store: Store, scorer_id: str) -> dict[str, int]:
     with store.engine.connect() as conn:
-        return dict(conn.execute(text("SELECT status, COUNT(*) FROM attempts WHERE scorer_id = :s GROUP BY status"),
-                                 {"s": scorer_id}).all())
+        return dict(
+            conn.execute(
+                text("SELECT status, COUNT(*) FROM attempts WHERE scorer_id = :s GROUP BY status"), {"s": scorer_id}
+            ).all()
+        )
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory: pytest.TempPathFactory, episodes_dir: Path, ref: ReferenceServer,
-           tiny_model_dir: Path) -> Iterator[tuple[Store, Any, Any]]:
+def scored(
+    tmp_path_factory: pytest.TempPathFactory, episodes_dir: Path, ref: ReferenceServer, tiny_model_dir: Path
+) -> Iterator[tuple[Store, Any, Any]]:
     """A database scored once through the library against the reference server."""
     store = _new_store(tmp_path_factory.mktemp("scored") / "x.db", episodes_dir)
     prep = prepare(store, _cfg(ref, tiny_model_dir))
@@ -173,8 +177,17 @@ def test_cli_dry_run_limit_resume(tmp_path, runner, episodes_dir, ref, tiny_mode
     db = str(tmp_path / "x.db")
     store = _new_store(tmp_path / "x.db", episodes_dir)
     n = _steps(store)
-    base = ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir),
-            "--max-context", str(MAX_CONTEXT)]
+    base = [
+        "--db",
+        db,
+        "score",
+        "--server",
+        ref.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--max-context",
+        str(MAX_CONTEXT),
+    ]
 
     before = ref.requests
     r = runner.invoke(cli, [*base, "--dry-run", "--json"], catch_exceptions=False)
@@ -219,8 +232,9 @@ def test_cli_dry_run_limit_resume(tmp_path, runner, episodes_dir, ref, tiny_mode
     library_store, library_prep, _ = scored
     sid = store.query("SELECT id FROM scorers")[1]
     assert sid == [(library_prep.scorer_id,)]
-    _assert_same_values(stored_scores(store, library_prep.scorer_id),
-                        stored_scores(library_store, library_prep.scorer_id))
+    _assert_same_values(
+        stored_scores(store, library_prep.scorer_id), stored_scores(library_store, library_prep.scorer_id)
+    )
     r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
     assert f"scored {n} / failed 0 / missing 0" in r.output
     store.close()
@@ -250,14 +264,15 @@ def test_transformers_backend_stores_the_same_values(scored, tiny_model_dir, run
         np.testing.assert_allclose(np.frombuffer(local[key][1], "<f4"), np.frombuffer(blob, "<f4"), atol=1e-5, rtol=0)
         assert local[key][0] == pytest.approx(mean, abs=1e-5)
 
-    r = runner.invoke(cli, ["--db", store.url[len("sqlite:///"):], "scorers", "list", "--json"],
-                      catch_exceptions=False)
+    r = runner.invoke(
+        cli, ["--db", store.url[len("sqlite:///") :], "scorers", "list", "--json"], catch_exceptions=False
+    )
     assert r.exit_code == 0, r.output
     rows = {row["scorer_id"]: row for row in json.loads(r.output)}
     for sid in (prep.scorer_id, server_prep.scorer_id):
         assert (rows[sid]["scored"], rows[sid]["failed"], rows[sid]["missing"]) == (n, 0, 0)
     assert rows[prep.scorer_id]["spec"]["backend"]["kind"] == "transformers"
-    r = runner.invoke(cli, ["--db", store.url[len("sqlite:///"):], "scorers", "list"], catch_exceptions=False)
+    r = runner.invoke(cli, ["--db", store.url[len("sqlite:///") :], "scorers", "list"], catch_exceptions=False)
     assert prep.scorer_id[:12] in r.output and server_prep.scorer_id[:12] in r.output
 
 
@@ -273,9 +288,11 @@ def test_scorer_identity_and_max_logprob_tokens(scored, ref, tiny_model_dir):
     for key, (_mean, blob, token_count) in tail.items():
         assert token_count == 8
         # Same input ids (truncation depends on max_context only): the last 8 values agree.
-        np.testing.assert_allclose(np.frombuffer(blob, "<f4"), np.frombuffer(full[key][1], "<f4")[-8:],
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            np.frombuffer(blob, "<f4"), np.frombuffer(full[key][1], "<f4")[-8:], atol=1e-5, rtol=0
+        )
     with store.engine.connect() as conn:
-        skipped = conn.execute(text("SELECT MIN(skipped_action_tokens) FROM scores WHERE scorer_id = :s"),
-                               {"s": short.scorer_id}).scalar_one()
+        skipped = conn.execute(
+            text("SELECT MIN(skipped_action_tokens) FROM scores WHERE scorer_id = :s"), {"s": short.scorer_id}
+        ).scalar_one()
     assert skipped > 0

@@ -57,7 +57,7 @@ PLANS: list[list[str]] = [
     ["drop"],
     ["abort"],
     ["abort_503"],
-    ["drop", "http_500", "timeout"],           # three retries, scored at the last attempt
+    ["drop", "http_500", "timeout"],  # three retries, scored at the last attempt
     ["malformed_json"],
     ["missing_logprobs"],
     ["wrong_ids"],
@@ -65,8 +65,8 @@ PLANS: list[list[str]] = [
     ["http_400"],
     ["null_logprob"],
     ["positive_logprob"],
-    ["http_503", "wrong_ids"],                 # retried, then a permanent fault
-    ["http_503"] * MAX_ATTEMPTS,               # retryable, but the attempts run out
+    ["http_503", "wrong_ids"],  # retried, then a permanent fault
+    ["http_503"] * MAX_ATTEMPTS,  # retryable, but the attempts run out
     [],
     [],
 ]
@@ -108,8 +108,10 @@ def clean(tmp_path_factory, episodes_dir, ref, tiny_model_dir) -> dict[str, Any]
     ingest(store, [episodes_dir])
     prep = prepare(store, _cfg(ref.url, tiny_model_dir))
     prompts = step_prompts(store, prep.builder)
-    values = {key: np.asarray(parse_response(p, ref.generate(build_payload(p))).logprobs, dtype="<f4")
-              for key, p in prompts.items()}
+    values = {
+        key: np.asarray(parse_response(p, ref.generate(build_payload(p))).logprobs, dtype="<f4")
+        for key, p in prompts.items()
+    }
     requests = step_requests(store, prep.builder)
     assert len(requests) < len(prompts), "the episodes should give grouped requests"
     store.close()
@@ -120,8 +122,9 @@ def _cfg(url: str, tiny_model_dir: Path) -> ScoreConfig:
     return ScoreConfig(backend="sglang", server=url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT)
 
 
-def _score_through(store: Store, url: str, tiny_model_dir: Path, options: RunOptions = OPTIONS, *,
-                   client_timeout: float | None = None):
+def _score_through(
+    store: Store, url: str, tiny_model_dir: Path, options: RunOptions = OPTIONS, *, client_timeout: float | None = None
+):
     prep = prepare(store, _cfg(url, tiny_model_dir))
     prep.backend.timeout = client_timeout
     return prep, run_scoring(store, prep, options)
@@ -140,16 +143,20 @@ def _assert_no_wrong_value(store: Store, scorer_id: str, clean: dict[str, Any]) 
 
 def _attempts(store: Store, scorer_id: str) -> dict[tuple[str, int], dict[str, Any]]:
     with store.engine.connect() as conn:
-        rows = conn.execute(text(
-            "SELECT e.name, a.step_index, a.id, a.status, a.attempt_count, a.last_error_kind, a.last_error "
-            "FROM attempts a JOIN episodes e ON e.id = a.episode_id WHERE a.scorer_id = :s"), {"s": scorer_id}).all()
+        rows = conn.execute(
+            text(
+                "SELECT e.name, a.step_index, a.id, a.status, a.attempt_count, a.last_error_kind, a.last_error "
+                "FROM attempts a JOIN episodes e ON e.id = a.episode_id WHERE a.scorer_id = :s"
+            ),
+            {"s": scorer_id},
+        ).all()
         errors: dict[int, list[str]] = {}
-        for attempt_id, kind in conn.execute(text(
-                "SELECT attempt_id, kind FROM attempt_errors ORDER BY id")):
+        for attempt_id, kind in conn.execute(text("SELECT attempt_id, kind FROM attempt_errors ORDER BY id")):
             errors.setdefault(attempt_id, []).append(kind)
-    return {(name, idx): {"status": status, "attempt_count": n, "kind": kind, "error": err,
-                          "errors": errors.get(aid, [])}
-            for name, idx, aid, status, n, kind, err in rows}
+    return {
+        (name, idx): {"status": status, "attempt_count": n, "kind": kind, "error": err, "errors": errors.get(aid, [])}
+        for name, idx, aid, status, n, kind, err in rows
+    }
 
 
 def _status(runner, db: str) -> dict[str, Any]:
@@ -181,7 +188,8 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
     assert 0 < n_failed < len(keys)
     assert (report.scored, report.failed) == (len(keys) - n_failed, n_failed)
     assert report.retried == sum(len(kinds) for state, kinds in expected.values() if state == "done") + sum(
-        len(kinds) - 1 for state, kinds in expected.values() if state == "failed")
+        len(kinds) - 1 for state, kinds in expected.values() if state == "failed"
+    )
 
     attempts = _attempts(store, prep.scorer_id)
     for rk, steps in requests.items():
@@ -195,19 +203,34 @@ def test_planned_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean
         if state == "failed":
             assert row["kind"] == kinds[-1] and row["attempt_count"] == len(kinds) and row["error"]
     assert _assert_no_wrong_value(store, prep.scorer_id, clean) == len(keys) - n_failed
-    assert report.failure_kinds == {k: sum(1 for s, ks in expected.values() if s == "failed" and ks[-1] == k)
-                                    for k in {ks[-1] for s, ks in expected.values() if s == "failed"}}
+    assert report.failure_kinds == {
+        k: sum(1 for s, ks in expected.values() if s == "failed" and ks[-1] == k)
+        for k in {ks[-1] for s, ks in expected.values() if s == "failed"}
+    }
 
     counts = _status(runner, db)
     assert (counts["scored"], counts["failed"], counts["missing"], counts["leased"]) == (
-        len(keys) - n_failed, n_failed, 0, 0)
+        len(keys) - n_failed,
+        n_failed,
+        0,
+        0,
+    )
     r = runner.invoke(cli, ["--db", db, "status"], catch_exceptions=False)
     assert f"scored {len(keys) - n_failed} / failed {n_failed} / missing 0" in r.output
 
     # A plain rerun leaves failed steps alone; --retry-failed against a clean server completes them,
     # regrouped into the requests that failed (their steps fail together).
-    base = ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir),
-            "--max-context", str(MAX_CONTEXT)]
+    base = [
+        "--db",
+        db,
+        "score",
+        "--server",
+        ref.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--max-context",
+        str(MAX_CONTEXT),
+    ]
     before = ref.requests
     r = runner.invoke(cli, base, catch_exceptions=False)
     assert "scored 0, failed 0" in r.output and ref.requests == before
@@ -253,8 +276,22 @@ def test_random_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean,
     counts = _status(runner, db)
     assert (counts["scored"], counts["failed"], counts["missing"]) == (scored, len(failed), 0)
 
-    r = runner.invoke(cli, ["--db", db, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir),
-                            "--max-context", str(MAX_CONTEXT), "--retry-failed"], catch_exceptions=False)
+    r = runner.invoke(
+        cli,
+        [
+            "--db",
+            db,
+            "score",
+            "--server",
+            ref.url,
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--max-context",
+            str(MAX_CONTEXT),
+            "--retry-failed",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     assert f"scored {len(failed)}, failed 0" in r.output
     assert _assert_no_wrong_value(store, prep.scorer_id, clean) == len(keys)
@@ -263,17 +300,27 @@ def test_random_faults(tmp_path, runner, episodes_dir, ref, fault_server, clean,
 
 
 @pytest.mark.slow
-def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_path, episodes_dir, ref,
-                                                                           fault_server, clean, tiny_model_dir):
+def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(
+    tmp_path, episodes_dir, ref, fault_server, clean, tiny_model_dir
+):
     """429 with Retry-After 0.1 waits 0.1 s (not the tiny backoff); a dead server fails to start cleanly."""
     store = Store.open(str(tmp_path / "x.db"))
     ingest(store, [episodes_dir])
     key = sorted(clean["prompts"])[0]
     fault_server.reset(plan_schedule({request_key(clean["prompts"][key]): ["http_429"] * 3}))
-    prep, report = _score_through(store, fault_server.url, tiny_model_dir,
-                                  RunOptions(concurrency=1, max_attempts=4, backoff_base=0.001, backoff_cap=1.0,
-                                             filters=__import__("hcapo_store.scoring.work_queue", fromlist=["Filters"]).Filters(
-                                                 episodes=(key[0],)), limit=1))
+    prep, report = _score_through(
+        store,
+        fault_server.url,
+        tiny_model_dir,
+        RunOptions(
+            concurrency=1,
+            max_attempts=4,
+            backoff_base=0.001,
+            backoff_cap=1.0,
+            filters=__import__("hcapo_store.scoring.work_queue", fromlist=["Filters"]).Filters(episodes=(key[0],)),
+            limit=1,
+        ),
+    )
     assert (report.scored, report.retried) == (1, 3)
     times = [e.at for e in sorted(fault_server.log, key=lambda e: e.n)]
     assert len(times) == 4
@@ -290,21 +337,31 @@ def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(tmp_pat
     store.close()
 
 
-@pytest.mark.parametrize("bad, kind", [
-    (lambda e: e.__setitem__(2, [False, e[2][1], None]), "bad_response"),   # bool is not a logprob
-    (lambda e: e.__setitem__(2, ["-0.5", e[2][1], None]), "bad_response"),  # nor is a string
-    (lambda e: e.__setitem__(2, [float("nan"), e[2][1], None]), "bad_response"),
-    (lambda e: e.__setitem__(2, "ab"), "bad_response"),
-    (lambda e: e.__setitem__(1, [-0.1]), "bad_response"),
-    (lambda e: e.__setitem__(0, [None, e[0][1] + 1, None]), "mismatch"),     # the unscored entry is checked too
-    (lambda e: e.append([-0.1, 5, None]), "mismatch"),
-])
+@pytest.mark.parametrize(
+    "bad, kind",
+    [
+        (lambda e: e.__setitem__(2, [False, e[2][1], None]), "bad_response"),  # bool is not a logprob
+        (lambda e: e.__setitem__(2, ["-0.5", e[2][1], None]), "bad_response"),  # nor is a string
+        (lambda e: e.__setitem__(2, [float("nan"), e[2][1], None]), "bad_response"),
+        (lambda e: e.__setitem__(2, "ab"), "bad_response"),
+        (lambda e: e.__setitem__(1, [-0.1]), "bad_response"),
+        (lambda e: e.__setitem__(0, [None, e[0][1] + 1, None]), "mismatch"),  # the unscored entry is checked too
+        (lambda e: e.append([-0.1, 5, None]), "mismatch"),
+    ],
+)
 def test_parse_response_rejects_what_the_fast_path_must_not_accept(bad, kind):
     from hcapo_store.errors import InferenceError
     from hcapo_store.scoring.prompts import StepPrompt
 
-    prompt = StepPrompt(step_index=0, input_ids=[7, 8, 9, 10, 11], first_scored=2, total_action_tokens=3,
-                        skipped_action_tokens=0, truncated_prefix_tokens=0, flattened=False)
+    prompt = StepPrompt(
+        step_index=0,
+        input_ids=[7, 8, 9, 10, 11],
+        first_scored=2,
+        total_action_tokens=3,
+        skipped_action_tokens=0,
+        truncated_prefix_tokens=0,
+        flattened=False,
+    )
     entries = [[None, 8, None], (-0.25, 9, None), [0, 10, None], [-1e-6, 11, "x"]]
     assert parse_response(prompt, {"meta_info": {"input_token_logprobs": entries}}).logprobs == [-0.25, 0.0, -1e-6]
     bad(entries)

@@ -59,8 +59,21 @@ def _store(path: Path, episodes_dir: Path) -> Store:
 
 
 def _cmd(db: Path, server: FaultServer, tiny_model_dir: Path) -> list[str]:
-    return [HCAPO, "--db", str(db), "score", "--server", server.url, "--tokenizer", str(tiny_model_dir),
-            "--max-context", str(MAX_CONTEXT), "--concurrency", str(CONCURRENCY), "--json"]
+    return [
+        HCAPO,
+        "--db",
+        str(db),
+        "score",
+        "--server",
+        server.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--json",
+    ]
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -78,8 +91,10 @@ def _lease_owners(store: Store) -> list[str]:
 
 def _holding(store: Store, processes: int) -> bool:
     """Every process holds leases, or (more processes than episodes to go round) all are leased."""
-    pending, total = count(store, "SELECT COUNT(*) FROM attempts WHERE status = 'pending'"), count(
-        store, "SELECT COUNT(*) FROM attempts")
+    pending, total = (
+        count(store, "SELECT COUNT(*) FROM attempts WHERE status = 'pending'"),
+        count(store, "SELECT COUNT(*) FROM attempts"),
+    )
     owners = len(_lease_owners(store))
     return total > 0 and (owners == processes or (pending == 0 and owners >= 2))
 
@@ -87,8 +102,14 @@ def _holding(store: Store, processes: int) -> bool:
 def _check_complete(store: Store) -> int:
     steps = count(store, "SELECT COUNT(*) FROM steps")
     assert _scores(store) == steps
-    assert count(store, "SELECT COUNT(*) FROM (SELECT step_id, scorer_id FROM scores "
-                        "GROUP BY step_id, scorer_id HAVING COUNT(*) > 1) d") == 0
+    assert (
+        count(
+            store,
+            "SELECT COUNT(*) FROM (SELECT step_id, scorer_id FROM scores "
+            "GROUP BY step_id, scorer_id HAVING COUNT(*) > 1) d",
+        )
+        == 0
+    )
     with store.engine.connect() as conn:
         states = dict(conn.execute(text("SELECT status, COUNT(*) FROM attempts GROUP BY status")).all())
     assert states == {"done": steps}
@@ -99,8 +120,9 @@ def _check_complete(store: Store) -> int:
 def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, tiny_model_dir):
     # The uninterrupted run, into another database.
     clean = _store(tmp_path / "clean.db", episodes_dir)
-    prep = prepare(clean, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
-                                      max_context=MAX_CONTEXT))
+    prep = prepare(
+        clean, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT)
+    )
     assert run_scoring(clean, prep, RunOptions(concurrency=CONCURRENCY)).failed == 0
     steps = _check_complete(clean)
     expected = stored_scores(clean, prep.scorer_id)
@@ -123,8 +145,10 @@ def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, ti
             # committed a random part (at most a third) of what is left, however slow or fast
             # the machine is; then within one flush interval, so requests are in flight.
             target = before_scores + rng.randint(1, max(1, (steps - before_scores) // 3))
-            wait_until(lambda p=proc, target=target: _scores(store) >= target or p.poll() is not None,
-                       "a random part of the work committed")
+            wait_until(
+                lambda p=proc, target=target: _scores(store) >= target or p.poll() is not None,
+                "a random part of the work committed",
+            )
             time.sleep(rng.uniform(0.0, FLUSH_SECONDS))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
@@ -139,8 +163,9 @@ def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, ti
 
     missing = steps - _scores(store)
     with FaultServer(server.ref, delay=0.02) as final_server:
-        done = subprocess.run(_cmd(db, final_server, tiny_model_dir), capture_output=True, text=True,
-                              timeout=HANG_GUARD_S)
+        done = subprocess.run(
+            _cmd(db, final_server, tiny_model_dir), capture_output=True, text=True, timeout=HANG_GUARD_S
+        )
     requested.append(final_server.step_counts(prompts))
     assert done.returncode == 0, done.stdout + done.stderr
     # The resumed run scores exactly the missing steps: dead workers' leases are released at once.
@@ -149,7 +174,9 @@ def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, ti
     # No process asks for a step twice: a step is requested again only by a later process,
     # after a kill lost it (in flight, or answered but not yet committed by the writer).
     # (step_counts lists every step, with 0 for those a process did not request)
-    assert all(max(c.values(), default=0) <= 1 for c in requested), [[kv for kv in c.items() if kv[1] > 1] for c in requested]
+    assert all(max(c.values(), default=0) <= 1 for c in requested), [
+        [kv for kv in c.items() if kv[1] > 1] for c in requested
+    ]
     total = sum(requested, Counter())
     assert len(total) == steps and max(total.values()) <= 1 + kills
     # Lost work per kill is bounded: the requests in flight (one per concurrent episode) and
@@ -178,16 +205,20 @@ def test_processes_share_one_queue(tmp_path, server, episodes_dir, tiny_model_di
     server.gate.clear()  # scoring starts once the processes hold work (however slowly they start)
     try:
         procs = [_spawn(_cmd(db, server, tiny_model_dir), tmp_path / f"p{i}.log") for i in range(processes)]
-        wait_until(lambda: _holding(store, processes), "the processes hold all the work they can",
-                   procs={f"p{i}": p for i, p in enumerate(procs)})
+        wait_until(
+            lambda: _holding(store, processes),
+            "the processes hold all the work they can",
+            procs={f"p{i}": p for i, p in enumerate(procs)},
+        )
         holders = set(_lease_owners(store))
     finally:
         server.gate.set()
     for i, proc in enumerate(procs):
         assert proc.wait(timeout=HANG_GUARD_S) == 0, (tmp_path / f"p{i}.log").read_text()
     # No step was requested twice, none is missing; steps were grouped.
-    prep = prepare(store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir),
-                                      max_context=MAX_CONTEXT))
+    prep = prepare(
+        store, ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT)
+    )
     per_step = server.step_counts(step_prompts(store, prep.builder))
     assert len(per_step) == steps and set(per_step.values()) == {1}
     assert set(server.counts.values()) == {1} and server.requests < steps

@@ -25,24 +25,41 @@ from hcapo_store.storage.store import Store
 FORGETFUL = (
     "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
     "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    + CHATML_WITH_BOS.replace("{{ m.content }}", "{{ '[earlier turn]' if m.role == 'assistant' and "
-                              "loop.index0 < ns.last_user else m.content }}"))
+    + CHATML_WITH_BOS.replace(
+        "{{ m.content }}",
+        "{{ '[earlier turn]' if m.role == 'assistant' and loop.index0 < ns.last_user else m.content }}",
+    )
+)
 
 
 def _two_turn_episodes(path: Path) -> Path:
     """Two JSONL episodes with a second user message after two assistant steps."""
     lines = []
     for name, reward in (("good", 0.9), ("bad", 0.3)):
+
         def call(i: int, name: str = name) -> dict:
-            return {"role": "assistant", "content": f"step {i} of {name}", "tool_calls": [
-                {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}
+            return {
+                "role": "assistant",
+                "content": f"step {i} of {name}",
+                "tool_calls": [
+                    {"id": f"c{i}", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
+                ],
+            }
 
         def result(i: int) -> dict:
             return {"role": "tool", "name": "bash", "tool_call_id": f"c{i}", "content": f"out {i}"}
 
-        messages = [{"role": "user", "content": "task"}, call(0), result(0), call(1), result(1),
-                    {"role": "user", "content": "now finish"}, call(2), result(2),
-                    {"role": "assistant", "content": "done"}]
+        messages = [
+            {"role": "user", "content": "task"},
+            call(0),
+            result(0),
+            call(1),
+            result(1),
+            {"role": "user", "content": "now finish"},
+            call(2),
+            result(2),
+            {"role": "assistant", "content": "done"},
+        ]
         lines.append(json.dumps({"episode_id": name, "reward": reward, "messages": messages}))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -66,17 +83,19 @@ def _rendered_action(tok, messages: list[dict], m: int) -> str:
     """The action text as scoring defines it: full render minus the generation-prompt prefix."""
     msgs = normalize_messages(messages)
     prefix = tok.apply_chat_template(msgs[:m], tokenize=False, add_generation_prompt=True)
-    full = tok.apply_chat_template(msgs[:m + 1], tokenize=False)
+    full = tok.apply_chat_template(msgs[: m + 1], tokenize=False)
     assert full.startswith(prefix)
-    return full[len(prefix):]
+    return full[len(prefix) :]
 
 
-def test_weighted_tokens_decode_to_each_steps_action(store: Store, samples: Path, demo_tokenizer_dir: Path,
-                                                      tmp_path: Path) -> None:
+def test_weighted_tokens_decode_to_each_steps_action(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path
+) -> None:
     scored_with(store, samples, demo_tokenizer_dir)
     tok = load_tokenizer(demo_tokenizer_dir)
-    summary = export_dataset(store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized",
-                             tokenizer=demo_tokenizer_dir)
+    summary = export_dataset(
+        store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized", tokenizer=demo_tokenizer_dir
+    )
     rows = _rows(tmp_path / "t.jsonl")
     assert rows and summary["episodes_in_dataset"] == len(rows) and summary["unaligned_steps"] == 0
     ep_ids = dict(store.query("SELECT name, id FROM episodes")[1])
@@ -97,11 +116,13 @@ def test_weighted_tokens_decode_to_each_steps_action(store: Store, samples: Path
             assert row["provenance"]["credits"] == "r" and row["provenance"]["scorer_id"] == "sc"
 
 
-def test_step_weights_equal_eq8_reference(store: Store, samples: Path, demo_tokenizer_dir: Path,
-                                          tmp_path: Path) -> None:
+def test_step_weights_equal_eq8_reference(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path
+) -> None:
     scored_with(store, samples, demo_tokenizer_dir)
-    export_dataset(store, tmp_path / "t.jsonl", "r", omega=0.6, min_reward=0.0, layout="tokenized",
-                   tokenizer=demo_tokenizer_dir)
+    export_dataset(
+        store, tmp_path / "t.jsonl", "r", omega=0.6, min_reward=0.0, layout="tokenized", tokenizer=demo_tokenizer_dir
+    )
     ref_rows, _ = build_hcapo_rows(_reference_inputs(store, "r"), omega=0.6, min_reward=0.0)
     ref = {r["_episode_id"]: r for r in ref_rows}
     rows = _rows(tmp_path / "t.jsonl")
@@ -118,8 +139,9 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     bos_tokenizer(tok_dir, template=FORGETFUL)
     scored_with(store, _two_turn_episodes(tmp_path / "eps.jsonl"), tok_dir)
     # omega 0: every step of the better episode has the same positive weight
-    summary = export_dataset(store, tmp_path / "t.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized",
-                             tokenizer=tok_dir)
+    summary = export_dataset(
+        store, tmp_path / "t.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized", tokenizer=tok_dir
+    )
     (row,) = _rows(tmp_path / "t.jsonl")
     assert row["episode"].endswith("good") and summary["unaligned_steps"] == 2
     # the two steps before the second user message render as "[earlier turn]" in the episode
@@ -132,7 +154,7 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
     tok = load_tokenizer(tok_dir)
     assert "step 0" not in tok.decode([row["input_ids"][i] for i in weighted])
-    assert tok.decode(row["input_ids"][spans[0].start:spans[0].stop]).startswith("step 2 of good")
+    assert tok.decode(row["input_ids"][spans[0].start : spans[0].stop]).startswith("step 2 of good")
 
 
 def test_qwen3_refuses_turns_whose_reasoning_is_dropped() -> None:
@@ -167,8 +189,9 @@ def test_parquet_and_datasets(store: Store, samples: Path, demo_tokenizer_dir: P
     datasets = pytest.importorskip("datasets")
     scored_with(store, samples, demo_tokenizer_dir)
     for fmt in ("jsonl", "parquet"):
-        export_dataset(store, tmp_path / f"t.{fmt}", "r", min_reward=0.0, layout="tokenized",
-                       tokenizer=demo_tokenizer_dir, fmt=fmt)
+        export_dataset(
+            store, tmp_path / f"t.{fmt}", "r", min_reward=0.0, layout="tokenized", tokenizer=demo_tokenizer_dir, fmt=fmt
+        )
     js = datasets.load_dataset("json", data_files=str(tmp_path / "t.jsonl"), split="train")
     pq = datasets.load_dataset("parquet", data_files=str(tmp_path / "t.parquet"), split="train")
     assert len(js) == len(pq) > 0
@@ -177,11 +200,24 @@ def test_parquet_and_datasets(store: Store, samples: Path, demo_tokenizer_dir: P
         assert a == pytest.approx(b, rel=1e-6)
 
 
-def test_weights_in_messages(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path,
-                             runner, db_path: Path) -> None:
+def test_weights_in_messages(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, runner, db_path: Path
+) -> None:
     scored_with(store, samples, demo_tokenizer_dir)
-    r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "w.jsonl"), "--min-reward", "0",
-                            "--weights-in-messages"], catch_exceptions=False)
+    r = runner.invoke(
+        cli,
+        [
+            "--db",
+            str(db_path),
+            "export",
+            "dataset",
+            str(tmp_path / "w.jsonl"),
+            "--min-reward",
+            "0",
+            "--weights-in-messages",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     export_dataset(store, tmp_path / "plain.jsonl", "r", min_reward=0.0)
     for row, plain in zip(_rows(tmp_path / "w.jsonl"), _rows(tmp_path / "plain.jsonl"), strict=True):
@@ -197,12 +233,26 @@ def test_weights_in_messages(store: Store, samples: Path, demo_tokenizer_dir: Pa
     assert got == want
 
 
-def test_cli_tokenized_needs_tokenizer(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path,
-                                       runner, db_path: Path) -> None:
+def test_cli_tokenized_needs_tokenizer(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, runner, db_path: Path
+) -> None:
     scored_with(store, samples, demo_tokenizer_dir)
     r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "t.jsonl"), "--tokenized"])
     assert r.exit_code == 1 and "--tokenizer" in r.output and "Traceback" not in r.output
-    r = runner.invoke(cli, ["--db", str(db_path), "export", "dataset", str(tmp_path / "t.jsonl"), "--tokenized",
-                            "--tokenizer", str(demo_tokenizer_dir), "--min-reward", "0"])
+    r = runner.invoke(
+        cli,
+        [
+            "--db",
+            str(db_path),
+            "export",
+            "dataset",
+            str(tmp_path / "t.jsonl"),
+            "--tokenized",
+            "--tokenizer",
+            str(demo_tokenizer_dir),
+            "--min-reward",
+            "0",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "weighted step(s)" in r.output and (tmp_path / "t.jsonl").exists()

@@ -51,7 +51,9 @@ def full(tiny_model_dir: Path, chat_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 512])
-def test_score_matches_full_forward(tiny_model_dir: Path, chat_ids: list[int], full: torch.Tensor, chunk_size: int) -> None:
+def test_score_matches_full_forward(
+    tiny_model_dir: Path, chat_ids: list[int], full: torch.Tensor, chunk_size: int
+) -> None:
     scorer = LogprobModel(tiny_model_dir, chunk_size=chunk_size)
     n = len(chat_ids)
     assert n > 40  # the scored spans below are longer than the small chunks
@@ -122,7 +124,9 @@ def test_demo_chat_template(demo_tokenizer_dir: Path) -> None:
     assert '{"type": "function", "function": {"name": "bash"}}' in with_tools
 
 
-def test_demo_assets_are_deterministic_and_idempotent(tmp_path: Path, demo_tokenizer_dir: Path, tiny_model_dir: Path) -> None:
+def test_demo_assets_are_deterministic_and_idempotent(
+    tmp_path: Path, demo_tokenizer_dir: Path, tiny_model_dir: Path
+) -> None:
     again = build_demo_tokenizer(tmp_path / "tok")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (demo_tokenizer_dir / name).read_bytes()

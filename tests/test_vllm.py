@@ -30,21 +30,42 @@ IDS = [3, 17, 5, 9, 11, 4]
 
 
 def _prompt(ids: list[int] = IDS, first_scored: int = 3) -> StepPrompt:
-    return StepPrompt(step_index=0, input_ids=list(ids), first_scored=first_scored,
-                      total_action_tokens=len(ids) - first_scored, skipped_action_tokens=0,
-                      truncated_prefix_tokens=0, flattened=False)
+    return StepPrompt(
+        step_index=0,
+        input_ids=list(ids),
+        first_scored=first_scored,
+        total_action_tokens=len(ids) - first_scored,
+        skipped_action_tokens=0,
+        truncated_prefix_tokens=0,
+        flattened=False,
+    )
 
 
 def _good_body(ids: list[int] = IDS, *, value: float = -1.5) -> dict[str, Any]:
     entries: list[Any] = [None]
     for i, tok in enumerate(ids[1:], start=1):
-        entries.append({str(tok): {"logprob": value - i / 10, "rank": 2, "decoded_token": "x"},
-                        "99": {"logprob": -0.1, "rank": 1, "decoded_token": "y"}})
+        entries.append(
+            {
+                str(tok): {"logprob": value - i / 10, "rank": 2, "decoded_token": "x"},
+                "99": {"logprob": -0.1, "rank": 1, "decoded_token": "y"},
+            }
+        )
     # vLLM names the served model (the request's) in every completion.
-    return {"id": "cmpl-1", "object": "text_completion", "model": "served-name",
-            "choices": [{"index": 0, "text": "a", "finish_reason": "length", "prompt_logprobs": entries,
-                         "prompt_token_ids": list(ids)}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "served-name",
+        "choices": [
+            {
+                "index": 0,
+                "text": "a",
+                "finish_reason": "length",
+                "prompt_logprobs": entries,
+                "prompt_token_ids": list(ids),
+            }
+        ],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
+    }
 
 
 # --- pure functions ----------------------------------------------------------------------
@@ -52,8 +73,14 @@ def _good_body(ids: list[int] = IDS, *, value: float = -1.5) -> dict[str, Any]:
 
 def test_build_payload() -> None:
     p = build_payload(_prompt(), model="served")
-    assert p == {"prompt": IDS, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1, "stream": False,
-                 "model": "served"}
+    assert p == {
+        "prompt": IDS,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 1,
+        "stream": False,
+        "model": "served",
+    }
     assert build_payload(_prompt(), prompt_logprobs=0)["prompt_logprobs"] == 0
     with pytest.raises(ValueError):
         build_payload(_prompt(first_scored=0))
@@ -78,21 +105,24 @@ def _mutated(fn) -> dict[str, Any]:  # noqa: ANN001
     return body
 
 
-@pytest.mark.parametrize(("mutate", "kind"), [
-    (lambda b, c: c["prompt_logprobs"][4].pop(str(IDS[4])), "mismatch"),  # sent id missing in a scored row
-    (lambda b, c: c["prompt_logprobs"][1].pop(str(IDS[1])), "mismatch"),  # ... in a context row
-    (lambda b, c: c["prompt_logprobs"].pop(), "mismatch"),  # one entry short
-    (lambda b, c: c.__setitem__("prompt_token_ids", [*IDS[:-1], 7]), "mismatch"),
-    (lambda b, c: b["usage"].__setitem__("prompt_tokens", len(IDS) - 1), "mismatch"),
-    (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", -9999.0), "bad_response"),
-    (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", None), "bad_response"),
-    (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", 0.5), "bad_response"),
-    (lambda b, c: c["prompt_logprobs"].__setitem__(0, {str(IDS[0]): {"logprob": -1.0}}), "bad_response"),
-    (lambda b, c: c["prompt_logprobs"].__setitem__(3, None), "bad_response"),
-    (lambda b, c: c.__setitem__("prompt_logprobs", None), "bad_response"),  # misspelled / ignored param
-    (lambda b, c: b["choices"].append(dict(c)), "bad_response"),
-    (lambda b, c: b.pop("choices"), "bad_response"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "kind"),
+    [
+        (lambda b, c: c["prompt_logprobs"][4].pop(str(IDS[4])), "mismatch"),  # sent id missing in a scored row
+        (lambda b, c: c["prompt_logprobs"][1].pop(str(IDS[1])), "mismatch"),  # ... in a context row
+        (lambda b, c: c["prompt_logprobs"].pop(), "mismatch"),  # one entry short
+        (lambda b, c: c.__setitem__("prompt_token_ids", [*IDS[:-1], 7]), "mismatch"),
+        (lambda b, c: b["usage"].__setitem__("prompt_tokens", len(IDS) - 1), "mismatch"),
+        (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", -9999.0), "bad_response"),
+        (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", None), "bad_response"),
+        (lambda b, c: c["prompt_logprobs"][5][str(IDS[5])].__setitem__("logprob", 0.5), "bad_response"),
+        (lambda b, c: c["prompt_logprobs"].__setitem__(0, {str(IDS[0]): {"logprob": -1.0}}), "bad_response"),
+        (lambda b, c: c["prompt_logprobs"].__setitem__(3, None), "bad_response"),
+        (lambda b, c: c.__setitem__("prompt_logprobs", None), "bad_response"),  # misspelled / ignored param
+        (lambda b, c: b["choices"].append(dict(c)), "bad_response"),
+        (lambda b, c: b.pop("choices"), "bad_response"),
+    ],
+)
 def test_parse_rejects(mutate, kind: str) -> None:  # noqa: ANN001
     with pytest.raises(InferenceError) as info:
         parse_response(_prompt(), _mutated(mutate))
@@ -115,7 +145,10 @@ class _Fault:
 
     def __init__(self) -> None:
         self.reply: tuple[int, bytes] = (200, b"{}")
-        self.models: Any = {"object": "list", "data": [{"id": "served-name", "root": "/nowhere", "max_model_len": 4096}]}
+        self.models: Any = {
+            "object": "list",
+            "data": [{"id": "served-name", "root": "/nowhere", "max_model_len": 4096}],
+        }
         self.bodies: list[dict[str, Any]] = []
         fault = self
 
@@ -172,19 +205,35 @@ def test_fault_server_good_and_model_discovery(fault: _Fault) -> None:
     assert result.logprobs == pytest.approx([-1.8, -1.9, -2.0]) and result.model_id == "/nowhere"
     assert fault.bodies[-1]["model"] == "served-name" and fault.bodies[-1]["prompt"] == IDS
     assert backend.context_length() == 4096
-    assert backend.identity() == {"kind": "vllm", "model": "served-name", "server_model": "/nowhere",
-                                  "prompt_logprobs": 1}
+    assert backend.identity() == {
+        "kind": "vllm",
+        "model": "served-name",
+        "server_model": "/nowhere",
+        "prompt_logprobs": 1,
+    }
 
 
-@pytest.mark.parametrize(("status", "data", "kind", "retryable"), [
-    (200, b"not json", "bad_response", False),
-    (200, json.dumps({"object": "error", "message": "boom", "code": 400}).encode(), "bad_response", False),
-    (200, json.dumps(_mutated(lambda b, c: c["prompt_logprobs"][4].pop(str(IDS[4])))).encode(), "mismatch", False),
-    (200, json.dumps(_mutated(lambda b, c: c["prompt_logprobs"][4][str(IDS[4])].update(logprob=-9999.0))).encode(),
-     "bad_response", False),
-    (400, json.dumps({"error": {"message": "bad", "type": "BadRequestError", "code": 400}}).encode(), "http_400", False),
-    (503, b'{"error": {"message": "overloaded"}}', "http_503", True),
-])
+@pytest.mark.parametrize(
+    ("status", "data", "kind", "retryable"),
+    [
+        (200, b"not json", "bad_response", False),
+        (200, json.dumps({"object": "error", "message": "boom", "code": 400}).encode(), "bad_response", False),
+        (200, json.dumps(_mutated(lambda b, c: c["prompt_logprobs"][4].pop(str(IDS[4])))).encode(), "mismatch", False),
+        (
+            200,
+            json.dumps(_mutated(lambda b, c: c["prompt_logprobs"][4][str(IDS[4])].update(logprob=-9999.0))).encode(),
+            "bad_response",
+            False,
+        ),
+        (
+            400,
+            json.dumps({"error": {"message": "bad", "type": "BadRequestError", "code": 400}}).encode(),
+            "http_400",
+            False,
+        ),
+        (503, b'{"error": {"message": "overloaded"}}', "http_503", True),
+    ],
+)
 def test_fault_server_rejects(fault: _Fault, status: int, data: bytes, kind: str, retryable: bool) -> None:
     fault.reply = (status, data)
     with pytest.raises(InferenceError) as info:
@@ -264,8 +313,9 @@ def test_reference_server_matches_sglang_and_forward_pass(server: ReferenceServe
         assert v.prompt_tokens == len(p.input_ids)
 
 
-def test_score_steps_end_to_end_same_as_sglang(server: ReferenceServer, tiny_model_dir: Path, samples: Path,
-                                               tmp_path: Path) -> None:
+def test_score_steps_end_to_end_same_as_sglang(
+    server: ReferenceServer, tiny_model_dir: Path, samples: Path, tmp_path: Path
+) -> None:
     with Store.open(str(tmp_path / "v.db")) as store:
         ingest(store, [samples])
         blobs = {}
@@ -274,8 +324,10 @@ def test_score_steps_end_to_end_same_as_sglang(server: ReferenceServer, tiny_mod
             prep = prepare(store, cfg)
             report = run_scoring(store, prep, RunOptions(concurrency=2, limit=6))
             assert report.scored == 6 and report.failed == 0, report.summary()
-            _, rows = store.query("SELECT step_id, token_logprobs FROM scores WHERE scorer_id = :s ORDER BY step_id",
-                                  {"s": prep.scorer_id})
+            _, rows = store.query(
+                "SELECT step_id, token_logprobs FROM scores WHERE scorer_id = :s ORDER BY step_id",
+                {"s": prep.scorer_id},
+            )
             blobs[backend] = {step: np.frombuffer(b, dtype="<f4") for step, b in rows}
         assert blobs["vllm"].keys() == blobs["sglang"].keys() and len(blobs["vllm"]) == 6
         for step, values in blobs["vllm"].items():

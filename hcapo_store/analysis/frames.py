@@ -57,8 +57,9 @@ def steps_frame(store: Store, scorer: str | None = None, *, token_logprobs: bool
         result = conn.execute(text(sql), {"scorer": scorer_id})
         frame = pd.DataFrame(result.all(), columns=list(result.keys()))
     if token_logprobs:
-        frame["token_logprobs"] = [np.frombuffer(bytes(b), dtype="<f4") if b is not None else None
-                                   for b in frame["token_logprobs"]]
+        frame["token_logprobs"] = [
+            np.frombuffer(bytes(b), dtype="<f4") if b is not None else None for b in frame["token_logprobs"]
+        ]
     else:
         frame = frame.drop(columns=["token_logprobs"])
     return frame

@@ -42,12 +42,20 @@ class CreditParams:
         _check("t_temp", self.t_temp, self.t_temp > 0 and math.isfinite(self.t_temp), "a finite number > 0")
         _check("gamma", self.gamma, 0.0 <= self.gamma <= 1.0, "in [0, 1]")
         _check("c_min", self.c_min, 0.0 <= self.c_min and math.isfinite(self.c_min), "a finite number >= 0")
-        _check("c_max", self.c_max, self.c_min <= self.c_max and math.isfinite(self.c_max),
-               f"a finite number >= c_min ({self.c_min:g})")
+        _check(
+            "c_max",
+            self.c_max,
+            self.c_min <= self.c_max and math.isfinite(self.c_max),
+            f"a finite number >= c_min ({self.c_min:g})",
+        )
         _check("alpha", self.alpha, 0.0 <= self.alpha <= 1.0, "in [0, 1]")
         mlt = self.max_logprob_tokens
-        _check("max_logprob_tokens", mlt, mlt is None or (isinstance(mlt, int) and not isinstance(mlt, bool)),
-               "an integer (<= 0 or none: all stored tokens)")
+        _check(
+            "max_logprob_tokens",
+            mlt,
+            mlt is None or (isinstance(mlt, int) and not isinstance(mlt, bool)),
+            "an integer (<= 0 or none: all stored tokens)",
+        )
         # The original treats <= 0 as "all tokens": normalise so both hash the same.
         if self.max_logprob_tokens is not None and self.max_logprob_tokens <= 0:
             object.__setattr__(self, "max_logprob_tokens", None)
@@ -170,7 +178,7 @@ def smooth_backwards(q: np.ndarray, dist_to_end: np.ndarray, alpha: float) -> np
     order = np.argsort(dist_to_end, kind="stable")
     bounds = np.cumsum(np.bincount(dist_to_end))
     for d in range(1, len(bounds)):
-        idx = order[bounds[d - 1]:bounds[d]]
+        idx = order[bounds[d - 1] : bounds[d]]
         out[idx] = alpha * q[idx] + (1 - alpha) * out[idx + 1]
     return out
 
@@ -208,8 +216,9 @@ def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) ->
     return out
 
 
-def hcapo_weights(rewards: np.ndarray, q: Sequence[np.ndarray], omega: float = 1.0,
-                  groups: Sequence[Any] | None = None) -> Eq8Result:
+def hcapo_weights(
+    rewards: np.ndarray, q: Sequence[np.ndarray], omega: float = 1.0, groups: Sequence[Any] | None = None
+) -> Eq8Result:
     """Eq. 8 as ``build_hcapo_dataset.py`` implements it (docs/ORIGINAL.md §3)."""
     grpo = grpo_advantages(rewards, groups)
     flat = np.concatenate(q) if len(q) else np.zeros(0)

@@ -42,8 +42,19 @@ WHERE e.is_current IS TRUE
 ORDER BY e.id, s.step_index
 """
 
-CREDIT_COLUMNS = ("run_id", "step_id", "mean_logprob", "token_count", "pi_hind", "rho_raw", "rho",
-                  "r_t", "discount", "q_h", "q_h_smoothed")
+CREDIT_COLUMNS = (
+    "run_id",
+    "step_id",
+    "mean_logprob",
+    "token_count",
+    "pi_hind",
+    "rho_raw",
+    "rho",
+    "r_t",
+    "discount",
+    "q_h",
+    "q_h_smoothed",
+)
 
 
 @dataclass
@@ -76,8 +87,10 @@ class RunInfo:
             why.append(f"{self.uncredited_complete_episodes} completely scored episode(s) are not in it")
         if not why:
             return None
-        return (f"credit run {self.name!r} is stale: {'; '.join(why)}; run `hcapo-store credits compute "
-                f"--recompute` with its parameters")
+        return (
+            f"credit run {self.name!r} is stale: {'; '.join(why)}; run `hcapo-store credits compute "
+            f"--recompute` with its parameters"
+        )
 
 
 @dataclass
@@ -89,8 +102,13 @@ class ComputeResult:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run": self.run.as_dict(), "created": self.created, "message": self.message,
-                "null_reward_steps": self.null_reward_steps, "seconds": round(self.seconds, 3)}
+        return {
+            "run": self.run.as_dict(),
+            "created": self.created,
+            "message": self.message,
+            "null_reward_steps": self.null_reward_steps,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 # ---- scorer and run lookup ---------------------------------------------------------------
@@ -105,9 +123,17 @@ FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
 
 def _run_from_row(row: Any) -> RunInfo:
     return RunInfo(
-        id=row[0], name=row[1], scorer_id=row[2], scorer_label=row[3], params=json.loads(row[4]),
-        run_hash=row[5], episodes=row[6], steps=row[7], incomplete_episodes=row[8],
-        incomplete=json.loads(row[9]) if row[9] else [], created_at=row[10],
+        id=row[0],
+        name=row[1],
+        scorer_id=row[2],
+        scorer_label=row[3],
+        params=json.loads(row[4]),
+        run_hash=row[5],
+        episodes=row[6],
+        steps=row[7],
+        incomplete_episodes=row[8],
+        incomplete=json.loads(row[9]) if row[9] else [],
+        created_at=row[10],
     )
 
 
@@ -190,8 +216,9 @@ def compute_credits(
         existing = _find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
-            return ComputeResult(existing, False, _existing_message(existing, name),
-                                 seconds=time.perf_counter() - started)
+            return ComputeResult(
+                existing, False, _existing_message(existing, name), seconds=time.perf_counter() - started
+            )
         run_name = _choose_name(conn, name, params, h, existing)
         if existing is not None:
             conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
@@ -199,16 +226,25 @@ def compute_credits(
         run_id = _insert_run(conn, run_name, scorer_id, params, h)
         totals = _fill_run(conn, run_id, scorer_id, params, on_progress)
         conn.execute(
-            text("UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
-                 "incomplete = :inc WHERE id = :id"),
-            {"e": totals.episodes, "s": totals.steps, "ni": totals.incomplete_count,
-             "inc": json.dumps(totals.incomplete), "id": run_id},
+            text(
+                "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
+                "incomplete = :inc WHERE id = :id"
+            ),
+            {
+                "e": totals.episodes,
+                "s": totals.steps,
+                "ni": totals.incomplete_count,
+                "inc": json.dumps(totals.incomplete),
+                "id": run_id,
+            },
         )
         run = _find_run(conn, "r.id = :id", id=run_id)
     assert run is not None
     verb = "recomputed" if existing is not None else "computed"
-    msg = (f"{verb} credit run {run.name!r}: {run.steps} steps of {run.episodes} episodes"
-           f"; {run.incomplete_episodes} incomplete episode(s) skipped")
+    msg = (
+        f"{verb} credit run {run.name!r}: {run.steps} steps of {run.episodes} episodes"
+        f"; {run.incomplete_episodes} incomplete episode(s) skipped"
+    )
     if totals.null_rewards:
         msg += f"; warning: {totals.null_rewards} step(s) with NULL subtask_reward used r_t = 0"
     return ComputeResult(run, True, msg, totals.null_rewards, time.perf_counter() - started)
@@ -223,16 +259,17 @@ def _existing_message(run: RunInfo, name: str | None) -> str:
     return msg + "; use --recompute to compute it again"
 
 
-def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: str,
-                 existing: RunInfo | None) -> str:
+def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: str, existing: RunInfo | None) -> str:
     def taken(n: str) -> bool:
         other = _find_run(conn, "r.name = :n", n=n)
         return other is not None and other.run_hash != h
 
     if name is not None:
         if taken(name):
-            raise CreditError(f"the name {name!r} is already used by a credit run with other "
-                              "parameters or another scorer; pick another --name")
+            raise CreditError(
+                f"the name {name!r} is already used by a credit run with other "
+                "parameters or another scorer; pick another --name"
+            )
         return name
     if existing is not None:
         return existing.name
@@ -242,13 +279,22 @@ def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: st
 
 
 def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str) -> int:
-    return int(conn.execute(
-        text("INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-             "incomplete_episodes, incomplete, created_at) "
-             "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at) RETURNING id"),
-        {"name": name, "scorer": scorer_id, "params": canonical_json(params.as_dict(), ascii_only=True), "h": h,
-         "at": utcnow().isoformat(timespec="seconds")},
-    ).scalar_one())
+    return int(
+        conn.execute(
+            text(
+                "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
+                "incomplete_episodes, incomplete, created_at) "
+                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at) RETURNING id"
+            ),
+            {
+                "name": name,
+                "scorer": scorer_id,
+                "params": canonical_json(params.as_dict(), ascii_only=True),
+                "h": h,
+                "at": utcnow().isoformat(timespec="seconds"),
+            },
+        ).scalar_one()
+    )
 
 
 @dataclass
@@ -261,8 +307,9 @@ class _Totals:
     incomplete: list[str] = field(default_factory=list)
 
 
-def _fill_run(conn: Connection, run_id: int, scorer_id: str, params: CreditParams,
-              on_progress: Callable[[int, int], None] | None) -> _Totals:
+def _fill_run(
+    conn: Connection, run_id: int, scorer_id: str, params: CreditParams, on_progress: Callable[[int, int], None] | None
+) -> _Totals:
     n = params.max_logprob_tokens
     # The blob is fetched only for scores the suffix re-aggregation actually changes.
     blob = "CASE WHEN sc.token_count > :n THEN sc.token_logprobs END" if n else "NULL"
@@ -309,7 +356,7 @@ def _raw_stream(conn: Connection, sql: Any, bind: dict[str, Any]) -> Iterator[Se
 def _episode_names(conn: Connection, ids: list[int]) -> list[str]:
     names: dict[int, str] = {}
     for i in range(0, len(ids), 500):
-        chunk = ids[i:i + 500]
+        chunk = ids[i : i + 500]
         marks = ", ".join(str(int(x)) for x in chunk)  # integers from our own query
         names.update(conn.execute(text(f"SELECT id, name FROM episodes WHERE id IN ({marks})")).all())
     return [names[i] for i in ids]
@@ -318,8 +365,9 @@ def _episode_names(conn: Connection, ids: list[int]) -> list[str]:
 def _insert_sql(conn: Connection) -> str:
     """A driver-level INSERT (plain tuples are much cheaper than dicts for a million rows)."""
     style = conn.dialect.paramstyle
-    marks = ["?" if style == "qmark" else f":{i + 1}" if style == "numeric" else "%s"
-             for i in range(len(CREDIT_COLUMNS))]
+    marks = [
+        "?" if style == "qmark" else f":{i + 1}" if style == "numeric" else "%s" for i in range(len(CREDIT_COLUMNS))
+    ]
     return f"INSERT INTO credits ({', '.join(CREDIT_COLUMNS)}) VALUES ({', '.join(marks)})"
 
 
@@ -349,7 +397,7 @@ def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals:
         ids = ep_col[starts[missing]].tolist()
         totals.incomplete_count += len(ids)
         room = MAX_LISTED_INCOMPLETE - len(totals.incomplete_ids)
-        totals.incomplete_ids.extend(ids[:max(room, 0)])
+        totals.incomplete_ids.extend(ids[: max(room, 0)])
         keep = np.repeat(~missing, np.diff(np.append(starts, len(rows))))
         rows = [r for r, k in zip(rows, keep.tolist()) if k]
         if not rows:
@@ -363,7 +411,8 @@ def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals:
     if params.max_logprob_tokens:
         _reaggregate(mean, tokens, blob, params.max_logprob_tokens)
     batch = EpisodeBatch(
-        starts=starts, mean_logprob=mean,
+        starts=starts,
+        mean_logprob=mean,
         subtask_reward=np.asarray(subtask_reward, dtype=np.float64),
         group=_group_codes(subtask_id, phase),
         episode_reward=np.asarray(reward, dtype=np.float64)[starts],
@@ -372,11 +421,21 @@ def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals:
     totals.episodes += len(starts)
     totals.steps += len(rows)
     totals.null_rewards += c.null_rewards
-    return list(zip(
-        [run_id] * len(rows), step_id, mean.tolist(), tokens.tolist(),
-        c.pi_hind.tolist(), c.rho_raw.tolist(), c.rho.tolist(), c.r_t.tolist(), c.discount.tolist(),
-        c.q_h.tolist(), c.q_h_smoothed.tolist(),
-    ))
+    return list(
+        zip(
+            [run_id] * len(rows),
+            step_id,
+            mean.tolist(),
+            tokens.tolist(),
+            c.pi_hind.tolist(),
+            c.rho_raw.tolist(),
+            c.rho.tolist(),
+            c.r_t.tolist(),
+            c.discount.tolist(),
+            c.q_h.tolist(),
+            c.q_h_smoothed.tolist(),
+        )
+    )
 
 
 def _starts(ep_col: np.ndarray) -> np.ndarray:
@@ -403,8 +462,9 @@ def _reaggregate(mean: np.ndarray, token_count: np.ndarray, blobs: Sequence[byte
 def _group_codes(subtask_ids: Sequence[str | None], phases: Sequence[str]) -> np.ndarray:
     """Integer codes of the group key ``subtask_id or phase`` (the original's ``or``)."""
     codes: dict[str, int] = {}
-    return np.fromiter((codes.setdefault(s or p, len(codes)) for s, p in zip(subtask_ids, phases)),
-                       dtype=np.int64, count=len(phases))
+    return np.fromiter(
+        (codes.setdefault(s or p, len(codes)) for s, p in zip(subtask_ids, phases)), dtype=np.int64, count=len(phases)
+    )
 
 
 # ---- show and diff ---------------------------------------------------------------------------
@@ -463,12 +523,20 @@ def iter_step_deltas(store: Store, a: str, b: str) -> Iterator[dict[str, Any]]:
     """Every common step's rho and q_h_smoothed in runs A and B and the delta B − A."""
     ra, rb = get_run(store, a), get_run(store, b)
     with db.read(store.engine) as conn:
-        result = conn.execution_options(yield_per=FETCH_ROWS).execute(
-            text(STEP_DELTAS_SQL), {"a": ra.id, "b": rb.id})
+        result = conn.execution_options(yield_per=FETCH_ROWS).execute(text(STEP_DELTAS_SQL), {"a": ra.id, "b": rb.id})
         for step_id, episode, step_index, subtask, rho_a, rho_b, q_a, q_b in result:
-            yield {"step_id": step_id, "episode": episode, "step_index": step_index, "subtask": subtask,
-                   "rho_a": rho_a, "rho_b": rho_b, "delta_rho": rho_b - rho_a,
-                   "q_h_smoothed_a": q_a, "q_h_smoothed_b": q_b, "delta_q_h_smoothed": q_b - q_a}
+            yield {
+                "step_id": step_id,
+                "episode": episode,
+                "step_index": step_index,
+                "subtask": subtask,
+                "rho_a": rho_a,
+                "rho_b": rho_b,
+                "delta_rho": rho_b - rho_a,
+                "q_h_smoothed_a": q_a,
+                "q_h_smoothed_b": q_b,
+                "delta_q_h_smoothed": q_b - q_a,
+            }
 
 
 def _quantiles(x: np.ndarray) -> dict[str, float | None]:
@@ -495,14 +563,28 @@ def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> dict[str, Any]:
     movers = []
     for i in order:
         episode, step_index, subtask = details[int(step_ids[i])]
-        movers.append({"episode": episode, "step_index": step_index, "subtask": subtask,
-                       "rho_a": arr[i, 0], "rho_b": arr[i, 1], "delta_rho": float(d_rho[i]),
-                       "q_h_smoothed_a": arr[i, 2], "q_h_smoothed_b": arr[i, 3],
-                       "delta_q_h_smoothed": float(d_q[i])})
+        movers.append(
+            {
+                "episode": episode,
+                "step_index": step_index,
+                "subtask": subtask,
+                "rho_a": arr[i, 0],
+                "rho_b": arr[i, 1],
+                "delta_rho": float(d_rho[i]),
+                "q_h_smoothed_a": arr[i, 2],
+                "q_h_smoothed_b": arr[i, 3],
+                "delta_q_h_smoothed": float(d_q[i]),
+            }
+        )
     return {
-        "a": ra.name, "b": rb.name, "common_steps": len(step_ids),
-        "only_a": ra.steps - len(step_ids), "only_b": rb.steps - len(step_ids),
-        "params_a": ra.params, "params_b": rb.params,
-        "delta_rho": _quantiles(d_rho), "delta_q_h_smoothed": _quantiles(d_q),
+        "a": ra.name,
+        "b": rb.name,
+        "common_steps": len(step_ids),
+        "only_a": ra.steps - len(step_ids),
+        "only_b": rb.steps - len(step_ids),
+        "params_a": ra.params,
+        "params_b": rb.params,
+        "delta_rho": _quantiles(d_rho),
+        "delta_q_h_smoothed": _quantiles(d_q),
         "top_moved": movers,
     }

@@ -72,7 +72,9 @@ def _find_result(messages: list[dict[str, Any]], after: int, call_id: str, taken
     return fallback
 
 
-def _transitions(messages: list[dict[str, Any]], m_index: int, full_tool_text: dict[int, str]) -> Iterator[tuple[str, str]]:
+def _transitions(
+    messages: list[dict[str, Any]], m_index: int, full_tool_text: dict[int, str]
+) -> Iterator[tuple[str, str]]:
     """(tool, untruncated result) of each answered submit_plan/advance call of one message, in call order."""
     taken: set[int] = set()
     for call in messages[m_index].get("tool_calls") or []:
@@ -86,19 +88,27 @@ def _transitions(messages: list[dict[str, Any]], m_index: int, full_tool_text: d
         yield name, full_tool_text.get(r, messages[r].get("content") or "")
 
 
-def plan_warning(messages: list[dict[str, Any]], plan: list[dict[str, Any]],
-                 full_tool_text: dict[int, str] | None = None) -> str | None:
+def plan_warning(
+    messages: list[dict[str, Any]], plan: list[dict[str, Any]], full_tool_text: dict[int, str] | None = None
+) -> str | None:
     """Why no step gets a subtask although the episode has a plan; None when a plan was accepted."""
     if not plan:
         return None
-    results = [text for i, m in enumerate(messages) if m["role"] == "assistant"
-               for name, text in _transitions(messages, i, full_tool_text or {}) if name == "submit_plan"]
+    results = [
+        text
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant"
+        for name, text in _transitions(messages, i, full_tool_text or {})
+        if name == "submit_plan"
+    ]
     if any(is_successful_response(text) for text in results):
         return None
     if not results:
         return f"plan has {len(plan)} subtask(s) but no answered submit_plan call: every step is mapped to planning"
-    return (f"plan has {len(plan)} subtask(s) but none of the {len(results)} submit_plan result(s) is a JSON "
-            "object without an 'error' key: every step is mapped to planning")
+    return (
+        f"plan has {len(plan)} subtask(s) but none of the {len(results)} submit_plan result(s) is a JSON "
+        "object without an 'error' key: every step is mapped to planning"
+    )
 
 
 def map_steps(

@@ -74,24 +74,31 @@ class IngestReport:
         )
         if self.elsewhere_count:
             source, name = self.elsewhere[0]
-            line += (f"; {self.elsewhere_count} unchanged already stored from another place "
-                     f"(e.g. {source} is {name})")
+            line += f"; {self.elsewhere_count} unchanged already stored from another place (e.g. {source} is {name})"
         if self.changed_elsewhere_count:
             source, name = self.changed_elsewhere[0]
-            line += (f"; {self.changed_elsewhere_count} changed an episode read from another place "
-                     f"(e.g. {source} is a new version of {name}; if it is another episode, give it its own id)")
+            line += (
+                f"; {self.changed_elsewhere_count} changed an episode read from another place "
+                f"(e.g. {source} is a new version of {name}; if it is another episode, give it its own id)"
+            )
         if self.warnings:
-            line += f"; {self.warnings} warning(s) stored with the episodes (hcapo-store sql \"{WARNINGS_QUERY}\")"
+            line += f'; {self.warnings} warning(s) stored with the episodes (hcapo-store sql "{WARNINGS_QUERY}")'
         return line + (" — interrupted" if self.interrupted else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "new": self.new, "changed": self.changed, "unchanged": self.unchanged,
-            "skipped": sum(self.skipped.values()), "skipped_reasons": dict(self.skipped),
-            "failed": self.failed, "failures": [{"source": s, "error": e} for s, e in self.failures],
+            "new": self.new,
+            "changed": self.changed,
+            "unchanged": self.unchanged,
+            "skipped": sum(self.skipped.values()),
+            "skipped_reasons": dict(self.skipped),
+            "failed": self.failed,
+            "failures": [{"source": s, "error": e} for s, e in self.failures],
             "skips": [{"source": s, "reason": r} for s, r in self.skips],
-            "warnings": self.warnings, "warning_list": [{"episode": n, "warning": w} for n, w in self.warning_list],
-            "steps": self.steps, "interrupted": self.interrupted,
+            "warnings": self.warnings,
+            "warning_list": [{"episode": n, "warning": w} for n, w in self.warning_list],
+            "steps": self.steps,
+            "interrupted": self.interrupted,
             "already_stored": [{"source": s, "name": n} for s, n in self.elsewhere],
             "changed_elsewhere": [{"source": s, "name": n} for s, n in self.changed_elsewhere],
         }
@@ -145,8 +152,13 @@ def ingest(
 
 
 def _ingest_batch(
-    conn: Connection, sources: Iterator[Source | IngestError], options: ConvertOptions, tags: dict[str, str],
-    report: IngestReport, pending: _Pending, on_episode: Callable[[str, str], None] | None,
+    conn: Connection,
+    sources: Iterator[Source | IngestError],
+    options: ConvertOptions,
+    tags: dict[str, str],
+    report: IngestReport,
+    pending: _Pending,
+    on_episode: Callable[[str, str], None] | None,
     seen: dict[str, tuple[str, str]],
 ) -> bool:
     """Ingest sources until the batch is full (True) or the sources run out (False)."""
@@ -170,13 +182,18 @@ def _fold(report: IngestReport, pending: _Pending) -> None:
     report.warnings += pending.warnings
     report.changed_elsewhere_count += len(pending.changed_elsewhere)
     room = MAX_LISTED - len(report.changed_elsewhere)
-    report.changed_elsewhere.extend(pending.changed_elsewhere[:max(room, 0)])
-    report.warning_list += pending.listed[:MAX_LISTED - len(report.warning_list)]
+    report.changed_elsewhere.extend(pending.changed_elsewhere[: max(room, 0)])
+    report.warning_list += pending.listed[: MAX_LISTED - len(report.warning_list)]
 
 
 def _ingest_one(
-    conn: Connection, item: Source | IngestError, options: ConvertOptions, tags: dict[str, str],
-    report: IngestReport, pending: _Pending, seen: dict[str, tuple[str, str]],
+    conn: Connection,
+    item: Source | IngestError,
+    options: ConvertOptions,
+    tags: dict[str, str],
+    report: IngestReport,
+    pending: _Pending,
+    seen: dict[str, tuple[str, str]],
 ) -> str:
     if isinstance(item, IngestError):
         _fail(report, str(item.path or ""), str(item))
@@ -188,8 +205,12 @@ def _ingest_one(
         return "failed"
     first = seen.get(item.key)  # only stored (or unchanged) sources count: a skipped one claims nothing
     if first is not None and first[0] != item.content_hash:
-        _fail(report, where, f"{where}: same episode as {first[1]} ({item.key}) with different "
-                             "content: not stored (give each episode its own id)")
+        _fail(
+            report,
+            where,
+            f"{where}: same episode as {first[1]} ({item.key}) with different "
+            "content: not stored (give each episode its own id)",
+        )
         return "failed"
     parsed: ParsedEpisode | None = None
     name = ""  # set together with parsed
@@ -198,9 +219,17 @@ def _ingest_one(
         with conn.begin_nested():
             # The latest version: current unless every version was retired by hand (SQL).
             latest = conn.execute(
-                select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current,
-                       Episode.source_path)
-                .where(Episode.source_key == item.key).order_by(Episode.version.desc()).limit(1)
+                select(
+                    Episode.id,
+                    Episode.content_hash,
+                    Episode.version,
+                    Episode.name,
+                    Episode.is_current,
+                    Episode.source_path,
+                )
+                .where(Episode.source_key == item.key)
+                .order_by(Episode.version.desc())
+                .limit(1)
             ).first()
             current = latest if latest is not None and latest.is_current else None
             if current is not None and current.content_hash == item.content_hash:
@@ -231,7 +260,7 @@ def _ingest_one(
     seen[item.key] = (item.content_hash, where)
     pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
     pending.warnings += len(parsed.warnings)
-    pending.listed += [(name, w) for w in parsed.warnings[:MAX_LISTED - len(pending.listed)]]
+    pending.listed += [(name, w) for w in parsed.warnings[: MAX_LISTED - len(pending.listed)]]
     if latest is None:
         pending.new += 1
         return "new"
@@ -257,10 +286,19 @@ def _free_name(conn: Connection, item: Source) -> str:
     raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover
 
 
-def _store_version(conn: Connection, parsed: ParsedEpisode, item: Source, name: str, latest: Any, current: Any,
-                   options: ConvertOptions, tags: dict[str, str]) -> None:
-    episode_id = _insert_episode(conn, parsed, options, source=item, name=name,
-                                 version=1 if latest is None else latest.version + 1)
+def _store_version(
+    conn: Connection,
+    parsed: ParsedEpisode,
+    item: Source,
+    name: str,
+    latest: Any,
+    current: Any,
+    options: ConvertOptions,
+    tags: dict[str, str],
+) -> None:
+    episode_id = _insert_episode(
+        conn, parsed, options, source=item, name=name, version=1 if latest is None else latest.version + 1
+    )
     if current is not None:
         conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
         old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
@@ -285,7 +323,8 @@ def _caused_by_episode(exc: SQLAlchemyError) -> bool:
     # PostgreSQL class 54 (program limit exceeded: e.g. an index row too large), SQLite "too big".
     orig = getattr(exc, "orig", None)
     return isinstance(exc, OperationalError) and (
-        str(getattr(orig, "sqlstate", "") or "").startswith("54") or "too big" in str(orig))
+        str(getattr(orig, "sqlstate", "") or "").startswith("54") or "too big" in str(orig)
+    )
 
 
 def _first_line(exc: SQLAlchemyError) -> str:
@@ -302,8 +341,10 @@ def check_tags(tags: dict[str, str]) -> None:
     """Refuse, before anything is read, tags that a database column cannot hold."""
     for key, value in tags.items():
         if not key or len(key) > TAG_KEY_LENGTH:
-            raise UsageError(f"tag key {key[:40]!r}{'…' if len(key) > 40 else ''} is {len(key)} characters long: "
-                             f"a tag key has 1 to {TAG_KEY_LENGTH} characters")
+            raise UsageError(
+                f"tag key {key[:40]!r}{'…' if len(key) > 40 else ''} is {len(key)} characters long: "
+                f"a tag key has 1 to {TAG_KEY_LENGTH} characters"
+            )
         if "\x00" in key + value:
             raise UsageError(f"tag {key[:40]!r} contains a NUL character, which databases cannot store")
 
@@ -315,51 +356,87 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
     conn.execute(insert(Tag), [{"episode_id": episode_id, "key": k, "value": v} for k, v in tags.items()])
 
 
-def _insert_episode(conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str,
-                    version: int) -> int:
+def _insert_episode(
+    conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str, version: int
+) -> int:
     steps = map_steps(
-        ep.messages, plan=ep.plan, plan_score=ep.plan_score,
-        frozen_scores=ep.frozen_scores, full_tool_text=ep.full_tool_text,
+        ep.messages,
+        plan=ep.plan,
+        plan_score=ep.plan_score,
+        frozen_scores=ep.frozen_scores,
+        full_tool_text=ep.full_tool_text,
     )
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
-            "source_key": source.key, "source_path": source.path, "version": version, "is_current": True,
-            "content_hash": ep.content_hash, "source_format": ep.source_format,
-            "external_id": ep.external_id, "name": name, "reward": ep.reward, "phase": ep.phase,
-            "plan_score": ep.plan_score, "frozen_scores": json.dumps(ep.frozen_scores),
-            "turns": ep.turns, "tool_call_count": ep.tool_call_count,
-            "reward_backfilled": ep.reward_backfilled, "include_thinking": options.include_thinking,
-            "max_tool_result_chars": options.max_tool_result_chars, "num_messages": len(ep.messages),
-            "num_steps": len(steps), "warnings": json.dumps(ep.warnings) if ep.warnings else None,
-            "raw_source": ep.raw_source, "ingested_at": utcnow().isoformat(timespec="seconds"),
+            "source_key": source.key,
+            "source_path": source.path,
+            "version": version,
+            "is_current": True,
+            "content_hash": ep.content_hash,
+            "source_format": ep.source_format,
+            "external_id": ep.external_id,
+            "name": name,
+            "reward": ep.reward,
+            "phase": ep.phase,
+            "plan_score": ep.plan_score,
+            "frozen_scores": json.dumps(ep.frozen_scores),
+            "turns": ep.turns,
+            "tool_call_count": ep.tool_call_count,
+            "reward_backfilled": ep.reward_backfilled,
+            "include_thinking": options.include_thinking,
+            "max_tool_result_chars": options.max_tool_result_chars,
+            "num_messages": len(ep.messages),
+            "num_steps": len(steps),
+            "warnings": json.dumps(ep.warnings) if ep.warnings else None,
+            "raw_source": ep.raw_source,
+            "ingested_at": utcnow().isoformat(timespec="seconds"),
         },
     ).scalar_one()
-    conn.execute(insert(Message), [
-        {
-            "episode_id": episode_id, "message_index": i, "role": m["role"], "content": m.get("content") or "",
-            "tool_calls": json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None,
-            "name": m.get("name"), "tool_call_id": m.get("tool_call_id"),
-        }
-        for i, m in enumerate(ep.messages)
-    ])
-    conn.execute(insert(Step), [
-        {
-            "episode_id": episode_id, "step_index": s.step_index, "message_index": s.message_index,
-            "phase": s.phase, "subtask_id": s.subtask_id, "subtask_reward": s.subtask_reward,
-        }
-        for s in steps
-    ])
-    if ep.plan:
-        conn.execute(insert(Subtask), [
+    conn.execute(
+        insert(Message),
+        [
             {
-                "episode_id": episode_id, "position": pos, "subtask_id": str(p["id"]),
-                "description": _text_or_none(p.get("description")),
-                "acceptance_criteria": _text_or_none(p.get("acceptance_criteria")),
-                "frozen_score": ep.frozen_scores.get(str(p["id"])),
+                "episode_id": episode_id,
+                "message_index": i,
+                "role": m["role"],
+                "content": m.get("content") or "",
+                "tool_calls": json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None,
+                "name": m.get("name"),
+                "tool_call_id": m.get("tool_call_id"),
             }
-            for pos, p in enumerate(ep.plan)
-        ])
+            for i, m in enumerate(ep.messages)
+        ],
+    )
+    conn.execute(
+        insert(Step),
+        [
+            {
+                "episode_id": episode_id,
+                "step_index": s.step_index,
+                "message_index": s.message_index,
+                "phase": s.phase,
+                "subtask_id": s.subtask_id,
+                "subtask_reward": s.subtask_reward,
+            }
+            for s in steps
+        ],
+    )
+    if ep.plan:
+        conn.execute(
+            insert(Subtask),
+            [
+                {
+                    "episode_id": episode_id,
+                    "position": pos,
+                    "subtask_id": str(p["id"]),
+                    "description": _text_or_none(p.get("description")),
+                    "acceptance_criteria": _text_or_none(p.get("acceptance_criteria")),
+                    "frozen_score": ep.frozen_scores.get(str(p["id"])),
+                }
+                for pos, p in enumerate(ep.plan)
+            ],
+        )
     return episode_id
 
 

@@ -153,8 +153,15 @@ def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) ->
     def load() -> ParsedEpisode:
         return parse_episode_dir(directory, result_bytes, session_bytes, options, digest)
 
-    return Source(key=identity.session_key(session_bytes), name=identity.label(directory, root),
-                  path=str(directory), location=str(directory), content_hash=digest, load=load, prefixes=identity.ancestors(root))
+    return Source(
+        key=identity.session_key(session_bytes),
+        name=identity.label(directory, root),
+        path=str(directory),
+        location=str(directory),
+        content_hash=digest,
+        load=load,
+        prefixes=identity.ancestors(root),
+    )
 
 
 @dataclass(frozen=True)
@@ -186,15 +193,26 @@ def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[
         same = by_key[entry.key]
         if len({e.digest for e in same}) > 1:
             where = ", ".join(str(e.lineno) for e in same)
-            yield IngestError(f"lines {where} are the same episode ({entry.key}) with different contents: none is "
-                              "stored; give each its own episode_id", path=str(path), line=entry.lineno)
+            yield IngestError(
+                f"lines {where} are the same episode ({entry.key}) with different contents: none is "
+                "stored; give each its own episode_id",
+                path=str(path),
+                line=entry.lineno,
+            )
             continue
 
         def load(entry: _Line = entry) -> ParsedEpisode:
             return parse_jsonl_line(path, entry.lineno, _line_at(path, entry, options), options, entry.digest)
 
-        yield Source(key=entry.key, name=identity.jsonl_name(file_label, entry.ident, entry.lineno),
-                     path=str(path), location=f"{path}:{entry.lineno}", content_hash=entry.digest, load=load, prefixes=prefixes)
+        yield Source(
+            key=entry.key,
+            name=identity.jsonl_name(file_label, entry.ident, entry.lineno),
+            path=str(path),
+            location=f"{path}:{entry.lineno}",
+            content_hash=entry.digest,
+            load=load,
+            prefixes=prefixes,
+        )
 
 
 def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestError]:
@@ -203,8 +221,13 @@ def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestErro
     offset = 0
     with path.open("rb") as handle:
         if not _looks_like_jsonl(handle):
-            return [IngestError(f"not a JSONL file: none of its first {JSONL_PROBE_LINES} non-empty lines starts "
-                                "with '{' (one JSON episode object per line expected)", path=str(path))]
+            return [
+                IngestError(
+                    f"not a JSONL file: none of its first {JSONL_PROBE_LINES} non-empty lines starts "
+                    "with '{' (one JSON episode object per line expected)",
+                    path=str(path),
+                )
+            ]
         handle.seek(0)
         for lineno, line in enumerate(handle, start=1):
             start, offset = offset, offset + len(line)
@@ -295,8 +318,11 @@ def _parse_json(text: str | bytes) -> Any:
     except RecursionError as exc:
         raise _BadJson("nested too deeply") from exc
     except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise _BadJson(f"a number has more than {sys.get_int_max_str_digits()} digits" if "digits" in str(exc)
-                       else str(exc).split(":")[0]) from exc
+        raise _BadJson(
+            f"a number has more than {sys.get_int_max_str_digits()} digits"
+            if "digits" in str(exc)
+            else str(exc).split(":")[0]
+        ) from exc
 
 
 def _replace_nul(text: str, warnings: list[str], label: str) -> str:
@@ -415,14 +441,24 @@ def _plan_item(item: Any, what: str) -> dict[str, Any]:
     if _id(item.get("id"), f"{what}.id") is None:
         raise _wrong(f"{what}.id", "a string or an integer", None)
     # Texts the subtasks table stores; a non-string value is kept as its JSON.
-    texts = {k: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-             for k, v in item.items() if k in ("description", "acceptance_criteria")}
+    texts = {
+        k: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+        for k, v in item.items()
+        if k in ("description", "acceptance_criteria")
+    }
     return {**item, **texts}
 
 
-def _finish(*, source_format: str, digest: str, raw: bytes,
-            outcome: dict[str, Any], messages: list[dict[str, Any]], full_tool_text: dict[int, str],
-            warnings: list[str]) -> ParsedEpisode:
+def _finish(
+    *,
+    source_format: str,
+    digest: str,
+    raw: bytes,
+    outcome: dict[str, Any],
+    messages: list[dict[str, Any]],
+    full_tool_text: dict[int, str],
+    warnings: list[str],
+) -> ParsedEpisode:
     if len(messages) < 2:
         raise SkipEpisode(f"fewer than 2 messages after conversion ({len(messages)})")
     if not any(m["role"] == "assistant" for m in messages):
@@ -433,8 +469,13 @@ def _finish(*, source_format: str, digest: str, raw: bytes,
     if unmapped:
         warnings.append(unmapped)
     return ParsedEpisode(
-        source_format=source_format, content_hash=digest,
-        raw_source=raw, messages=messages, full_tool_text=full_tool_text, warnings=warnings, **outcome,
+        source_format=source_format,
+        content_hash=digest,
+        raw_source=raw,
+        messages=messages,
+        full_tool_text=full_tool_text,
+        warnings=warnings,
+        **outcome,
     )
 
 
@@ -456,8 +497,9 @@ class _Turn:
     kept: bool = True
 
 
-def _build_messages(turns: Iterable[_Turn], options: ConvertOptions,
-                    warnings: list[str]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+def _build_messages(
+    turns: Iterable[_Turn], options: ConvertOptions, warnings: list[str]
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Turns → messages in order; also the untruncated text of each tool message (Q9)."""
     messages: list[dict[str, Any]] = []
     full_tool_text: dict[int, str] = {}
@@ -469,10 +511,14 @@ def _build_messages(turns: Iterable[_Turn], options: ConvertOptions,
         text = _join(turn.parts, options.include_thinking)
         if turn.role == "tool":
             full_tool_text[len(messages)] = _error_prefixed(text, turn.is_error)
-            messages.append({
-                "role": "tool", "name": turn.name, "tool_call_id": turn.call_id,
-                "content": _error_prefixed(_truncate(text, options.max_tool_result_chars), turn.is_error),
-            })
+            messages.append(
+                {
+                    "role": "tool",
+                    "name": turn.name,
+                    "tool_call_id": turn.call_id,
+                    "content": _error_prefixed(_truncate(text, options.max_tool_result_chars), turn.is_error),
+                }
+            )
         elif text or turn.calls:
             message: dict[str, Any] = {"role": turn.role, "content": text}
             if turn.calls:
@@ -581,12 +627,21 @@ def parse_episode_dir(
     with _located(result_path):
         outcome = _outcome(result)
     messages, full_tool_text = _build_messages(_pi_turns(entries, session_path), options, warnings)
-    raw = _compress({"result.json": result_bytes.decode("utf-8", "surrogateescape"),
-                     SESSION_FILE: session_bytes.decode("utf-8", "surrogateescape")})
+    raw = _compress(
+        {
+            "result.json": result_bytes.decode("utf-8", "surrogateescape"),
+            SESSION_FILE: session_bytes.decode("utf-8", "surrogateescape"),
+        }
+    )
     with _located(directory):
         return _finish(
-            source_format=fmt, digest=digest, raw=raw,
-            outcome=outcome, messages=messages, full_tool_text=full_tool_text, warnings=warnings,
+            source_format=fmt,
+            digest=digest,
+            raw=raw,
+            outcome=outcome,
+            messages=messages,
+            full_tool_text=full_tool_text,
+            warnings=warnings,
         )
 
 
@@ -635,8 +690,11 @@ def _session_version(value: Any, path: Path, lineno: int) -> int:
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SESSION_VERSION:
-        raise IngestError(f"session version must be an integer from 1 to {MAX_SESSION_VERSION}, "
-                          f"got {_describe(value)}", path=str(path), line=lineno)
+        raise IngestError(
+            f"session version must be an integer from 1 to {MAX_SESSION_VERSION}, got {_describe(value)}",
+            path=str(path),
+            line=lineno,
+        )
     return value
 
 
@@ -657,10 +715,13 @@ def _pi_turn(msg: dict[str, Any]) -> _Turn:
     if role == "assistant":
         return _pi_assistant(msg.get("content"))
     if role == "toolResult":
-        return _Turn("tool", [("text", _text_blocks(msg.get("content"), "message.content"))],
-                     name=_text(msg.get("toolName"), "message.toolName") or "unknown",
-                     call_id=_text(msg.get("toolCallId"), "message.toolCallId") or "",
-                     is_error=_flag(msg.get("isError"), "message.isError"))
+        return _Turn(
+            "tool",
+            [("text", _text_blocks(msg.get("content"), "message.content"))],
+            name=_text(msg.get("toolName"), "message.toolName") or "unknown",
+            call_id=_text(msg.get("toolCallId"), "message.toolCallId") or "",
+            is_error=_flag(msg.get("isError"), "message.isError"),
+        )
     return _Turn(str(role), kept=False)
 
 
@@ -677,8 +738,15 @@ def _pi_assistant(content: Any) -> _Turn:
         elif kind == "text":
             turn.parts.append(("text", _text(block.get("text"), f"{what}.text") or ""))
         elif kind == "toolCall":
-            turn.calls.append(_tool_call(block.get("id"), block.get("name"), block.get("arguments", block.get("input")),
-                                         id_what=f"{what}.id", fn_what=what))
+            turn.calls.append(
+                _tool_call(
+                    block.get("id"),
+                    block.get("name"),
+                    block.get("arguments", block.get("input")),
+                    id_what=f"{what}.id",
+                    fn_what=what,
+                )
+            )
     return turn
 
 
@@ -706,8 +774,12 @@ def parse_jsonl_line(path: Path, lineno: int, line: bytes, options: ConvertOptio
         messages, full_tool_text = _build_messages(_openai_turns(raw_messages), options, warnings)
         return _finish(
             source_format="openai_jsonl",
-            digest=digest, raw=zlib.compress(line, RAW_COMPRESSION), outcome=outcome, messages=messages,
-            full_tool_text=full_tool_text, warnings=warnings,
+            digest=digest,
+            raw=zlib.compress(line, RAW_COMPRESSION),
+            outcome=outcome,
+            messages=messages,
+            full_tool_text=full_tool_text,
+            warnings=warnings,
         )
 
 
@@ -718,15 +790,26 @@ def _openai_turns(raw: list[Any]) -> Iterator[_Turn]:
         if role in ("system", "user"):
             yield _Turn(role, [("text", _text_blocks(m.get("content"), f"{what}.content"))])
         elif role == "assistant":
-            reasoning = (_text(m.get("reasoning_content"), f"{what}.reasoning_content")
-                         or _text(m.get("reasoning"), f"{what}.reasoning") or "")
-            yield _Turn("assistant", [("thinking", reasoning), ("text", _text_blocks(m.get("content"), f"{what}.content"))],
-                        calls=[_openai_call(tc, f"{what}.tool_calls[{j}]")
-                               for j, tc in enumerate(_list(m.get("tool_calls"), f"{what}.tool_calls"))])
+            reasoning = (
+                _text(m.get("reasoning_content"), f"{what}.reasoning_content")
+                or _text(m.get("reasoning"), f"{what}.reasoning")
+                or ""
+            )
+            yield _Turn(
+                "assistant",
+                [("thinking", reasoning), ("text", _text_blocks(m.get("content"), f"{what}.content"))],
+                calls=[
+                    _openai_call(tc, f"{what}.tool_calls[{j}]")
+                    for j, tc in enumerate(_list(m.get("tool_calls"), f"{what}.tool_calls"))
+                ],
+            )
         elif role == "tool":
-            yield _Turn("tool", [("text", _text_blocks(m.get("content"), f"{what}.content"))],
-                        name=_text(m.get("name"), f"{what}.name") or "unknown",
-                        call_id=_text(m.get("tool_call_id"), f"{what}.tool_call_id") or "")
+            yield _Turn(
+                "tool",
+                [("text", _text_blocks(m.get("content"), f"{what}.content"))],
+                name=_text(m.get("name"), f"{what}.name") or "unknown",
+                call_id=_text(m.get("tool_call_id"), f"{what}.tool_call_id") or "",
+            )
         else:
             yield _Turn(str(role), kept=False)
 
@@ -734,4 +817,6 @@ def _openai_turns(raw: list[Any]) -> Iterator[_Turn]:
 def _openai_call(call: Any, what: str) -> dict[str, Any]:
     fn = _obj(call, what).get("function")
     fn = {} if fn is None else _obj(fn, f"{what}.function")
-    return _tool_call(call.get("id"), fn.get("name"), fn.get("arguments"), id_what=f"{what}.id", fn_what=f"{what}.function")
+    return _tool_call(
+        call.get("id"), fn.get("name"), fn.get("arguments"), id_what=f"{what}.id", fn_what=f"{what}.function"
+    )

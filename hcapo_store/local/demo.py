@@ -79,7 +79,8 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
         compute_credits(store, scorer=prep.scorer_id, replace=True)
         credits = store.query(
             "SELECT subtask, COUNT(*) AS episodes, AVG(rho) AS rho, AVG(q_h_smoothed) AS q_h_smoothed "
-            "FROM subtask_credits WHERE run = 'default' GROUP BY subtask ORDER BY subtask")
+            "FROM subtask_credits WHERE run = 'default' GROUP BY subtask ORDER BY subtask"
+        )
     except ImportError:  # pragma: no cover - credits ship with the package
         pass
     return DemoResult(episodes, model_dir, ingested, scored, prep.scorer_id, subtasks, credits)
@@ -87,16 +88,21 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
 
 def manual_commands(result: DemoResult, db: str, port: int = 30000) -> list[str]:
     """The demo's scoring step by hand: serve its tiny model, score against it."""
-    return [f"hcapo-store serve-reference --model {result.model_dir} --port {port}",
-            f"hcapo-store --db {db} score --server http://127.0.0.1:{port} --tokenizer {result.model_dir} "
-            f"--max-context {DEMO_MAX_CONTEXT}"]
+    return [
+        f"hcapo-store serve-reference --model {result.model_dir} --port {port}",
+        f"hcapo-store --db {db} score --server http://127.0.0.1:{port} --tokenizer {result.model_dir} "
+        f"--max-context {DEMO_MAX_CONTEXT}",
+    ]
 
 
 def demo_summary(result: DemoResult) -> dict[str, Any]:
     cols, rows = result.subtasks
     return {
-        "episodes_dir": str(result.episodes_dir), "model_dir": str(result.model_dir),
-        "ingest": result.ingest.as_dict(), "score": result.score.as_dict(), "scorer_id": result.scorer_id,
+        "episodes_dir": str(result.episodes_dir),
+        "model_dir": str(result.model_dir),
+        "ingest": result.ingest.as_dict(),
+        "score": result.score.as_dict(),
+        "scorer_id": result.scorer_id,
         "subtasks": [dict(zip(cols, r)) for r in rows],
         "credits": [dict(zip(result.credits[0], r)) for r in result.credits[1]] if result.credits else None,
     }

@@ -489,4 +489,3 @@ def _finite_or_none(value: float) -> float | None:
 
 def _no_text(token: int) -> None:
     return None
-

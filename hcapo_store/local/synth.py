@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORDS = ("parse executor checkpoint wire table rollback hash query latch vacuum btree socket "
-         "handshake catalog column index tuple schema commit portal merge planner filter heap "
-         "scan buffer cursor lock page row project aggregate sort join window protocol").split()
+WORDS = (
+    "parse executor checkpoint wire table rollback hash query latch vacuum btree socket "
+    "handshake catalog column index tuple schema commit portal merge planner filter heap "
+    "scan buffer cursor lock page row project aggregate sort join window protocol"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -76,8 +78,9 @@ class EpisodeBuilder:
         self._entry("message", message={"role": "user", "content": [{"type": "text", "text": text}], "timestamp": 0})
         return self
 
-    def assistant(self, *, text: str | None = None, thinking: str | None = None,
-                  calls: Sequence[tuple[str, str, Any]] = ()) -> EpisodeBuilder:
+    def assistant(
+        self, *, text: str | None = None, thinking: str | None = None, calls: Sequence[tuple[str, str, Any]] = ()
+    ) -> EpisodeBuilder:
         """``calls`` = [(call_id, name, arguments)]."""
         content: list[dict[str, Any]] = []
         if thinking:
@@ -86,27 +89,49 @@ class EpisodeBuilder:
             content.append({"type": "text", "text": text})
         for call_id, name, args in calls:
             content.append({"type": "toolCall", "id": call_id, "name": name, "arguments": args})
-        self._entry("message", message={
-            "role": "assistant", "content": content, "api": "openai-completions", "provider": "openai-compat",
-            "model": "Qwen/Qwen3.6-27B", "stopReason": "toolUse" if calls else "stop", "timestamp": 0,
-            "usage": {"input": 100, "output": 10, "cacheRead": 0, "cacheWrite": 0, "totalTokens": 110,
-                      "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "total": 0}},
-        })
+        self._entry(
+            "message",
+            message={
+                "role": "assistant",
+                "content": content,
+                "api": "openai-completions",
+                "provider": "openai-compat",
+                "model": "Qwen/Qwen3.6-27B",
+                "stopReason": "toolUse" if calls else "stop",
+                "timestamp": 0,
+                "usage": {
+                    "input": 100,
+                    "output": 10,
+                    "cacheRead": 0,
+                    "cacheWrite": 0,
+                    "totalTokens": 110,
+                    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "total": 0},
+                },
+            },
+        )
         return self
 
     def tool_result(self, call_id: str, name: str, text: str, *, is_error: bool = False) -> EpisodeBuilder:
-        self._entry("message", message={
-            "role": "toolResult", "toolCallId": call_id, "toolName": name,
-            "content": [{"type": "text", "text": text}], "isError": is_error, "timestamp": 0,
-        })
+        self._entry(
+            "message",
+            message={
+                "role": "toolResult",
+                "toolCallId": call_id,
+                "toolName": name,
+                "content": [{"type": "text", "text": text}],
+                "isError": is_error,
+                "timestamp": 0,
+            },
+        )
         return self
 
     def compaction(self) -> EpisodeBuilder:
         if self.version == 1:
             self._entry("compaction", summary="earlier work", firstKeptEntryIndex=2, tokensBefore=115000)
         else:
-            self._entry("compaction", summary="earlier work", firstKeptEntryId=self.entries[2].get("id"),
-                        tokensBefore=115000)
+            self._entry(
+                "compaction", summary="earlier work", firstKeptEntryId=self.entries[2].get("id"), tokensBefore=115000
+            )
         return self
 
     def raw_message(self, role: str, **fields: Any) -> EpisodeBuilder:
@@ -126,7 +151,10 @@ class EpisodeBuilder:
 
     def submit_plan(self, *, ok: bool = True, with_bash: bool = False, as_string: bool = False) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
-        plan = [{"id": s, "description": words(self.rng, 6), "acceptance_criteria": words(self.rng, 4)} for s in self.plan_ids]
+        plan = [
+            {"id": s, "description": words(self.rng, 6), "acceptance_criteria": words(self.rng, 4)}
+            for s in self.plan_ids
+        ]
         calls = []
         bash_id = f"call_{self._id()}"
         if with_bash:
@@ -135,8 +163,16 @@ class EpisodeBuilder:
         self.assistant(text="Submitting the plan.", calls=calls)
         if with_bash:
             self.tool_result(bash_id, "bash", "# plan\n" + words(self.rng, 10))
-        body = ({"plan_score": self.plan_score, "feedback": words(self.rng, 8), "phase": "EXECUTING",
-                 "current_subtask": self.plan_ids[0]} if ok else {"error": "Plan must have 1-5 subtasks, got 7"})
+        body = (
+            {
+                "plan_score": self.plan_score,
+                "feedback": words(self.rng, 8),
+                "phase": "EXECUTING",
+                "current_subtask": self.plan_ids[0],
+            }
+            if ok
+            else {"error": "Plan must have 1-5 subtasks, got 7"}
+        )
         self.tool_result(cid, "mcp", json.dumps(body))
         return self
 
@@ -145,15 +181,21 @@ class EpisodeBuilder:
         self.assistant(calls=[self.mcp(cid, "submit_subtask", {"subtask_id": sid})])
         scores = self.frozen_scores
         assert scores is not None  # filled in by __post_init__
-        self.tool_result(cid, "mcp", json.dumps({"score": scores[sid], "best_score": scores[sid],
-                                                 "feedback": "ok", "attempts_remaining": 1}))
+        self.tool_result(
+            cid,
+            "mcp",
+            json.dumps({"score": scores[sid], "best_score": scores[sid], "feedback": "ok", "attempts_remaining": 1}),
+        )
         return self
 
     def advance(self, next_id: str | None, *, ok: bool = True) -> EpisodeBuilder:
         cid = f"call_{self._id()}"
         self.assistant(text="Moving on.", calls=[self.mcp(cid, "advance", {})])
-        body: dict[str, Any] = ({"frozen_score": 0.5, "next_subtask_id": next_id, "episode_done": next_id is None}
-                                if ok else {"error": "Cannot advance in phase PLANNING"})
+        body: dict[str, Any] = (
+            {"frozen_score": 0.5, "next_subtask_id": next_id, "episode_done": next_id is None}
+            if ok
+            else {"error": "Cannot advance in phase PLANNING"}
+        )
         self.tool_result(cid, "mcp", json.dumps(body))
         return self
 
@@ -172,11 +214,19 @@ class EpisodeBuilder:
     # -- output ----------------------------------------------------------------
     def result(self) -> dict[str, Any]:
         return {
-            "episode_id": self.episode_id, "worker_id": 0, "turns": 5, "elapsed_s": 100.0, "phase": self.phase,
-            "plan_score": self.plan_score, "frozen_scores": self.frozen_scores, "episode_reward": self.reward,
+            "episode_id": self.episode_id,
+            "worker_id": 0,
+            "turns": 5,
+            "elapsed_s": 100.0,
+            "phase": self.phase,
+            "plan_score": self.plan_score,
+            "frozen_scores": self.frozen_scores,
+            "episode_reward": self.reward,
             "tool_call_count": 42,
-            "plan": [{"id": s, "description": words(random.Random(i), 6), "acceptance_criteria": "tests pass"}
-                     for i, s in enumerate(self.plan_ids)],
+            "plan": [
+                {"id": s, "description": words(random.Random(i), 6), "acceptance_criteria": "tests pass"}
+                for i, s in enumerate(self.plan_ids)
+            ],
             "done": True,
         }
 
@@ -190,13 +240,15 @@ class EpisodeBuilder:
         return directory
 
 
-def write_standard_episodes(root: Path, n: int, *, seed: int = 0, steps_per_subtask: int = 2,
-                            output_words: int = 40) -> list[Path]:
+def write_standard_episodes(
+    root: Path, n: int, *, seed: int = 0, steps_per_subtask: int = 2, output_words: int = 40
+) -> list[Path]:
     out = []
     for i in range(1, n + 1):
         b = EpisodeBuilder(seed=seed + i, episode_id=i, reward=round(random.Random(seed + i).random(), 4))
-        out.append(b.standard(steps_per_subtask=steps_per_subtask, output_words=output_words)
-                   .write(root / f"episode_{i:03d}"))
+        out.append(
+            b.standard(steps_per_subtask=steps_per_subtask, output_words=output_words).write(root / f"episode_{i:03d}")
+        )
     return out
 
 

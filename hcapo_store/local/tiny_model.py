@@ -395,8 +395,14 @@ def build_tiny_model(
 
     out, tok_dir = Path(out_dir), Path(tokenizer_dir)
     params = _build_params(
-        tok_dir, seed=seed, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-        intermediate=intermediate, max_position_embeddings=max_position_embeddings,
+        tok_dir,
+        seed=seed,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        max_position_embeddings=max_position_embeddings,
     )
     if _is_built(out, params):
         return out

@@ -93,8 +93,14 @@ def _runs_or_none(store: Store, run_name: str | None) -> RunInfo | None:
     return get_run(store, run_name)
 
 
-def episode_view(store: Store, name: str, run_name: str | None = None, *,
-                 tokenizer: str | Path | None = None, tokens: TokenRebuilder | None = None) -> EpisodeView:
+def episode_view(
+    store: Store,
+    name: str,
+    run_name: str | None = None,
+    *,
+    tokenizer: str | Path | None = None,
+    tokens: TokenRebuilder | None = None,
+) -> EpisodeView:
     """One episode with its steps, the run's credits (default: the only run, or none when
     there is no run) and the scorer's per-token logprobs; ``tokenizer`` (the scorer's
     tokenizer directory) adds the decoded tokens for the heat map (``tokens``: a
@@ -103,15 +109,20 @@ def episode_view(store: Store, name: str, run_name: str | None = None, *,
     scorer_id = run.scorer_id if run else None
     with db.read(store.engine) as conn:
         episode = load_episode(conn, _find_episode(conn, name, run))
-        rows = {r[0]: r for r in conn.execute(text(STEPS_SQL), {"run": run.id if run else -1,
-                                                                "scorer": scorer_id or "", "ep": episode.id})}
+        rows = {
+            r[0]: r
+            for r in conn.execute(
+                text(STEPS_SQL), {"run": run.id if run else -1, "scorer": scorer_id or "", "ep": episode.id}
+            )
+        }
     steps = []
     for info in episode.steps:
         r = rows[info.step_index]
         credit = dict(zip(("mean_logprob", "token_count", "pi_hind", "rho", "q_h", "q_h_smoothed"), r[1:7]))
         lps = np.frombuffer(bytes(r[7]), dtype="<f4") if r[7] is not None else None
-        steps.append(StepView(info.step_index, info.message_index, info.phase, info.subtask_id,
-                              info.subtask_reward, credit, lps))
+        steps.append(
+            StepView(info.step_index, info.message_index, info.phase, info.subtask_id, info.subtask_reward, credit, lps)
+        )
     view = EpisodeView(episode, run, scorer_id, steps)
     if tokens is None and tokenizer is not None and scorer_id is not None:
         tokens = TokenRebuilder(store, scorer_id, tokenizer)
@@ -139,8 +150,9 @@ class TokenRebuilder:
             self.note = "no token heat maps: the scorer used a custom hindsight template"
             return
         self.tokenizer, _ = scorer_tokenizer(store, scorer_id, tokenizer_dir)
-        self.builder = PromptBuilder(self.tokenizer, max_context=spec["max_context"],
-                                     max_logprob_tokens=spec["max_logprob_tokens"])
+        self.builder = PromptBuilder(
+            self.tokenizer, max_context=spec["max_context"], max_logprob_tokens=spec["max_logprob_tokens"]
+        )
 
     def add_tokens(self, view: EpisodeView) -> None:
         from hcapo_store.scoring.prompts import StepPrompt
@@ -158,7 +170,7 @@ class TokenRebuilder:
             p = prompts.get(step.step_index)
             if step.logprobs is None or not isinstance(p, StepPrompt):
                 continue
-            ids = p.input_ids[p.first_scored:]
+            ids = p.input_ids[p.first_scored :]
             if len(ids) != len(step.logprobs):
                 misaligned += 1
                 continue
@@ -176,11 +188,23 @@ def episode_table(view: EpisodeView) -> list[dict[str, Any]]:
     rows = []
     for s in view.steps:
         c = s.credit
-        rows.append({"step": s.step_index, "msg": s.message_index, "subtask": s.subtask,
-                     "r_t": s.subtask_reward, "tokens": c["token_count"] if c["token_count"] is not None else
-                     (len(s.logprobs) if s.logprobs is not None else None),
-                     "mean_logprob": c["mean_logprob"], "pi_hind": c["pi_hind"], "rho": c["rho"], "q_h": c["q_h"],
-                     "q_h_smoothed": c["q_h_smoothed"], "action": _preview(messages[s.message_index])})
+        rows.append(
+            {
+                "step": s.step_index,
+                "msg": s.message_index,
+                "subtask": s.subtask,
+                "r_t": s.subtask_reward,
+                "tokens": c["token_count"]
+                if c["token_count"] is not None
+                else (len(s.logprobs) if s.logprobs is not None else None),
+                "mean_logprob": c["mean_logprob"],
+                "pi_hind": c["pi_hind"],
+                "rho": c["rho"],
+                "q_h": c["q_h"],
+                "q_h_smoothed": c["q_h_smoothed"],
+                "action": _preview(messages[s.message_index]),
+            }
+        )
     return rows
 
 
@@ -263,9 +287,11 @@ def _heat(step: StepView) -> str:
         hue = 120 * max(0.0, min(1.0, x))
         spans.append(f'<span style="background:hsla({hue:.0f},70%,60%,.55)" title="{lp:.3f}">{html.escape(tok)}</span>')
     mean = float(lps.mean()) if len(lps) else float("nan")
-    return (f'<details class="heatmap"><summary>hindsight logprob per token ({len(step.tokens)} tokens, mean '
-            f"{mean:.3f}, range {lo:.2f} … {hi:.2f}; green = most likely given the outcome, red = least)</summary>"
-            f'<div class="heat">{"".join(spans)}</div></details>')
+    return (
+        f'<details class="heatmap"><summary>hindsight logprob per token ({len(step.tokens)} tokens, mean '
+        f"{mean:.3f}, range {lo:.2f} … {hi:.2f}; green = most likely given the outcome, red = least)</summary>"
+        f'<div class="heat">{"".join(spans)}</div></details>'
+    )
 
 
 def _tool_calls(message: dict[str, Any]) -> str:
@@ -277,16 +303,20 @@ def _tool_calls(message: dict[str, Any]) -> str:
             args = json.dumps(json.loads(args), indent=2, ensure_ascii=False) if isinstance(args, str) else args
         except json.JSONDecodeError:
             pass
-        parts.append(f'<details class="call"><summary>tool call: {html.escape(str(fn.get("name", "?")))}</summary>'
-                     f"<pre>{html.escape(str(args))}</pre></details>")
+        parts.append(
+            f'<details class="call"><summary>tool call: {html.escape(str(fn.get("name", "?")))}</summary>'
+            f"<pre>{html.escape(str(args))}</pre></details>"
+        )
     return "".join(parts)
 
 
 def _step_title(s: StepView) -> str:
     c = s.credit
-    return (f"step {s.step_index} · {s.subtask} (r_t {_num(s.subtask_reward)}) · mean_logprob "
-            f"{_num(c['mean_logprob'])} · tokens {_num(c['token_count'])} · pi_hind {_num(c['pi_hind'])} · "
-            f"rho {_num(c['rho'])} · q_h {_num(c['q_h'])} · q_h_smoothed {_num(c['q_h_smoothed'])}")
+    return (
+        f"step {s.step_index} · {s.subtask} (r_t {_num(s.subtask_reward)}) · mean_logprob "
+        f"{_num(c['mean_logprob'])} · tokens {_num(c['token_count'])} · pi_hind {_num(c['pi_hind'])} · "
+        f"rho {_num(c['rho'])} · q_h {_num(c['q_h'])} · q_h_smoothed {_num(c['q_h_smoothed'])}"
+    )
 
 
 def _message_html(i: int, message: dict[str, Any], step: StepView | None, tint: dict[str, str] | None) -> str:
@@ -294,17 +324,23 @@ def _message_html(i: int, message: dict[str, Any], step: StepView | None, tint: 
     content = html.escape(message.get("content") or "")
     if role == "tool":
         name = html.escape(str(message.get("name") or "tool"))
-        return (f'<div class="msg tool" id="m{i}"><details><summary>tool result: {name} '
-                f'({len(message.get("content") or "")} chars)</summary><pre>{content}</pre></details></div>')
+        return (
+            f'<div class="msg tool" id="m{i}"><details><summary>tool result: {name} '
+            f"({len(message.get('content') or '')} chars)</summary><pre>{content}</pre></details></div>"
+        )
     if step is None or tint is None:
-        return (f'<div class="msg {html.escape(role)}" id="m{i}"><span class="role">{html.escape(role)}</span>'
-                f"{content}{_tool_calls(message)}</div>")
+        return (
+            f'<div class="msg {html.escape(role)}" id="m{i}"><span class="role">{html.escape(role)}</span>'
+            f"{content}{_tool_calls(message)}</div>"
+        )
     style = ";".join(f"--{m}:{tint[m]}" for m in METRICS)
     nums = f"rho {_num(step.credit['rho'])} · q_h {_num(step.credit['q_h'])} · q̃ {_num(step.credit['q_h_smoothed'])}"
     heat = _heat(step) if step.tokens is not None else ""
-    return (f'<div class="msg assistant step" id="step-{step.step_index}" style="{style}" '
-            f'title="{html.escape(_step_title(step))}"><span class="nums">{html.escape(nums)}</span>'
-            f'<span class="role">assistant · step {step.step_index}</span>{content}{_tool_calls(message)}{heat}</div>')
+    return (
+        f'<div class="msg assistant step" id="step-{step.step_index}" style="{style}" '
+        f'title="{html.escape(_step_title(step))}"><span class="nums">{html.escape(nums)}</span>'
+        f'<span class="role">assistant · step {step.step_index}</span>{content}{_tool_calls(message)}{heat}</div>'
+    )
 
 
 def episode_page(view: EpisodeView, *, back_link: str | None = None) -> str:
@@ -318,16 +354,20 @@ def episode_page(view: EpisodeView, *, back_link: str | None = None) -> str:
         if hit is not None and hit[1].subtask != current:
             step = hit[1]
             current = step.subtask
-            body.append(f'<div class="boundary">{html.escape(str(current))} · subtask reward '
-                        f'{html.escape(_num(step.subtask_reward))}</div>')
+            body.append(
+                f'<div class="boundary">{html.escape(str(current))} · subtask reward '
+                f"{html.escape(_num(step.subtask_reward))}</div>"
+            )
         tint = {m: tints[m][hit[0]] for m in METRICS} if hit else None
         body.append(_message_html(i, message, hit[1] if hit else None, tint))
     run = view.run
     title = f"episode {ep.name}"
-    meta = (f"reward {_num(ep.outcome.reward)} · phase {ep.outcome.phase or '?'} · {len(view.steps)} steps · "
-            + (f"credit run {run.name} · scorer {run.scorer_label or run.scorer_id[:12]}" if run else "no credit run"))
-    controls = "".join(f'<input type="radio" name="metric" id="m-{m}"{" checked" if m == "q_h_smoothed" else ""}>'
-                       for m in METRICS)
+    meta = f"reward {_num(ep.outcome.reward)} · phase {ep.outcome.phase or '?'} · {len(view.steps)} steps · " + (
+        f"credit run {run.name} · scorer {run.scorer_label or run.scorer_id[:12]}" if run else "no credit run"
+    )
+    controls = "".join(
+        f'<input type="radio" name="metric" id="m-{m}"{" checked" if m == "q_h_smoothed" else ""}>' for m in METRICS
+    )
     notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in view.notes)
     back = f'<p><a href="{html.escape(back_link)}">← report</a></p>' if back_link else ""
     return _assemble(back, title, meta, notes, controls, body)
@@ -335,14 +375,16 @@ def episode_page(view: EpisodeView, *, back_link: str | None = None) -> str:
 
 def _assemble(back: str, title: str, meta: str, notes: str, controls: str, body: list[str]) -> str:
     # The radio inputs must be siblings before .transcript for the CSS switch to work.
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{CSS}</style></head><body>\n{back}<h1>{html.escape(title)}</h1>"
-            f'<p class="meta">{html.escape(meta)}</p>{notes}\n'
-            f'{controls}<div class="controls">tint steps by: '
-            + "".join(f'<label for="m-{m}">{m}</label>' for m in METRICS)
-            + '<span class="legend"></span> red = below (rho &lt; 1, q &lt; 0), green = above · '
-              "hover a step for its numbers</div>\n"
-            '<div class="transcript">\n' + "\n".join(body) + "\n</div>\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{CSS}</style></head><body>\n{back}<h1>{html.escape(title)}</h1>"
+        f'<p class="meta">{html.escape(meta)}</p>{notes}\n'
+        f'{controls}<div class="controls">tint steps by: '
+        + "".join(f'<label for="m-{m}">{m}</label>' for m in METRICS)
+        + '<span class="legend"></span> red = below (rho &lt; 1, q &lt; 0), green = above · '
+        "hover a step for its numbers</div>\n"
+        '<div class="transcript">\n' + "\n".join(body) + "\n</div>\n</body></html>\n"
+    )
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -358,16 +400,21 @@ def _write_html(path: Path, page: str, inputs: list[Path]) -> None:
     atomic_write(path, lambda f: f.write(page.encode()), inputs=inputs)
 
 
-def write_episode_page(store: Store, name: str, out_html: Path | str, run_name: str | None = None, *,
-                       tokenizer: str | Path | None = None) -> dict[str, Any]:
+def write_episode_page(
+    store: Store, name: str, out_html: Path | str, run_name: str | None = None, *, tokenizer: str | Path | None = None
+) -> dict[str, Any]:
     """Write one episode's page; returns its path and the run it shows."""
     view = episode_view(store, name, run_name, tokenizer=tokenizer)
     page = episode_page(view)
     out = Path(out_html)
     check_output(out, store.files)
     _write_html(out, page, store.files)
-    return {"path": str(out), "episode": view.episode.name, "run": view.run.name if view.run else None,
-            "bytes": len(page.encode())}
+    return {
+        "path": str(out),
+        "episode": view.episode.name,
+        "run": view.run.name if view.run else None,
+        "bytes": len(page.encode()),
+    }
 
 
 EPISODES_SQL = """
@@ -379,8 +426,14 @@ ORDER BY e.name, e.id
 """
 
 
-def write_episode_pages(store: Store, out_dir: Path | str, run_name: str | None = None, *,
-                        tokenizer: str | Path | None = None, back_link: str | None = None) -> list[dict[str, Any]]:
+def write_episode_pages(
+    store: Store,
+    out_dir: Path | str,
+    run_name: str | None = None,
+    *,
+    tokenizer: str | Path | None = None,
+    back_link: str | None = None,
+) -> list[dict[str, Any]]:
     """One page per episode the run credits, in ``out_dir``; returns the index rows (with ``file``)."""
     run = get_run(store, run_name)
     with db.read(store.engine) as conn:
@@ -401,5 +454,7 @@ def episode_index_html(rows: list[dict[str, Any]], link_dir: str) -> str:
     body = "".join(
         f'<tr><td><a href="{html.escape(link_dir)}/{html.escape(r["file"])}">{html.escape(r["name"])}</a></td>'
         f"<td>{_num(r['reward'])}</td><td>{r['steps']}</td><td>{_num(r['rho'])}</td>"
-        f"<td>{_num(r['q_h_smoothed'])}</td></tr>" for r in rows)
+        f"<td>{_num(r['q_h_smoothed'])}</td></tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"

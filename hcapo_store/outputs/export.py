@@ -89,18 +89,36 @@ def _hyperparams(run: RunInfo, store: Store) -> dict[str, Any]:
     mlt = p.max_logprob_tokens
     if mlt is None:
         mlt = scorer_spec(store, run.scorer_id).get("max_logprob_tokens")
-    return {"t_temp": p.t_temp, "gamma": p.gamma, "c_min": p.c_min, "c_max": p.c_max, "alpha": p.alpha,
-            "smooth": p.smooth, "dense_rewards": p.dense, "max_logprob_tokens": mlt}
+    return {
+        "t_temp": p.t_temp,
+        "gamma": p.gamma,
+        "c_min": p.c_min,
+        "c_max": p.c_max,
+        "alpha": p.alpha,
+        "smooth": p.smooth,
+        "dense_rewards": p.dense,
+        "max_logprob_tokens": mlt,
+    }
 
 
 def _hindsight_step(r: Any) -> dict[str, Any]:
     # Fewer tokens aggregated than scored (max_logprob_tokens): the span starts later.
     dropped = (r[12] or 0) - r[11]
     return {
-        "mean_logprob": r[10], "action_token_count": r[11], "total_action_tokens": r[13],
-        "skipped_action_tokens": (r[14] or 0) + dropped, "logprob_start_len": (r[15] or 0) + dropped,
-        "step_index": r[5], "message_index": r[6], "subtask_id": r[7], "subtask_reward": r[8],
-        "phase": r[9], "pi_hind": r[16], "rho": r[17], "q_h": r[18], "q_h_smoothed": r[19],
+        "mean_logprob": r[10],
+        "action_token_count": r[11],
+        "total_action_tokens": r[13],
+        "skipped_action_tokens": (r[14] or 0) + dropped,
+        "logprob_start_len": (r[15] or 0) + dropped,
+        "step_index": r[5],
+        "message_index": r[6],
+        "subtask_id": r[7],
+        "subtask_reward": r[8],
+        "phase": r[9],
+        "pi_hind": r[16],
+        "rho": r[17],
+        "q_h": r[18],
+        "q_h_smoothed": r[19],
     }
 
 
@@ -171,26 +189,40 @@ def _selected(conn: Connection, run: RunInfo, min_reward: float, use_smoothed: b
     rows = _stream(conn, sql, {"run": run.id, "min_reward": min_reward})
     for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
         g = list(group)
-        episodes.append({"id": ep_id, "name": g[0][1], "external_id": g[0][2], "reward": g[0][3],
-                         "indices": [r[4] for r in g], "q": np.asarray([r[5] for r in g], dtype=np.float64)})
+        episodes.append(
+            {
+                "id": ep_id,
+                "name": g[0][1],
+                "external_id": g[0][2],
+                "reward": g[0][3],
+                "indices": [r[4] for r in g],
+                "q": np.asarray([r[5] for r in g], dtype=np.float64),
+            }
+        )
     return episodes
 
 
-def _groups(conn: Connection, episodes: list[dict[str, Any]], group_by: str | None,
-            warnings: list[str]) -> list[Any] | None:
+def _groups(
+    conn: Connection, episodes: list[dict[str, Any]], group_by: str | None, warnings: list[str]
+) -> list[Any] | None:
     if group_by is None:
         return None
-    tags: dict[int, str] = dict(conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"),
-                                             {"k": group_by}).all())
+    tags: dict[int, str] = dict(
+        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all()
+    )
     groups = [tags.get(e["id"]) for e in episodes]
     untagged = groups.count(None)
     if episodes and untagged == len(episodes):
         known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
-        warnings.append(f"--group-by {group_by}: no exported episode has this tag, so all form one group "
-                        f"(tags: {', '.join(known) or 'none'})")
+        warnings.append(
+            f"--group-by {group_by}: no exported episode has this tag, so all form one group "
+            f"(tags: {', '.join(known) or 'none'})"
+        )
     elif untagged:
-        warnings.append(f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this tag "
-                        "and form one group of their own")
+        warnings.append(
+            f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this tag "
+            "and form one group of their own"
+        )
     return groups
 
 
@@ -204,8 +236,14 @@ def _episode_ids(episodes: list[dict[str, Any]]) -> list[int | str]:
     return ids if all(isinstance(i, int) for i in ids) else [str(i) for i in ids]
 
 
-def _rows(conn: Connection, run: RunInfo, episodes: list[dict[str, Any]], weights: list[np.ndarray],
-          grpo: np.ndarray, min_reward: float) -> Iterator[dict[str, Any]]:
+def _rows(
+    conn: Connection,
+    run: RunInfo,
+    episodes: list[dict[str, Any]],
+    weights: list[np.ndarray],
+    grpo: np.ndarray,
+    min_reward: float,
+) -> Iterator[dict[str, Any]]:
     ids = _episode_ids(episodes)
     by_id = {e["id"]: i for i, e in enumerate(episodes)}
     msgs = _stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": min_reward})
@@ -218,8 +256,10 @@ def _rows(conn: Connection, run: RunInfo, episodes: list[dict[str, Any]], weight
         ep = episodes[i]
         for idx in ep["indices"]:
             if not 0 <= idx < len(messages) or messages[idx]["role"] != "assistant":
-                raise ExportError(f"episode {ep['name']}: step message_index {idx} is not an assistant "
-                                  f"message of its {len(messages)} messages; the store is inconsistent")
+                raise ExportError(
+                    f"episode {ep['name']}: step message_index {idx} is not an assistant "
+                    f"message of its {len(messages)} messages; the store is inconsistent"
+                )
         yield {
             "messages": messages,
             "step_advantages": [round(x, 6) for x in w.tolist()],
@@ -251,9 +291,12 @@ class _Stats:
         return row
 
     def as_dict(self) -> dict[str, Any]:
-        return {"min": self.min or 0.0, "max": self.max or 0.0,
-                "mean": self.total / self.steps if self.steps else 0.0,
-                "nonzero_mean": self.nonzero_total / self.nonzero if self.nonzero else 0.0}
+        return {
+            "min": self.min or 0.0,
+            "max": self.max or 0.0,
+            "mean": self.total / self.steps if self.steps else 0.0,
+            "nonzero_mean": self.nonzero_total / self.nonzero if self.nonzero else 0.0,
+        }
 
 
 def export_dataset(
@@ -286,8 +329,17 @@ def export_dataset(
 
         if tokenizer is None:
             raise ExportError("the tokenized export needs the scorer's tokenizer directory (--tokenizer DIR)")
-        return export_tokenized(store, out_path, run_name, tokenizer=tokenizer, omega=omega, min_reward=min_reward,
-                                group_by=group_by, fmt=fmt, use_smoothed=use_smoothed)
+        return export_tokenized(
+            store,
+            out_path,
+            run_name,
+            tokenizer=tokenizer,
+            omega=omega,
+            min_reward=min_reward,
+            group_by=group_by,
+            fmt=fmt,
+            use_smoothed=use_smoothed,
+        )
     run = get_run(store, run_name)
     out = Path(out_path)
     summary_path = summary_path_for(out)
@@ -299,10 +351,15 @@ def export_dataset(
     stats = _Stats()
     with db.read(store.engine) as conn:
         episodes = _selected(conn, run, min_reward, use_smoothed)
-        eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
-                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
+        eq8 = hcapo_weights(
+            np.asarray([e["reward"] for e in episodes], dtype=np.float64),
+            [e["q"] for e in episodes],
+            omega,
+            _groups(conn, episodes, group_by, warnings),
+        )
         rows: Iterator[dict[str, Any]] = (
-            stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward))
+            stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward)
+        )
         if layout == "weights-in-messages":
             from hcapo_store.outputs.tokenized import with_message_weights
 
@@ -310,23 +367,40 @@ def export_dataset(
         if fmt == "jsonl":
             atomic_write(out, lambda f: _write_jsonl(f, rows), inputs=store.files)
         else:
-            config = {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed, "group_by": group_by,
-                      "layout": layout}
-            atomic_write(out, lambda f: _write_parquet(f, rows, {**provenance, "config": config},
-                                                       weighted=layout != "steps"),
-                         inputs=store.files)
+            config = {
+                "omega": omega,
+                "min_reward": min_reward,
+                "use_smoothed": use_smoothed,
+                "group_by": group_by,
+                "layout": layout,
+            }
+            atomic_write(
+                out,
+                lambda f: _write_parquet(f, rows, {**provenance, "config": config}, weighted=layout != "steps"),
+                inputs=store.files,
+            )
     if stats.rows == 0:
-        warnings.append(f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
-                        f"{min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)")
+        warnings.append(
+            f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
+            f"{min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)"
+        )
     summary = {
         "total_episodes_loaded": len(episodes),
         "episodes_in_dataset": stats.rows,
         "total_steps": stats.steps,
         "nonzero_steps": stats.nonzero,
         "advantage_stats": stats.as_dict(),
-        "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
-                   "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
-                   "credit_params": run.params, "format": fmt, "layout": layout},
+        "config": {
+            "omega": omega,
+            "min_reward": min_reward,
+            "use_smoothed": use_smoothed,
+            "group_by": group_by,
+            "credits": run.name,
+            "scorer_id": run.scorer_id,
+            "credit_params": run.params,
+            "format": fmt,
+            "layout": layout,
+        },
         "provenance": provenance,
         "warnings": warnings,
     }
@@ -348,9 +422,15 @@ def _provenance(run: RunInfo) -> dict[str, Any]:
         ours = version("hcapo-store")
     except PackageNotFoundError:  # pragma: no cover - a source tree without an install
         ours = "unknown"
-    return {"credit_run": run.name, "run_hash": run.run_hash, "run_created_at": run.created_at,
-            "scorer_id": run.scorer_id, "scorer_label": run.scorer_label, "credit_params": run.params,
-            "hcapo_store_version": ours}
+    return {
+        "credit_run": run.name,
+        "run_hash": run.run_hash,
+        "run_created_at": run.created_at,
+        "scorer_id": run.scorer_id,
+        "scorer_label": run.scorer_label,
+        "credit_params": run.params,
+        "hcapo_store_version": ours,
+    }
 
 
 def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
@@ -362,18 +442,43 @@ def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
 def _parquet_schema(id_type: Any, weighted: bool = False) -> Any:
     import pyarrow as pa
 
-    call = pa.struct([("id", pa.string()), ("type", pa.string()),
-                      ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
-                         ("name", pa.string()), ("tool_call_id", pa.string())]
-                        + ([("weight", pa.float64())] if weighted else []))
-    return pa.schema([("messages", pa.list_(message)), ("step_advantages", pa.list_(pa.float64())),
-                      ("step_message_indices", pa.list_(pa.int64())), ("_episode_id", id_type),
-                      ("_reward", pa.float64()), ("_grpo_advantage", pa.float64()), ("_num_steps", pa.int64())])
+    call = pa.struct(
+        [
+            ("id", pa.string()),
+            ("type", pa.string()),
+            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+        ]
+    )
+    message = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("tool_calls", pa.list_(call)),
+            ("name", pa.string()),
+            ("tool_call_id", pa.string()),
+        ]
+        + ([("weight", pa.float64())] if weighted else [])
+    )
+    return pa.schema(
+        [
+            ("messages", pa.list_(message)),
+            ("step_advantages", pa.list_(pa.float64())),
+            ("step_message_indices", pa.list_(pa.int64())),
+            ("_episode_id", id_type),
+            ("_reward", pa.float64()),
+            ("_grpo_advantage", pa.float64()),
+            ("_num_steps", pa.int64()),
+        ]
+    )
 
 
-def _write_parquet(f: IO[bytes], rows: Iterator[dict[str, Any]], provenance: dict[str, Any], weighted: bool = False,
-                   schema: Callable[[Any], Any] | None = None) -> None:
+def _write_parquet(
+    f: IO[bytes],
+    rows: Iterator[dict[str, Any]],
+    provenance: dict[str, Any],
+    weighted: bool = False,
+    schema: Callable[[Any], Any] | None = None,
+) -> None:
     """Rows in batches; ``schema(id_type)`` (default: the Eq. 8 rows') fixes the columns;
     ``provenance`` goes into the schema metadata."""
     try:

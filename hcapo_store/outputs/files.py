@@ -50,8 +50,9 @@ def check_output(path: Path | str, inputs: Iterable[Path | str] = ()) -> None:
         src = Path(source)
         candidates = [src, *(src.with_name(src.name + s) for s in _SQLITE_SIDE_FILES)]
         if any(_same_file(out, c) for c in candidates):
-            raise ExportError(f"{out} is the database being read ({src}); refusing to overwrite it: "
-                              "pick another output path")
+            raise ExportError(
+                f"{out} is the database being read ({src}); refusing to overwrite it: pick another output path"
+            )
     if out.is_file() and is_sqlite_file(out):
         raise ExportError(f"{out} is a SQLite database; refusing to overwrite it: pick another output path")
 

@@ -76,19 +76,25 @@ def _tick_label(v: float, decimals: int) -> str:
 
 
 def _frame(title: str, body: list[str], *, xlabel: str = "", ylabel: str = "") -> str:
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
-             f'role="img" aria-label="{html.escape(title)}">',
-             f'<rect width="{W}" height="{H}" fill="white"/>',
-             f'<text x="{W / 2}" y="17" text-anchor="middle" font-size="13" font-weight="600">{html.escape(title)}</text>',
-             *body,
-             f'<line x1="{PAD_L}" y1="{H - PAD_B}" x2="{W - PAD_R}" y2="{H - PAD_B}" stroke="#333"/>',
-             f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{H - PAD_B}" stroke="#333"/>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        f'role="img" aria-label="{html.escape(title)}">',
+        f'<rect width="{W}" height="{H}" fill="white"/>',
+        f'<text x="{W / 2}" y="17" text-anchor="middle" font-size="13" font-weight="600">{html.escape(title)}</text>',
+        *body,
+        f'<line x1="{PAD_L}" y1="{H - PAD_B}" x2="{W - PAD_R}" y2="{H - PAD_B}" stroke="#333"/>',
+        f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{H - PAD_B}" stroke="#333"/>',
+    ]
     if xlabel:
-        parts.append(f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
-                     f'{html.escape(xlabel)}</text>')
+        parts.append(
+            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{H - 6}" text-anchor="middle" font-size="11">'
+            f"{html.escape(xlabel)}</text>"
+        )
     if ylabel:
-        parts.append(f'<text x="12" y="{(PAD_T + H - PAD_B) / 2}" text-anchor="middle" font-size="11" '
-                     f'transform="rotate(-90 12 {(PAD_T + H - PAD_B) / 2})">{html.escape(ylabel)}</text>')
+        parts.append(
+            f'<text x="12" y="{(PAD_T + H - PAD_B) / 2}" text-anchor="middle" font-size="11" '
+            f'transform="rotate(-90 12 {(PAD_T + H - PAD_B) / 2})">{html.escape(ylabel)}</text>'
+        )
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -108,13 +114,22 @@ def _y_axis(top: float, bottom: float = 0.0, *, integer: bool = False) -> tuple[
     ticks, decimals = _ticks(bottom, top, n=4, integer=integer)
     for v in ticks:
         parts.append(f'<line x1="{PAD_L}" y1="{y(v):.1f}" x2="{W - PAD_R}" y2="{y(v):.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="10">'
-                     f'{_tick_label(v, decimals)}</text>')
+        parts.append(
+            f'<text x="{PAD_L - 4}" y="{y(v) + 4:.1f}" text-anchor="end" font-size="10">'
+            f"{_tick_label(v, decimals)}</text>"
+        )
     return parts, y
 
 
-def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40,
-                  markers: Sequence[tuple[float, str]] = (), from_zero: bool = False) -> str:
+def svg_histogram(
+    values: np.ndarray,
+    title: str,
+    xlabel: str,
+    *,
+    bins: int = 40,
+    markers: Sequence[tuple[float, str]] = (),
+    from_zero: bool = False,
+) -> str:
     """A histogram with optional vertical markers (e.g. the clip bounds of rho); ``from_zero``
     starts the x axis at 0 (or below, for negative values)."""
     values = values[np.isfinite(values)]
@@ -138,28 +153,43 @@ def svg_histogram(values: np.ndarray, title: str, xlabel: str, *, bins: int = 40
 
     for c, a, b in zip(counts, edges[:-1], edges[1:]):
         if c:
-            parts.append(f'<rect x="{x(a):.1f}" y="{y(c):.1f}" width="{max(x(b) - x(a) - 1, 1):.1f}" '
-                         f'height="{y(0) - y(c):.1f}" fill="{BAR}"/>')
+            parts.append(
+                f'<rect x="{x(a):.1f}" y="{y(c):.1f}" width="{max(x(b) - x(a) - 1, 1):.1f}" '
+                f'height="{y(0) - y(c):.1f}" fill="{BAR}"/>'
+            )
     ticks, decimals = _ticks(lo, hi, n=6)
     for v in ticks:
         parts.append(f'<line x1="{x(v):.1f}" y1="{H - PAD_B}" x2="{x(v):.1f}" y2="{H - PAD_B + 4}" stroke="#333"/>')
-        parts.append(f'<text x="{x(v):.1f}" y="{H - PAD_B + 15}" text-anchor="middle" font-size="10">'
-                     f'{_tick_label(v, decimals)}</text>')
+        parts.append(
+            f'<text x="{x(v):.1f}" y="{H - PAD_B + 15}" text-anchor="middle" font-size="10">'
+            f"{_tick_label(v, decimals)}</text>"
+        )
     mid = (lo + hi) / 2
     for v, label in markers:
-        parts.append(f'<line x1="{x(v):.1f}" y1="{PAD_T}" x2="{x(v):.1f}" y2="{H - PAD_B}" stroke="#e45756" '
-                     f'stroke-width="2" stroke-dasharray="5,3"/>')
+        parts.append(
+            f'<line x1="{x(v):.1f}" y1="{PAD_T}" x2="{x(v):.1f}" y2="{H - PAD_B}" stroke="#e45756" '
+            f'stroke-width="2" stroke-dasharray="5,3"/>'
+        )
         # Label on the inner side of the line so that it stays inside the plot.
         dx, anchor = (4, "start") if v <= mid else (-4, "end")
-        parts.append(f'<text x="{x(v) + dx:.1f}" y="{PAD_T + 26}" text-anchor="{anchor}" font-size="10" '
-                     f'fill="#e45756">{html.escape(label)}</text>')
+        parts.append(
+            f'<text x="{x(v) + dx:.1f}" y="{PAD_T + 26}" text-anchor="{anchor}" font-size="10" '
+            f'fill="#e45756">{html.escape(label)}</text>'
+        )
     stats = f"n={len(values):,}  mean={_fmt(float(values.mean()))}  median={_fmt(float(np.median(values)))}"
     parts.append(f'<text x="{W - PAD_R}" y="{PAD_T + 10}" text-anchor="end" font-size="10" fill="#555">{stats}</text>')
     return _frame(title, parts, xlabel=xlabel, ylabel="steps")
 
 
-def svg_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str,
-             notes: Sequence[str] = (), *, integer: bool = False) -> str:
+def svg_bars(
+    labels: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    ylabel: str,
+    notes: Sequence[str] = (),
+    *,
+    integer: bool = False,
+) -> str:
     """Vertical bars (values may be negative) with a label under each bar; ``integer``: counts."""
     if not labels:
         return _frame(title, [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">no data</text>'])
@@ -170,12 +200,18 @@ def svg_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel:
     for i, (label, v) in enumerate(zip(labels, values)):
         x0 = PAD_L + i * slot + slot * 0.15
         y0, y1 = sorted((y(v), y(0)))
-        parts.append(f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{slot * 0.7:.1f}" height="{max(y1 - y0, 0.5):.1f}" fill="{BAR}"/>')
-        parts.append(f'<text x="{x0 + slot * 0.35:.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="10">'
-                     f'{html.escape(label)}</text>')
+        parts.append(
+            f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{slot * 0.7:.1f}" height="{max(y1 - y0, 0.5):.1f}" fill="{BAR}"/>'
+        )
+        parts.append(
+            f'<text x="{x0 + slot * 0.35:.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="10">'
+            f"{html.escape(label)}</text>"
+        )
         note = notes[i] if i < len(notes) else ""
-        parts.append(f'<text x="{x0 + slot * 0.35:.1f}" y="{y0 - 3:.1f}" text-anchor="middle" font-size="9" '
-                     f'fill="#555">{html.escape(_fmt(v) + note)}</text>')
+        parts.append(
+            f'<text x="{x0 + slot * 0.35:.1f}" y="{y0 - 3:.1f}" text-anchor="middle" font-size="9" '
+            f'fill="#555">{html.escape(_fmt(v) + note)}</text>'
+        )
     return _frame(title, parts, ylabel=ylabel)
 
 
@@ -184,22 +220,29 @@ def svg_stacked(rows: Sequence[tuple[str, dict[str, int]]], title: str) -> str:
     its label above it at full width so that long scorer labels are not cut."""
     row_h = 44
     h = PAD_T + row_h * max(len(rows), 1) + 30
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" viewBox="0 0 {W} {h}" '
-             f'role="img" aria-label="{html.escape(title)}">', f'<rect width="{W}" height="{h}" fill="white"/>',
-             f'<text x="{W / 2}" y="17" text-anchor="middle" font-size="13" font-weight="600">{html.escape(title)}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{h}" viewBox="0 0 {W} {h}" '
+        f'role="img" aria-label="{html.escape(title)}">',
+        f'<rect width="{W}" height="{h}" fill="white"/>',
+        f'<text x="{W / 2}" y="17" text-anchor="middle" font-size="13" font-weight="600">{html.escape(title)}</text>',
+    ]
     left, width = 12, W - 12 - PAD_R
     for i, (label, parts_count) in enumerate(rows):
         total = sum(parts_count.values()) or 1
         y0, x0 = PAD_T + row_h * i + 16, float(left)
         counts = ", ".join(f"{k} {n:,}" for k, n in parts_count.items() if n)
         shown = label if len(label) <= 60 else label[:59] + "…"
-        parts.append(f'<text x="{left}" y="{y0 - 4}" font-size="11">{html.escape(shown)}'
-                     f'<title>{html.escape(label)}: {html.escape(counts)}</title></text>')
+        parts.append(
+            f'<text x="{left}" y="{y0 - 4}" font-size="11">{html.escape(shown)}'
+            f"<title>{html.escape(label)}: {html.escape(counts)}</title></text>"
+        )
         for key, n in parts_count.items():
             w = n / total * width
             if w > 0:
-                parts.append(f'<rect x="{x0:.1f}" y="{y0}" width="{w:.1f}" height="20" fill="{COLORS.get(key, BAR)}">'
-                             f'<title>{key}: {n}</title></rect>')
+                parts.append(
+                    f'<rect x="{x0:.1f}" y="{y0}" width="{w:.1f}" height="20" fill="{COLORS.get(key, BAR)}">'
+                    f"<title>{key}: {n}</title></rect>"
+                )
             x0 += w
     legend_y = PAD_T + row_h * max(len(rows), 1) + 14
     for j, key in enumerate(COLORS):
@@ -234,7 +277,8 @@ def _credit_arrays(store: Store, run_id: int) -> dict[str, np.ndarray]:
     cols = ("mean_logprob", "pi_hind", "rho", "q_h", "q_h_smoothed")
     with db.read(store.engine) as conn:
         result = conn.execution_options(stream_results=True).execute(
-            text(f"SELECT {', '.join(cols)} FROM credits WHERE run_id = :run"), {"run": run_id})
+            text(f"SELECT {', '.join(cols)} FROM credits WHERE run_id = :run"), {"run": run_id}
+        )
         blocks = [np.asarray(b, dtype=np.float64).reshape(-1, len(cols)) for b in result.partitions(100_000)]
     data = np.concatenate(blocks) if blocks else np.zeros((0, len(cols)))
     return {c: data[:, i] for i, c in enumerate(cols)}
@@ -293,48 +337,86 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
     clipped = int(((arrays["rho"] <= p["c_min"]) | (arrays["rho"] >= p["c_max"])).sum())
 
     dist = [
-        _figure(svg_histogram(arrays["mean_logprob"], "Mean logprob per step", "mean logprob"),
-                "Mean of the aggregated action-token logprobs under the hindsight prompt."),
-        _figure(svg_histogram(arrays["pi_hind"], "pi_hind = exp(mean logprob / T)", f"pi_hind (T = {p['t_temp']})"),
-                "Hindsight likelihood of each step."),
-        _figure(svg_histogram(arrays["rho"], "rho (clipped ratio to the episode mean)", "rho",
-                              markers=[(p["c_min"], f"c_min {p['c_min']}"), (p["c_max"], f"c_max {p['c_max']}")]),
-                f"{clipped:,} of {len(arrays['rho']):,} steps sit on a clip bound."),
+        _figure(
+            svg_histogram(arrays["mean_logprob"], "Mean logprob per step", "mean logprob"),
+            "Mean of the aggregated action-token logprobs under the hindsight prompt.",
+        ),
+        _figure(
+            svg_histogram(arrays["pi_hind"], "pi_hind = exp(mean logprob / T)", f"pi_hind (T = {p['t_temp']})"),
+            "Hindsight likelihood of each step.",
+        ),
+        _figure(
+            svg_histogram(
+                arrays["rho"],
+                "rho (clipped ratio to the episode mean)",
+                "rho",
+                markers=[(p["c_min"], f"c_min {p['c_min']}"), (p["c_max"], f"c_max {p['c_max']}")],
+            ),
+            f"{clipped:,} of {len(arrays['rho']):,} steps sit on a clip bound.",
+        ),
         _figure(svg_histogram(arrays["q_h"], "Q_H per step", "q_h", from_zero=True), "rho · discount · r_t."),
-        _figure(svg_histogram(arrays["q_h_smoothed"], "Smoothed Q_H per step", "q_h_smoothed", from_zero=True),
-                f"Backward smoothing, alpha = {p['alpha']} ({'on' if p['smooth'] else 'off'})."),
+        _figure(
+            svg_histogram(arrays["q_h_smoothed"], "Smoothed Q_H per step", "q_h_smoothed", from_zero=True),
+            f"Backward smoothing, alpha = {p['alpha']} ({'on' if p['smooth'] else 'off'}).",
+        ),
     ]
-    pos_svg = svg_bars([r["label"] for r in positions], [float(r["q_h"]) for r in positions],
-                       "Mean Q_H by subtask (plan order)", "mean q_h",
-                       notes=[f" (n={r['steps']})" for r in positions])
-    cov_svg = svg_stacked([(c["label"] or c["scorer_id"][:12], {k: int(c.get(k) or 0) for k in COLORS})
-                           for c in coverage], "Scoring coverage per scorer (current episodes)")
-    fail_svg = svg_bars([f["kind"] for f in failures[:12]], [float(f["n"]) for f in failures[:12]],
-                        "Failed attempts by kind", "attempts", integer=True) if failures else ""
+    pos_svg = svg_bars(
+        [r["label"] for r in positions],
+        [float(r["q_h"]) for r in positions],
+        "Mean Q_H by subtask (plan order)",
+        "mean q_h",
+        notes=[f" (n={r['steps']})" for r in positions],
+    )
+    cov_svg = svg_stacked(
+        [(c["label"] or c["scorer_id"][:12], {k: int(c.get(k) or 0) for k in COLORS}) for c in coverage],
+        "Scoring coverage per scorer (current episodes)",
+    )
+    fail_svg = (
+        svg_bars(
+            [f["kind"] for f in failures[:12]],
+            [float(f["n"]) for f in failures[:12]],
+            "Failed attempts by kind",
+            "attempts",
+            integer=True,
+        )
+        if failures
+        else ""
+    )
 
     hyper = [(k, json.dumps(v)) for k, v in p.items()]
     sections = [
         f"<h1>hcapo-store credit report: {html.escape(run.name)}</h1>",
         f'<p class="meta">database {html.escape(store.display)} · scorer {html.escape(run.scorer_id)} '
-        f'({html.escape(run.scorer_label or "")}) · run created {html.escape(run.created_at)} · '
-        f'report generated {utcnow().isoformat(timespec="seconds")}</p>',
+        f"({html.escape(run.scorer_label or '')}) · run created {html.escape(run.created_at)} · "
+        f"report generated {utcnow().isoformat(timespec='seconds')}</p>",
         '<h2 id="run">Credit run</h2>',
-        _table(["episodes", "steps", "incomplete episodes", "run hash"],
-               [[run.episodes, run.steps, run.incomplete_episodes, run.run_hash[:16]]]),
-        '<h2 id="hyperparameters">Hyperparameters</h2>', _table(["parameter", "value"], hyper),
-        '<h2 id="distributions">Distributions</h2>', f'<div class="grid">{"".join(dist)}</div>',
+        _table(
+            ["episodes", "steps", "incomplete episodes", "run hash"],
+            [[run.episodes, run.steps, run.incomplete_episodes, run.run_hash[:16]]],
+        ),
+        '<h2 id="hyperparameters">Hyperparameters</h2>',
+        _table(["parameter", "value"], hyper),
+        '<h2 id="distributions">Distributions</h2>',
+        f'<div class="grid">{"".join(dist)}</div>',
         '<h2 id="subtasks">Q_H per subtask</h2>',
         f'<div class="grid">{_figure(pos_svg, "Planning is its own bar; unmapped = executing steps whose subtask is not in the plan.")}</div>',
-        _table(["subtask", "position", "steps", "mean q_h", "mean q_h_smoothed"],
-               [[r["label"], r["position"], r["steps"], float(r["q_h"]), float(r["q_h_smoothed"])] for r in positions]),
+        _table(
+            ["subtask", "position", "steps", "mean q_h", "mean q_h_smoothed"],
+            [[r["label"], r["position"], r["steps"], float(r["q_h"]), float(r["q_h_smoothed"])] for r in positions],
+        ),
         '<h2 id="coverage">Scoring coverage</h2>',
         f'<div class="grid">{_figure(cov_svg, "Steps of current episodes per scorer.")}</div>',
-        _table(["scorer", "label", "scored", "failed", "leased", "missing"],
-               [[c["scorer_id"][:16], c["label"], c["scored"], c["failed"], c["leased"], c["missing"]] for c in coverage]),
+        _table(
+            ["scorer", "label", "scored", "failed", "leased", "missing"],
+            [[c["scorer_id"][:16], c["label"], c["scored"], c["failed"], c["leased"], c["missing"]] for c in coverage],
+        ),
         '<h2 id="failures">Failure reasons</h2>',
-        (f'<div class="grid">{_figure(fail_svg, "Every failed attempt, by kind (all scorers).")}</div>'
-         + _table(["scorer", "kind", "attempts"], [[f["scorer_id"][:16], f["kind"], f["n"]] for f in failures])
-         if failures else "<p>No failed attempts recorded.</p>"),
+        (
+            f'<div class="grid">{_figure(fail_svg, "Every failed attempt, by kind (all scorers).")}</div>'
+            + _table(["scorer", "kind", "attempts"], [[f["scorer_id"][:16], f["kind"], f["n"]] for f in failures])
+            if failures
+            else "<p>No failed attempts recorded.</p>"
+        ),
     ]
     if run.incomplete:
         shown = ", ".join(run.incomplete[:50]) + (" …" if len(run.incomplete) > 50 else "")
@@ -344,13 +426,21 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
     if extra:
         sections.append(extra)
     body = "\n".join(sections)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>hcapo-store report: {html.escape(run.name)}</title><style>{CSS}</style></head>"
-            f"<body>\n{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>hcapo-store report: {html.escape(run.name)}</title><style>{CSS}</style></head>"
+        f"<body>\n{body}\n</body></html>\n"
+    )
 
 
-def write_report(store: Store, out_html: Path | str, run_name: str | None = None, *, episode_pages: bool = False,
-                 tokenizer: str | Path | None = None) -> dict[str, Any]:
+def write_report(
+    store: Store,
+    out_html: Path | str,
+    run_name: str | None = None,
+    *,
+    episode_pages: bool = False,
+    tokenizer: str | Path | None = None,
+) -> dict[str, Any]:
     """Write the report atomically (never over the database or another SQLite file);
     returns the path, the run it describes, and warnings (a stale run).
 
@@ -364,11 +454,16 @@ def write_report(store: Store, out_html: Path | str, run_name: str | None = None
         from hcapo_store.outputs.episode_view import episode_index_html, write_episode_pages
 
         folder = f"{out.stem}_episodes"
-        rows = write_episode_pages(store, out.parent / folder, run_name, tokenizer=tokenizer,
-                                   back_link=f"../{out.name}")
+        rows = write_episode_pages(
+            store, out.parent / folder, run_name, tokenizer=tokenizer, back_link=f"../{out.name}"
+        )
         extra = '<h2 id="episodes">Episodes</h2>' + episode_index_html(rows, folder)
     page = build_report(store, run_name, extra)
     atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
     run = get_run(store, run_name)
-    return {"path": str(out), "run": run.name, "bytes": len(page.encode()),
-            "warnings": [run.stale] if run.stale else []}
+    return {
+        "path": str(out),
+        "run": run.name,
+        "bytes": len(page.encode()),
+        "warnings": [run.stale] if run.stale else [],
+    }

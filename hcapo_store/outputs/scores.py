@@ -23,11 +23,26 @@ from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 BATCH = 2048
-COLUMNS = ("scorer_id", "episode", "episode_id", "episode_key", "step_id", "step_index", "message_index", "phase",
-           "subtask_id", "subtask_reward", "reward", "mean_logprob", "token_count", "total_action_tokens",
-           "skipped_action_tokens", "token_logprobs")
+COLUMNS = (
+    "scorer_id",
+    "episode",
+    "episode_id",
+    "episode_key",
+    "step_id",
+    "step_index",
+    "message_index",
+    "phase",
+    "subtask_id",
+    "subtask_reward",
+    "reward",
+    "mean_logprob",
+    "token_count",
+    "total_action_tokens",
+    "skipped_action_tokens",
+    "token_logprobs",
+)
 SQL = f"""
-SELECT {', '.join('v.' + c for c in COLUMNS[:-1])}, sc.token_logprobs
+SELECT {", ".join("v." + c for c in COLUMNS[:-1])}, sc.token_logprobs
 FROM step_scores v JOIN scores sc ON sc.step_id = v.step_id AND sc.scorer_id = v.scorer_id
 WHERE v.scorer_id = :scorer
 ORDER BY v.episode, v.episode_id, v.step_index
@@ -37,9 +52,17 @@ ORDER BY v.episode, v.episode_id, v.step_index
 def _schema() -> Any:
     import pyarrow as pa
 
-    types = {"scorer_id": pa.string(), "episode": pa.string(), "episode_key": pa.string(), "phase": pa.string(),
-             "subtask_id": pa.string(), "subtask_reward": pa.float64(), "reward": pa.float64(),
-             "mean_logprob": pa.float64(), "token_logprobs": pa.list_(pa.float32())}
+    types = {
+        "scorer_id": pa.string(),
+        "episode": pa.string(),
+        "episode_key": pa.string(),
+        "phase": pa.string(),
+        "subtask_id": pa.string(),
+        "subtask_reward": pa.float64(),
+        "reward": pa.float64(),
+        "mean_logprob": pa.float64(),
+        "token_logprobs": pa.list_(pa.float32()),
+    }
     return pa.schema([(c, types.get(c, pa.int64())) for c in COLUMNS])
 
 

@@ -55,9 +55,21 @@ from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy ignores
-ROW_KEYS = ("input_ids", "labels", "advantages", "episode", "_episode_id", "step_indices",
-            "step_message_indices", "step_advantages", "step_spans", "unaligned_steps", "_reward",
-            "_grpo_advantage", "provenance")
+ROW_KEYS = (
+    "input_ids",
+    "labels",
+    "advantages",
+    "episode",
+    "_episode_id",
+    "step_indices",
+    "step_message_indices",
+    "step_advantages",
+    "step_spans",
+    "unaligned_steps",
+    "_reward",
+    "_grpo_advantage",
+    "provenance",
+)
 
 
 # ---- weights on messages (TRL #5761 shape) ---------------------------------------------------
@@ -67,8 +79,7 @@ def with_message_weights(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, A
     """Eq. 8 rows with ``"weight"`` on each credited assistant message (others have none)."""
     for row in rows:
         weights = dict(zip(row["step_message_indices"], row["step_advantages"]))
-        row["messages"] = [{**m, "weight": weights[i]} if i in weights else m
-                           for i, m in enumerate(row["messages"])]
+        row["messages"] = [{**m, "weight": weights[i]} if i in weights else m for i, m in enumerate(row["messages"])]
         yield row
 
 
@@ -123,7 +134,7 @@ class EpisodeRenderer:
                 out.refused[index] = f"message {m} is not an assistant message after the first message"
                 continue
             prefix = self.encoder.encode(self._render(msgs[:m], generation=True), prefix_state)
-            step = self.encoder.encode(self._render(msgs[:m + 1], generation=False), step_state)
+            step = self.encoder.encode(self._render(msgs[: m + 1], generation=False), step_state)
             reason = _span_problem(prefix, step, full)
             if reason:
                 out.refused[index] = reason
@@ -133,11 +144,11 @@ class EpisodeRenderer:
 
 
 def _span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:
-    if step[:len(prefix)] != prefix:
+    if step[: len(prefix)] != prefix:
         return "alignment: the prefix ids are not a prefix of the step's ids"
     if len(step) == len(prefix):
         return "empty_action: the action renders to no tokens"
-    if full[:len(step)] != step:
+    if full[: len(step)] != step:
         return "rendering: the whole episode renders this turn (or an earlier one) differently"
     return None
 
@@ -145,8 +156,9 @@ def _span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | 
 # ---- rows ----------------------------------------------------------------------------------------
 
 
-def _row(ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray, al: Alignment,
-         provenance: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray, al: Alignment, provenance: dict[str, Any]
+) -> dict[str, Any]:
     ids = al.input_ids
     labels = [IGNORE_INDEX] * len(ids)
     adv = [0.0] * len(ids)
@@ -164,19 +176,31 @@ def _row(ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray,
             labels[start:end] = ids[start:end]
             adv[start:end] = [w] * (end - start)
     return {
-        "input_ids": ids, "labels": labels, "advantages": adv, "episode": ep["name"], "_episode_id": ep_id,
-        "step_indices": indices, "step_message_indices": msg_indices, "step_advantages": step_w,
+        "input_ids": ids,
+        "labels": labels,
+        "advantages": adv,
+        "episode": ep["name"],
+        "_episode_id": ep_id,
+        "step_indices": indices,
+        "step_message_indices": msg_indices,
+        "step_advantages": step_w,
         "step_spans": spans,
         "unaligned_steps": [{"step_index": i, "reason": r} for i, r in sorted(al.refused.items())],
-        "_reward": ep["reward"], "_grpo_advantage": round(float(grpo), 6),
+        "_reward": ep["reward"],
+        "_grpo_advantage": round(float(grpo), 6),
         "provenance": {**provenance, "flattened": al.flattened},
     }
 
 
 def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
     """Adds each episode's credited step indices (in the order of ``indices``)."""
-    rows = conn.execute(text("SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
-                             "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"), {"run": run.id})
+    rows = conn.execute(
+        text(
+            "SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
+            "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"
+        ),
+        {"run": run.id},
+    )
     by_ep: dict[int, list[int]] = {}
     for ep_id, index in rows:
         by_ep.setdefault(ep_id, []).append(index)
@@ -196,7 +220,8 @@ def scorer_tokenizer(store: Store, scorer_id: str, tokenizer_dir: str | Path) ->
         if theirs.get(key) != mine[key]:
             raise ExportError(
                 f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
-                f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory")
+                f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory"
+            )
     return tokenizer, mine
 
 
@@ -213,9 +238,15 @@ class _Stats:
         self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"episodes_in_dataset": self.rows, "aligned_steps": self.steps, "weighted_steps": self.weighted_steps,
-                "unaligned_steps": self.refused, "episodes_without_weighted_tokens": self.no_weight,
-                "tokens": self.tokens, "weighted_tokens": self.weighted_tokens}
+        return {
+            "episodes_in_dataset": self.rows,
+            "aligned_steps": self.steps,
+            "weighted_steps": self.weighted_steps,
+            "unaligned_steps": self.refused,
+            "episodes_without_weighted_tokens": self.no_weight,
+            "tokens": self.tokens,
+            "weighted_tokens": self.weighted_tokens,
+        }
 
 
 def export_tokenized(
@@ -245,17 +276,27 @@ def export_tokenized(
     run = get_run(store, run_name)
     warnings = _run_warnings(run)
     tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
-    provenance = {"credits": run.name, "run_hash": run.run_hash, "scorer_id": run.scorer_id,
-                  "tokenizer": fingerprint["name"], "tokenizer_files_sha256": fingerprint["files_sha256"],
-                  "chat_template_sha256": fingerprint["chat_template_sha256"],
-                  "q": "q_h_smoothed" if use_smoothed else "q_h", "omega": float(omega)}
+    provenance = {
+        "credits": run.name,
+        "run_hash": run.run_hash,
+        "scorer_id": run.scorer_id,
+        "tokenizer": fingerprint["name"],
+        "tokenizer_files_sha256": fingerprint["files_sha256"],
+        "chat_template_sha256": fingerprint["chat_template_sha256"],
+        "q": "q_h_smoothed" if use_smoothed else "q_h",
+        "omega": float(omega),
+    }
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
     with db.read(store.engine) as conn:
         episodes = _selected(conn, run, min_reward, use_smoothed)
         _step_indices(conn, episodes, run)
-        eq8 = hcapo_weights(np.asarray([e["reward"] for e in episodes], dtype=np.float64),
-                            [e["q"] for e in episodes], omega, _groups(conn, episodes, group_by, warnings))
+        eq8 = hcapo_weights(
+            np.asarray([e["reward"] for e in episodes], dtype=np.float64),
+            [e["q"] for e in episodes],
+            omega,
+            _groups(conn, episodes, group_by, warnings),
+        )
         ids = _episode_ids(episodes)
 
         def rows() -> Iterator[dict[str, Any]]:
@@ -274,17 +315,34 @@ def export_tokenized(
         if fmt == "jsonl":
             atomic_write(out, lambda f: _write_jsonl(f, rows()), inputs=store.files)
         else:
-            atomic_write(out, lambda f: write_parquet(f, rows(), {**_provenance(run), "layout": "tokenized"},
-                                                      schema=_schema), inputs=store.files)
+            atomic_write(
+                out,
+                lambda f: write_parquet(f, rows(), {**_provenance(run), "layout": "tokenized"}, schema=_schema),
+                inputs=store.files,
+            )
     if stats.rows == 0:
-        warnings.append(f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
-                        f"{min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)")
-    summary = {"total_episodes_loaded": len(episodes), **stats.as_dict(),
-               "config": {"omega": omega, "min_reward": min_reward, "use_smoothed": use_smoothed,
-                          "group_by": group_by, "credits": run.name, "scorer_id": run.scorer_id,
-                          "credit_params": run.params, "format": fmt, "layout": "tokenized",
-                          "tokenizer": str(tokenizer)},
-               "provenance": _provenance(run), "warnings": warnings}
+        warnings.append(
+            f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
+            f"{min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)"
+        )
+    summary = {
+        "total_episodes_loaded": len(episodes),
+        **stats.as_dict(),
+        "config": {
+            "omega": omega,
+            "min_reward": min_reward,
+            "use_smoothed": use_smoothed,
+            "group_by": group_by,
+            "credits": run.name,
+            "scorer_id": run.scorer_id,
+            "credit_params": run.params,
+            "format": fmt,
+            "layout": "tokenized",
+            "tokenizer": str(tokenizer),
+        },
+        "provenance": _provenance(run),
+        "warnings": warnings,
+    }
     _write_json(summary_path, summary, store.files)
     return {"path": str(out), "summary_path": str(summary_path), **summary}
 
@@ -294,12 +352,35 @@ def _schema(id_type: Any) -> Any:
 
     ints = pa.list_(pa.int64())
     unaligned = pa.list_(pa.struct([("step_index", pa.int64()), ("reason", pa.string())]))
-    provenance = pa.struct([(k, pa.string()) for k in ("credits", "run_hash", "scorer_id", "tokenizer",
-                                                       "tokenizer_files_sha256", "chat_template_sha256", "q")]
-                           + [("omega", pa.float64()), ("flattened", pa.bool_())])
-    return pa.schema([("input_ids", ints), ("labels", ints), ("advantages", pa.list_(pa.float32())),
-                      ("episode", pa.string()), ("_episode_id", id_type), ("step_indices", ints),
-                      ("step_message_indices", ints), ("step_advantages", pa.list_(pa.float64())),
-                      ("step_spans", pa.list_(ints)), ("unaligned_steps", unaligned), ("_reward", pa.float64()),
-                      ("_grpo_advantage", pa.float64()), ("provenance", provenance)])
-
+    provenance = pa.struct(
+        [
+            (k, pa.string())
+            for k in (
+                "credits",
+                "run_hash",
+                "scorer_id",
+                "tokenizer",
+                "tokenizer_files_sha256",
+                "chat_template_sha256",
+                "q",
+            )
+        ]
+        + [("omega", pa.float64()), ("flattened", pa.bool_())]
+    )
+    return pa.schema(
+        [
+            ("input_ids", ints),
+            ("labels", ints),
+            ("advantages", pa.list_(pa.float32())),
+            ("episode", pa.string()),
+            ("_episode_id", id_type),
+            ("step_indices", ints),
+            ("step_message_indices", ints),
+            ("step_advantages", pa.list_(pa.float64())),
+            ("step_spans", pa.list_(ints)),
+            ("unaligned_steps", unaligned),
+            ("_reward", pa.float64()),
+            ("_grpo_advantage", pa.float64()),
+            ("provenance", provenance),
+        ]
+    )

@@ -94,12 +94,12 @@ class LogprobModel:
         with self._lock, torch.inference_mode():
             hidden = self._hidden_states(tokens)
             for begin in range(0, len(rows), self.chunk_size):
-                chunk = rows[begin:begin + self.chunk_size]
+                chunk = rows[begin : begin + self.chunk_size]
                 logp = self._log_softmax(hidden[chunk])
                 values += logp.gather(-1, tokens[chunk + 1, None])[:, 0].tolist()
         out, offset = [], 0
         for start, end in spans:
-            out.append(values[offset:offset + end - start])
+            out.append(values[offset : offset + end - start])
             offset += end - start
         return out
 
@@ -201,6 +201,5 @@ def _reject_logit_transforms(config: Any) -> None:
         1.0,
     ):
         raise ScoringError(
-            f"{config.model_type}: logit soft-capping/scaling after the LM head is not supported "
-            "by the chunked scorer"
+            f"{config.model_type}: logit soft-capping/scaling after the LM head is not supported by the chunked scorer"
         )

@@ -48,14 +48,20 @@ class GroupPrompt:
         """The whole request as one prompt: every position from the first member's first
         scored token to the end is scored (the backends' per-step path then verifies it)."""
         last = self.members[-1]
-        return StepPrompt(step_index=last.step_index, input_ids=last.input_ids, first_scored=self.first_scored,
-                          total_action_tokens=0, skipped_action_tokens=0, truncated_prefix_tokens=0,
-                          flattened=last.flattened)
+        return StepPrompt(
+            step_index=last.step_index,
+            input_ids=last.input_ids,
+            first_scored=self.first_scored,
+            total_action_tokens=0,
+            skipped_action_tokens=0,
+            truncated_prefix_tokens=0,
+            flattened=last.flattened,
+        )
 
     def split(self, logprobs: Sequence[T]) -> list[list[T]]:
         """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
         offset = self.first_scored
-        return [list(logprobs[start - offset:end - offset]) for start, end in self.spans]
+        return [list(logprobs[start - offset : end - offset]) for start, end in self.spans]
 
 
 def joins(group: list[StepPrompt], prompt: StepPrompt, max_tokens: int | None) -> bool:
@@ -71,8 +77,9 @@ def joins(group: list[StepPrompt], prompt: StepPrompt, max_tokens: int | None) -
     return len(ids) > len(last) and prompt.first_scored >= len(last) and ids[: len(last)] == last
 
 
-def group_prompts(prompts: Sequence[StepPrompt | PromptFailure], *, grouping: Grouping = "grouped",
-                  max_tokens: int | None = None) -> list[GroupPrompt | PromptFailure]:
+def group_prompts(
+    prompts: Sequence[StepPrompt | PromptFailure], *, grouping: Grouping = "grouped", max_tokens: int | None = None
+) -> list[GroupPrompt | PromptFailure]:
     """Requests for the prompts of one episode, in step order: failures stay on their own;
     with ``per-step`` every prompt is its own request."""
     out: list[GroupPrompt | PromptFailure] = []
@@ -94,6 +101,13 @@ def group_prompts(prompts: Sequence[StepPrompt | PromptFailure], *, grouping: Gr
 
 def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:
     """One request's verified result → one result per member (request facts shared)."""
-    return [BackendScore(logprobs=values, prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                         latency_s=result.latency_s, model_id=result.model_id)
-            for values in group.split(result.logprobs)]
+    return [
+        BackendScore(
+            logprobs=values,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            latency_s=result.latency_s,
+            model_id=result.model_id,
+        )
+        for values in group.split(result.logprobs)
+    ]

@@ -64,8 +64,15 @@ def register(store: Store, spec: dict[str, Any]) -> str:
         with db.write(store.engine) as conn:
             exists = conn.execute(select(Scorer.id).where(Scorer.id == sid)).first()
             if exists is None:
-                conn.execute(insert(Scorer), {"id": sid, "label": scorer_label(spec), "spec": canonical_json(spec),
-                                              "created_at": utcnow().isoformat(timespec="seconds")})
+                conn.execute(
+                    insert(Scorer),
+                    {
+                        "id": sid,
+                        "label": scorer_label(spec),
+                        "spec": canonical_json(spec),
+                        "created_at": utcnow().isoformat(timespec="seconds"),
+                    },
+                )
     except IntegrityError:
         # PostgreSQL: workers starting together race to insert the same scorer (SQLite
         # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
@@ -109,9 +116,11 @@ ORDER BY sc.created_at
 
 def scorer_counts(store: Store) -> list[dict[str, Any]]:
     with db.read(store.engine) as conn:
-        total = int(conn.execute(text(
-            "SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current"
-        )).scalar_one())
+        total = int(
+            conn.execute(
+                text("SELECT COUNT(*) FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current")
+            ).scalar_one()
+        )
         rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": sql_now(conn)}).mappings().all()
     out = []
     for r in rows:

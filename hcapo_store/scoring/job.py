@@ -84,8 +84,13 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "sglang":
         from hcapo_store.scoring.backends.sglang import SGLangBackend
 
-        return SGLangBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, max_new_tokens=cfg.max_new_tokens,
-                             timeout=_http_timeout(cfg))
+        return SGLangBackend(
+            cfg.server,
+            model=cfg.model,
+            api_key=cfg.api_key,
+            max_new_tokens=cfg.max_new_tokens,
+            timeout=_http_timeout(cfg),
+        )
     if cfg.backend == "vllm":
         from hcapo_store.scoring.backends.vllm import VLLMBackend
 
@@ -103,7 +108,8 @@ def _tokenizer_location(cfg: ScoreConfig, backend: Backend) -> str:
         return reported
     raise ScoringError(
         f"the server reports tokenizer {reported!r}, which is not a directory here: pass --tokenizer DIR "
-        "(the same tokenizer the server uses)")
+        "(the same tokenizer the server uses)"
+    )
 
 
 @dataclass
@@ -166,15 +172,21 @@ def _check_template(cfg: ScoreConfig) -> None:
 def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     ctx = backend.context_length()
     if ctx is not None and ctx < cfg.max_context:
-        raise ScoringError(f"the server's context length is {ctx} < --max-context {cfg.max_context}: "
-                           f"pass --max-context {ctx} or less")
+        raise ScoringError(
+            f"the server's context length is {ctx} < --max-context {cfg.max_context}: pass --max-context {ctx} or less"
+        )
     location = _tokenizer_location(cfg, backend)
     try:
         tokenizer = load_tokenizer(location)
     except (OSError, ValueError) as exc:
         raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
-    builder = PromptBuilder(tokenizer, hindsight_template=cfg.hindsight_template, max_context=cfg.max_context,
-                            max_logprob_tokens=cfg.max_logprob_tokens, truncation=cfg.truncation)
+    builder = PromptBuilder(
+        tokenizer,
+        hindsight_template=cfg.hindsight_template,
+        max_context=cfg.max_context,
+        max_logprob_tokens=cfg.max_logprob_tokens,
+        truncation=cfg.truncation,
+    )
     spec = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
@@ -203,18 +215,27 @@ class DryRun:
     prompt_failures: int
 
     def summary(self) -> str:
-        return (f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
-                f"{self.episodes} episode(s) to score, {self.requests} request(s) of {self.prompt_tokens} "
-                f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
-                "nothing was sent")
+        return (
+            f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
+            f"{self.episodes} episode(s) to score, {self.requests} request(s) of {self.prompt_tokens} "
+            f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
+            "nothing was sent"
+        )
 
 
-def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None, *,
-            grouping: Grouping = "grouped") -> DryRun:
+def dry_run(
+    store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None, *, grouping: Grouping = "grouped"
+) -> DryRun:
     """Count the steps, requests and prompt tokens a run would send; writes nothing, calls nothing."""
     conv = prep.spec["conversion"]
-    rows = work_queue.unscored_steps(store, prep.scorer_id, include_thinking=conv["include_thinking"],
-                                max_tool_result_chars=conv["max_tool_result_chars"], filters=filters, limit=limit)
+    rows = work_queue.unscored_steps(
+        store,
+        prep.scorer_id,
+        include_thinking=conv["include_thinking"],
+        max_tool_result_chars=conv["max_tool_result_chars"],
+        filters=filters,
+        limit=limit,
+    )
     with db.read(store.engine) as conn:
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
@@ -222,8 +243,9 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
         requests = tokens = scored = failures = 0
         for ep, wanted in by_episode.items():
             episode = load_episode(conn, ep)
-            prompts = prep.builder.build_episode(episode.messages, episode.outcome,
-                                                 [s for s in episode.steps if s.step_index in wanted])
+            prompts = prep.builder.build_episode(
+                episode.messages, episode.outcome, [s for s in episode.steps if s.step_index in wanted]
+            )
             for r in group_prompts(prompts, grouping=grouping, max_tokens=prep.builder.max_context):
                 if isinstance(r, PromptFailure):
                     failures += 1
@@ -231,8 +253,9 @@ def dry_run(store: Store, prep: Prepared, filters: work_queue.Filters, limit: in
                     requests += 1
                     tokens += len(r.input_ids)
                     scored += sum(m.scored_tokens for m in r.members)
-    return DryRun(prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), requests, tokens, scored,
-                  failures)
+    return DryRun(
+        prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), requests, tokens, scored, failures
+    )
 
 
 async def check_vocabulary(prep: Prepared) -> None:
@@ -249,24 +272,37 @@ async def check_vocabulary(prep: Prepared) -> None:
         raise ScoringError(f"cannot reach the {prep.backend.kind} backend: {exc}; is the server up?") from exc
     if reason is not None:
         name = prep.spec["tokenizer"]["name"]
-        raise ScoringError(f"tokenizer {name!r} ({len(tokenizer)} tokens) does not match the model: the backend "
-                           f"rejects its token id {top} ({reason[:300]}); pass --tokenizer with the served model's "
-                           "tokenizer")
+        raise ScoringError(
+            f"tokenizer {name!r} ({len(tokenizer)} tokens) does not match the model: the backend "
+            f"rejects its token id {top} ({reason[:300]}); pass --tokenizer with the served model's "
+            "tokenizer"
+        )
 
 
-def run_scoring(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
-                on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
+def run_scoring(
+    store: Store,
+    prep: Prepared,
+    options: RunOptions,
+    *,
+    retry_failed: bool = False,
+    on_progress: Callable[[ScoreReport], None] | None = None,
+) -> ScoreReport:
     """Queue every unscored step of the scorer and score them; returns the run's report.
 
     Works inside a running event loop too (it then runs in a worker thread and blocks that
     loop until done); from async code, ``await run_scoring_async(...)`` instead.
     """
-    return run_sync(lambda: run_scoring_async(store, prep, options, retry_failed=retry_failed,
-                                              on_progress=on_progress))
+    return run_sync(lambda: run_scoring_async(store, prep, options, retry_failed=retry_failed, on_progress=on_progress))
 
 
-async def run_scoring_async(store: Store, prep: Prepared, options: RunOptions, *, retry_failed: bool = False,
-                            on_progress: Callable[[ScoreReport], None] | None = None) -> ScoreReport:
+async def run_scoring_async(
+    store: Store,
+    prep: Prepared,
+    options: RunOptions,
+    *,
+    retry_failed: bool = False,
+    on_progress: Callable[[ScoreReport], None] | None = None,
+) -> ScoreReport:
     """``run_scoring`` for async code: ``report = await run_scoring_async(store, prep, options)``."""
     conv = prep.spec["conversion"]
     scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)

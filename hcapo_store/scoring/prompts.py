@@ -51,9 +51,7 @@ Trajectory outcome:
 - Current subtask: {current_subtask}
 - Current subtask score: {current_subtask_score}"""
 
-TRUNCATION_MARKER = (
-    "\n\n[... earlier trajectory context truncated; hindsight outcome preserved above ...]\n\n"
-)
+TRUNCATION_MARKER = "\n\n[... earlier trajectory context truncated; hindsight outcome preserved above ...]\n\n"
 
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_MAX_LOGPROB_TOKENS = 2048
@@ -125,8 +123,16 @@ def hindsight_text(outcome: Any, step: Any, template: str = HINDSIGHT_TEMPLATE) 
 
 
 # The fields ``hindsight_text`` fills, in the order of the default template.
-HINDSIGHT_PLACEHOLDERS = ("reward", "phase", "plan_score", "scores_summary", "scored_count", "plan_count",
-                          "current_subtask", "current_subtask_score")
+HINDSIGHT_PLACEHOLDERS = (
+    "reward",
+    "phase",
+    "plan_score",
+    "scores_summary",
+    "scored_count",
+    "plan_count",
+    "current_subtask",
+    "current_subtask_score",
+)
 
 
 def check_hindsight_template(template: str) -> None:
@@ -135,12 +141,14 @@ def check_hindsight_template(template: str) -> None:
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:  # e.g. a single "{" or "}"
-        raise ValueError(f"hindsight template cannot be parsed ({exc}; write {{{{ and }}}} for literal braces); "
-                         f"{allowed}") from exc
+        raise ValueError(
+            f"hindsight template cannot be parsed ({exc}; write {{{{ and }}}} for literal braces); {allowed}"
+        ) from exc
     unknown = [f for f in fields if f.split(".")[0].split("[")[0] not in HINDSIGHT_PLACEHOLDERS]
     if unknown:
-        raise ValueError(f"hindsight template has unknown placeholder(s) "
-                         f"{', '.join('{' + f + '}' for f in unknown)}; {allowed}")
+        raise ValueError(
+            f"hindsight template has unknown placeholder(s) {', '.join('{' + f + '}' for f in unknown)}; {allowed}"
+        )
     try:
         hindsight_text(
             {"reward": 0.0, "phase": "p", "plan_score": 0.0, "frozen_scores": {"S1": 0.0}},
@@ -192,18 +200,17 @@ def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     out: list[dict] = []
     for m in messages:
         if m.get("role") == "tool":
-            out.append({
-                "role": "user",
-                "content": f"[Tool Result: {m.get('name', 'tool')}]\n{m.get('content', '')}",
-            })
+            out.append(
+                {
+                    "role": "user",
+                    "content": f"[Tool Result: {m.get('name', 'tool')}]\n{m.get('content', '')}",
+                }
+            )
         elif m.get("role") == "assistant" and m.get("tool_calls"):
             parts = [m["content"]] if m.get("content") else []
             for call in m["tool_calls"]:
                 function = call.get("function", {})
-                parts.append(
-                    f"[Tool Call: {function.get('name', '?')}]\n"
-                    f"{arguments_text(function.get('arguments'))}"
-                )
+                parts.append(f"[Tool Call: {function.get('name', '?')}]\n{arguments_text(function.get('arguments'))}")
             out.append({"role": "assistant", "content": "\n".join(parts)})
         else:
             out.append(dict(m))
@@ -285,7 +292,7 @@ class SegmentEncoder:
         pairs: list[tuple[str, str]] = []
         start = pos
         for match in self._splitter.finditer(text, pos):
-            pairs.append((text[start:match.start()], match.group()))
+            pairs.append((text[start : match.start()], match.group()))
             start = match.end()
         tail = text[start:]
         self._encode_pieces([p for p, _ in pairs] + [tail])
@@ -420,9 +427,7 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict], *, generation: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation
-            )
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
         except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
             raise _TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
@@ -460,18 +465,14 @@ class PromptBuilder:
             index, m = _field(step, "step_index"), _field(step, "message_index")
             hindsight = hindsight_text(outcome, step, self.hindsight_template)
             try:
-                prefix_text, full_text, first, flattened = self._render_step(
-                    messages, normalized, m, hindsight
-                )
+                prefix_text, full_text, first, flattened = self._render_step(messages, normalized, m, hindsight)
             except _TemplateRejected as exc:
                 results.append(PromptFailure(index, "template", str(exc)))
                 continue
             key = (hindsight, flattened)
             # Prefix and full renders get separate states: each shares most text with the
             # same kind of render of the previous step.
-            prefix_state, full_state = states.setdefault(
-                key, (self.encoder.new_state(), self.encoder.new_state())
-            )
+            prefix_state, full_state = states.setdefault(key, (self.encoder.new_state(), self.encoder.new_state()))
             texts = _StepTexts(
                 self.encoder.encode(prefix_text, prefix_state),
                 self.encoder.encode(full_text, full_state),
@@ -481,9 +482,7 @@ class PromptBuilder:
         self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
         return results
 
-    def build_step(
-        self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any
-    ) -> StepPrompt | PromptFailure:
+    def build_step(self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any) -> StepPrompt | PromptFailure:
         return self.build_episode(messages, outcome, [step])[0]
 
     def build_step_reference(
@@ -500,9 +499,7 @@ class PromptBuilder:
             return PromptFailure(index, "template", str(exc))
         encode = self.encoder.encode_whole
         texts = _StepTexts(encode(prefix_text), encode(full_text), flattened)
-        return self._finish(
-            index, texts, lambda: encode(self._render([first], generation=False))
-        )
+        return self._finish(index, texts, lambda: encode(self._render([first], generation=False)))
 
     # -- span logic, shared by both paths
 
@@ -510,9 +507,7 @@ class PromptBuilder:
         self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str
     ) -> tuple[str, str, dict, bool]:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
-            raise _TemplateRejected(
-                f"message {m} is not an assistant message after the first message"
-            )
+            raise _TemplateRejected(f"message {m} is not an assistant message after the first message")
         return self._render_pair(raw, normalized, m, hindsight)
 
     def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
@@ -525,7 +520,8 @@ class PromptBuilder:
         prefix_len = len(prefix_ids)
         if full_ids[:prefix_len] != prefix_ids:
             return PromptFailure(
-                index, "alignment",
+                index,
+                "alignment",
                 "the tokens of the prefix rendered with a generation prompt are not a prefix "
                 "of the tokens of the full conversation",
             )
@@ -552,9 +548,7 @@ class PromptBuilder:
             flattened=texts.flattened,
         )
 
-    def _truncate(
-        self, prefix_ids: list[int], action_ids: list[int], anchor: Any
-    ) -> tuple[list[int], list[int]]:
+    def _truncate(self, prefix_ids: list[int], action_ids: list[int], anchor: Any) -> tuple[list[int], list[int]]:
         """The original's truncation, on ids: anchor + marker + recent prefix tail + action.
 
         ``window``: the tail starts at a multiple of a block instead, so consecutive steps

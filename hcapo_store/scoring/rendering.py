@@ -26,18 +26,31 @@ RENDERING_LIBRARIES = ("transformers", "tokenizers", "jinja2")
 PROBE_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful agent. Use tools when they help."},
     {"role": "user", "content": "Count the lines of notes.txt, then report.\nÜnïcödé and  two  spaces."},
-    {"role": "assistant", "content": "<think>\nI should run wc first.\n</think>\n\nLet me count them.",
-     "tool_calls": [{"id": "call_0", "type": "function",
-                     "function": {"name": "bash", "arguments": "{\"command\": \"wc -l notes.txt\"}"}}]},
+    {
+        "role": "assistant",
+        "content": "<think>\nI should run wc first.\n</think>\n\nLet me count them.",
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "bash", "arguments": '{"command": "wc -l notes.txt"}'},
+            }
+        ],
+    },
     {"role": "tool", "name": "bash", "tool_call_id": "call_0", "content": "42 notes.txt\n"},
     {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\nnotes.txt has 42 lines."},
 ]
-PROBE_OUTCOME = {"reward": 0.75, "phase": "executing", "plan_score": 0.5, "plan": [{"id": "S1"}],
-                 "frozen_scores": {"S1": 0.75}}
-PROBE_STEPS = [{"step_index": 0, "message_index": 2, "phase": "executing", "subtask_id": "S1",
-                "subtask_reward": 0.75},
-               {"step_index": 1, "message_index": 4, "phase": "executing", "subtask_id": "S1",
-                "subtask_reward": 0.75}]
+PROBE_OUTCOME = {
+    "reward": 0.75,
+    "phase": "executing",
+    "plan_score": 0.5,
+    "plan": [{"id": "S1"}],
+    "frozen_scores": {"S1": 0.75},
+}
+PROBE_STEPS = [
+    {"step_index": 0, "message_index": 2, "phase": "executing", "subtask_id": "S1", "subtask_reward": 0.75},
+    {"step_index": 1, "message_index": 4, "phase": "executing", "subtask_id": "S1", "subtask_reward": 0.75},
+]
 
 
 def rendering_fingerprint(builder: PromptBuilder) -> str:

@@ -82,8 +82,10 @@ class RunOptions:
         # Checked up front: a worker id the workers table cannot hold would fail mid-run.
         wid = self.worker_id
         if wid and (len(wid) > WORKER_ID_LENGTH or "\x00" in wid):
-            raise UsageError(f"worker id {wid[:40]!r}{'…' if len(wid) > 40 else ''} ({len(wid)} characters): "
-                             f"a worker id has at most {WORKER_ID_LENGTH} characters and no NUL")
+            raise UsageError(
+                f"worker id {wid[:40]!r}{'…' if len(wid) > 40 else ''} ({len(wid)} characters): "
+                f"a worker id has at most {WORKER_ID_LENGTH} characters and no NUL"
+            )
 
 
 @dataclass
@@ -111,9 +113,11 @@ class ScoreReport:
     def summary(self) -> str:
         rate = self.scored / self.elapsed_s if self.elapsed_s else 0.0
         kinds = ", ".join(f"{k} {n}" for k, n in self.failure_kinds.most_common())
-        line = (f"scored {self.scored}, failed {self.failed}, retried {self.retried} attempt(s)"
-                f"{f' [{kinds}]' if kinds else ''}; {self.prompt_tokens} prompt tokens; "
-                f"{self.elapsed_s:.1f}s ({rate:.1f} steps/s)")
+        line = (
+            f"scored {self.scored}, failed {self.failed}, retried {self.retried} attempt(s)"
+            f"{f' [{kinds}]' if kinds else ''}; {self.prompt_tokens} prompt tokens; "
+            f"{self.elapsed_s:.1f}s ({rate:.1f} steps/s)"
+        )
         if self.discarded:
             line += f"; {self.discarded} late result(s) discarded"
         if self.server_down:
@@ -144,20 +148,33 @@ def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
     values = np.asarray(result.logprobs, dtype="<f4")
     # The mean is taken over the stored float32 values, so it can be recomputed from the blob.
     return {
-        "token_logprobs": values.tobytes(), "token_count": int(values.size),
+        "token_logprobs": values.tobytes(),
+        "token_count": int(values.size),
         "mean_logprob": float(values.astype(np.float64).mean()),
-        "total_action_tokens": prompt.total_action_tokens, "skipped_action_tokens": prompt.skipped_action_tokens,
-        "truncated_prefix_tokens": prompt.truncated_prefix_tokens, "input_tokens": len(prompt.input_ids),
-        "logprob_start_len": prompt.first_scored - 1, "flattened": prompt.flattened,
-        "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens, "latency_s": result.latency_s,
-        "server_model": result.model_id, "created_at": utcnow().isoformat(timespec="seconds"),
+        "total_action_tokens": prompt.total_action_tokens,
+        "skipped_action_tokens": prompt.skipped_action_tokens,
+        "truncated_prefix_tokens": prompt.truncated_prefix_tokens,
+        "input_tokens": len(prompt.input_ids),
+        "logprob_start_len": prompt.first_scored - 1,
+        "flattened": prompt.flattened,
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "latency_s": result.latency_s,
+        "server_model": result.model_id,
+        "created_at": utcnow().isoformat(timespec="seconds"),
     }
 
 
 class Scheduler:
-    def __init__(self, store: Store, scorer_id: str, backend: Backend, builder: PromptBuilder,
-                 options: RunOptions = RunOptions(),
-                 on_progress: Callable[[ScoreReport], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        scorer_id: str,
+        backend: Backend,
+        builder: PromptBuilder,
+        options: RunOptions = RunOptions(),
+        on_progress: Callable[[ScoreReport], None] | None = None,
+    ) -> None:
         self.store, self.scorer_id, self.backend, self.builder = store, scorer_id, backend, builder
         self.options = options
         self.worker = options.worker_id or work_queue.default_worker_id()
@@ -226,8 +243,9 @@ class Scheduler:
             write_error = self._drain() or self._gave_up
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
-            self.report.interrupted = (self._stopping.is_set() and self.report.server_down is None
-                                       and not (write_error or self._model_error))
+            self.report.interrupted = (
+                self._stopping.is_set() and self.report.server_down is None and not (write_error or self._model_error)
+            )
             self.report.elapsed_s = time.monotonic() - started
             failed = write_error or self._model_error
             released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
@@ -242,18 +260,25 @@ class Scheduler:
         (the leases then expire, or the next ``score`` on this host releases them)."""
         try:
             self.report.released = work_queue.finish_worker(
-                self.store, self.worker, state, scored=self.report.scored, failed=self.report.failed)
+                self.store, self.worker, state, scored=self.report.scored, failed=self.report.failed
+            )
         except StoreError as exc:
             log.warning("could not release this worker's leases: %s", exc)
             return None
         return self.report.released
 
     def _write_failure(self, error: StoreError, released: int | None) -> str:
-        leases = (f"{released} leased step(s) were returned to the queue" if released is not None else
-                  f"its leases could not be released and expire within {self.options.lease_seconds:g}s "
-                  "(a `score` on this host releases them at once)")
-        lost = (f"{len(self._pending)} result(s) could not be stored after {self._flush_failures} attempts"
-                if self._pending else f"writing results failed {FLUSH_ATTEMPTS} times in a row")
+        leases = (
+            f"{released} leased step(s) were returned to the queue"
+            if released is not None
+            else f"its leases could not be released and expire within {self.options.lease_seconds:g}s "
+            "(a `score` on this host releases them at once)"
+        )
+        lost = (
+            f"{len(self._pending)} result(s) could not be stored after {self._flush_failures} attempts"
+            if self._pending
+            else f"writing results failed {FLUSH_ATTEMPTS} times in a row"
+        )
         return f"scoring stopped: {lost} ({error}); {self.report.scored} result(s) stored, {leases}"
 
     async def _run_workers(self) -> None:
@@ -308,8 +333,14 @@ class Scheduler:
         while True:
             try:
                 return await asyncio.to_thread(
-                    work_queue.claim, self.store, self.scorer_id, self.worker,
-                    lease_seconds=self.options.lease_seconds, filters=self.options.filters, max_steps=remaining)
+                    work_queue.claim,
+                    self.store,
+                    self.scorer_id,
+                    self.worker,
+                    lease_seconds=self.options.lease_seconds,
+                    filters=self.options.filters,
+                    max_steps=remaining,
+                )
             except StoreError as exc:
                 failures += 1
                 if failures >= FLUSH_ATTEMPTS or self._stopping.is_set():
@@ -320,15 +351,21 @@ class Scheduler:
     async def _score_episode(self, claim: work_queue.Claim) -> None:
         prompts = await asyncio.to_thread(self._prompts_for, claim)
         leases = {lease.step_index: lease for lease in claim.leases}
-        requests = group_prompts([prompts[lease.step_index] for lease in claim.leases],
-                                 grouping=self.options.grouping, max_tokens=self.builder.max_context)
+        requests = group_prompts(
+            [prompts[lease.step_index] for lease in claim.leases],
+            grouping=self.options.grouping,
+            max_tokens=self.builder.max_context,
+        )
         for request in requests:
             if self._stopping.is_set():
                 return  # unstarted leases are released at the end
             if isinstance(request, PromptFailure):
                 lease = leases[request.step_index]
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=request.reason,
-                                           error=request.message, final=True))
+                self._record(
+                    work_queue.StepResult(
+                        lease.attempt_id, lease.step_id, error_kind=request.reason, error=request.message, final=True
+                    )
+                )
                 continue
             await self._score_request([leases[m.step_index] for m in request.members], request)
 
@@ -349,8 +386,11 @@ class Scheduler:
             results = await self.backend.score_group(group)
         for prompt, result in zip(group.members, results, strict=True):
             if len(result.logprobs) != prompt.scored_tokens:
-                raise InferenceError("mismatch", f"backend returned {len(result.logprobs)} logprobs for "
-                                     f"{prompt.scored_tokens} scored tokens", retryable=False)
+                raise InferenceError(
+                    "mismatch",
+                    f"backend returned {len(result.logprobs)} logprobs for {prompt.scored_tokens} scored tokens",
+                    retryable=False,
+                )
         return results
 
     async def _score_request(self, leases: list[work_queue.Lease], group: GroupPrompt) -> None:
@@ -368,31 +408,46 @@ class Scheduler:
                 if await self._server_is_down(exc, final):
                     final = False  # not the steps' fault: they stay pending for the next run
                 for lease in leases:
-                    self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
-                                                       error=str(exc)[:2000], final=final))
+                    self._record(
+                        work_queue.StepResult(
+                            lease.attempt_id, lease.step_id, error_kind=exc.kind, error=str(exc)[:2000], final=final
+                        )
+                    )
                 if final or self._stopping.is_set():
                     return
                 self.report.retried += len(leases)
-                await asyncio.sleep(backoff_delay(attempt, base=self.options.backoff_base,
-                                                  cap=self.options.backoff_cap, retry_after=exc.retry_after))
+                await asyncio.sleep(
+                    backoff_delay(
+                        attempt,
+                        base=self.options.backoff_base,
+                        cap=self.options.backoff_cap,
+                        retry_after=exc.retry_after,
+                    )
+                )
                 if self._stopping.is_set():
                     return  # stopped while waiting: the step goes back to the queue
                 continue
             self._transport_failures = 0
             for lease, prompt, result in zip(leases, group.members, results):
-                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id,
-                                                   score_row=score_row(prompt, result)))
+                self._record(
+                    work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result))
+                )
             self._pending_tokens += len(group.input_ids)
             return
 
     def _model_changed(self, leases: list[work_queue.Lease], exc: InferenceError) -> None:
         """Another model answers at the URL: record the attempt (the steps stay unscored) and stop."""
         for lease in leases:
-            self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, error_kind=exc.kind,
-                                               error=str(exc)[:2000], final=False))
+            self._record(
+                work_queue.StepResult(
+                    lease.attempt_id, lease.step_id, error_kind=exc.kind, error=str(exc)[:2000], final=False
+                )
+            )
         if self._model_error is None:
-            self._model_error = ScoringError(f"scoring stopped: {exc}; rerun `score` against the scorer's model, "
-                                             "or with the new one to start a new scorer")
+            self._model_error = ScoringError(
+                f"scoring stopped: {exc}; rerun `score` against the scorer's model, "
+                "or with the new one to start a new scorer"
+            )
         self.stop()
 
     async def _server_is_down(self, exc: InferenceError, final: bool) -> bool:
@@ -412,8 +467,10 @@ class Scheduler:
         assert self._probe_lock is not None
         async with self._probe_lock:
             if self.report.server_down is None and not await ping():
-                self.report.server_down = (f"the server stopped answering ({self._transport_failures} transport "
-                                           f"failure(s) in a row, then a probe: {exc})")
+                self.report.server_down = (
+                    f"the server stopped answering ({self._transport_failures} transport "
+                    f"failure(s) in a row, then a probe: {exc})"
+                )
                 self.stop()
             else:
                 self._transport_failures = 0
@@ -450,8 +507,13 @@ class Scheduler:
         except StoreError as exc:
             self._flush_failures += 1
             self._write_error = exc
-            log.warning("writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
-                        len(self._pending), self._flush_failures, FLUSH_ATTEMPTS, exc)
+            log.warning(
+                "writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
+                len(self._pending),
+                self._flush_failures,
+                FLUSH_ATTEMPTS,
+                exc,
+            )
             return False
         self._flush_failures, self._write_error = 0, None
         return True
@@ -483,8 +545,14 @@ class Scheduler:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(max(self.options.lease_seconds / 3, 0.05))
-            await asyncio.to_thread(work_queue.heartbeat, self.store, self.worker, lease_seconds=self.options.lease_seconds,
-                                    scored=self.report.scored, failed=self.report.failed)
+            await asyncio.to_thread(
+                work_queue.heartbeat,
+                self.store,
+                self.worker,
+                lease_seconds=self.options.lease_seconds,
+                scored=self.report.scored,
+                failed=self.report.failed,
+            )
 
 
 def _install_sigint(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> bool:

@@ -85,21 +85,40 @@ def default_worker_id() -> str:
 def enqueue(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_result_chars: int) -> int:
     """Create queue rows for steps of current episodes that have none (set-based)."""
     with db.write(store.engine) as conn:
-        result = conn.execute(text(ENQUEUE_SQL), {
-            "scorer": scorer_id, "scorer_value": scorer_id, "now": db.sql_now(conn), "include_thinking": include_thinking,
-            "max_tool_result_chars": max_tool_result_chars})
+        result = conn.execute(
+            text(ENQUEUE_SQL),
+            {
+                "scorer": scorer_id,
+                "scorer_value": scorer_id,
+                "now": db.sql_now(conn),
+                "include_thinking": include_thinking,
+                "max_tool_result_chars": max_tool_result_chars,
+            },
+        )
         return result.rowcount or 0
 
 
-def unscored_steps(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_result_chars: int,
-                   filters: Filters, limit: int | None = None) -> list[tuple[int, int]]:
+def unscored_steps(
+    store: Store,
+    scorer_id: str,
+    *,
+    include_thinking: bool,
+    max_tool_result_chars: int,
+    filters: Filters,
+    limit: int | None = None,
+) -> list[tuple[int, int]]:
     """(episode_id, step_index) of eligible steps not yet done or failed, in queue order; read-only."""
-    params: dict[str, Any] = {"scorer": scorer_id, "include_thinking": include_thinking,
-                              "max_tool_result_chars": max_tool_result_chars}
+    params: dict[str, Any] = {
+        "scorer": scorer_id,
+        "include_thinking": include_thinking,
+        "max_tool_result_chars": max_tool_result_chars,
+    }
     where = filters.sql(params)
-    sql = (f"SELECT s.episode_id, s.step_index {ELIGIBLE_STEPS}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
-           "WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status IN ('done', 'failed')) "
-           "ORDER BY s.episode_id, s.step_index")
+    sql = (
+        f"SELECT s.episode_id, s.step_index {ELIGIBLE_STEPS}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
+        "WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status IN ('done', 'failed')) "
+        "ORDER BY s.episode_id, s.step_index"
+    )
     with db.read(store.engine) as conn:
         rows = [(ep, idx) for ep, idx in conn.execute(text(sql), params)]
     return rows if limit is None else rows[:limit]
@@ -110,11 +129,17 @@ def requeue_failed(store: Store, scorer_id: str, filters: Filters) -> int:
     where = filters.sql(params)
     with db.write(store.engine) as conn:
         params["now"] = db.sql_now(conn)
-        return conn.execute(text(
-            "UPDATE attempts SET status = 'pending', attempt_count = 0, lease_owner = NULL, "
-            "lease_expires_at = NULL, updated_at = :now WHERE scorer_id = :scorer AND status = 'failed' "
-            f"AND episode_id IN (SELECT e.id FROM episodes e WHERE e.is_current{where})"
-        ), params).rowcount or 0
+        return (
+            conn.execute(
+                text(
+                    "UPDATE attempts SET status = 'pending', attempt_count = 0, lease_owner = NULL, "
+                    "lease_expires_at = NULL, updated_at = :now WHERE scorer_id = :scorer AND status = 'failed' "
+                    f"AND episode_id IN (SELECT e.id FROM episodes e WHERE e.is_current{where})"
+                ),
+                params,
+            ).rowcount
+            or 0
+        )
 
 
 def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
@@ -122,14 +147,20 @@ def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
     where = filters.sql(params)
     with db.read(store.engine) as conn:
         params["now"] = db.sql_now(conn)
-        return int(conn.execute(text(
-            f"SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
-            f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where}"
-        ), params).scalar_one())
+        return int(
+            conn.execute(
+                text(
+                    f"SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
+                    f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where}"
+                ),
+                params,
+            ).scalar_one()
+        )
 
 
-def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, filters: Filters,
-          max_steps: int | None = None) -> Claim | None:
+def claim(
+    store: Store, scorer_id: str, worker: str, *, lease_seconds: float, filters: Filters, max_steps: int | None = None
+) -> Claim | None:
     """Lease the claimable steps of one episode (at most ``max_steps``, in step order)."""
     params: dict[str, Any] = {"scorer": scorer_id, "me": worker}
     where = filters.sql(params)
@@ -142,30 +173,39 @@ def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, fi
             # inserts are not blocked); SKIP LOCKED moves on to the next episode instead of
             # waiting. Locking attempt rows one by one would deadlock: two claimers could each
             # hold one step of the same episode and wait for the other's.
-            row = conn.execute(text(
-                f"SELECT e.id FROM episodes e WHERE e.is_current{where} AND EXISTS (SELECT 1 FROM attempts a "
-                f"WHERE a.episode_id = e.id AND a.scorer_id = :scorer AND {CLAIMABLE}) "
-                "ORDER BY e.id LIMIT 1 FOR NO KEY UPDATE OF e SKIP LOCKED"
-            ), params).first()
+            row = conn.execute(
+                text(
+                    f"SELECT e.id FROM episodes e WHERE e.is_current{where} AND EXISTS (SELECT 1 FROM attempts a "
+                    f"WHERE a.episode_id = e.id AND a.scorer_id = :scorer AND {CLAIMABLE}) "
+                    "ORDER BY e.id LIMIT 1 FOR NO KEY UPDATE OF e SKIP LOCKED"
+                ),
+                params,
+            ).first()
         else:  # SQLite: BEGIN IMMEDIATE already serialises claimers
-            row = conn.execute(text(
-                f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
-                f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
-                f"ORDER BY a.episode_id, a.step_index LIMIT 1"
-            ), params).first()
+            row = conn.execute(
+                text(
+                    f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
+                    f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
+                    f"ORDER BY a.episode_id, a.step_index LIMIT 1"
+                ),
+                params,
+            ).first()
         if row is None:
             return None
         params["episode"] = row[0]
         limit = f" LIMIT {int(max_steps)}" if max_steps is not None else ""
         # PostgreSQL: rows a heartbeat or a result write holds right now are skipped, not waited for.
         skip = " FOR UPDATE SKIP LOCKED" if pg else ""
-        rows = conn.execute(text(
-            "UPDATE attempts SET status = 'leased', lease_owner = :me, lease_expires_at = :expires, "
-            "updated_at = :now WHERE id IN (SELECT a.id FROM attempts a WHERE a.scorer_id = :scorer "
-            f"AND a.episode_id = :episode AND {CLAIMABLE} ORDER BY a.step_index{limit}{skip}) "
-            f"AND {CLAIMABLE.replace('a.', '')} "
-            "RETURNING id, step_id, step_index, attempt_count"
-        ), params).all()
+        rows = conn.execute(
+            text(
+                "UPDATE attempts SET status = 'leased', lease_owner = :me, lease_expires_at = :expires, "
+                "updated_at = :now WHERE id IN (SELECT a.id FROM attempts a WHERE a.scorer_id = :scorer "
+                f"AND a.episode_id = :episode AND {CLAIMABLE} ORDER BY a.step_index{limit}{skip}) "
+                f"AND {CLAIMABLE.replace('a.', '')} "
+                "RETURNING id, step_id, step_index, attempt_count"
+            ),
+            params,
+        ).all()
     leases = sorted((Lease(*r) for r in rows), key=lambda lease: lease.step_index)
     return Claim(episode_id=row[0], leases=leases)
 
@@ -173,10 +213,14 @@ def claim(store: Store, scorer_id: str, worker: str, *, lease_seconds: float, fi
 def heartbeat(store: Store, worker: str, *, lease_seconds: float, scored: int, failed: int) -> None:
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
-        conn.execute(text("UPDATE attempts SET lease_expires_at = :exp WHERE lease_owner = :me AND status = 'leased'"),
-                     {"exp": now + lease_seconds, "me": worker})
-        conn.execute(text("UPDATE workers SET heartbeat_at = :now, scored = :scored, failed = :failed WHERE id = :me"),
-                     {"now": now, "me": worker, "scored": scored, "failed": failed})
+        conn.execute(
+            text("UPDATE attempts SET lease_expires_at = :exp WHERE lease_owner = :me AND status = 'leased'"),
+            {"exp": now + lease_seconds, "me": worker},
+        )
+        conn.execute(
+            text("UPDATE workers SET heartbeat_at = :now, scored = :scored, failed = :failed WHERE id = :me"),
+            {"now": now, "me": worker, "scored": scored, "failed": failed},
+        )
 
 
 def register_worker(store: Store, worker: str, scorer_id: str) -> None:
@@ -184,15 +228,24 @@ def register_worker(store: Store, worker: str, scorer_id: str) -> None:
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
         conn.execute(text("DELETE FROM workers WHERE id = :id"), {"id": worker})
-        conn.execute(text(
-            "INSERT INTO workers (id, scorer_id, host, pid, started_at, heartbeat_at, state, scored, failed) "
-            "VALUES (:id, :scorer, :host, :pid, :now, :now, 'running', 0, 0)"
-        ), {"id": worker, "scorer": scorer_id, "host": host or socket.gethostname(),
-            "pid": int(pid) if pid.isdigit() else os.getpid(), "now": now})
+        conn.execute(
+            text(
+                "INSERT INTO workers (id, scorer_id, host, pid, started_at, heartbeat_at, state, scored, failed) "
+                "VALUES (:id, :scorer, :host, :pid, :now, :now, 'running', 0, 0)"
+            ),
+            {
+                "id": worker,
+                "scorer": scorer_id,
+                "host": host or socket.gethostname(),
+                "pid": int(pid) if pid.isdigit() else os.getpid(),
+                "now": now,
+            },
+        )
 
 
-def finish_worker(store: Store, worker: str, state: str, *, scored: int | None = None,
-                  failed: int | None = None) -> int:
+def finish_worker(
+    store: Store, worker: str, state: str, *, scored: int | None = None, failed: int | None = None
+) -> int:
     """Mark the worker stopped and give back the steps it still holds; returns how many.
 
     ``scored``/``failed``: the worker's final counts (the heartbeat's are up to a third of
@@ -200,12 +253,23 @@ def finish_worker(store: Store, worker: str, state: str, *, scored: int | None =
     """
     with db.write(store.engine) as conn:
         now = db.sql_now(conn)
-        released = conn.execute(text(
-            "UPDATE attempts SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
-            "WHERE lease_owner = :me AND status = 'leased'"), {"me": worker, "now": now}).rowcount or 0
-        conn.execute(text("UPDATE workers SET state = :state, heartbeat_at = :now, scored = COALESCE(:scored, scored), "
-                          "failed = COALESCE(:failed, failed) WHERE id = :me"),
-                     {"state": state, "now": now, "me": worker, "scored": scored, "failed": failed})
+        released = (
+            conn.execute(
+                text(
+                    "UPDATE attempts SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
+                    "WHERE lease_owner = :me AND status = 'leased'"
+                ),
+                {"me": worker, "now": now},
+            ).rowcount
+            or 0
+        )
+        conn.execute(
+            text(
+                "UPDATE workers SET state = :state, heartbeat_at = :now, scored = COALESCE(:scored, scored), "
+                "failed = COALESCE(:failed, failed) WHERE id = :me"
+            ),
+            {"state": state, "now": now, "me": worker, "scored": scored, "failed": failed},
+        )
     return released
 
 
@@ -216,8 +280,9 @@ def reap_dead_local_workers(store: Store) -> int:
     """
     host = socket.gethostname()
     with db.read(store.engine) as conn:
-        rows = conn.execute(text("SELECT id, pid FROM workers WHERE host = :host AND state = 'running'"),
-                            {"host": host}).all()
+        rows = conn.execute(
+            text("SELECT id, pid FROM workers WHERE host = :host AND state = 'running'"), {"host": host}
+        ).all()
     dead = [wid for wid, pid in rows if pid != os.getpid() and not pid_alive(pid)]
     released = 0
     for wid in dead:
@@ -253,31 +318,60 @@ def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[
     scored = failed = discarded = 0
     for o in outcomes:
         if o.score_row is not None:
-            won = conn.execute(text(
-                "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
-                "WHERE id = :id AND status <> 'done'"), {"id": o.attempt_id, "now": now}).rowcount
+            won = conn.execute(
+                text(
+                    "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
+                    "WHERE id = :id AND status <> 'done'"
+                ),
+                {"id": o.attempt_id, "now": now},
+            ).rowcount
             if won:
-                conn.execute(text(SCORE_INSERT_SQL), {**o.score_row, "step_id": o.step_id, "scorer_id": scorer_id,
-                                                       "worker_id": worker})
+                conn.execute(
+                    text(SCORE_INSERT_SQL),
+                    {**o.score_row, "step_id": o.step_id, "scorer_id": scorer_id, "worker_id": worker},
+                )
                 scored += 1
             else:
                 discarded += 1  # someone else finished this step first
             continue
         message = mask_credentials(o.error or "")  # a server URL's password never reaches the database
-        conn.execute(text(
-            "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "me": worker, "now": now})
+        conn.execute(
+            text(
+                "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"
+            ),
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "me": worker, "now": now},
+        )
         status_sql = ", status = 'failed', lease_owner = NULL, lease_expires_at = NULL" if o.final else ""
-        conn.execute(text(
-            f"UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
-            f"updated_at = :now{status_sql} WHERE id = :id AND status <> 'done'"),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "now": now})
+        conn.execute(
+            text(
+                f"UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
+                f"updated_at = :now{status_sql} WHERE id = :id AND status <> 'done'"
+            ),
+            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "now": now},
+        )
         failed += int(o.final)
     return scored, failed, discarded
 
 
-SCORE_COLUMNS = ("step_id", "scorer_id", "token_logprobs", "token_count", "mean_logprob", "total_action_tokens",
-                 "skipped_action_tokens", "truncated_prefix_tokens", "input_tokens", "logprob_start_len", "flattened",
-                 "prompt_tokens", "cached_tokens", "latency_s", "server_model", "worker_id", "created_at")
-SCORE_INSERT_SQL = (f"INSERT INTO scores ({', '.join(SCORE_COLUMNS)}) "
-                    f"VALUES ({', '.join(':' + c for c in SCORE_COLUMNS)})")
+SCORE_COLUMNS = (
+    "step_id",
+    "scorer_id",
+    "token_logprobs",
+    "token_count",
+    "mean_logprob",
+    "total_action_tokens",
+    "skipped_action_tokens",
+    "truncated_prefix_tokens",
+    "input_tokens",
+    "logprob_start_len",
+    "flattened",
+    "prompt_tokens",
+    "cached_tokens",
+    "latency_s",
+    "server_model",
+    "worker_id",
+    "created_at",
+)
+SCORE_INSERT_SQL = (
+    f"INSERT INTO scores ({', '.join(SCORE_COLUMNS)}) VALUES ({', '.join(':' + c for c in SCORE_COLUMNS)})"
+)

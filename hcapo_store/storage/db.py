@@ -67,7 +67,7 @@ def _sqlite_hooks(engine: Engine) -> None:
 def make_engine(url: str) -> Engine:
     try:
         if url.startswith("sqlite"):
-            path = url[len("sqlite:///"):]
+            path = url[len("sqlite:///") :]
             if path and path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, connect_args={"timeout": busy_timeout_ms() / 1000})
@@ -111,16 +111,21 @@ def _specific_error(exc: BaseException, where: str) -> StoreError | None:
     state = getattr(orig, "sqlstate", None) or ""
     message = str(orig)
     if state in ("55P03", "40P01"):  # PostgreSQL: lock_not_available, deadlock_detected
-        return DatabaseLocked(f"database {where}: a lock could not be taken ({message.strip().splitlines()[0]}); "
-                              "the transaction was rolled back, rerun it")
+        return DatabaseLocked(
+            f"database {where}: a lock could not be taken ({message.strip().splitlines()[0]}); "
+            "the transaction was rolled back, rerun it"
+        )
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in message:
         return DatabaseLocked(
             f"database {where} is locked: another process held its write lock longer than "
             f"{busy_timeout_ms() / 1000:g}s (env {ENV_BUSY_TIMEOUT}); the transaction was rolled back, "
-            "rerun when the other process is done")
+            "rerun when the other process is done"
+        )
     if name.startswith("SQLITE_FULL") or state == "53100" or "database or disk is full" in message:
-        return DatabaseFull(f"database {where} is full (no space left on its disk, or its size limit): "
-                            "the transaction was rolled back; free space and rerun")
+        return DatabaseFull(
+            f"database {where} is full (no space left on its disk, or its size limit): "
+            "the transaction was rolled back; free space and rerun"
+        )
     if name.startswith("SQLITE_NOTADB") or "file is not a database" in message:
         return NotAStore(f"{where} is not a SQLite database; pass the path of an hcapo-store database with --db")
     return None
@@ -209,8 +214,10 @@ def refuse_foreign(engine: Engine) -> None:
     if tables and not CORE_TABLES | {"alembic_version"} <= tables:
         url = display_url(str(engine.url))
         shown = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
-        raise NotAStore(f"{url} is not an hcapo-store database (its tables: {shown}); "
-                        "it was left untouched: pass another path with --db")
+        raise NotAStore(
+            f"{url} is not an hcapo-store database (its tables: {shown}); "
+            "it was left untouched: pass another path with --db"
+        )
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:

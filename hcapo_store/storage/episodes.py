@@ -34,8 +34,9 @@ class StoredEpisode:
     step_ids: list[int]
 
 
-def loader_message(role: str, content: str, tool_calls: str | None, name: str | None,
-                   tool_call_id: str | None) -> dict[str, Any]:
+def loader_message(
+    role: str, content: str, tool_calls: str | None, name: str | None, tool_call_id: str | None
+) -> dict[str, Any]:
     """A stored message in the original loader's shape (docs/ORIGINAL.md §1): tool_calls only
     when present, arguments as JSON strings (what the trainer expects)."""
     if role == "tool":
@@ -53,31 +54,43 @@ def loader_message(role: str, content: str, tool_calls: str | None, name: str | 
 def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
     rows = conn.execute(
         select(Message.role, Message.content, Message.tool_calls, Message.name, Message.tool_call_id)
-        .where(Message.episode_id == episode_id).order_by(Message.message_index)
+        .where(Message.episode_id == episode_id)
+        .order_by(Message.message_index)
     ).all()
     return [loader_message(*r) for r in rows]
 
 
 def load_episode(conn: Connection, episode_id: int) -> StoredEpisode:
     ep = conn.execute(
-        select(Episode.id, Episode.name, Episode.reward, Episode.phase, Episode.plan_score, Episode.frozen_scores)
-        .where(Episode.id == episode_id)
+        select(
+            Episode.id, Episode.name, Episode.reward, Episode.phase, Episode.plan_score, Episode.frozen_scores
+        ).where(Episode.id == episode_id)
     ).one()
     plan = [
         {"id": sid, "description": d, "acceptance_criteria": a}
         for sid, d, a in conn.execute(
             select(Subtask.subtask_id, Subtask.description, Subtask.acceptance_criteria)
-            .where(Subtask.episode_id == episode_id).order_by(Subtask.position)
+            .where(Subtask.episode_id == episode_id)
+            .order_by(Subtask.position)
         )
     ]
     steps = conn.execute(
         select(Step.id, Step.step_index, Step.message_index, Step.phase, Step.subtask_id, Step.subtask_reward)
-        .where(Step.episode_id == episode_id).order_by(Step.step_index)
+        .where(Step.episode_id == episode_id)
+        .order_by(Step.step_index)
     ).all()
-    outcome = Outcome(reward=ep.reward, phase=ep.phase, plan_score=ep.plan_score,
-                      frozen_scores=json.loads(ep.frozen_scores), plan=plan)
+    outcome = Outcome(
+        reward=ep.reward,
+        phase=ep.phase,
+        plan_score=ep.plan_score,
+        frozen_scores=json.loads(ep.frozen_scores),
+        plan=plan,
+    )
     return StoredEpisode(
-        id=ep.id, name=ep.name, outcome=outcome, messages=load_messages(conn, episode_id),
+        id=ep.id,
+        name=ep.name,
+        outcome=outcome,
+        messages=load_messages(conn, episode_id),
         steps=[StepInfo(s.step_index, s.message_index, s.phase, s.subtask_id, s.subtask_reward) for s in steps],
         step_ids=[s.id for s in steps],
     )
@@ -102,9 +115,13 @@ def resolve_episode(conn: Connection, value: str) -> str:
     if len(exact) == 1:
         return exact[0]
     if exact:  # a name that is also another episode's id
-        listed = conn.execute(text("SELECT source_key, name, id FROM episodes WHERE is_current AND source_key IN "
-                                   "(" + ", ".join(f":k{i}" for i in range(len(exact))) + ") ORDER BY name"),
-                              {f"k{i}": k for i, k in enumerate(exact)}).all()
+        listed = conn.execute(
+            text(
+                "SELECT source_key, name, id FROM episodes WHERE is_current AND source_key IN "
+                "(" + ", ".join(f":k{i}" for i in range(len(exact))) + ") ORDER BY name"
+            ),
+            {f"k{i}": k for i, k in enumerate(exact)},
+        ).all()
         raise _ambiguous(value, listed)
     loose = conn.execute(text(_LOOSE_SQL), {"v": value, "slash_v": "/" + value}).all()
     if len({r[0] for r in loose}) == 1:
@@ -117,8 +134,9 @@ def resolve_episode(conn: Connection, value: str) -> str:
 def _ambiguous(value: str, rows: Sequence[Row]) -> EpisodeLookupError:
     shown = ", ".join(f"{name} (id {ep_id})" for _, name, ep_id in rows[:LISTED])
     more = f" and {len(rows) - LISTED} more" if len(rows) > LISTED else ""
-    return EpisodeLookupError(f"episode {value!r} is ambiguous: it matches {len(rows)} episodes: {shown}{more}; "
-                              "give the full name or the id")
+    return EpisodeLookupError(
+        f"episode {value!r} is ambiguous: it matches {len(rows)} episodes: {shown}{more}; give the full name or the id"
+    )
 
 
 def resolve_episodes(conn: Connection, values: tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ def resolve_url(db: str | os.PathLike[str] | None) -> str:
 def display_url(url: str) -> str:
     """What to show users: the file path for SQLite, the URL without password otherwise."""
     if url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
+        return url[len("sqlite:///") :]
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)

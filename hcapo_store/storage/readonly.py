@@ -28,21 +28,58 @@ WRITE_HINT = "read-only: {what} is not allowed (add --write to modify the databa
 
 # ---- SQLite ------------------------------------------------------------------------------------
 
-_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                    sqlite3.SQLITE_RECURSIVE, sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT}
+_ALLOWED_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    sqlite3.SQLITE_RECURSIVE,
+    sqlite3.SQLITE_TRANSACTION,
+    sqlite3.SQLITE_SAVEPOINT,
+}
 # Pragmas that only describe the schema or check it; any argument is a table/index name.
-_INTROSPECTION_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
-                          "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check",
-                          "function_list", "pragma_list", "collation_list", "module_list", "database_list",
-                          "compile_options"}
+_INTROSPECTION_PRAGMAS = {
+    "table_info",
+    "table_xinfo",
+    "table_list",
+    "index_list",
+    "index_info",
+    "index_xinfo",
+    "foreign_key_list",
+    "foreign_key_check",
+    "integrity_check",
+    "quick_check",
+    "function_list",
+    "pragma_list",
+    "collation_list",
+    "module_list",
+    "database_list",
+    "compile_options",
+}
 # Pragmas that only read a setting when given no value (with a value they change it).
-_SETTING_PRAGMAS = {"user_version", "schema_version", "application_id", "page_count", "page_size",
-                    "freelist_count", "journal_mode", "encoding", "foreign_keys", "query_only", "data_version",
-                    "cache_size", "busy_timeout", "synchronous", "auto_vacuum", "max_page_count"}
-_ACTIONS = ("CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
-            "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE "
-            "DROP_TEMP_TRIGGER DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT UPDATE ATTACH DETACH ALTER_TABLE "
-            "REINDEX ANALYZE CREATE_VTABLE DROP_VTABLE").split()
+_SETTING_PRAGMAS = {
+    "user_version",
+    "schema_version",
+    "application_id",
+    "page_count",
+    "page_size",
+    "freelist_count",
+    "journal_mode",
+    "encoding",
+    "foreign_keys",
+    "query_only",
+    "data_version",
+    "cache_size",
+    "busy_timeout",
+    "synchronous",
+    "auto_vacuum",
+    "max_page_count",
+}
+_ACTIONS = (
+    "CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
+    "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE "
+    "DROP_TEMP_TRIGGER DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT UPDATE ATTACH DETACH ALTER_TABLE "
+    "REINDEX ANALYZE CREATE_VTABLE DROP_VTABLE"
+).split()
 _ACTION_NAMES = {getattr(sqlite3, f"SQLITE_{a}"): a.replace("_", " ") for a in _ACTIONS}
 
 
@@ -52,8 +89,7 @@ class _SqliteGuard:
     def __init__(self) -> None:
         self.denied: str | None = None
 
-    def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None,
-                 _trigger: str | None) -> int:
+    def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None) -> int:
         if action in _ALLOWED_ACTIONS and not (action == sqlite3.SQLITE_FUNCTION and arg2 == "load_extension"):
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_UPDATE and arg1 in ("sqlite_master", "sqlite_temp_master"):
@@ -112,14 +148,17 @@ _SIDE_EFFECTS = re.compile(
 
 def pg_check(sql: str) -> None:
     """Refuse, before sending, what a rolled-back READ ONLY transaction would not contain."""
-    body = sql[_LEADING.match(sql).end():]  # type: ignore[union-attr]
+    body = sql[_LEADING.match(sql).end() :]  # type: ignore[union-attr]
     keyword = re.match(r"[A-Za-z]+", body)
     if keyword is None or keyword.group(0).lower() not in _QUERY_KEYWORDS:
         first = keyword.group(0).upper() if keyword else body[:20]
-        raise StoreError(WRITE_HINT.format(what=f"a {first} statement (only SELECT, WITH, VALUES, TABLE, "
-                                                f"SHOW and EXPLAIN are read-only)"))
+        raise StoreError(
+            WRITE_HINT.format(
+                what=f"a {first} statement (only SELECT, WITH, VALUES, TABLE, SHOW and EXPLAIN are read-only)"
+            )
+        )
     if re.search(r"\bU&['\"]", sql, re.I):
-        raise StoreError(WRITE_HINT.format(what="a Unicode-escaped name (U&\"…\")"))
+        raise StoreError(WRITE_HINT.format(what='a Unicode-escaped name (U&"…")'))
     hit = _SIDE_EFFECTS.search(sql)
     if hit:
         raise StoreError(WRITE_HINT.format(what=f"{hit.group(0)}() (a server function with side effects)"))

@@ -55,7 +55,9 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def query(self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True) -> tuple[list[str], list[tuple]]:
+    def query(
+        self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True
+    ) -> tuple[list[str], list[tuple]]:
         """Run one SQL statement; read-only unless asked (``storage/readonly.py``: SQLite's
         authorizer; PostgreSQL: a rolled-back ``READ ONLY`` transaction without server
         functions that have side effects). ``params`` are named (``:name``)."""
@@ -109,8 +111,9 @@ def _require_existing(url: str) -> None:
     """Read-only commands never create a database (nor its directory) by accident."""
     path = db.display_url(url)
     if url.startswith("sqlite:///") and path != ":memory:" and not Path(path).is_file():
-        raise StoreError(f"no database at {path}: check --db (or {db.ENV_DB}); "
-                         f"`hcapo-store --db {path} init` creates one")
+        raise StoreError(
+            f"no database at {path}: check --db (or {db.ENV_DB}); `hcapo-store --db {path} init` creates one"
+        )
 
 
 def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001

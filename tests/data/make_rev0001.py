@@ -59,9 +59,12 @@ def _set_session_id(b: EpisodeBuilder, new: str) -> None:
 
 
 def _messages(text: str) -> list[dict]:
-    return [{"role": "user", "content": f"task {text}"}, {"role": "assistant", "content": f"work {text}"},
-            {"role": "tool", "tool_call_id": "t", "name": "bash", "content": "ok"},
-            {"role": "assistant", "content": f"done {text}"}]
+    return [
+        {"role": "user", "content": f"task {text}"},
+        {"role": "assistant", "content": f"work {text}"},
+        {"role": "tool", "tool_call_id": "t", "name": "bash", "content": "ok"},
+        {"role": "assistant", "content": f"done {text}"},
+    ]
 
 
 def correct_reward(episode_dir: Path, reward: float) -> None:
@@ -93,8 +96,10 @@ def main(out: Path) -> None:
         ingest(store, [paths["v1"]])
         ingest(store, [paths["jsonl"]])
         ingest(store, [paths["jsonl"]])  # 0001: "0 new, N changed" every time
-        sid = register(store, {"backend": {"kind": "frozen-test", "model": "none"}, "max_context": 4096,
-                              "max_logprob_tokens": 2048})
+        sid = register(
+            store,
+            {"backend": {"kind": "frozen-test", "model": "none"}, "max_context": 4096, "max_logprob_tokens": 2048},
+        )
         _score_everything(store, sid)
         compute_credits(store, name="r1", scorer=sid)
         store.close()
@@ -111,16 +116,22 @@ def _score_everything(store, scorer_id: str) -> None:  # noqa: ANN001
         steps = conn.execute(text("SELECT s.id, s.episode_id, s.step_index FROM steps s")).all()
         for step_id, episode_id, step_index in steps:
             lp = [-0.5 - 0.01 * (step_id % 7), -0.25]
-            conn.execute(text(
-                "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
-                "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
-                "logprob_start_len, flattened, created_at) VALUES (:s, :sc, :lp, 2, :m, 2, 0, 0, 50, 48, 0, "
-                "'2026-11-21T00:00:00')"), {"s": step_id, "sc": scorer_id, "lp": struct.pack("<2f", *lp),
-                                            "m": sum(lp) / 2})
-            conn.execute(text(
-                "INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, "
-                "updated_at) VALUES (:s, :sc, :e, :i, 'done', 1, 0)"),
-                {"s": step_id, "sc": scorer_id, "e": episode_id, "i": step_index})
+            conn.execute(
+                text(
+                    "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
+                    "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
+                    "logprob_start_len, flattened, created_at) VALUES (:s, :sc, :lp, 2, :m, 2, 0, 0, 50, 48, 0, "
+                    "'2026-11-21T00:00:00')"
+                ),
+                {"s": step_id, "sc": scorer_id, "lp": struct.pack("<2f", *lp), "m": sum(lp) / 2},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, "
+                    "updated_at) VALUES (:s, :sc, :e, :i, 'done', 1, 0)"
+                ),
+                {"s": step_id, "sc": scorer_id, "e": episode_id, "i": step_index},
+            )
 
 
 if __name__ == "__main__":

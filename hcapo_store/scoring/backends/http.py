@@ -44,15 +44,23 @@ def _retry_after(response: httpx.Response) -> float | None:
 class HttpClient:
     """One pooled async client per server, with an API key sent as a Bearer token."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        max_connections: int = 64,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")  # may carry user:password (sent as basic auth)
         self.display_url = mask_url(self.base_url)  # what messages show
         self.connections_opened = 0  # counted by the trace hook; see HttpBackend.verify_model
         self.verified_connections = 0  # connections opened when the served model was last read
         self._client = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=timeout,
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
@@ -75,27 +83,42 @@ class HttpClient:
             if payload is None:
                 response = await self._client.request(method, path, extensions=trace)
             else:
-                response = await self._client.request(method, path, content=orjson.dumps(payload),
-                                                      headers={"Content-Type": "application/json"}, extensions=trace)
+                response = await self._client.request(
+                    method,
+                    path,
+                    content=orjson.dumps(payload),
+                    headers={"Content-Type": "application/json"},
+                    extensions=trace,
+                )
         except httpx.TimeoutException as exc:
-            raise InferenceError("timeout", f"{method} {self.display_url}{path}: {type(exc).__name__}",
-                                 retryable=True) from exc
+            raise InferenceError(
+                "timeout", f"{method} {self.display_url}{path}: {type(exc).__name__}", retryable=True
+            ) from exc
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise InferenceError("connect", mask_credentials(f"{method} {self.display_url}{path}: "
-                                                             f"{type(exc).__name__}: {exc}"), retryable=True) from exc
+            raise InferenceError(
+                "connect",
+                mask_credentials(f"{method} {self.display_url}{path}: {type(exc).__name__}: {exc}"),
+                retryable=True,
+            ) from exc
         except httpx.HTTPError as exc:
-            raise InferenceError("http", mask_credentials(f"{method} {self.display_url}{path}: {exc}"),
-                                 retryable=True) from exc
+            raise InferenceError(
+                "http", mask_credentials(f"{method} {self.display_url}{path}: {exc}"), retryable=True
+            ) from exc
         if response.status_code != 200:
             body = mask_credentials(response.text[:300])
             retryable = response.status_code in RETRYABLE_STATUS or "queue is full" in body.lower()
-            raise InferenceError(f"http_{response.status_code}", f"{method} {path}: {body}",
-                                 retryable=retryable, retry_after=_retry_after(response))
+            raise InferenceError(
+                f"http_{response.status_code}",
+                f"{method} {path}: {body}",
+                retryable=retryable,
+                retry_after=_retry_after(response),
+            )
         try:
             return orjson.loads(response.content)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # orjson's error is a JSONDecodeError
-            raise InferenceError("bad_response", f"{method} {path}: malformed JSON: {response.text[:200]!r}",
-                                 retryable=False) from exc
+            raise InferenceError(
+                "bad_response", f"{method} {path}: malformed JSON: {response.text[:200]!r}", retryable=False
+            ) from exc
 
 
 class HttpBackend:
@@ -103,8 +126,14 @@ class HttpBackend:
     event loop (pooled connections belong to the loop that opened them), opened by
     ``start()`` and dropped by ``close()``."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, client: HttpClient | None = None,
-                 timeout: float | httpx.Timeout | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        client: HttpClient | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
@@ -117,8 +146,9 @@ class HttpBackend:
 
     def _open(self) -> HttpClient:
         if self.client is None:
-            self.client = HttpClient(self.url, api_key=self.api_key,
-                                     timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout)
+            self.client = HttpClient(
+                self.url, api_key=self.api_key, timeout=DEFAULT_TIMEOUT if self.timeout is None else self.timeout
+            )
         return self.client
 
     def _started(self) -> HttpClient:
@@ -172,11 +202,17 @@ class HttpBackend:
 
     def _compare_served(self, facts: dict[str, Any], when: str) -> None:
         if self.served is not None and facts != self.served:
-            changed = {k: (self.served.get(k), facts.get(k)) for k in set(self.served) | set(facts)
-                       if self.served.get(k) != facts.get(k)}
+            changed = {
+                k: (self.served.get(k), facts.get(k))
+                for k in set(self.served) | set(facts)
+                if self.served.get(k) != facts.get(k)
+            }
             detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items()))
-            raise InferenceError(MODEL_CHANGED, f"the server at {self.url} now serves another model ({when}: "
-                                 f"{detail}); nothing from it is stored", retryable=False)
+            raise InferenceError(
+                MODEL_CHANGED,
+                f"the server at {self.url} now serves another model ({when}: {detail}); nothing from it is stored",
+                retryable=False,
+            )
 
     async def verify_model(self) -> None:
         """After any new connection, read the served model again before a response is accepted."""

@@ -48,7 +48,8 @@ class InProcessBackend:
         if self.scorer is not None:
             return
         self.scorer = await asyncio.to_thread(
-            LogprobModel, self.model_dir, device=self.device, chunk_size=self.chunk_size)
+            LogprobModel, self.model_dir, device=self.device, chunk_size=self.chunk_size
+        )
         self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
 
     async def close(self) -> None:
@@ -83,5 +84,13 @@ class InProcessBackend:
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
             raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
         latency = time.monotonic() - started
-        return [BackendScore(logprobs=[float(x) for x in v], prompt_tokens=len(ids), cached_tokens=0,
-                             latency_s=latency, model_id=str(self.model_dir)) for v in values]
+        return [
+            BackendScore(
+                logprobs=[float(x) for x in v],
+                prompt_tokens=len(ids),
+                cached_tokens=0,
+                latency_s=latency,
+                model_id=str(self.model_dir),
+            )
+            for v in values
+        ]

@@ -55,8 +55,11 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     finish = meta.get("finish_reason")
     if isinstance(finish, dict) and finish.get("type") == "abort":
         status = finish.get("status_code")
-        raise InferenceError("abort", f"server aborted the request: {finish.get('message')!r} (status {status})",
-                             retryable=status is None or status in (408, 429) or (isinstance(status, int) and status >= 500))
+        raise InferenceError(
+            "abort",
+            f"server aborted the request: {finish.get('message')!r} (status {status})",
+            retryable=status is None or status in (408, 429) or (isinstance(status, int) and status >= 500),
+        )
     entries = meta.get("input_token_logprobs")
     if not isinstance(entries, list):
         raise _bad("response has no input_token_logprobs (was return_logprob honoured?)")
@@ -64,12 +67,16 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     start = prompt.first_scored - 1
     expected = len(ids) - start
     if len(entries) != expected:
-        raise InferenceError("mismatch", f"expected {expected} input_token_logprobs entries, got {len(entries)}",
-                             retryable=False)
+        raise InferenceError(
+            "mismatch", f"expected {expected} input_token_logprobs entries, got {len(entries)}", retryable=False
+        )
     prompt_tokens = meta.get("prompt_tokens")
     if isinstance(prompt_tokens, int) and prompt_tokens != len(ids):
-        raise InferenceError("mismatch", f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} "
-                             "(truncated by the server?)", retryable=False)
+        raise InferenceError(
+            "mismatch",
+            f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} (truncated by the server?)",
+            retryable=False,
+        )
     logprobs = _fast_logprobs(entries, ids, start)
     if logprobs is None:
         logprobs = _checked_logprobs(entries, ids, start)
@@ -107,8 +114,11 @@ def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[fl
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise _bad(f"entry {j} is not a [logprob, token_id, text] triple: {entry!r}")
         if entry[1] != ids[start + j]:
-            raise InferenceError("mismatch", f"position {start + j}: server token id {entry[1]!r}, "
-                                 f"sent {ids[start + j]}", retryable=False)
+            raise InferenceError(
+                "mismatch",
+                f"position {start + j}: server token id {entry[1]!r}, sent {ids[start + j]}",
+                retryable=False,
+            )
         if j == 0:
             continue  # always null: SGLang does not compute logits before logprob_start_len
         value = entry[0]
@@ -124,9 +134,16 @@ def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[fl
 class SGLangBackend(HttpBackend):
     kind = "sglang"
 
-    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
-                 max_new_tokens: int = 0, client: HttpClient | None = None,
-                 timeout: float | httpx.Timeout | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        max_new_tokens: int = 0,
+        client: HttpClient | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> None:
         super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         self.model = model
         self.max_new_tokens = max_new_tokens
@@ -156,8 +173,12 @@ class SGLangBackend(HttpBackend):
         return self.model_info.get("tokenizer_path")
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model, "server_model": self.server_model_id(),
-                "max_new_tokens": self.max_new_tokens}
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "server_model": self.server_model_id(),
+            "max_new_tokens": self.max_new_tokens,
+        }
 
     def context_length(self) -> int | None:
         for key in ("context_length", "max_req_input_len"):
@@ -172,9 +193,13 @@ class SGLangBackend(HttpBackend):
         await self.verify_model()
         self._check_weight_version(body)
         result = parse_response(prompt, body)
-        return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
-                            cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
-                            model_id=self.server_model_id())
+        return BackendScore(
+            logprobs=result.logprobs,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            latency_s=time.monotonic() - started,
+            model_id=self.server_model_id(),
+        )
 
     def _check_weight_version(self, body: Any) -> None:
         """Every response reports the weights it came from (``meta_info.weight_version``)."""
@@ -186,13 +211,13 @@ class SGLangBackend(HttpBackend):
             if expected is not None and got is not None and got != expected:
                 self._compare_served({**(self.served or {}), "weight_version": got}, "in a response")
 
-
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason. SGLang reports no
         vocabulary size, but rejects ids outside it: a prefill-only request that computes nothing."""
         try:
-            await self._open().post_json("/generate", {"input_ids": [token_id], "sampling_params": {"max_new_tokens": 0},
-                                                       "stream": False})
+            await self._open().post_json(
+                "/generate", {"input_ids": [token_id], "sampling_params": {"max_new_tokens": 0}, "stream": False}
+            )
         except InferenceError as exc:
             if exc.kind.startswith("http_4"):
                 return str(exc)

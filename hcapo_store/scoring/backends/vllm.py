@@ -28,8 +28,9 @@ VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
 DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (vLLM's SamplingParams)
 
 
-def build_payload(prompt: StepPrompt, *, model: str | None = None,
-                  prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS) -> dict[str, Any]:
+def build_payload(
+    prompt: StepPrompt, *, model: str | None = None, prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS
+) -> dict[str, Any]:
     if prompt.first_scored < 1:
         raise ValueError("the first scored token needs at least one token of context")
     payload: dict[str, Any] = {
@@ -81,8 +82,10 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     token_ids = choice.get("prompt_token_ids")
     if token_ids is not None:
         if not isinstance(token_ids, list) or len(token_ids) != len(ids):
-            raise _mismatch(f"server prompt_token_ids has {len(token_ids) if isinstance(token_ids, list) else '?'} "
-                            f"entries, we sent {len(ids)}")
+            raise _mismatch(
+                f"server prompt_token_ids has {len(token_ids) if isinstance(token_ids, list) else '?'} "
+                f"entries, we sent {len(ids)}"
+            )
         for i, (got, sent) in enumerate(zip(token_ids, ids)):
             if got != sent:
                 raise _mismatch(f"position {i}: server prompt token id {got!r}, sent {sent}")
@@ -91,7 +94,9 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) and prompt_tokens != len(ids):
         raise _mismatch(f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} (truncated by the server?)")
     if entries[0] is not None:
-        raise _bad(f"prompt_logprobs entry 0 should be null (no context before the first token), got {entries[0]!r:.100}")
+        raise _bad(
+            f"prompt_logprobs entry 0 should be null (no context before the first token), got {entries[0]!r:.100}"
+        )
     logprobs: list[float] = []
     for i in range(1, len(ids)):
         entry = entries[i]
@@ -99,8 +104,10 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
             raise _bad(f"position {i}: prompt_logprobs entry is {entry!r:.100}, not a dict keyed by token id")
         key = str(ids[i])
         if key not in entry:
-            raise _mismatch(f"position {i}: sent token id {ids[i]} is not among the returned ids "
-                            f"{list(entry)[:5]} (token alignment is off)")
+            raise _mismatch(
+                f"position {i}: sent token id {ids[i]} is not among the returned ids "
+                f"{list(entry)[:5]} (token alignment is off)"
+            )
         if i < prompt.first_scored:
             continue  # context: only the alignment matters
         value = _logprob_value(entry[key])
@@ -125,9 +132,16 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
 class VLLMBackend(HttpBackend):
     kind = "vllm"
 
-    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
-                 prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS, client: HttpClient | None = None,
-                 timeout: float | httpx.Timeout | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS,
+        client: HttpClient | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> None:
         super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         self.requested_model = model
         self.model = model  # the served model name sent with every request (learned in start())
@@ -139,7 +153,9 @@ class VLLMBackend(HttpBackend):
         body = await self._open().get_json("/v1/models")
         cards = body.get("data") if isinstance(body, dict) else None
         if not isinstance(cards, list):
-            raise InferenceError("bad_response", f"GET /v1/models: no data list in {str(body)[:200]!r}", retryable=False)
+            raise InferenceError(
+                "bad_response", f"GET /v1/models: no data list in {str(body)[:200]!r}", retryable=False
+            )
         return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     def served_facts(self) -> dict[str, Any]:
@@ -154,13 +170,17 @@ class VLLMBackend(HttpBackend):
         served = [c["id"] for c in cards]
         if self.requested_model is None:
             if len(cards) != 1:
-                raise ScoringError(f"the vLLM server at {self.display_url} serves {served or 'no models'}: "
-                                   "pass --model NAME to choose one")
+                raise ScoringError(
+                    f"the vLLM server at {self.display_url} serves {served or 'no models'}: "
+                    "pass --model NAME to choose one"
+                )
             self.model_card = cards[0]
         else:
             match = [c for c in cards if c["id"] == self.requested_model]
             if not match:
-                raise ScoringError(f"the vLLM server at {self.display_url} serves {served}, not {self.requested_model!r}")
+                raise ScoringError(
+                    f"the vLLM server at {self.display_url} serves {served}, not {self.requested_model!r}"
+                )
             self.model_card = match[0]
         self.model = self.model_card["id"]
         info = await self.get_optional("/version")
@@ -175,8 +195,12 @@ class VLLMBackend(HttpBackend):
         return self.model_card.get("root")
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model, "server_model": self.server_model_id(),
-                "prompt_logprobs": self.prompt_logprobs}
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "server_model": self.server_model_id(),
+            "prompt_logprobs": self.prompt_logprobs,
+        }
 
     def context_length(self) -> int | None:
         value = self.model_card.get("max_model_len")
@@ -186,22 +210,29 @@ class VLLMBackend(HttpBackend):
         client = self._started()
         started = time.monotonic()
         body = await client.post_json(
-            "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs))
+            "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs)
+        )
         await self.verify_model()
         reported = body.get("model") if isinstance(body, dict) else None
         if isinstance(reported, str) and reported != self.model:  # every completion names its model
             self._compare_served({**(self.served or {}), "id": reported}, "in a response")
         result = parse_response(prompt, body)
-        return BackendScore(logprobs=result.logprobs, prompt_tokens=result.prompt_tokens,
-                            cached_tokens=result.cached_tokens, latency_s=time.monotonic() - started,
-                            model_id=self.server_model_id())
+        return BackendScore(
+            logprobs=result.logprobs,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            latency_s=time.monotonic() - started,
+            model_id=self.server_model_id(),
+        )
 
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason (vLLM rejects prompt ids
         outside the vocabulary with HTTP 400; it reports no vocabulary size)."""
         try:
-            await self._open().post_json("/v1/completions", {"model": self.model, "prompt": [token_id], "max_tokens": 1,
-                                                             "temperature": 0.0, "stream": False})
+            await self._open().post_json(
+                "/v1/completions",
+                {"model": self.model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0, "stream": False},
+            )
         except InferenceError as exc:
             if exc.kind.startswith("http_4"):
                 return str(exc)
