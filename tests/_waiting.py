@@ -22,10 +22,11 @@ def wait_until(
     *,
     procs: Mapping[str, subprocess.Popen] | None = None,
     poll_s: float = 0.05,
+    timeout: float = HANG_GUARD_S,
 ) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
+    deadline = time.monotonic() + timeout
     while not condition():
         for name, proc in (procs or {}).items():
             assert proc.poll() is None, f"{name} exited (status {proc.returncode}) while waiting until {what}"
-        assert time.monotonic() < deadline, f"not after {HANG_GUARD_S:.0f} s: {what}"
+        assert time.monotonic() < deadline, f"not after {timeout:.0f} s: {what}"
         time.sleep(poll_s)

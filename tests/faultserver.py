@@ -407,15 +407,6 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
 # --------------------------------------------------------------------------- test helpers
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-    """Poll until a state is reached (``timeout`` only bounds a hang on a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def step_requests(store: Any, builder: Any, grouping: str = "grouped") -> dict[str, list[tuple[str, int]]]:
     """The requests a run with all steps claimed sends: request key -> its steps' keys."""
     from sqlalchemy import text

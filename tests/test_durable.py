@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultserver import FaultServer, wait_for
+from _waiting import wait_until
+from faultserver import FaultServer
 from sqlalchemy import event, text
 
 from hcapo_store.credits.runs import compute_credits
@@ -133,11 +134,11 @@ def _score_locked_mid_run(db: Path, server: FaultServer, tiny_model_dir: Path, l
     proc = _spawn(_score_cmd(db, server, tiny_model_dir), log, SHORT_BUSY)
     lock = None
     try:
-        wait_for(lambda: server.requests >= 1, "the first request (the claim is committed)")
+        wait_until(lambda: server.requests >= 1, "the first request (the claim is committed)", timeout=120.0)
         lock = WriteLock(db)
         server.hold_answers.set()
         if release_when is not None:
-            wait_for(release_when, "the state that releases the lock")
+            wait_until(release_when, "the state that releases the lock", timeout=120.0)
             lock.release()
         return proc.wait(timeout=WAIT)
     finally:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _waiting import wait_until
 from conftest import TOKENIZERS
 
 from cli import cli
@@ -203,16 +204,6 @@ def test_a_bad_hindsight_template_is_one_line_listing_the_placeholders(
     assert "allowed placeholders: {reward}, {phase}" in lines[0] and "{current_subtask_score}" in lines[0]
 
 
-def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    """Wait for a state of another thread or process (the deadline only stops a hung test)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def _attempt_states(db: str) -> dict[str, int]:
     with sqlite3.connect(db) as conn:
         return dict(conn.execute("SELECT status, COUNT(*) FROM attempts GROUP BY status").fetchall())
@@ -227,7 +218,7 @@ def test_a_server_that_dies_mid_run_stops_the_run_and_leaves_the_rest_pending(ru
     with FaultServer(ref) as server:
 
         def kill_after_three_requests() -> None:
-            _wait_for(lambda: server.requests >= 3, "3 requests")
+            wait_until(lambda: server.requests >= 3, "3 requests", poll_s=0.01, timeout=120.0)
             server.die()
 
         killer = threading.Thread(target=kill_after_three_requests, daemon=True)
@@ -328,7 +319,9 @@ def test_first_ctrl_c_stops_within_the_grace_period_while_requests_hang(db, ref,
             env={**os.environ, "NO_COLOR": "1"},
         )
         try:
-            _wait_for(lambda: server.requests >= 2 or proc.poll() is not None, "two hung requests")
+            wait_until(
+                lambda: server.requests >= 2 or proc.poll() is not None, "two hung requests", poll_s=0.01, timeout=120.0
+            )
             proc.send_signal(signal.SIGINT)
             # Without the grace period this waits for the 300 s request timeout.
             proc.wait(timeout=150)

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faultserver import FaultServer, wait_for
+from _waiting import wait_until
+from faultserver import FaultServer
 from sqlalchemy import text
 
 from hcapo_store.errors import ScoringError
@@ -72,7 +73,7 @@ def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, cha
     thread = threading.Thread(target=work)
     thread.start()
     try:
-        wait_for(lambda: proxy.requests >= 1, "the first request")
+        wait_until(lambda: proxy.requests >= 1, "the first request", timeout=120.0)
         change()
     finally:
         proxy.hold_answers.set()

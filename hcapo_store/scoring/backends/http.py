@@ -228,6 +228,17 @@ class HttpBackend:
             self._compare_served(await self.read_served_facts(), "after a reconnect")
             client.verified_connections = seen
 
+    async def _rejection(self, path: str, payload: dict[str, Any]) -> str | None:
+        """None when the server accepts this request, else its 4xx reason (used to probe
+        whether the model has a token id: servers report no vocabulary size)."""
+        try:
+            await self._open().post_json(path, payload)
+        except InferenceError as exc:
+            if exc.kind.startswith("http_4"):
+                return str(exc)
+            raise
+        return None
+
     async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
         """One request from the first member's first scored token to the end (SGLang:
         ``logprob_start_len`` one before it; vLLM returns every position anyway). Every

@@ -214,15 +214,9 @@ class SGLangBackend(HttpBackend):
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason. SGLang reports no
         vocabulary size, but rejects ids outside it: a prefill-only request that computes nothing."""
-        try:
-            await self._open().post_json(
-                "/generate", {"input_ids": [token_id], "sampling_params": {"max_new_tokens": 0}, "stream": False}
-            )
-        except InferenceError as exc:
-            if exc.kind.startswith("http_4"):
-                return str(exc)
-            raise
-        return None
+        return await self._rejection(
+            "/generate", {"input_ids": [token_id], "sampling_params": {"max_new_tokens": 0}, "stream": False}
+        )
 
 
 def _served_facts(model_info: dict[str, Any]) -> dict[str, Any]:

@@ -228,13 +228,7 @@ class VLLMBackend(HttpBackend):
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason (vLLM rejects prompt ids
         outside the vocabulary with HTTP 400; it reports no vocabulary size)."""
-        try:
-            await self._open().post_json(
-                "/v1/completions",
-                {"model": self.model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0, "stream": False},
-            )
-        except InferenceError as exc:
-            if exc.kind.startswith("http_4"):
-                return str(exc)
-            raise
-        return None
+        return await self._rejection(
+            "/v1/completions",
+            {"model": self.model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0, "stream": False},
+        )
