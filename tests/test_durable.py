@@ -217,7 +217,9 @@ def test_full_database_stops_scoring_and_releases_leases(ingested, server, tiny_
         # What was written before the database filled up is kept and counted; nothing else.
         stored = count(store, "SELECT COUNT(*) FROM scores")
         assert f"; {stored} result(s) stored" in message
-        assert _statuses(ingested) == {"done": stored, "pending": _steps(ingested) - stored}
+        expected = {"done": stored, "pending": _steps(ingested) - stored}
+        # GROUP BY lists only statuses that occur: the page limit can hit before the first result.
+        assert _statuses(ingested) == {status: n for status, n in expected.items() if n}
         with store.engine.connect() as conn:
             state = conn.execute(text("SELECT state FROM workers")).scalar_one()
         assert state == "failed"
