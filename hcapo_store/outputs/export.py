@@ -345,7 +345,6 @@ def export_dataset(
     summary_path = summary_path_for(out)
     for path in (out, summary_path):
         check_output(path, store.files)
-    run = get_run(store, run_name)
     warnings = _run_warnings(run)
     provenance = _provenance(run)
     stats = _Stats()
