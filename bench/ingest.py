@@ -37,6 +37,11 @@ if not SAMPLES.is_dir():
     SAMPLES = Path("/work/shared/samples/long")
 
 
+def _renamed(header: dict, rest: str, i: int) -> str:
+    """The session with copy i's own session id: the id is the episode's identity (pi:<id>)."""
+    return json.dumps({**header, "id": f"{header['id'][:-8]}{i:08x}"}) + "\n" + rest
+
+
 def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
     """n copies of the real-format samples, round robin, each with new ids; returns total bytes."""
     bases = []
@@ -50,7 +55,7 @@ def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
         header, rest, result = bases[i % len(bases)]
         d = root / f"episode_{i:05d}"
         d.mkdir(parents=True)
-        session = json.dumps({**header, "id": f"{header['id'][:-8]}{i:08x}"}) + "\n" + rest
+        session = _renamed(header, rest, i)
         res = json.dumps({**result, "episode_id": i, "episode_reward": round((i % 997) / 997, 4)}, indent=2)
         (d / "pi_session.jsonl").write_text(session)
         (d / "result.json").write_text(res)
@@ -66,10 +71,12 @@ def write_synthetic_episodes(root: Path, n: int) -> int:
     bases = []
     for seed in range(8):
         b = EpisodeBuilder(seed=seed).standard(steps_per_subtask=22, output_words=40)
-        bases.append((b.session_text(), b.result()))
+        head, _, rest = b.session_text().partition("\n")
+        bases.append((json.loads(head), rest, b.result()))
     total = 0
     for i in range(n):
-        session, result = bases[i % len(bases)]
+        header, rest, result = bases[i % len(bases)]
+        session = _renamed(header, rest, i)
         d = root / f"episode_{i:05d}"
         d.mkdir(parents=True)
         res = json.dumps({**result, "episode_id": i, "episode_reward": (i % 997) / 997})
@@ -166,6 +173,8 @@ def main() -> None:
                     db = tmp / f"{name}-{rep}.db"
                     r = run_child(tree, episodes, db, args.profile if rep == 0 and name == "this" else None)
                     db.unlink()
+                    if r["failed"]:  # a rate over refused episodes measures nothing
+                        raise SystemExit(f"{name}: {r['failed']} of {n} episodes failed to ingest; fix the inputs")
                     runs[name].append(r)
                     print(
                         f"  run {rep + 1} {name:8s}: {r['episodes']} episodes ({r['steps']} steps) in "

@@ -41,3 +41,13 @@ def test_real_shaped_copies_ingest_as_new_episodes_of_the_samples_size(tmp_path,
     assert all(abs(w - sizes[i % len(samples)]) < 64 for i, w in enumerate(written))
     assert steps[: len(samples)] == steps[len(samples) : 2 * len(samples)]
     assert total >= sum(written)
+
+
+def test_synthetic_copies_ingest_as_new_episodes(tmp_path, store):
+    # The synthetic baseline reuses 8 generated sessions; each copy needs its own session id,
+    # or ingest refuses the copies as conflicting versions of one episode.
+    bench = _bench_ingest()
+    n = 10
+    bench.write_synthetic_episodes(tmp_path / "eps", n)
+    report = ingest(store, [tmp_path / "eps"])
+    assert (report.new, report.failed) == (n, 0)
