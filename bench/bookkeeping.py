@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -72,8 +73,11 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
             if path.startswith(b"/generate"):
                 req = _loads(body)
                 ids = req["input_ids"]
-                start = req["logprob_start_len"]
-                entries = [[None, ids[start], None]] + [[-0.5, t, None] for t in ids[start + 1 :]]
+                start = req.get("logprob_start_len")
+                if start is None:  # the vocabulary probe before a run: a prefill without logprobs
+                    entries = []
+                else:
+                    entries = [[None, ids[start], None]] + [[-0.5, t, None] for t in ids[start + 1 :]]
                 out = _dumps(
                     {
                         "text": "",
@@ -293,7 +297,7 @@ def main() -> None:
         runs["end_to_end"] = _timed_run(store, prep, options, timers)
     # The same run again with every prompt built beforehand: claim → request → verify →
     # commit only (client-side preparation has its own budget, bench/prep.py).
-    prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder))
+    prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder), prep.builder)
     cases: dict[str, tuple[Any, Any, bool]] = {
         "bookkeeping": (store, prep, False),
         "bookkeeping_stdlib_json": (store, prep, True),
@@ -309,7 +313,7 @@ def main() -> None:
         store2 = Store.open(str(tmp / "synthetic.db"))
         ingest(store2, [tmp / "synthetic"])
         prep2 = prepare(store2, replace(cfg, max_context=4096))
-        prep2.builder = _PrebuiltBuilder(_prebuild(store2, prep2.builder))
+        prep2.builder = _PrebuiltBuilder(_prebuild(store2, prep2.builder), prep2.builder)
         cases["bookkeeping_synthetic_4k"] = (store2, prep2, False)
     pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for rep in range(args.repeat):
@@ -420,8 +424,8 @@ class _json_codec:
         from hcapo_store.scoring.backends import http
 
         self.saved = http.orjson
-        if self.stdlib:
-            http.orjson = None
+        if self.stdlib:  # orjson is a hard dependency now: swap in a stand-in with its two calls
+            http.orjson = types.SimpleNamespace(dumps=lambda obj: json.dumps(obj).encode(), loads=json.loads)
 
     def __exit__(self, *exc: object) -> None:
         from hcapo_store.scoring.backends import http
@@ -522,8 +526,14 @@ def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
 class _PrebuiltBuilder:
     """Answers build_episode from prompts built before the run."""
 
-    def __init__(self, prompts: dict[tuple[Any, ...], Any]) -> None:
+    def __init__(self, prompts: dict[tuple[Any, ...], Any], builder: Any) -> None:
         self.prompts = prompts
+        self._builder = builder
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything but build_episode (tokenizer for the vocabulary probe, max_context for
+        # grouping) is the real builder's.
+        return getattr(self._builder, name)
 
     def build_episode(self, messages: Any, outcome: Any, steps: Any) -> list[Any]:
         head = (outcome.reward, messages[0]["content"][:200])

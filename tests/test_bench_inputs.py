@@ -4,6 +4,8 @@ as new episodes (new ids, new hashes) and keep the samples' shape. No timing her
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,15 @@ def test_synthetic_copies_ingest_as_new_episodes(tmp_path, store):
     bench.write_synthetic_episodes(tmp_path / "eps", n)
     report = ingest(store, [tmp_path / "eps"])
     assert (report.new, report.failed) == (n, 0)
+
+
+def test_bookkeeping_bench_runs_against_its_server():
+    # The bench drives the real runner with prebuilt prompts against its own zero-latency
+    # server: when the runner grows a new call (the vocabulary probe, grouping), the bench must
+    # still score every step, or its numbers measure failures.
+    bench = BENCH_INGEST.parent / "bookkeeping.py"
+    args = ["--input", "synthetic", "--episodes", "1", "--repeat", "1", "--only-bookkeeping", "--no-timers"]
+    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [line for line in out.stdout.splitlines() if ", run 1: " in line]
+    assert len(runs) == 2 and all("15 steps (0 failed)" in line for line in runs), out.stdout
