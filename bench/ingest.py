@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,30 +38,45 @@ if not SAMPLES.is_dir():
     SAMPLES = Path("/work/shared/samples/long")
 
 
-def _renamed(header: dict, rest: str, i: int) -> str:
-    """The session with copy i's own session id: the id is the episode's identity (pi:<id>)."""
-    return json.dumps({**header, "id": f"{header['id'][:-8]}{i:08x}"}) + "\n" + rest
+def _split(session_text: str) -> tuple[dict, str]:
+    head, _, rest = session_text.partition("\n")
+    return json.loads(head), rest
+
+
+def _write_copies(
+    root: Path, n: int, bases: list[tuple[dict, str, dict]], result_text: Callable[[dict, int], str]
+) -> int:
+    """n episode dirs, round robin over (session header, rest of session, result) bases; returns total bytes.
+    Copy i gets its own session id: the id is the episode's identity (pi:<id>)."""
+    total = 0
+    for i in range(n):
+        header, rest, result = bases[i % len(bases)]
+        d = root / f"episode_{i:05d}"
+        d.mkdir(parents=True)
+        session = json.dumps({**header, "id": f"{header['id'][:-8]}{i:08x}"}) + "\n" + rest
+        res = result_text(result, i)
+        (d / "pi_session.jsonl").write_text(session)
+        (d / "result.json").write_text(res)
+        total += len(session) + len(res)
+    return total
 
 
 def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
     """n copies of the real-format samples, round robin, each with new ids; returns total bytes."""
     bases = []
     for d in sorted(p for p in samples.iterdir() if (p / "pi_session.jsonl").is_file()):
-        head, _, rest = (d / "pi_session.jsonl").read_text().partition("\n")
-        bases.append((json.loads(head), rest, json.loads((d / "result.json").read_text())))
+        header, rest = _split((d / "pi_session.jsonl").read_text())
+        bases.append((header, rest, json.loads((d / "result.json").read_text())))
     if not bases:
         raise SystemExit(f"no sample episodes under {samples}")
-    total = 0
-    for i in range(n):
-        header, rest, result = bases[i % len(bases)]
-        d = root / f"episode_{i:05d}"
-        d.mkdir(parents=True)
-        session = _renamed(header, rest, i)
-        res = json.dumps({**result, "episode_id": i, "episode_reward": round((i % 997) / 997, 4)}, indent=2)
-        (d / "pi_session.jsonl").write_text(session)
-        (d / "result.json").write_text(res)
-        total += len(session) + len(res)
-    return total
+    return _write_copies(
+        root,
+        n,
+        bases,
+        lambda result, i: json.dumps(
+            {**result, "episode_id": i, "episode_reward": round((i % 997) / 997, 4)}, indent=2
+        ),
+    )
 
 
 def write_synthetic_episodes(root: Path, n: int) -> int:
@@ -71,19 +87,10 @@ def write_synthetic_episodes(root: Path, n: int) -> int:
     bases = []
     for seed in range(8):
         b = EpisodeBuilder(seed=seed).standard(steps_per_subtask=22, output_words=40)
-        head, _, rest = b.session_text().partition("\n")
-        bases.append((json.loads(head), rest, b.result()))
-    total = 0
-    for i in range(n):
-        header, rest, result = bases[i % len(bases)]
-        session = _renamed(header, rest, i)
-        d = root / f"episode_{i:05d}"
-        d.mkdir(parents=True)
-        res = json.dumps({**result, "episode_id": i, "episode_reward": (i % 997) / 997})
-        (d / "pi_session.jsonl").write_text(session)
-        (d / "result.json").write_text(res)
-        total += len(session) + len(res)
-    return total
+        bases.append((*_split(b.session_text()), b.result()))
+    return _write_copies(
+        root, n, bases, lambda result, i: json.dumps({**result, "episode_id": i, "episode_reward": (i % 997) / 997})
+    )
 
 
 def child(tree: str, root: str, db: str, profile: str | None) -> None:
