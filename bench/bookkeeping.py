@@ -128,7 +128,7 @@ def write_long_episodes(root: Path, n: int, *, words_per_action: int, steps_per_
     """Standard episodes whose every assistant turn carries a long thinking block."""
     import random
 
-    from hcapo_store.local.synth import EpisodeBuilder, words
+    from hcapo_store.devkit.synth import EpisodeBuilder, words
 
     for i in range(1, n + 1):
         b = EpisodeBuilder(seed=i, episode_id=i, reward=round(random.Random(i).random(), 4))
@@ -229,18 +229,18 @@ def main() -> None:
     from sqlalchemy import text
 
     from hcapo_store.ingestion.pipeline import ingest
-    from hcapo_store.scoring import runner as scheduler_mod
+    from hcapo_store.scoring import scheduler as scheduler_mod
     from hcapo_store.scoring import work_queue
     from hcapo_store.scoring.backends.sglang import SGLangBackend
     from hcapo_store.scoring.job import ScoreConfig, prepare
     from hcapo_store.scoring.prompts import PromptBuilder
-    from hcapo_store.scoring.runner import RunOptions
+    from hcapo_store.scoring.scheduler import RunOptions
     from hcapo_store.storage.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-bookkeeping-"))
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from hcapo_store.local.tiny_model import build_demo_tokenizer
+        from hcapo_store.devkit.tiny_model import build_demo_tokenizer
 
         tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
 

@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from hcapo_store.devkit.tiny_model import build_tiny_model  # noqa: E402
 from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
-from hcapo_store.local.tiny_model import build_tiny_model  # noqa: E402
 from hcapo_store.scoring.forward import LogprobModel  # noqa: E402
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring  # noqa: E402
-from hcapo_store.scoring.runner import RunOptions  # noqa: E402
+from hcapo_store.scoring.scheduler import RunOptions  # noqa: E402
 from hcapo_store.scoring.work_queue import Filters  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 

@@ -82,7 +82,7 @@ def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
 def write_synthetic_episodes(root: Path, n: int) -> int:
     """The older synthetic 99-step episodes (~40-word tool outputs, no thinking)."""
     sys.path.insert(0, str(ROOT))
-    from hcapo_store.local.synth import EpisodeBuilder
+    from hcapo_store.devkit.synth import EpisodeBuilder
 
     bases = []
     for seed in range(8):

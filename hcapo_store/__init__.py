@@ -48,8 +48,8 @@ _EXPORTS: dict[str, str] = {
     "run_scoring": "hcapo_store.scoring.job",
     "prepare_async": "hcapo_store.scoring.job",
     "run_scoring_async": "hcapo_store.scoring.job",
-    "RunOptions": "hcapo_store.scoring.runner",
-    "ScoreReport": "hcapo_store.scoring.runner",
+    "RunOptions": "hcapo_store.scoring.scheduler",
+    "ScoreReport": "hcapo_store.scoring.scheduler",
     # credits
     "CreditParams": "hcapo_store.credits.equations",
     "compute_credits": "hcapo_store.credits.runs",
@@ -117,6 +117,6 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.outputs.scores import export_scores
     from hcapo_store.outputs.tokenized import export_tokenized
     from hcapo_store.scoring.job import ScoreConfig, dry_run, prepare, prepare_async, run_scoring, run_scoring_async
-    from hcapo_store.scoring.runner import RunOptions, ScoreReport
+    from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
     from hcapo_store.storage.status import status
     from hcapo_store.storage.store import Store

@@ -1,6 +1,6 @@
 """A stdlib HTTP server run from a background thread.
 
-Shared by the reference server (``hcapo_store.local.refserver``) and the tests' fault
+Shared by the reference server (``hcapo_store.devkit.refserver``) and the tests' fault
 server, which both need a real socket on 127.0.0.1 with a clean start and stop.
 """
 

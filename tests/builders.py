@@ -1,3 +1,3 @@
 """Test access to the episode writer, which ships in the package (the demo and benches use it)."""
 
-from hcapo_store.local.synth import EpisodeBuilder, words, write_bad_episodes, write_standard_episodes  # noqa: F401
+from hcapo_store.devkit.synth import EpisodeBuilder, words, write_bad_episodes, write_standard_episodes  # noqa: F401

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hcapo_store.local.tiny_model import build_demo_tokenizer, build_tiny_model
+from hcapo_store.devkit.tiny_model import build_demo_tokenizer, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,6 +1,6 @@
 """A fault-injecting SGLang-compatible HTTP server for scoring tests.
 
-It wraps a real :class:`hcapo_store.local.refserver.ReferenceServer` *in-process*: correct
+It wraps a real :class:`hcapo_store.devkit.refserver.ReferenceServer` *in-process*: correct
 answers come from ``ref.generate(body)`` (real logprobs of a real model), and faults are
 injected around them on a deterministic schedule. ``/model_info``, ``/server_info`` and
 ``/health`` are served from the reference server.
@@ -50,8 +50,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from hcapo_store.devkit.refserver import ReferenceServer
 from hcapo_store.http_server import BackgroundHTTPServer
-from hcapo_store.local.refserver import ReferenceServer
 
 HOLD_LIMIT_S = 1800.0  # a hang guard for held requests, far above any client timeout in the tests
 

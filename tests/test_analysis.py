@@ -16,12 +16,12 @@ from conftest import REPO
 from test_credits import add_scorer, add_scores, read_credits
 
 import hcapo_store as hs
-from cli import cli
 from hcapo_store.analysis.datasette import QUERIES
+from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.storage.store import Store, count
 
 

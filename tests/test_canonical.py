@@ -6,7 +6,7 @@ they were merged (scorer ids kept non-ASCII as UTF-8, credit-run hashes escaped 
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.credits.equations import CreditParams, run_hash
-from hcapo_store.scoring.identity import scorer_id
+from hcapo_store.scoring.scorer import scorer_id
 
 SPEC = {
     "backend": {"kind": "sglang", "model": "Qwen3-8B-Ünïcode", "server_model": "模型"},

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from cli import cli
+from hcapo_store.cli import cli
 
 
 def _commands(group: click.Group, prefix=()):
@@ -90,9 +90,9 @@ def test_help_imports_no_heavy_module():
     code = (
         "import sys\n"
         "sys.argv = ['hcapo-store', '--help']\n"
-        "import cli\n"
+        "from hcapo_store.cli import cli\n"
         "try:\n"
-        "    cli.cli()\n"
+        "    cli()\n"
         "except SystemExit:\n"
         "    pass\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
@@ -108,3 +108,19 @@ def test_help_imports_no_heavy_module():
     )
     assert "Usage:" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_python_m_runs_the_packages_cli_whatever_cli_py_is_here(tmp_path):
+    """A research repository often has its own cli.py: `python -m hcapo_store` must not run it."""
+    (tmp_path / "cli.py").write_text("raise SystemExit('the wrong cli.py ran')\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "hcapo_store", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Usage: hcapo-store" in out.stdout
+    assert "wrong cli.py" not in out.stdout + out.stderr

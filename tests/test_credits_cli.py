@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cli import cli
-from hcapo_store.local.refserver import make_server
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import make_server
 
 
 @pytest.fixture(scope="module")

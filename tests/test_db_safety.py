@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli import cli
+from hcapo_store.cli import cli
 from hcapo_store.errors import NotAStore
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store

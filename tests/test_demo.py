@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli import cli
+from hcapo_store.cli import cli
 
 
 def test_demo_end_to_end(runner, tmp_path):

@@ -23,14 +23,14 @@ from faultserver import FaultServer
 from sqlalchemy import event, text
 
 from hcapo_store.credits.runs import compute_credits
+from hcapo_store.devkit.refserver import make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, StoreError
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring import work_queue
-from hcapo_store.scoring.identity import register
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.scoring.scorer import register
 from hcapo_store.storage.db import ENV_BUSY_TIMEOUT
 from hcapo_store.storage.store import Store, count
 

@@ -15,11 +15,11 @@ import pytest
 from test_credits import add_scorer, add_scores
 from test_tokenized import _rendered_action
 
-from cli import cli
+from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
+from hcapo_store.devkit.refserver import make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.outputs.episode_view import (
     episode_page,
     episode_view,
@@ -27,7 +27,7 @@ from hcapo_store.outputs.episode_view import (
 )
 from hcapo_store.outputs.report import write_report
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage.store import Store
 

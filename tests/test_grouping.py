@@ -14,18 +14,18 @@ import pytest
 from _tokenizers import SHARED_TOKENIZERS, episode, real_tokenizer
 from faultserver import stored_scores
 
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
+from hcapo_store.devkit.tiny_model import build_tiny_model
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.local.synth import write_standard_episodes
-from hcapo_store.local.tiny_model import build_tiny_model
 from hcapo_store.scoring.backends.inprocess import InProcessBackend
 from hcapo_store.scoring.backends.sglang import SGLangBackend
 from hcapo_store.scoring.backends.vllm import VLLMBackend
 from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
-from hcapo_store.scoring.identity import scorer_label
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt, hindsight_text
-from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.scoring.scorer import scorer_label
 from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage.store import Store
 

@@ -10,10 +10,10 @@ import pytest
 from builders import EpisodeBuilder, write_standard_episodes
 from test_credits import add_scorer, add_scores
 
-from cli import cli
+from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import EpisodeLookupError
-from hcapo_store.ingestion.identity import normalise_id
+from hcapo_store.ingestion.episode_keys import normalise_id
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_hindsight_json
 from hcapo_store.storage.episodes import resolve_episode

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from cli import cli
+from hcapo_store.cli import cli
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.storage.store import Store
 

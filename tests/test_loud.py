@@ -12,10 +12,10 @@ import pytest
 from _waiting import wait_until
 from conftest import TOKENIZERS
 
-from cli import cli
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.storage.store import Store
 
 MAX_CONTEXT = 2048
@@ -125,7 +125,8 @@ def _options(command) -> list:
 
 
 def test_every_option_of_score_and_credits_compute_is_described(runner):
-    from cli import credits_compute, score
+    from hcapo_store.cli.credits import credits_compute
+    from hcapo_store.cli.score import score
 
     for command in (score, credits_compute):
         undescribed = [o.opts[0] for o in _options(command) if not (o.help or "").strip()]
@@ -156,9 +157,9 @@ def test_group_help_is_not_cut_and_db_after_the_command_gets_a_hint(runner, tmp_
 
 def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_tokenizer_dir, tmp_path):
     from hcapo_store.ingestion.sources import ConvertOptions
-    from hcapo_store.scoring.identity import scorer_label
     from hcapo_store.scoring.job import ScoreConfig, prepare
     from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE
+    from hcapo_store.scoring.scorer import scorer_label
 
     other = tmp_path / "other-tokenizer"
     other.mkdir()
@@ -365,7 +366,7 @@ def test_status_shows_killed_workers_dead_and_silent_ones_stale(runner, db):
     from sqlalchemy import text
 
     from hcapo_store.scoring import work_queue
-    from hcapo_store.scoring.identity import register
+    from hcapo_store.scoring.scorer import register
     from hcapo_store.storage import db as dbmod
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

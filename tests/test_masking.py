@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from faultserver import FaultServer
 
-from cli import cli
-from hcapo_store.local.refserver import make_server
-from hcapo_store.local.synth import write_standard_episodes
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.masking import mask_credentials
 
 SECRET = "s3cr3t-Pa55"

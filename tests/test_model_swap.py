@@ -17,12 +17,12 @@ from _waiting import wait_until
 from faultserver import FaultServer
 from sqlalchemy import text
 
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import ScoringError
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.storage.store import Store, count
 
 MAX_CONTEXT = 2048

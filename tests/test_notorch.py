@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hcapo_store.local.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.notorch]

@@ -17,13 +17,13 @@ import pytest
 from click.testing import CliRunner
 from test_credits import add_scorer, add_scores
 
-from cli import cli
+from hcapo_store.cli import cli
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits, get_run, list_runs
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import CreditError, ExportError, StoreError
 from hcapo_store.formatting import table
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.outputs.export import PARQUET_METADATA_KEY, export_dataset, export_hindsight_json
 from hcapo_store.storage.store import Store
 

@@ -16,7 +16,7 @@ import pytest
 from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode
 from click.testing import CliRunner
 
-from cli import cli
+from hcapo_store.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "cli.py", *(ROOT / "hcapo_store").rglob("*.py"), *(ROOT / "migrations").rglob("*.py")]
@@ -57,7 +57,7 @@ def test_every_imported_package_is_declared():
 
 def _cli_without(module: str, *args: str) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh interpreter where ``import <module>`` fails, as if not installed."""
-    code = f"import sys; sys.modules[{module!r}] = None; from cli import cli; cli(prog_name='hcapo-store')"
+    code = f"import sys; sys.modules[{module!r}] = None; from hcapo_store.cli import cli; cli(prog_name='hcapo-store')"
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,

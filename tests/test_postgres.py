@@ -30,13 +30,13 @@ from click.testing import CliRunner
 from faultserver import step_prompts, steps_covered
 from sqlalchemy import text
 
-from cli import cli
 from hcapo_store import clock
+from hcapo_store.cli import cli
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring import work_queue
-from hcapo_store.scoring.identity import register
 from hcapo_store.scoring.prompts import PromptBuilder
+from hcapo_store.scoring.scorer import register
 from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.status import status
@@ -313,7 +313,7 @@ class CountingServer:
     decides when scoring starts."""
 
     def __init__(self, model_dir: Path, delay: float, monkeypatch: pytest.MonkeyPatch) -> None:
-        from hcapo_store.local import refserver
+        from hcapo_store.devkit import refserver
 
         self.counts: Counter[tuple[tuple[int, ...], int]] = Counter()
         self.lock = threading.Lock()
@@ -508,7 +508,7 @@ def test_demo_end_to_end_on_postgres_matches_sqlite(pg_url: str, tmp_path) -> No
 
     from click.testing import CliRunner
 
-    from cli import cli
+    from hcapo_store.cli import cli
 
     runner = CliRunner()
     outs = []

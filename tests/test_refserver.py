@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hcapo_store.local.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
 
 TOL = 1e-5
 FullLogprobs = Callable[[list[int]], torch.Tensor]

@@ -11,12 +11,12 @@ import pytest
 from sqlalchemy import text
 from transformers import PreTrainedTokenizerBase
 
-from hcapo_store.local.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.scoring import job
-from hcapo_store.scoring.identity import register
 from hcapo_store.scoring.job import ScoreConfig, prepare
 from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt
 from hcapo_store.scoring.rendering import PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS
+from hcapo_store.scoring.scorer import register
 from hcapo_store.scoring.tokens import load_tokenizer
 
 

@@ -31,13 +31,13 @@ from faultserver import (
 )
 from sqlalchemy import text
 
-from cli import cli
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import ReferenceServer, make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring.backends.sglang import build_payload, parse_response
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import RunOptions
+from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.storage.store import Store
 
 MAX_CONTEXT = 2048

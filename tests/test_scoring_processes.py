@@ -23,11 +23,11 @@ from _waiting import HANG_GUARD_S, wait_until
 from faultserver import FaultServer, step_prompts, stored_scores
 from sqlalchemy import text
 
+from hcapo_store.devkit.refserver import make_server
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.local.refserver import make_server
-from hcapo_store.local.synth import write_standard_episodes
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import FLUSH_SECONDS, RunOptions
+from hcapo_store.scoring.scheduler import FLUSH_SECONDS, RunOptions
 from hcapo_store.storage.store import Store, count
 
 MAX_CONTEXT = 2048

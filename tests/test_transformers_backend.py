@@ -10,7 +10,7 @@ import torch
 from _shared import TOKENIZERS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hcapo_store.local.tiny_model import build_demo_tokenizer, build_tiny_model, ensure_demo_model
+from hcapo_store.devkit.tiny_model import build_demo_tokenizer, build_tiny_model, ensure_demo_model
 from hcapo_store.scoring.forward import LogprobModel
 
 TOL = 1e-5

@@ -9,7 +9,7 @@ from sqlalchemy import text
 
 from hcapo_store.credits.runs import get_run
 from hcapo_store.errors import MissingExtra
-from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 

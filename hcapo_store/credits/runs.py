@@ -23,7 +23,7 @@ from hcapo_store.canonical import canonical_json
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, run_hash
 from hcapo_store.errors import CreditError
-from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 

@@ -1,6 +1,6 @@
 """Incremental ingest: sources → episodes, messages, steps, subtasks, tags.
 
-Keyed by the episode's identity + content hash (ingestion/identity.py): an unchanged episode
+Keyed by the episode's identity + content hash (ingestion/episode_keys.py): an unchanged episode
 is a no-op wherever its files sit now, a changed one becomes a new version (the old version
 stays, marked not current, with its scores) under the same name. Two sources with one
 identity but different contents in one ingest are a conflict: the later one fails, naming
@@ -26,7 +26,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlche
 
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
-from hcapo_store.ingestion import identity
+from hcapo_store.ingestion import episode_keys
 from hcapo_store.ingestion.mapping import map_steps
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage import db
@@ -280,7 +280,7 @@ def _unchanged(report: IngestReport, item: Source, current: Any) -> None:
 
 def _free_name(conn: Connection, item: Source) -> str:
     """The first of the source's name candidates that no other episode has."""
-    for name in identity.name_candidates(item.name, item.prefixes):
+    for name in episode_keys.name_candidates(item.name, item.prefixes):
         if conn.execute(select(Episode.id).where(Episode.name == name).limit(1)).first() is None:
             return name
     raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover

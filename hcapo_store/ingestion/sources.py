@@ -26,7 +26,7 @@ from typing import IO, Any
 import orjson
 
 from hcapo_store.errors import IngestError, SkipEpisode
-from hcapo_store.ingestion import identity
+from hcapo_store.ingestion import episode_keys
 from hcapo_store.ingestion.mapping import plan_warning
 from hcapo_store.tool_arguments import arguments_text
 
@@ -76,7 +76,7 @@ class ParsedEpisode:
 class Source:
     """A lazily read input: ``load()`` returns a ParsedEpisode or raises Skip/IngestError.
 
-    ``key`` and ``name`` are the episode's identity and readable name (ingestion/identity.py);
+    ``key`` and ``name`` are the episode's identity and readable name (ingestion/episode_keys.py);
     ``path`` is the directory or file it was read from (stored as ``episodes.source_path``),
     ``location`` the same for messages (``path`` or ``path:line``).
     """
@@ -154,13 +154,13 @@ def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) ->
         return parse_episode_dir(directory, result_bytes, session_bytes, options, digest)
 
     return Source(
-        key=identity.session_key(session_bytes),
-        name=identity.label(directory, root),
+        key=episode_keys.session_key(session_bytes),
+        name=episode_keys.label(directory, root),
         path=str(directory),
         location=str(directory),
         content_hash=digest,
         load=load,
-        prefixes=identity.ancestors(root),
+        prefixes=episode_keys.ancestors(root),
     )
 
 
@@ -185,7 +185,7 @@ def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[
     for entry in lines:
         if isinstance(entry, _Line):
             by_key.setdefault(entry.key, []).append(entry)
-    file_label, prefixes = identity.label(path, root), identity.ancestors(root)
+    file_label, prefixes = episode_keys.label(path, root), episode_keys.ancestors(root)
     for entry in lines:
         if not isinstance(entry, _Line):
             yield entry
@@ -206,7 +206,7 @@ def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[
 
         yield Source(
             key=entry.key,
-            name=identity.jsonl_name(file_label, entry.ident, entry.lineno),
+            name=episode_keys.jsonl_name(file_label, entry.ident, entry.lineno),
             path=str(path),
             location=f"{path}:{entry.lineno}",
             content_hash=entry.digest,
@@ -234,8 +234,8 @@ def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestErro
             if not line.strip():
                 continue
             try:
-                key, ident = identity.jsonl_identity(path.name, line, _json_or_none(line))
-            except identity.BadEpisodeId as exc:
+                key, ident = episode_keys.jsonl_identity(path.name, line, _json_or_none(line))
+            except episode_keys.BadEpisodeId as exc:
                 out.append(IngestError(str(exc), path=str(path), line=lineno))
                 continue
             out.append(_Line(lineno, start, key, ident, _hash(options, line)))

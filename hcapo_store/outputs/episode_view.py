@@ -27,7 +27,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.identity import scorer_spec
+from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import StoredEpisode, load_episode, resolve_episode
 from hcapo_store.storage.store import Store

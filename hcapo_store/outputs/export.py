@@ -25,7 +25,7 @@ from hcapo_store.credits.equations import CreditParams, hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError, MissingExtra
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.identity import scorer_spec
+from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import loader_message
 from hcapo_store.storage.store import Store

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.runs import get_run
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.identity import scorer_counts
+from hcapo_store.scoring.scorer import scorer_counts
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 

@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.identity import resolve_scorer
+from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 

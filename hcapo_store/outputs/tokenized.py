@@ -43,12 +43,12 @@ from hcapo_store.outputs.export import (
 )
 from hcapo_store.outputs.export import _write_parquet as write_parquet
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.identity import scorer_spec
 from hcapo_store.scoring.prompts import (
     SegmentEncoder,
     flatten_messages,
     normalize_messages,
 )
+from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages

@@ -18,7 +18,6 @@ from hcapo_store.masking import mask_url
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.grouping import Grouping, group_prompts
-from hcapo_store.scoring.identity import register, scorer_id, scorer_label
 from hcapo_store.scoring.prompts import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_LOGPROB_TOKENS,
@@ -31,7 +30,8 @@ from hcapo_store.scoring.prompts import (
     template_hash,
 )
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
-from hcapo_store.scoring.runner import RunOptions, Scheduler, ScoreReport
+from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
+from hcapo_store.scoring.scorer import register, scorer_id, scorer_label
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode

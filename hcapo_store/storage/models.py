@@ -45,7 +45,7 @@ class Episode(Base):
     """One version of one trajectory. A changed source becomes a new row (version + 1).
 
     ``source_key`` is the episode's identity, independent of where its files sit, and
-    ``name`` its unique readable name; all versions share both (ingestion/identity.py).
+    ``name`` its unique readable name; all versions share both (ingestion/episode_keys.py).
     """
 
     __tablename__ = "episodes"

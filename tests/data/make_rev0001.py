@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hcapo_store.local.synth import EpisodeBuilder
+from hcapo_store.devkit.synth import EpisodeBuilder
 
 ROOTS = {"pg-01": 100, "pg-02": 200}
 
@@ -77,7 +77,7 @@ def correct_reward(episode_dir: Path, reward: float) -> None:
 def main(out: Path) -> None:
     from hcapo_store.credits.runs import compute_credits
     from hcapo_store.ingestion.pipeline import ingest
-    from hcapo_store.scoring.identity import register
+    from hcapo_store.scoring.scorer import register
     from hcapo_store.storage import db
     from hcapo_store.storage.store import Store
 

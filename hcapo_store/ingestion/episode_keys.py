@@ -12,7 +12,7 @@ Key (``episodes.source_key``; all versions of one episode share it):
 
 Name: the path relative to the ingest root prefixed by the root's own name
 (``pg-01/episode_001``; ``pg-01/eps.jsonl#7``, ``eps.jsonl:3`` for an id-less line 3).
-The pipeline keeps one name per key and makes it unique (``identity.name_candidates``).
+The pipeline keeps one name per key and makes it unique (``episode_keys.name_candidates``).
 """
 
 from __future__ import annotations

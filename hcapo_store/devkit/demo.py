@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hcapo_store.devkit.synth import write_examples
+from hcapo_store.devkit.tiny_model import ensure_demo_model
 from hcapo_store.ingestion.pipeline import IngestReport, ingest
-from hcapo_store.local.synth import write_examples
-from hcapo_store.local.tiny_model import ensure_demo_model
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.runner import RunOptions, ScoreReport
+from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
 from hcapo_store.storage.store import Store
 
 EXAMPLES = Path("examples") / "trajectories"
@@ -54,7 +54,7 @@ def find_episodes(workdir: Path) -> Path:
 
 
 def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = lambda _: None) -> DemoResult:
-    from hcapo_store.local.refserver import make_server
+    from hcapo_store.devkit.refserver import make_server
 
     workdir.mkdir(parents=True, exist_ok=True)
     on_step("building the tiny demo model (random weights, local tokenizer)")

@@ -1,0 +1,174 @@
+"""``credits``: credit runs computed from stored logprobs, without the model."""
+
+from __future__ import annotations
+
+import click
+
+from hcapo_store import formatting
+from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
+
+
+@cli.group(cls=Group, short_help="Credit runs (Eq. 5-7): no model calls.")
+def credits() -> None:
+    """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
+
+
+@credits.command("compute")
+@click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
+@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
+@click.option(
+    "--t-temp",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
+)
+@click.option(
+    "--gamma",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
+)
+@click.option(
+    "--c-min",
+    type=float,
+    default=0.8,
+    show_default=True,
+    help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
+)
+@click.option("--c-max", type=float, default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ.")
+@click.option(
+    "--alpha", type=float, default=0.5, show_default=True, help="Backward smoothing weight α of q_h into q_h_smoothed."
+)
+@click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
+@click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
+@click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")
+@click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def credits_compute(
+    state: Ctx,
+    name,
+    scorer,
+    t_temp,
+    gamma,
+    c_min,
+    c_max,
+    alpha,
+    no_smooth,
+    no_dense_rewards,
+    max_logprob_tokens,
+    recompute,
+    as_json,
+) -> None:
+    """Compute pi_hind, rho, q_h, q_h_smoothed for every completely scored episode.
+
+    Same scorer + same hyperparameters is the same run (returned, not recomputed).
+    Episodes with missing or failed steps are listed as incomplete and get no credits.
+    """
+    from hcapo_store.credits.equations import CreditParams
+    from hcapo_store.credits.runs import compute_credits
+
+    # Invalid values are refused by CreditParams itself (one line, with the valid range).
+    params = CreditParams(
+        t_temp=t_temp,
+        gamma=gamma,
+        c_min=c_min,
+        c_max=c_max,
+        alpha=alpha,
+        smooth=not no_smooth,
+        dense=not no_dense_rewards,
+        max_logprob_tokens=max_logprob_tokens,
+    )
+    result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
+    echo_json(result.as_dict()) if as_json else click.echo(result.message)
+
+
+@credits.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_list(state: Ctx, as_json: bool) -> None:
+    """List credit runs: name, scorer, hyperparameters, episodes, steps, incomplete."""
+    from hcapo_store.credits.runs import list_runs
+
+    runs = list_runs(state.store(create=False))
+    if as_json:
+        echo_json([r.as_dict() for r in runs])
+        return
+    if not runs:
+        click.echo("no credit runs yet: run `hcapo-store credits compute`")
+        return
+    click.echo(
+        formatting.table(
+            ["name", "scorer", "params", "episodes", "steps", "incomplete", "stale", "created"],
+            [
+                (
+                    r.name,
+                    r.scorer_label,
+                    formatting.params_text(r.params),
+                    r.episodes,
+                    r.steps,
+                    r.incomplete_episodes,
+                    "STALE" if r.stale else "",
+                    r.created_at,
+                )
+                for r in runs
+            ],
+            max_width=None,
+        )
+    )
+    warn([r.stale for r in runs if r.stale])
+
+
+@credits.command("show")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
+    """Show one run: hyperparameters, counts, and a per-subtask summary."""
+    from hcapo_store.credits.runs import show_run
+
+    data = show_run(state.store(create=False), name)
+    if as_json:
+        echo_json(data)
+        return
+    for key, value in data.items():
+        if key == "stale":
+            click.echo(f"{key:<20} {value or 'no'}")
+        elif key != "subtasks":
+            click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
+    rows = data.get("subtasks") or []
+    if rows:
+        click.echo("")
+        click.echo(formatting.records_table(rows))
+
+
+@credits.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--top", type=int, default=10, show_default=True, help="How many most-moved steps to list.")
+@click.option("--all", "all_steps", is_flag=True, help="With --json: every common step's deltas.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def credits_diff(state: Ctx, a: str, b: str, top: int, all_steps: bool, as_json: bool) -> None:
+    """Compare two runs step by step: deltas of rho and q_h_smoothed (B - A)."""
+    from hcapo_store.credits.runs import diff_runs, iter_step_deltas
+
+    store = state.store(create=False)
+    if as_json and all_steps:
+        echo_json(list(iter_step_deltas(store, a, b)))
+        return
+    data = diff_runs(store, a, b, top=top)
+    if as_json:
+        echo_json(data)
+        return
+    for key, value in data.items():
+        if isinstance(value, dict) and all(isinstance(v, (int, float, type(None))) for v in value.values()):
+            click.echo(f"{key:<20} " + "  ".join(f"{k}={formatting.cell(v)}" for k, v in value.items()))
+        elif not isinstance(value, (list, dict)):
+            click.echo(f"{key:<20} {value}")
+    moved = data.get("top_moved") or []
+    if moved:
+        click.echo("\nsteps that moved most:")
+        click.echo(formatting.records_table(moved))

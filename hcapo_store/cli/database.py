@@ -1,0 +1,114 @@
+"""Commands on the database itself: init, db current / upgrade, status, sql."""
+
+from __future__ import annotations
+
+import click
+
+from hcapo_store import formatting
+from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx
+
+
+@cli.command()
+@pass_ctx
+def init(state: Ctx) -> None:
+    """Create a new database (or confirm an existing one is current)."""
+    from hcapo_store.storage import db as dbmod
+
+    store = state.store(create=True)
+    click.echo(f"{store.display}: schema at revision {dbmod.current_revision(store.engine)} (head)")
+
+
+@cli.group(cls=Group)
+def db() -> None:
+    """Schema version of the database: show it, upgrade it."""
+
+
+@db.command("current")
+@pass_ctx
+def db_current(state: Ctx) -> None:
+    """Print the database's schema revision and the head this version needs."""
+    from hcapo_store.storage import db as dbmod
+
+    url = dbmod.resolve_url(state.db)
+    engine = dbmod.make_engine(url)
+    try:
+        current = dbmod.current_revision(engine)
+    finally:
+        engine.dispose()
+    head = dbmod.head_revision()
+    click.echo(
+        f"{dbmod.display_url(url)}: {current or 'empty'} (head {head})"
+        + ("" if current == head else " — run `hcapo-store db upgrade`")
+    )
+
+
+@db.command("upgrade")
+@click.option("--no-backup", is_flag=True, help="Skip the SQLite backup copy taken before upgrading.")
+@pass_ctx
+def db_upgrade(state: Ctx, no_backup: bool) -> None:
+    """Upgrade the database schema to this version's head (backs up SQLite files first)."""
+    from hcapo_store.storage import db as dbmod
+
+    result = dbmod.upgrade_database(state.db, take_backup=not no_backup)
+    if not result.changed:
+        click.echo(f"{result.url}: already at head {result.head}")
+        return
+    if result.backup:
+        click.echo(f"backup: {result.backup}")
+    click.echo(f"{result.url}: {result.before or 'empty'} → {result.head}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def status(state: Ctx, as_json: bool) -> None:
+    """Counts of episodes, steps, subtasks; per scorer scored / failed / missing; workers."""
+    from hcapo_store.storage.status import status as get_status
+
+    data = get_status(state.store(create=False))
+    if as_json:
+        echo_json(data)
+        return
+    click.echo(f"database     {data['database']}")
+    click.echo(f"episodes     {data['episodes']} (+{data['superseded_versions']} superseded versions)")
+    phases = ", ".join(f"{k} {v}" for k, v in data["steps_by_phase"].items())
+    click.echo(f"steps        {data['steps']}" + (f" ({phases})" if phases else ""))
+    click.echo(f"messages     {data['messages']}")
+    click.echo(f"subtasks     {data['subtasks']}")
+    click.echo(f"credit runs  {data['credit_runs']}")
+    if not data["scorers"]:
+        click.echo(f"scorers      none yet: scored 0 / failed 0 / missing {data['steps']}")
+    for s in data["scorers"]:
+        click.echo(
+            f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
+            f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})"
+        )
+    notes = {"dead": " (process gone: killed?)", "stale": " (no heartbeat within its lease: hung, or gone)"}
+    for w in data["workers"][:20]:
+        click.echo(
+            f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
+            f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago"
+        )
+
+
+@cli.command()
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--write", is_flag=True, help="Allow statements that modify the database.")
+@pass_ctx
+def sql(state: Ctx, query: str, fmt: str, write: bool) -> None:
+    """Run one SQL statement against the store (read-only unless --write).
+
+    Tables: episodes, messages, steps, subtasks, tags, scorers, scores, attempts,
+    credit_runs, credits. Views: step_scores, step_credits, subtask_credits.
+    """
+    columns, rows = state.store(create=False).query(query, read_only=not write)
+    if not columns:
+        click.echo("ok")
+    elif fmt == "csv":
+        click.echo(formatting.to_csv(columns, rows), nl=False)
+    elif fmt == "json":
+        click.echo(formatting.to_json(columns, rows))
+    else:
+        click.echo(formatting.table(columns, rows, full="--format json (or csv)"))
+        click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")

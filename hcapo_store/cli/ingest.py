@@ -1,0 +1,79 @@
+"""``ingest``: add episodes from files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
+
+
+def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
+    tags = {}
+    for v in values:
+        if "=" not in v or not v.split("=", 1)[0]:
+            raise click.BadParameter(f"{v!r}: expected KEY=VALUE", param_hint="--tag")
+        k, val = v.split("=", 1)
+        tags[k.strip()] = val.strip()
+    return tags
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--include-thinking/--no-thinking",
+    default=True,
+    show_default=True,
+    help="Keep the assistant's thinking as <think>…</think> in its message.",
+)
+@click.option(
+    "--max-tool-result-chars",
+    type=int,
+    default=4000,
+    show_default=True,
+    help="Cut tool results longer than this (the original's suffix is added); 0 = never.",
+)
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Label the ingested episodes (repeatable), e.g. --tag task=postgres --tag run=pg-01.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def ingest(
+    state: Ctx,
+    paths: tuple[Path, ...],
+    include_thinking: bool,
+    max_tool_result_chars: int,
+    tags: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
+
+    Unchanged episodes are skipped; changed ones become a new version. One bad file never
+    stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
+    """
+    from hcapo_store.ingestion.pipeline import ingest as run_ingest
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.progress import EpisodeProgress
+
+    store = state.store()
+    options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
+    with EpisodeProgress("ingest", enabled=not as_json) as progress:
+        report = run_ingest(store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance)
+    if as_json:
+        echo_json(report.as_dict())
+    else:
+        for source, error in report.failures:
+            click.echo(f"failed: {error}" if source in error else f"failed: {source}: {error}", err=True)
+        for name, warning in report.warning_list[:5]:
+            click.echo(f"warning: {name}: {warning}", err=True)
+        click.echo(report.summary())
+    if report.interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+    if report.failed:
+        sys.exit(1)

@@ -1,0 +1,200 @@
+"""Files from the database: ``export``, ``datasette-metadata``, ``report``, ``show``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from hcapo_store import formatting
+from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
+from hcapo_store.storage.location import DEFAULT_DB
+
+
+@cli.group(cls=Group)
+def export() -> None:
+    """Write training data and per-episode files from a credit run."""
+
+
+@export.command("hindsight-json")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@pass_ctx
+def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
+    """Write OUT_DIR/<episode>/hindsight_scores.json in the original script's schema."""
+    from hcapo_store.outputs.export import export_hindsight_json
+
+    result = export_hindsight_json(state.store(create=False), out_dir, run)
+    warn(result["warnings"])
+    click.echo(
+        f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
+        f"(credit run {result['run']!r})"
+    )
+    if not result["episodes"]:
+        sys.exit(1)
+
+
+@export.command("dataset")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("--omega", type=float, default=1.0, show_default=True, help="Weight of the micro (step) advantage.")
+@click.option("--min-reward", type=float, default=0.2, show_default=True, help="Only episodes with reward >= X.")
+@click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
+@click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
+@click.option(
+    "--tokenized", is_flag=True, help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer)."
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --tokenized: the scorer's tokenizer directory.",
+)
+@click.option("--weights-in-messages", is_flag=True, help='A "weight" on each credited assistant message.')
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def export_dataset_cmd(
+    state: Ctx,
+    out: Path,
+    run,
+    fmt,
+    omega,
+    min_reward,
+    group_by,
+    no_smooth,
+    tokenized,
+    tokenizer,
+    weights_in_messages,
+    as_json,
+) -> None:
+    """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
+    from hcapo_store.outputs.export import export_dataset
+
+    if tokenized and weights_in_messages:
+        raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
+    layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
+    summary = export_dataset(
+        state.store(create=False),
+        out,
+        run,
+        omega=omega,
+        min_reward=min_reward,
+        group_by=group_by,
+        fmt=fmt,
+        use_smoothed=not no_smooth,
+        layout=layout,
+        tokenizer=tokenizer,
+    )
+    warn(summary["warnings"])
+    if as_json:
+        echo_json(summary)
+    elif tokenized:
+        click.echo(
+            f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
+            f"weighted step(s), {summary['unaligned_steps']} step(s) refused (could not be aligned)"
+        )
+    else:
+        click.echo(
+            f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
+            f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero); "
+            f"summary {summary['summary_path']}"
+        )
+    if not summary["episodes_in_dataset"]:
+        sys.exit(1)
+
+
+@export.command("scores")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
+@click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
+@pass_ctx
+def export_scores_cmd(state: Ctx, out: Path, scorer: str | None, fmt: str) -> None:
+    """Write every scored step with its per-token logprobs as list<float32> (Parquet)."""
+    from hcapo_store.outputs.scores import export_scores
+
+    result = export_scores(state.store(create=False), out, scorer)
+    click.echo(f"wrote {result['path']}: {result['steps']} scored step(s) of scorer {result['scorer']}")
+
+
+@cli.command("datasette-metadata")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--database", help="datasette's name of the database (default: the --db file's stem).")
+@pass_ctx
+def datasette_metadata_cmd(state: Ctx, out: Path, database: str | None) -> None:
+    """Write datasette metadata: column descriptions and the example queries (datasette --metadata OUT)."""
+    import json
+
+    from hcapo_store.analysis.datasette import datasette_metadata
+    from hcapo_store.outputs.files import atomic_write
+
+    location = (state.db or DEFAULT_DB).removeprefix("sqlite:///")
+    name = database or ("hcapo" if "://" in location else Path(location).stem)  # datasette names a file by its stem
+    doc = json.dumps(datasette_metadata(name), indent=2).encode()
+    atomic_write(out, lambda f: f.write(doc))
+    click.echo(f"wrote {out} (database {name!r}): datasette {name}.db --metadata {out}")
+
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--credits", "run", help="Credit run name (default: the only run).")
+@click.option(
+    "--episodes",
+    "episode_pages",
+    is_flag=True,
+    help="Also write one page per episode (OUT's stem + _episodes/) and link them.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --episodes: the scorer's tokenizer, for per-token heat maps.",
+)
+@pass_ctx
+def report(state: Ctx, out: Path, run: str | None, episode_pages: bool, tokenizer: str | None) -> None:
+    """Write one self-contained HTML page: histograms, Q_H by subtask, coverage, failures."""
+    from hcapo_store.outputs.report import write_report
+
+    result = write_report(state.store(create=False), out, run, episode_pages=episode_pages, tokenizer=tokenizer)
+    warn(result["warnings"])
+    click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
+
+
+@cli.command()
+@click.argument("episode")
+@click.option("--credits", "run", help="Credit run name (default: the only run, if any).")
+@click.option(
+    "--html",
+    "out_html",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the episode's HTML page (transcript tinted by credit) here.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    metavar="DIR",
+    help="With --html: the scorer's tokenizer, for per-token heat maps.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the steps as JSON.")
+@pass_ctx
+def show(
+    state: Ctx, episode: str, run: str | None, out_html: Path | None, tokenizer: str | None, as_json: bool
+) -> None:
+    """Print one episode's steps: subtask, reward, tokens, mean logprob, pi_hind, rho, q_h."""
+    from hcapo_store.outputs.episode_view import episode_page, episode_table, episode_view
+    from hcapo_store.outputs.files import atomic_write
+
+    view = episode_view(state.store(create=False), episode, run, tokenizer=tokenizer if out_html else None)
+    rows = episode_table(view)
+    if as_json:
+        echo_json({"episode": view.episode.name, "run": view.run.name if view.run else None, "steps": rows})
+    else:
+        where = f"credit run {view.run.name!r}" if view.run else "no credit run"
+        click.echo(f"episode {view.episode.name}: reward {view.episode.outcome.reward}, {len(rows)} step(s), {where}")
+        if rows:
+            click.echo(formatting.records_table(rows))
+    if out_html:
+        page = episode_page(view).encode()
+        atomic_write(out_html, lambda f: f.write(page))
+        click.echo(f"wrote {out_html}", err=as_json)

@@ -1,0 +1,280 @@
+"""``score`` and ``scorers``: hindsight log-probabilities from a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+
+from hcapo_store import formatting
+from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
+
+
+@cli.command()
+@click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm).")
+@click.option(
+    "--backend",
+    type=click.Choice(["sglang", "vllm", "transformers"]),
+    default=None,
+    help="Default: sglang with --server, transformers with --model and no --server.",
+)
+@click.option(
+    "--model",
+    metavar="NAME_OR_DIR",
+    help="Model directory (transformers backend) or served model name (HTTP backends).",
+)
+@click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's / the server's).")
+@click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Episodes in flight at once (each sends its steps in order).",
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(2),
+    default=32768,
+    show_default=True,
+    help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
+    "truncation marker and the most recent history before the action.",
+)
+@click.option(
+    "--max-logprob-tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Score only the last N action tokens (<= 0: all).",
+)
+@click.option(
+    "--hindsight-template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).",
+)
+@click.option(
+    "--include-thinking/--no-thinking",
+    default=True,
+    show_default=True,
+    help="Score episodes ingested with these conversion options.",
+)
+@click.option(
+    "--max-tool-result-chars",
+    type=int,
+    default=4000,
+    show_default=True,
+    help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
+)
+@click.option(
+    "--episode",
+    "episodes",
+    multiple=True,
+    metavar="NAME",
+    help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.",
+)
+@click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
+@click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
+@click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
+@click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Attempts per step before it is marked failed.",
+)
+@click.option(
+    "--lease-seconds",
+    type=click.FloatRange(1),
+    default=120.0,
+    show_default=True,
+    help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
+)
+@click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(0, 1),
+    default=0,
+    show_default=True,
+    help="1 for old SGLang servers that mishandle prefill-only requests.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(0.1),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Give up on one HTTP request after this long (retried as a timeout).",
+)
+@click.option(
+    "--grouping",
+    type=click.Choice(["grouped", "per-step"]),
+    default="grouped",
+    show_default=True,
+    help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
+    "one request; per-step: one request per step. Same results either way.",
+)
+@click.option(
+    "--truncation",
+    type=click.Choice(["sliding", "window"]),
+    default="sliding",
+    show_default=True,
+    help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
+    "window starts the tail at block boundaries so a window's steps share one request "
+    "(a different scorer).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def score(
+    state: Ctx,
+    server,
+    backend,
+    model,
+    tokenizer,
+    api_key,
+    concurrency,
+    max_context,
+    max_logprob_tokens,
+    hindsight_template,
+    include_thinking,
+    max_tool_result_chars,
+    episodes,
+    min_reward,
+    limit,
+    retry_failed,
+    dry_run,
+    max_attempts,
+    lease_seconds,
+    worker_id,
+    max_new_tokens,
+    request_timeout,
+    grouping,
+    truncation,
+    as_json,
+) -> None:
+    """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
+
+    The scorer is everything that determines the logprobs (model, tokenizer, templates,
+    limits): the same options resume, different ones start a new scorer.
+    """
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.progress import Progress
+    from hcapo_store.scoring.explain import why_nothing_to_score
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.job import dry_run as run_dry
+    from hcapo_store.scoring.scheduler import RunOptions
+    from hcapo_store.scoring.work_queue import Filters
+    from hcapo_store.storage.episodes import resolve_episodes
+
+    cfg = ScoreConfig(
+        backend=backend,
+        server=server,
+        model=model,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        max_context=max_context,
+        max_logprob_tokens=max_logprob_tokens,
+        conversion=ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars),
+        max_new_tokens=max_new_tokens,
+        request_timeout=request_timeout,
+        truncation=truncation,
+    )
+    if hindsight_template:
+        cfg.hindsight_template = hindsight_template.read_text()
+    # Options are checked (e.g. --worker-id) before anything touches the database.
+    options = RunOptions(
+        concurrency=concurrency,
+        max_attempts=max_attempts,
+        lease_seconds=lease_seconds,
+        limit=limit,
+        worker_id=worker_id,
+        grouping=grouping,
+    )
+    store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
+    from hcapo_store.storage.db import read as db_read
+
+    with db_read(store.engine) as conn:  # before the model loads: a wrong --episode fails at once
+        filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
+    options = dataclasses.replace(options, filters=filters)
+    prep = prepare(store, cfg)
+    if dry_run:
+        result = run_dry(store, prep, filters, limit, grouping=grouping)
+        reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
+        if as_json:
+            echo_json({**result.__dict__, "reason": reason})
+        else:
+            click.echo(result.summary() + (f"\n{reason}" if reason else ""))
+        return
+    with Progress("score", enabled=not as_json, unit="steps") as progress:
+
+        def on_progress(report) -> None:
+            if progress.total is None and report.planned:
+                progress.total = report.planned
+            progress.set(failed=report.failed, prompt_tok_s=f"{report.prompt_tokens / max(progress.elapsed, 1e-9):.0f}")
+            progress.advance(n=report.scored + report.failed - progress.done)
+
+        report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    reason = None
+    if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
+        reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
+    if as_json:
+        echo_json({**report.as_dict(), "reason": reason})
+    else:
+        click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
+        if reason:
+            click.echo(f"nothing to score: {reason}")
+        _echo_score_errors(report, prep.scorer_id)
+    if report.interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+    if report.server_down:
+        click.echo(
+            f"error: {report.server_down}; the remaining steps stay pending: rerun `score` once the server is back",
+            err=True,
+        )
+        sys.exit(1)
+    if report.failed:
+        sys.exit(1)
+
+
+def _echo_score_errors(report, scorer_id: str) -> None:
+    """Failed steps are never silent: the first distinct reasons, and where the rest are."""
+    if not report.failed:
+        return
+    click.echo(f"{report.failed} step(s) failed for good; first distinct error(s):", err=True)
+    for line in report.error_lines():
+        click.echo(f"  {line}", err=True)
+    click.echo(
+        f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
+        f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed",
+        err=True,
+    )
+
+
+@cli.group(cls=Group)
+def scorers() -> None:
+    """Scorers: each model/tokenizer/template/limits combination that has scores."""
+
+
+@scorers.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@pass_ctx
+def scorers_list(state: Ctx, as_json: bool) -> None:
+    """List scorers with their counts (scored / failed / missing) and their spec."""
+    from hcapo_store.scoring.scorer import scorer_counts, scorer_spec
+
+    store = state.store(create=False)
+    rows = scorer_counts(store)
+    if as_json:
+        echo_json([{**r, "spec": scorer_spec(store, r["scorer_id"])} for r in rows])
+        return
+    if not rows:
+        click.echo("no scorers yet: run `hcapo-store score`")
+        return
+    click.echo(
+        formatting.table(
+            ["scorer", "label", "scored", "failed", "missing", "created"],
+            [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"], r["created_at"]) for r in rows],
+        )
+    )
