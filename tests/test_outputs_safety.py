@@ -24,7 +24,8 @@ from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import CreditError, ExportError, StoreError
 from hcapo_store.formatting import table
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.export import PARQUET_METADATA_KEY, export_dataset, export_hindsight_json
+from hcapo_store.outputs.export import export_dataset, export_hindsight_json
+from hcapo_store.outputs.rows import PARQUET_METADATA_KEY
 from hcapo_store.storage.store import Store
 
 

@@ -135,7 +135,7 @@ class TokenRebuilder:
     """Rebuilds the scored tokens of steps as scoring built them, for the heat maps."""
 
     def __init__(self, store: Store, scorer_id: str, tokenizer_dir: str | Path) -> None:
-        from hcapo_store.outputs.tokenized import scorer_tokenizer
+        from hcapo_store.outputs.alignment import scorer_tokenizer
         from hcapo_store.scoring.prompts import (
             HINDSIGHT_TEMPLATE,
             PromptBuilder,

@@ -14,37 +14,36 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from hcapo_store.credits.equations import CreditParams, hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
-from hcapo_store.errors import ExportError, MissingExtra
+from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
+from hcapo_store.outputs.rows import (
+    episode_groups,
+    episode_id_value,
+    episode_ids,
+    run_provenance,
+    run_warnings,
+    selected_episodes,
+    stream,
+    summary_path_for,
+    write_json,
+    write_jsonl,
+    write_parquet,
+)
 from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import loader_message
 from hcapo_store.storage.store import Store
 
-FETCH_ROWS = 20_000
 LAYOUTS = ("steps", "weights-in-messages", "tokenized")
-PARQUET_BATCH = 256
-PARQUET_METADATA_KEY = "hcapo_store"  # schema metadata: JSON provenance (run, scorer, parameters, version)
-_INT = re.compile(r"-?\d+")
-
-
-def _write_json(path: Path, data: Any, inputs: list[Path]) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2, ensure_ascii=False).encode()), inputs=inputs)
-
-
-def episode_id_value(external_id: str | None, name: str) -> int | str:
-    """The original's int episode id when the external id is an integer string."""
-    ident = external_id if external_id is not None else name
-    return int(ident) if _INT.fullmatch(ident) else ident
 
 
 def _safe_part(part: str) -> str:
@@ -75,12 +74,6 @@ LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
 WHERE c.run_id = :run
 ORDER BY e.id, s.step_index
 """
-
-
-def _stream(conn: Connection, sql: str, params: dict[str, Any]) -> Iterator[Any]:
-    result = conn.execution_options(stream_results=True).execute(text(sql), params)
-    for block in result.partitions(FETCH_ROWS):
-        yield from block
 
 
 def _hyperparams(run: RunInfo, store: Store) -> dict[str, Any]:
@@ -153,25 +146,17 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
     written = 0
     used: set[Path] = set()
     with db.read(store.engine) as conn:
-        rows = _stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
+        rows = stream(conn, HINDSIGHT_SQL, {"run": run.id, "scorer": run.scorer_id})
         for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
             ep_rows = list(group)
             target = _episode_dir(out, ep_rows[0][1], ep_id, used)
-            _write_json(target / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper), store.files)
+            write_json(target / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper), store.files)
             written += 1
-    return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": _run_warnings(run)}
+    return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": run_warnings(run)}
 
 
 # ---- Eq. 8 dataset --------------------------------------------------------------------------------
 
-SELECT_SQL = """
-SELECT e.id, e.name, e.external_id, e.reward, s.message_index, c.{q}
-FROM credits c
-JOIN steps s ON s.id = c.step_id
-JOIN episodes e ON e.id = s.episode_id
-WHERE c.run_id = :run AND e.reward >= :min_reward
-ORDER BY e.name, e.id, s.step_index
-"""
 
 MESSAGES_SQL = """
 SELECT m.episode_id, m.message_index, m.role, m.content, m.tool_calls, m.name, m.tool_call_id
@@ -183,59 +168,6 @@ ORDER BY e.name, e.id, m.message_index
 """
 
 
-def _selected(conn: Connection, run: RunInfo, min_reward: float, use_smoothed: bool) -> list[dict[str, Any]]:
-    sql = SELECT_SQL.format(q="q_h_smoothed" if use_smoothed else "q_h")
-    episodes: list[dict[str, Any]] = []
-    rows = _stream(conn, sql, {"run": run.id, "min_reward": min_reward})
-    for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
-        g = list(group)
-        episodes.append(
-            {
-                "id": ep_id,
-                "name": g[0][1],
-                "external_id": g[0][2],
-                "reward": g[0][3],
-                "indices": [r[4] for r in g],
-                "q": np.asarray([r[5] for r in g], dtype=np.float64),
-            }
-        )
-    return episodes
-
-
-def _groups(
-    conn: Connection, episodes: list[dict[str, Any]], group_by: str | None, warnings: list[str]
-) -> list[Any] | None:
-    if group_by is None:
-        return None
-    tags: dict[int, str] = dict(
-        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all()
-    )
-    groups = [tags.get(e["id"]) for e in episodes]
-    untagged = groups.count(None)
-    if episodes and untagged == len(episodes):
-        known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
-        warnings.append(
-            f"--group-by {group_by}: no exported episode has this tag, so all form one group "
-            f"(tags: {', '.join(known) or 'none'})"
-        )
-    elif untagged:
-        warnings.append(
-            f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this tag "
-            "and form one group of their own"
-        )
-    return groups
-
-
-def _run_warnings(run: RunInfo) -> list[str]:
-    return [run.stale] if run.stale else []
-
-
-def _episode_ids(episodes: list[dict[str, Any]]) -> list[int | str]:
-    """Ints when every id is an integer string, else all strings (one column type)."""
-    ids = [episode_id_value(e["external_id"], e["name"]) for e in episodes]
-    return ids if all(isinstance(i, int) for i in ids) else [str(i) for i in ids]
-
-
 def _rows(
     conn: Connection,
     run: RunInfo,
@@ -244,9 +176,9 @@ def _rows(
     grpo: np.ndarray,
     min_reward: float,
 ) -> Iterator[dict[str, Any]]:
-    ids = _episode_ids(episodes)
+    ids = episode_ids(episodes)
     by_id = {e["id"]: i for i, e in enumerate(episodes)}
-    msgs = _stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": min_reward})
+    msgs = stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": min_reward})
     for ep_id, group in itertools.groupby(msgs, key=lambda r: r[0]):
         i = by_id[ep_id]
         w = weights[i]
@@ -345,26 +277,26 @@ def export_dataset(
     summary_path = summary_path_for(out)
     for path in (out, summary_path):
         check_output(path, store.files)
-    warnings = _run_warnings(run)
-    provenance = _provenance(run)
+    warnings = run_warnings(run)
+    provenance = run_provenance(run)
     stats = _Stats()
     with db.read(store.engine) as conn:
-        episodes = _selected(conn, run, min_reward, use_smoothed)
+        episodes = selected_episodes(conn, run, min_reward, use_smoothed)
         eq8 = hcapo_weights(
             np.asarray([e["reward"] for e in episodes], dtype=np.float64),
             [e["q"] for e in episodes],
             omega,
-            _groups(conn, episodes, group_by, warnings),
+            episode_groups(conn, episodes, group_by, warnings),
         )
         rows: Iterator[dict[str, Any]] = (
             stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward)
         )
         if layout == "weights-in-messages":
-            from hcapo_store.outputs.tokenized import with_message_weights
+            from hcapo_store.outputs.rows import with_message_weights
 
             rows = with_message_weights(rows)
         if fmt == "jsonl":
-            atomic_write(out, lambda f: _write_jsonl(f, rows), inputs=store.files)
+            atomic_write(out, lambda f: write_jsonl(f, rows), inputs=store.files)
         else:
             config = {
                 "omega": omega,
@@ -375,7 +307,7 @@ def export_dataset(
             }
             atomic_write(
                 out,
-                lambda f: _write_parquet(f, rows, {**provenance, "config": config}, weighted=layout != "steps"),
+                lambda f: write_parquet(f, rows, {**provenance, "config": config}, weighted=layout != "steps"),
                 inputs=store.files,
             )
     if stats.rows == 0:
@@ -403,101 +335,5 @@ def export_dataset(
         "provenance": provenance,
         "warnings": warnings,
     }
-    _write_json(summary_path, summary, store.files)
+    write_json(summary_path, summary, store.files)
     return {"path": str(out), "summary_path": str(summary_path), **summary}
-
-
-def summary_path_for(out: Path) -> Path:
-    """One summary per output file: ``train.jsonl`` → ``train.jsonl.summary.json`` (the
-    JSONL and Parquet exports of one stem no longer share one)."""
-    return out.with_name(f"{out.name}.summary.json")
-
-
-def _provenance(run: RunInfo) -> dict[str, Any]:
-    """Where the rows come from; in the summary and in the Parquet schema metadata."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("hcapo-store")
-    except PackageNotFoundError:  # pragma: no cover - a source tree without an install
-        ours = "unknown"
-    return {
-        "credit_run": run.name,
-        "run_hash": run.run_hash,
-        "run_created_at": run.created_at,
-        "scorer_id": run.scorer_id,
-        "scorer_label": run.scorer_label,
-        "credit_params": run.params,
-        "hcapo_store_version": ours,
-    }
-
-
-def _write_jsonl(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> None:
-    for row in rows:
-        f.write(json.dumps(row, ensure_ascii=False).encode())
-        f.write(b"\n")
-
-
-def _parquet_schema(id_type: Any, weighted: bool = False) -> Any:
-    import pyarrow as pa
-
-    call = pa.struct(
-        [
-            ("id", pa.string()),
-            ("type", pa.string()),
-            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
-        ]
-    )
-    message = pa.struct(
-        [
-            ("role", pa.string()),
-            ("content", pa.string()),
-            ("tool_calls", pa.list_(call)),
-            ("name", pa.string()),
-            ("tool_call_id", pa.string()),
-        ]
-        + ([("weight", pa.float64())] if weighted else [])
-    )
-    return pa.schema(
-        [
-            ("messages", pa.list_(message)),
-            ("step_advantages", pa.list_(pa.float64())),
-            ("step_message_indices", pa.list_(pa.int64())),
-            ("_episode_id", id_type),
-            ("_reward", pa.float64()),
-            ("_grpo_advantage", pa.float64()),
-            ("_num_steps", pa.int64()),
-        ]
-    )
-
-
-def _write_parquet(
-    f: IO[bytes],
-    rows: Iterator[dict[str, Any]],
-    provenance: dict[str, Any],
-    weighted: bool = False,
-    schema: Callable[[Any], Any] | None = None,
-) -> None:
-    """Rows in batches; ``schema(id_type)`` (default: the Eq. 8 rows') fixes the columns;
-    ``provenance`` goes into the schema metadata."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise MissingExtra("pyarrow", "parquet", "export --format parquet") from exc
-    metadata = {PARQUET_METADATA_KEY: json.dumps(provenance, ensure_ascii=False)}
-    schema_for = schema or (lambda id_type: _parquet_schema(id_type, weighted))
-    writer = None
-    for batch in _batched(rows, PARQUET_BATCH):
-        if writer is None:
-            id_type = pa.int64() if isinstance(batch[0]["_episode_id"], int) else pa.string()
-            writer = pq.ParquetWriter(f, schema_for(id_type).with_metadata(metadata))
-        writer.write_table(pa.Table.from_pylist(batch, schema=writer.schema))
-    if writer is None:
-        writer = pq.ParquetWriter(f, schema_for(pa.int64()).with_metadata(metadata))
-    writer.close()
-
-
-def _batched(rows: Iterator[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
-    while batch := list(itertools.islice(rows, n)):
-        yield batch

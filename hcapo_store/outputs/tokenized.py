@@ -21,7 +21,6 @@ refused (listed in ``unaligned_steps``, never weighted), not moved.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,25 +30,19 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
-from hcapo_store.outputs.export import (
-    _episode_ids,
-    _groups,
-    _provenance,
-    _run_warnings,
-    _selected,
-    _write_json,
-    _write_jsonl,
-    summary_path_for,
-)
-from hcapo_store.outputs.export import _write_parquet as write_parquet
+from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output
-from hcapo_store.scoring.prompts import (
-    SegmentEncoder,
-    flatten_messages,
-    normalize_messages,
+from hcapo_store.outputs.rows import (
+    episode_groups,
+    episode_ids,
+    run_provenance,
+    run_warnings,
+    selected_episodes,
+    summary_path_for,
+    write_json,
+    write_jsonl,
+    write_parquet,
 )
-from hcapo_store.scoring.scorer import scorer_spec
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -75,82 +68,7 @@ ROW_KEYS = (
 # ---- weights on messages (TRL #5761 shape) ---------------------------------------------------
 
 
-def with_message_weights(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Eq. 8 rows with ``"weight"`` on each credited assistant message (others have none)."""
-    for row in rows:
-        weights = dict(zip(row["step_message_indices"], row["step_advantages"]))
-        row["messages"] = [{**m, "weight": weights[i]} if i in weights else m for i, m in enumerate(row["messages"])]
-        yield row
-
-
 # ---- spans -------------------------------------------------------------------------------------
-
-
-class _Rejected(Exception):
-    pass
-
-
-@dataclass
-class Alignment:
-    """Where each step's action sits in the episode's ids, or why it cannot be placed."""
-
-    input_ids: list[int]
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_index -> [start, end)
-    refused: dict[int, str] = field(default_factory=dict)  # step_index -> reason
-    flattened: bool = False
-
-
-class EpisodeRenderer:
-    """Renders a whole episode with a chat template and places each step's action in it."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.encoder = SegmentEncoder(tokenizer)
-
-    def _render(self, messages: list[dict], generation: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-        except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
-            raise _Rejected(f"{type(exc).__name__}: {exc}") from exc
-
-    def align(self, messages: list[dict[str, Any]], steps: list[tuple[int, int]]) -> Alignment:
-        """``steps``: (step_index, message_index). Flattens tool traffic when the template rejects it
-        (as scoring does), for the whole episode so every span lives in one rendering."""
-        try:
-            return self._align(normalize_messages(messages), steps, flattened=False)
-        except _Rejected:
-            pass
-        try:
-            return self._align(flatten_messages(messages), steps, flattened=True)
-        except _Rejected as exc:
-            raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
-
-    def _align(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
-        full = self.encoder.encode_whole(self._render(msgs, generation=False))
-        out = Alignment(full, flattened=flattened)
-        prefix_state, step_state = self.encoder.new_state(), self.encoder.new_state()
-        for index, m in steps:
-            if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
-                out.refused[index] = f"message {m} is not an assistant message after the first message"
-                continue
-            prefix = self.encoder.encode(self._render(msgs[:m], generation=True), prefix_state)
-            step = self.encoder.encode(self._render(msgs[: m + 1], generation=False), step_state)
-            reason = _span_problem(prefix, step, full)
-            if reason:
-                out.refused[index] = reason
-            else:
-                out.spans[index] = (len(prefix), len(step))
-        return out
-
-
-def _span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:
-    if step[: len(prefix)] != prefix:
-        return "alignment: the prefix ids are not a prefix of the step's ids"
-    if len(step) == len(prefix):
-        return "empty_action: the action renders to no tokens"
-    if full[: len(step)] != step:
-        return "rendering: the whole episode renders this turn (or an earlier one) differently"
-    return None
 
 
 # ---- rows ----------------------------------------------------------------------------------------
@@ -208,23 +126,6 @@ def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo
         ep["step_indices"] = by_ep[ep["id"]]
 
 
-def scorer_tokenizer(store: Store, scorer_id: str, tokenizer_dir: str | Path) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the scorer's."""
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
-    mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
-    for key in ("files_sha256", "chat_template_sha256"):
-        if theirs.get(key) != mine[key]:
-            raise ExportError(
-                f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
-                f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory"
-            )
-    return tokenizer, mine
-
-
 class _Stats:
     def __init__(self) -> None:
         self.rows = self.steps = self.weighted_steps = self.refused = self.tokens = self.weighted_tokens = 0
@@ -274,7 +175,7 @@ def export_tokenized(
     for path in (out, summary_path):
         check_output(path, store.files)
     run = get_run(store, run_name)
-    warnings = _run_warnings(run)
+    warnings = run_warnings(run)
     tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
     provenance = {
         "credits": run.name,
@@ -289,15 +190,15 @@ def export_tokenized(
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
     with db.read(store.engine) as conn:
-        episodes = _selected(conn, run, min_reward, use_smoothed)
+        episodes = selected_episodes(conn, run, min_reward, use_smoothed)
         _step_indices(conn, episodes, run)
         eq8 = hcapo_weights(
             np.asarray([e["reward"] for e in episodes], dtype=np.float64),
             [e["q"] for e in episodes],
             omega,
-            _groups(conn, episodes, group_by, warnings),
+            episode_groups(conn, episodes, group_by, warnings),
         )
-        ids = _episode_ids(episodes)
+        ids = episode_ids(episodes)
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
@@ -313,11 +214,11 @@ def export_tokenized(
                 yield row
 
         if fmt == "jsonl":
-            atomic_write(out, lambda f: _write_jsonl(f, rows()), inputs=store.files)
+            atomic_write(out, lambda f: write_jsonl(f, rows()), inputs=store.files)
         else:
             atomic_write(
                 out,
-                lambda f: write_parquet(f, rows(), {**_provenance(run), "layout": "tokenized"}, schema=_schema),
+                lambda f: write_parquet(f, rows(), {**run_provenance(run), "layout": "tokenized"}, schema=_schema),
                 inputs=store.files,
             )
     if stats.rows == 0:
@@ -340,10 +241,10 @@ def export_tokenized(
             "layout": "tokenized",
             "tokenizer": str(tokenizer),
         },
-        "provenance": _provenance(run),
+        "provenance": run_provenance(run),
         "warnings": warnings,
     }
-    _write_json(summary_path, summary, store.files)
+    write_json(summary_path, summary, store.files)
     return {"path": str(out), "summary_path": str(summary_path), **summary}
 
 
