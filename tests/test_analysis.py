@@ -1,4 +1,4 @@
-"""Notebook use: scoring inside a running event loop, DataFrames, the README example, Parquet scores, datasette."""
+"""Notebook use: scoring inside a running event loop, DataFrames, the documented notebook example, Parquet scores, datasette."""
 
 from __future__ import annotations
 
@@ -100,9 +100,9 @@ def test_frames(credited: Store) -> None:
 
 
 def _readme_block(marker: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "OUTPUTS.md").read_text(), flags=re.DOTALL)
     found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"one README python block with {marker!r}"
+    assert len(found) == 1, f"one docs/OUTPUTS.md python block with {marker!r}"
     return found[0]
 
 
@@ -113,7 +113,7 @@ def test_readme_notebook_example_runs(credited: Store, db_path: Path, tmp_path: 
     monkeypatch.chdir(tmp_path)
     db_path.rename(tmp_path / "hcapo.db")
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    exec(compile(code, "docs/OUTPUTS.md", "exec"), namespace)  # noqa: S102 - the documented example
     assert (tmp_path / "scores.parquet").exists() and (tmp_path / "report.html").exists()
     assert len(namespace["credits"]) > 0
 
@@ -154,9 +154,9 @@ def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Pat
         assert columns, f"{table} is not in the schema"
         assert set(meta["columns"]) <= columns, (table, set(meta["columns"]) - columns)
         assert meta["description"]
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "DATABASE.md").read_text()
     for query in database["queries"].values():
-        assert query["sql"] in readme  # the README's example queries, verbatim
+        assert query["sql"] in page  # the documented example queries, verbatim
         con.execute(query["sql"]).fetchall()  # and they run on this schema
     assert len(database["queries"]) == len(QUERIES) == 3
 

@@ -1,4 +1,4 @@
-"""The README's offline DuckDB routes: the Parquet exports, and the sqlite extension from its PyPI wheel."""
+"""The offline DuckDB routes of docs/OUTPUTS.md: the Parquet exports, and the sqlite extension from its PyPI wheel."""
 
 from __future__ import annotations
 

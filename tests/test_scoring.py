@@ -85,7 +85,7 @@ def model(tiny_model_dir: Path) -> Any:
 
 
 def _normalize(message: dict[str, Any]) -> dict[str, Any]:
-    """Written here from the README's Score section (arguments as mappings), independently of hcapo_store.scoring.prompts."""
+    """Written here from docs/SCORING.md (arguments as mappings), independently of hcapo_store.scoring.prompts."""
     out = {k: v for k, v in message.items() if v is not None}
     calls = []
     for call in out.get("tool_calls") or []:

@@ -1,4 +1,4 @@
-"""datasette metadata: table and column descriptions and the README's example queries.
+"""datasette metadata: table and column descriptions and the example queries of docs/DATABASE.md.
 
 ``hcapo-store datasette-metadata metadata.json`` writes it; then
 ``datasette hcapo.db --metadata metadata.json`` shows the descriptions and lists the
@@ -122,7 +122,7 @@ TABLES: dict[str, dict[str, Any]] = {
     },
 }
 
-# The README's example queries (tests check both lists agree).
+# The example queries of docs/DATABASE.md (tests check both lists agree).
 QUERIES: dict[str, dict[str, str]] = {
     "top_steps_by_rho": {
         "title": "Top steps by rho in subtask S2",

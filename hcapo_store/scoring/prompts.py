@@ -1,4 +1,4 @@
-"""Per-step hindsight prompts with exact token spans (README, Score; docs/ORIGINAL.md §2 for the original's).
+"""Per-step hindsight prompts with exact token spans (docs/SCORING.md; docs/ORIGINAL.md §2 for the original's).
 
 For step t (assistant message m) the request is ``prefix + action`` where
 ``prefix = render(messages[:m] with the hindsight block in message 0, add_generation_prompt=True)``

@@ -2,7 +2,7 @@
 
 Backends build payloads and parse responses; this module owns the connection pool and
 turns transport failures and HTTP statuses into ``InferenceError`` with a ``retryable``
-flag (README, Score: retry connect errors, timeouts, 408/429/5xx and "queue full";
+flag (docs/SCORING.md: retry connect errors, timeouts, 408/429/5xx and "queue full";
 fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
 every failed attempt.
 
