@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
@@ -83,7 +83,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     return BackendScore(
         logprobs=logprobs,
         prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
-        cached_tokens=meta.get("cached_tokens") if isinstance(meta.get("cached_tokens"), int) else None,
+        cached_tokens=checked_cached_tokens(meta.get("cached_tokens"), len(ids)),
     )
 
 
@@ -102,7 +102,7 @@ def _fast_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float
     if not set(map(type, values)) <= _NUMBER_TYPES:
         return None
     array = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(array).all() and (array <= 1e-4).all()):
+    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
         return None
     return np.minimum(array, 0.0).tolist()
 
@@ -127,6 +127,8 @@ def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[fl
             raise _bad(f"position {start + j}: logprob is {value!r}")
         if not math.isfinite(value) or value > 1e-4:
             raise _bad(f"position {start + j}: logprob {value!r} is not a log-probability")
+        if value < LOGPROB_FLOOR:
+            raise _bad(f"position {start + j}: logprob {value!r} is below the floor {LOGPROB_FLOOR:g}")
         logprobs.append(min(float(value), 0.0))
     return logprobs
 
