@@ -17,6 +17,7 @@ import pytest
 from faultserver import ERROR_KIND, FaultServer, plan_schedule, step_prompts, step_requests, stored_scores
 from sqlalchemy import text
 
+from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
@@ -168,3 +169,23 @@ def test_credentials_go_in_the_header_and_an_echoed_key_is_masked(
             assert SECRET not in dump, table
     assert SECRET not in report.summary() and SECRET not in repr(report.as_dict())
     store.close()
+
+
+def test_a_model_label_the_server_does_not_serve_is_refused_before_any_request(
+    tmp_path, runner, episodes_dir, ref, fault_server, tiny_model_dir
+):
+    db = str(tmp_path / "x.db")
+    _store(tmp_path, episodes_dir).close()
+    base = ["--db", db, "score", "--server", fault_server.url, "--max-context", str(MAX_CONTEXT)]
+    r = runner.invoke(cli, [*base, "--model", "Qwen/Qwen3-8B"])
+    assert r.exit_code == 1, r.output
+    (line,) = r.output.strip().splitlines()
+    assert "'Qwen/Qwen3-8B'" in line and repr(ref.model_info()["model_path"]) in line, line
+    assert fault_server.requests == 0
+    with Store.open(db) as store, store.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM scores")).scalar_one() == 0
+
+    # The served model's own name is accepted, and labels the scores.
+    r = runner.invoke(cli, [*base, "--model", Path(ref.model_info()["model_path"]).name], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert fault_server.requests > 0

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hcapo_store.errors import InferenceError
+from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
@@ -155,7 +155,22 @@ class SGLangBackend(HttpBackend):
     async def start(self) -> None:
         self.model_info = await self._read_model_info()
         self.server_info = await self.get_optional("/server_info") or {}
+        self._check_requested_model()
         self.remember_served()
+
+    def _check_requested_model(self) -> None:
+        """``--model NAME`` labels the scores: refuse before any request when the server
+        serves another model (its path, its served name, or the path's last part)."""
+        served = [v for v in (self.model_info.get("model_path"), self.model_info.get("served_model_name")) if v]
+        if self.model is None or not served:
+            return  # no label asked for (the served id is the label), or a server that does not say
+        names = {str(v).rstrip("/") for v in served}
+        names |= {n.rsplit("/", 1)[-1] for n in names}
+        if self.model.rstrip("/") not in names:
+            raise ScoringError(
+                f"the SGLang server at {self.display_url} serves {served[0]!r}, not --model {self.model!r}: "
+                "pass the served model's name or path, or omit --model to label scores with it"
+            )
 
     async def _read_model_info(self) -> dict[str, Any]:
         info = await self.get_optional("/model_info")
