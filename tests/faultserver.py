@@ -24,6 +24,15 @@ Faults (``FAULTS``)::
     wrong_count                  one entry too few (permanent)
     null_logprob                 a scored logprob is null (orjson's -inf; permanent)
     positive_logprob             a scored logprob is > 0 (permanent)
+    tiny_logprob                 a scored logprob of -1e300 (-inf as float32; permanent)
+    huge_cached                  meta_info.cached_tokens = 2**64 - 1 (permanent)
+    echo_key                     401 whose body echoes the Authorization header sent (permanent)
+    trickle                      200 with the right answer, one byte every half second (timeout)
+    huge_body                    200 with no length, bytes without end until the client leaves
+                                 (permanent: too_large)
+
+The last five are not in the random pool (``FAULTS``). Every request's path and
+Authorization header are kept in ``seen`` (a test checks where credentials went).
 
 A schedule is ``schedule(key, n) -> fault name | None`` where ``n`` counts the earlier
 requests with the same key (0 for the first one).
@@ -76,9 +85,16 @@ PERMANENT = {
     "null_logprob": "bad_response",
     "positive_logprob": "bad_response",
 }
+HOSTILE = {
+    "tiny_logprob": "bad_response",
+    "huge_cached": "bad_response",
+    "echo_key": "http_401",
+    "trickle": "timeout",
+    "huge_body": "too_large",
+}
 # fault -> the error kind the client must record for it
-ERROR_KIND = {**RETRYABLE, **PERMANENT}
-FAULTS = tuple(k for k in ERROR_KIND if k != "hang")  # the random pool: a hang never ends by itself
+FAULTS = tuple(k for k in {**RETRYABLE, **PERMANENT} if k != "hang")  # the random pool: a hang never ends by itself
+ERROR_KIND = {**RETRYABLE, **PERMANENT, **HOSTILE}
 
 
 def input_key(input_ids: Sequence[int], first_scored: int | None = None) -> str:
@@ -164,6 +180,7 @@ class FaultServer(BackgroundHTTPServer):
         self.generation = 0  # bumped by swap(): connections of an older generation are dropped
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
+        self.seen: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
         self._lock = threading.Lock()
         self.dead = threading.Event()
         self.unhang = threading.Event()
@@ -250,6 +267,10 @@ def _corrupt(fault: str, response: dict[str, Any]) -> dict[str, Any]:
         entries[-1] = [None, entries[-1][1], entries[-1][2]]
     elif fault == "positive_logprob":
         entries[-1] = [0.25, entries[-1][1], entries[-1][2]]
+    elif fault == "tiny_logprob":
+        entries[-1] = [-1e300, entries[-1][1], entries[-1][2]]
+    elif fault == "huge_cached":
+        meta["cached_tokens"] = 2**64 - 1
     else:  # pragma: no cover - a typo in a test's plan
         raise ValueError(f"unknown corruption {fault!r}")
     return out
@@ -262,6 +283,13 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
         def setup(self) -> None:
             super().setup()
             self.generation = server.generation
+
+        def parse_request(self) -> bool:
+            ok = super().parse_request()
+            if ok:
+                with server._lock:
+                    server.seen.append((self.path, self.headers.get("Authorization")))
+            return ok
 
         def _stale(self) -> bool:
             """This connection belongs to the server before a swap(): it dies unanswered."""
@@ -320,6 +348,16 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 self._hold_until_client_leaves()
                 self.close_connection = True
                 return
+            if fault == "echo_key":  # a gateway that quotes what it was sent
+                sent = self.headers.get("Authorization")
+                self._json(HTTPStatus.UNAUTHORIZED, {"error": {"message": f"invalid credentials: {sent}"}})
+                return
+            if fault == "trickle":
+                self._trickle(json.dumps(server.ref.generate(body)).encode())
+                return
+            if fault == "huge_body":
+                self._endless_body()
+                return
             if fault in ("http_500", "http_503"):
                 code = int(fault[5:])
                 self._json(
@@ -372,6 +410,37 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if fault is not None:
                 response = _corrupt(fault, response)
             self._json(HTTPStatus.OK, response)
+
+        def _trickle(self, data: bytes) -> None:
+            """A whole, correct answer, one byte every half second: each read is quick."""
+            self.close_connection = True
+            try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                for i in range(len(data)):
+                    if server.unhang.wait(0.5):
+                        return
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+        def _endless_body(self) -> None:
+            """200 without a length, and bytes until the client leaves (ends at HOLD_LIMIT_S)."""
+            self.close_connection = True
+            chunk = b" " * 65536
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                while time.monotonic() < deadline and not server.unhang.is_set():
+                    self.wfile.write(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                return
 
         def _hold_until_client_leaves(self) -> None:
             """Answer nothing until the client closes the connection (its timeout fired)."""

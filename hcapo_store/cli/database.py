@@ -95,14 +95,22 @@ def status(state: Ctx, as_json: bool) -> None:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @click.option("--write", is_flag=True, help="Allow statements that modify the database.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, 86400),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Stop the statement after this long (on the server for PostgreSQL); 0: no limit. Ctrl-C stops it too.",
+)
 @pass_ctx
-def sql(state: Ctx, query: str, fmt: str, write: bool) -> None:
+def sql(state: Ctx, query: str, fmt: str, write: bool, timeout: float) -> None:
     """Run one SQL statement against the store (read-only unless --write).
 
     Tables: episodes, messages, steps, subtasks, tags, scorers, scores, attempts,
     credit_runs, credits. Views: step_scores, step_credits, subtask_credits.
     """
-    columns, rows = state.store(create=False).query(query, read_only=not write)
+    columns, rows = state.store(create=False).query(query, read_only=not write, timeout=timeout)
     if not columns:
         click.echo("ok")
     elif fmt == "csv":

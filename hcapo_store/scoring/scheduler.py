@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import random
@@ -183,6 +184,7 @@ class Scheduler:
         self._pending: list[work_queue.StepResult] = []
         self._pending_tokens = 0
         self._stopping = threading.Event()
+        self._announced: dict[str, int] = {}  # other workers' lease counts already reported
         self._flush_failures = 0  # consecutive failed writes of the pending batch
         self._write_error: StoreError | None = None
         self._gave_up: StoreError | None = None  # the writer stopped the run
@@ -324,8 +326,37 @@ class Scheduler:
                 return
             self._claimed += (len(claim.leases) if claim is not None else 0) - (remaining or 0)
             if claim is None:
+                if await self._wait_for_others():
+                    continue
                 return
             await self._score_episode(claim)
+
+    async def _wait_for_others(self) -> bool:
+        """Nothing claimable, but the work is not done while other workers hold leases:
+        those of dead workers on this host are reclaimed at once (True: claim again);
+        live ones are waited for until they finish (False) or their leases lapse (True)."""
+        assert self._stop_requested is not None
+        store, filters = self.store, self.options.filters
+        while not self._stopping.is_set():
+            await asyncio.to_thread(work_queue.reap_dead_local_workers, store)
+            if await asyncio.to_thread(work_queue.count_claimable, store, self.scorer_id, filters):
+                return True
+            others = await asyncio.to_thread(work_queue.leases_of_others, store, self.scorer_id, self.worker, filters)
+            if not others:
+                return False
+            for o in others:
+                if self._announced.get(o.owner) != o.steps:
+                    self._announced[o.owner] = o.steps
+                    until = time.strftime("%H:%M:%S UTC", time.gmtime(o.until))
+                    log.warning(
+                        "waiting for %d step(s) leased by worker %s (lease renewed until %s while it runs)",
+                        o.steps,
+                        o.owner,
+                        until,
+                    )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop_requested.wait(), min(self.options.lease_seconds / 3, 2.0))
+        return False
 
     async def _claim(self, remaining: int | None) -> work_queue.Claim | None:
         """Claim an episode; a database error is retried with backoff as a failed write is."""

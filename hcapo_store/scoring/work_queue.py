@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -291,13 +292,44 @@ def reap_dead_local_workers(store: Store) -> int:
 
 
 def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running? A zombie (killed, not yet reaped by its
+    parent) answers signal 0 but will never renew a lease: it counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs (or the pid just went): signal 0 is all we know
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
+@dataclass(frozen=True)
+class OthersLeases:
+    owner: str
+    steps: int
+    until: float  # epoch seconds: the latest of the owner's lease expiries
+
+
+def leases_of_others(store: Store, scorer_id: str, worker: str, filters: Filters) -> list[OthersLeases]:
+    """Unexpired leases of this scorer's steps held by other workers, per owner."""
+    params: dict[str, Any] = {"scorer": scorer_id, "me": worker}
+    where = filters.sql(params)
+    with db.read(store.engine) as conn:
+        params["now"] = db.sql_now(conn)
+        rows = conn.execute(
+            text(
+                "SELECT a.lease_owner, COUNT(*), MAX(a.lease_expires_at) FROM attempts a "
+                "JOIN episodes e ON e.id = a.episode_id WHERE a.scorer_id = :scorer AND e.is_current "
+                f"AND a.status = 'leased' AND a.lease_expires_at >= :now AND a.lease_owner <> :me{where} "
+                "GROUP BY a.lease_owner ORDER BY a.lease_owner"
+            ),
+            params,
+        ).all()
+    return [OthersLeases(str(owner), int(n), float(until)) for owner, n, until in rows]
 
 
 @dataclass

@@ -141,7 +141,7 @@ _SIDE_EFFECTS = re.compile(
     r"|pg_logdir_ls|pg_switch_(wal|xlog)|pg_create_restore_point|pg_promote|pg_\w*replication_\w+"
     r"|pg_logical_emit_message|pg_stat_reset\w*|pg_(start|stop)_backup|pg_backup_(start|stop)"
     r"|pg_wal_replay_\w+|pg_import_system_collations|pg_log_backend_memory_contexts|pg_notify"
-    r"|query_to_xml\w*|ts_stat|nextval|setval)\b",
+    r"|query_to_xml\w*|ts_stat|ts_rewrite|nextval|setval)\b",
     re.I,
 )
 
@@ -166,3 +166,91 @@ def pg_check(sql: str) -> None:
 
 def pg_enter(conn: Any) -> None:  # noqa: ANN401 - a SQLAlchemy Connection
     conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+
+
+# ---- stopping a statement: a time limit and Ctrl-C, on both engines --------------------------
+
+
+def timeout_message(timeout: float) -> str:
+    return f"the query ran longer than {timeout:g} s and was stopped (--timeout SECONDS allows more; 0: no limit)"
+
+
+class Stoppable:
+    """Runs one statement under a time limit, stopped on Ctrl-C.
+
+    SQLite runs the statement in this thread, where Python's own SIGINT handling waits for
+    the statement to end (a runaway recursive CTE: for ever): a progress handler, called
+    every few thousand VM steps, aborts it once the deadline passes or Ctrl-C was pressed
+    (a SIGINT handler installed for the statement only records the press). PostgreSQL:
+    ``statement_timeout`` ends it on the server; on Ctrl-C psycopg cancels the server's
+    query before raising ``KeyboardInterrupt``.
+    """
+
+    PROGRESS_STEPS = 10_000
+
+    def __init__(self, conn: Any, timeout: float | None) -> None:  # noqa: ANN401 - a SQLAlchemy Connection
+        self.conn = conn
+        self.timeout = timeout if timeout else None  # 0 or None: no limit
+        self.deadline = float("inf")
+        self.interrupted = False
+
+    def __enter__(self) -> Stoppable:
+        if self.conn.dialect.name == "postgresql" and self.timeout is not None:
+            # LOCAL: ends with the transaction (always rolled back or committed by query()).
+            self.conn.exec_driver_sql(f"SET LOCAL statement_timeout = {max(int(self.timeout * 1000), 1)}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def run(self, call: Any) -> Any:  # noqa: ANN401
+        if self.conn.dialect.name != "sqlite":
+            try:
+                return call()
+            except Exception as exc:
+                if self.timeout is not None and "statement timeout" in str(exc):
+                    raise StoreError(timeout_message(self.timeout)) from exc
+                raise
+        import time
+
+        raw = self.conn.connection.driver_connection
+        if self.timeout is not None:
+            self.deadline = time.monotonic() + self.timeout
+        raw.set_progress_handler(lambda: int(self.interrupted or time.monotonic() > self.deadline), self.PROGRESS_STEPS)
+        previous = _catch_sigint(self)
+        try:
+            return call()
+        except Exception as exc:
+            if "interrupted" not in str(exc):
+                raise
+            if self.interrupted:
+                raise KeyboardInterrupt from exc
+            assert self.timeout is not None
+            raise StoreError(timeout_message(self.timeout)) from exc
+        finally:
+            raw.set_progress_handler(None, 0)
+            _restore_sigint(previous)
+
+
+def stoppable(conn: Any, timeout: float | None) -> Stoppable:  # noqa: ANN401
+    return Stoppable(conn, timeout)
+
+
+def _catch_sigint(stop: Stoppable) -> Any:  # noqa: ANN401
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None  # only the main thread gets signals (and may install handlers)
+
+    def on_sigint(_signum: int, _frame: Any) -> None:  # noqa: ANN401
+        stop.interrupted = True
+
+    return signal.signal(signal.SIGINT, on_sigint)
+
+
+def _restore_sigint(previous: Any) -> None:  # noqa: ANN401
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)

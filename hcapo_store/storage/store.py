@@ -56,20 +56,22 @@ class Store:
         self.close()
 
     def query(
-        self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True
+        self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True, timeout: float | None = None
     ) -> tuple[list[str], list[tuple]]:
         """Run one SQL statement; read-only unless asked (``storage/readonly.py``: SQLite's
         authorizer; PostgreSQL: a rolled-back ``READ ONLY`` transaction without server
-        functions that have side effects). ``params`` are named (``:name``)."""
+        functions that have side effects). ``params`` are named (``:name``). ``timeout``:
+        seconds the statement may run (then it is stopped, on the server for PostgreSQL);
+        Ctrl-C stops it too (``KeyboardInterrupt``)."""
         if read_only and self.dialect == "postgresql":
             readonly.pg_check(sql)
         guard = None
         try:
-            with self.engine.connect() as conn:
+            with self.engine.connect() as conn, readonly.stoppable(conn, timeout) as stop:
                 if read_only:
                     guard = _enter_read_only(conn)
                 try:
-                    cols, rows = _run(conn, sql, params, read_only=read_only)
+                    cols, rows = stop.run(lambda: _run(conn, sql, params, read_only=read_only))
                     # Read-only work is never committed: what a READ ONLY transaction still
                     # allows (large objects, set_config) is rolled back.
                     conn.rollback() if read_only else conn.commit()

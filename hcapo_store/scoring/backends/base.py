@@ -5,10 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hcapo_store.errors import InferenceError
 from hcapo_store.scoring.prompts import StepPrompt
 
 if TYPE_CHECKING:
     from hcapo_store.scoring.grouping import GroupPrompt
+
+
+# A logprob below this is refused: e^-10000 is no probability a model computes honestly, and
+# far lower values (-1e300) would become -inf once stored as float32.
+LOGPROB_FLOOR = -1e4
+
+
+def checked_cached_tokens(value: Any, prompt_tokens: int) -> int | None:
+    """A server's count of prompt tokens it served from cache: an int in [0, prompt_tokens],
+    or None when absent; anything else refuses the response (it would reach the database)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= prompt_tokens:
+        raise InferenceError(
+            "bad_response",
+            f"cached_tokens {str(value)[:40]} is not a count of the {prompt_tokens} prompt tokens sent",
+            retryable=False,
+        )
+    return value
 
 
 @dataclass(frozen=True)

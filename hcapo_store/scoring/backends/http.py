@@ -10,6 +10,11 @@ A score must come from the model the scorer was registered with. The client coun
 connections it opens; a response that arrived after a new connection was opened (the
 server may have been restarted with another model behind the same URL) is accepted only
 once the served model has been read again and found unchanged (``verify_model``).
+
+A server is not trusted to behave: httpx's timeouts bound each read, so one byte a second
+would keep a request alive for ever; each request therefore runs under one overall
+deadline (the request timeout), and its body is read in chunks and given up beyond what
+the request can need (``response_cap``), so a runaway body cannot exhaust memory.
 """
 
 from __future__ import annotations
@@ -22,17 +27,37 @@ import httpx
 import orjson  # 3-4x faster than json on the large id lists and logprob arrays
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.masking import mask_credentials, mask_url
+from hcapo_store.masking import mask_credentials, mask_url, register_secret, register_url_secrets, split_query_token
 from hcapo_store.scoring.backends.base import BackendScore
 from hcapo_store.scoring.grouping import GroupPrompt, split_score
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 MODEL_CHANGED = "model_changed"  # InferenceError kind: the server now serves another model
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+TOO_LARGE = "too_large"  # InferenceError kind: a body beyond what the request can need
+# A response to a scoring request carries a few dozen bytes per prompt token (SGLang: a
+# [logprob, id, text] triple; vLLM: a dict per position); the request itself carries a
+# few bytes per token, so this many response bytes per request byte is generous.
+RESPONSE_BYTES_PER_REQUEST_BYTE = 256
+RESPONSE_SLACK_BYTES = 1 << 20
+GET_CAP_BYTES = 16 << 20  # model_info, server_info, /v1/models: small documents
+ERROR_BODY_BYTES = 4096  # of a non-200 answer, what an error message may quote
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
+def response_cap(request_bytes: int) -> int:
+    """The most bytes a response to a request of ``request_bytes`` may have."""
+    return RESPONSE_SLACK_BYTES + RESPONSE_BYTES_PER_REQUEST_BYTE * request_bytes
+
+
+def overall_deadline(timeout: httpx.Timeout | float) -> float | None:
+    """Seconds one whole request may take: the read timeout (``--request-timeout``)."""
+    if isinstance(timeout, httpx.Timeout):
+        return timeout.read
+    return float(timeout)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    value = headers.get("retry-after")
     if value is None:
         return None
     try:
@@ -52,8 +77,13 @@ class HttpClient:
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
     ) -> None:
+        register_url_secrets(base_url)
+        register_secret(api_key)
+        base_url, query_token = split_query_token(base_url)
+        api_key = api_key or query_token  # ?api_key=... goes in the header, not in every path
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")  # may carry user:password (sent as basic auth)
+        self.deadline = overall_deadline(timeout)
         self.display_url = mask_url(self.base_url)  # what messages show
         self.connections_opened = 0  # counted by the trace hook; see HttpBackend.verify_model
         self.verified_connections = 0  # connections opened when the served model was last read
@@ -78,47 +108,70 @@ class HttpClient:
             self.connections_opened += 1
 
     async def _request(self, method: str, path: str, payload: Any) -> Any:
-        trace = {"trace": self._trace}
+        where = f"{method} {self.display_url}{path}"
         try:
-            if payload is None:
-                response = await self._client.request(method, path, extensions=trace)
-            else:
-                response = await self._client.request(
-                    method,
-                    path,
-                    content=orjson.dumps(payload),
-                    headers={"Content-Type": "application/json"},
-                    extensions=trace,
-                )
-        except httpx.TimeoutException as exc:
+            status, headers, body = await asyncio.wait_for(self._exchange(method, path, payload), self.deadline)
+        except asyncio.TimeoutError as exc:  # the overall deadline, not httpx's per-read timeout
             raise InferenceError(
-                "timeout", f"{method} {self.display_url}{path}: {type(exc).__name__}", retryable=True
+                "timeout", f"{where}: no complete answer within {self.deadline:g} s", retryable=True
             ) from exc
+        except httpx.TimeoutException as exc:
+            raise InferenceError("timeout", f"{where}: {type(exc).__name__}", retryable=True) from exc
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             raise InferenceError(
-                "connect",
-                mask_credentials(f"{method} {self.display_url}{path}: {type(exc).__name__}: {exc}"),
-                retryable=True,
+                "connect", mask_credentials(f"{where}: {type(exc).__name__}: {exc}"), retryable=True
             ) from exc
         except httpx.HTTPError as exc:
+            raise InferenceError("http", mask_credentials(f"{where}: {exc}"), retryable=True) from exc
+        if status != 200:
+            text = mask_credentials(body[:300].decode("utf-8", "replace"))
+            retryable = status in RETRYABLE_STATUS or "queue is full" in text.lower()
             raise InferenceError(
-                "http", mask_credentials(f"{method} {self.display_url}{path}: {exc}"), retryable=True
-            ) from exc
-        if response.status_code != 200:
-            body = mask_credentials(response.text[:300])
-            retryable = response.status_code in RETRYABLE_STATUS or "queue is full" in body.lower()
-            raise InferenceError(
-                f"http_{response.status_code}",
-                f"{method} {path}: {body}",
-                retryable=retryable,
-                retry_after=_retry_after(response),
+                f"http_{status}", f"{method} {path}: {text}", retryable=retryable, retry_after=_retry_after(headers)
             )
         try:
-            return orjson.loads(response.content)
+            return orjson.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # orjson's error is a JSONDecodeError
             raise InferenceError(
-                "bad_response", f"{method} {path}: malformed JSON: {response.text[:200]!r}", retryable=False
+                "bad_response",
+                mask_credentials(f"{method} {path}: malformed JSON: {body[:200]!r}"),
+                retryable=False,
             ) from exc
+
+    async def _exchange(self, method: str, path: str, payload: Any) -> tuple[int, httpx.Headers, bytes]:
+        """Send one request and read its body in chunks, up to what the request can need."""
+        content = None if payload is None else orjson.dumps(payload)
+        cap = GET_CAP_BYTES if content is None else response_cap(len(content))
+        headers = None if content is None else {"Content-Type": "application/json"}
+        request = self._client.build_request(
+            method, path, content=content, headers=headers, extensions={"trace": self._trace}
+        )
+        response = await self._client.send(request, stream=True)
+        try:
+            if response.status_code != 200:
+                cap = ERROR_BODY_BYTES  # only quoted in a message: the rest is not read
+            declared = response.headers.get("content-length")
+            if response.status_code == 200 and declared and declared.isdigit() and int(declared) > cap:
+                raise self._too_large(method, path, cap, f"it declares {int(declared)} bytes")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > cap:
+                    if response.status_code != 200:
+                        break
+                    raise self._too_large(method, path, cap, "its body ran past that")
+            return response.status_code, response.headers, b"".join(chunks)
+        finally:
+            await response.aclose()
+
+    def _too_large(self, method: str, path: str, cap: int, why: str) -> InferenceError:
+        return InferenceError(
+            TOO_LARGE,
+            f"{method} {self.display_url}{path}: response refused: an answer to this request needs at most {cap} bytes, {why}",
+            retryable=False,
+        )
 
 
 class HttpBackend:

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
@@ -83,7 +83,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     return BackendScore(
         logprobs=logprobs,
         prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
-        cached_tokens=meta.get("cached_tokens") if isinstance(meta.get("cached_tokens"), int) else None,
+        cached_tokens=checked_cached_tokens(meta.get("cached_tokens"), len(ids)),
     )
 
 
@@ -102,7 +102,7 @@ def _fast_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float
     if not set(map(type, values)) <= _NUMBER_TYPES:
         return None
     array = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(array).all() and (array <= 1e-4).all()):
+    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
         return None
     return np.minimum(array, 0.0).tolist()
 
@@ -127,6 +127,8 @@ def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[fl
             raise _bad(f"position {start + j}: logprob is {value!r}")
         if not math.isfinite(value) or value > 1e-4:
             raise _bad(f"position {start + j}: logprob {value!r} is not a log-probability")
+        if value < LOGPROB_FLOOR:
+            raise _bad(f"position {start + j}: logprob {value!r} is below the floor {LOGPROB_FLOOR:g}")
         logprobs.append(min(float(value), 0.0))
     return logprobs
 
@@ -153,7 +155,22 @@ class SGLangBackend(HttpBackend):
     async def start(self) -> None:
         self.model_info = await self._read_model_info()
         self.server_info = await self.get_optional("/server_info") or {}
+        self._check_requested_model()
         self.remember_served()
+
+    def _check_requested_model(self) -> None:
+        """``--model NAME`` labels the scores: refuse before any request when the server
+        serves another model (its path, its served name, or the path's last part)."""
+        served = [v for v in (self.model_info.get("model_path"), self.model_info.get("served_model_name")) if v]
+        if self.model is None or not served:
+            return  # no label asked for (the served id is the label), or a server that does not say
+        names = {str(v).rstrip("/") for v in served}
+        names |= {n.rsplit("/", 1)[-1] for n in names}
+        if self.model.rstrip("/") not in names:
+            raise ScoringError(
+                f"the SGLang server at {self.display_url} serves {served[0]!r}, not --model {self.model!r}: "
+                "pass the served model's name or path, or omit --model to label scores with it"
+            )
 
     async def _read_model_info(self) -> dict[str, Any]:
         info = await self.get_optional("/model_info")

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
@@ -121,7 +121,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
     cached = None
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
         c = usage["prompt_tokens_details"].get("cached_tokens")
-        cached = c if isinstance(c, int) and not isinstance(c, bool) else None
+        cached = checked_cached_tokens(c, len(ids))
     return BackendScore(
         logprobs=logprobs,
         prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) else None,
