@@ -123,3 +123,40 @@ def test_plain_install_names_the_local_extra(venv, tmp_path):
         "Error: a local model (score --model, serve-reference, demo) needs torch, which is not installed: "
         "pip install 'hcapo-store[local]'"
     ]
+
+
+WALK_HELP = r"""
+import importlib.util, json, sys
+import click
+import hcapo_store as hs
+from hcapo_store.cli import cli
+
+names = [n for n in hs.__all__ if getattr(hs, n) is None]
+paths = []
+def walk(cmd, path):
+    paths.append(path)
+    if isinstance(cmd, click.Group):
+        for name, sub in sorted(cmd.commands.items()):
+            walk(sub, path + [name])
+walk(cli, [])
+print(json.dumps({"none": names, "paths": paths, "top_level_cli": importlib.util.find_spec("cli") is not None,
+                  "package": hs.__file__}))
+"""
+
+
+def test_the_installed_wheel_imports_every_public_name_and_every_help(venv, tmp_path):
+    """What a user installs (a non-editable install, run from outside the checkout): every name in
+    ``__all__`` resolves, every command's --help runs, and no generic top-level ``cli`` module exists."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    python = str(venv / "bin" / "python")
+    r = subprocess.run([python, "-c", WALK_HELP], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)
+    assert found["none"] == [] and not found["top_level_cli"]
+    assert str(ROOT) not in found["package"] and "site-packages" in found["package"]
+    assert len(found["paths"]) > 15
+    for path in found["paths"]:
+        out = subprocess.run(
+            [python, "-m", "hcapo_store", *path, "--help"], capture_output=True, text=True, cwd=tmp_path, env=env
+        )
+        assert out.returncode == 0 and "Usage:" in out.stdout, (path, out.stderr)

@@ -6,6 +6,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
+from hcapo_store.cli.params import FiniteFloat, int_range
 
 
 @cli.group(cls=Group, short_help="Credit runs (Eq. 5-7): no model calls.")
@@ -18,32 +19,36 @@ def credits() -> None:
 @click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
 @click.option(
     "--t-temp",
-    type=float,
+    type=FiniteFloat(),
     default=5.0,
     show_default=True,
     help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
 )
 @click.option(
     "--gamma",
-    type=float,
+    type=FiniteFloat(),
     default=0.95,
     show_default=True,
     help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
 )
 @click.option(
     "--c-min",
-    type=float,
+    type=FiniteFloat(),
     default=0.8,
     show_default=True,
     help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
 )
-@click.option("--c-max", type=float, default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ.")
+@click.option("--c-max", type=FiniteFloat(), default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ.")
 @click.option(
-    "--alpha", type=float, default=0.5, show_default=True, help="Backward smoothing weight α of q_h into q_h_smoothed."
+    "--alpha",
+    type=FiniteFloat(),
+    default=0.5,
+    show_default=True,
+    help="Backward smoothing weight α of q_h into q_h_smoothed.",
 )
 @click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
 @click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
-@click.option("--max-logprob-tokens", type=int, help="Re-aggregate only the last N stored token logprobs.")
+@click.option("--max-logprob-tokens", type=int_range(1), help="Re-aggregate only the last N stored token logprobs.")
 @click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
@@ -147,7 +152,9 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
 @credits.command("diff")
 @click.argument("a")
 @click.argument("b")
-@click.option("--top", type=int, default=10, show_default=True, help="How many most-moved steps to list.")
+@click.option(
+    "--top", type=int_range(0, 1_000_000), default=10, show_default=True, help="How many most-moved steps to list."
+)
 @click.option("--all", "all_steps", is_flag=True, help="With --json: every common step's deltas.")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @pass_ctx

@@ -6,6 +6,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx
+from hcapo_store.cli.params import FiniteFloat
 
 
 @cli.command()
@@ -97,7 +98,7 @@ def status(state: Ctx, as_json: bool) -> None:
 @click.option("--write", is_flag=True, help="Allow statements that modify the database.")
 @click.option(
     "--timeout",
-    type=click.FloatRange(0, 86400),
+    type=FiniteFloat(0, 86400),
     default=60.0,
     show_default=True,
     metavar="SECONDS",

@@ -8,6 +8,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, cli, echo_json
+from hcapo_store.cli.params import int_range
 
 
 @cli.command("serve-reference")
@@ -25,7 +26,9 @@ from hcapo_store.cli.main import Ctx, cli, echo_json
     help="Tokenizer directory (default: the model directory).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=30000, show_default=True, help="Port to listen on (SGLang's default).")
+@click.option(
+    "--port", type=int_range(0, 65535), default=30000, show_default=True, help="Port to listen on (SGLang's default)."
+)
 def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
+from hcapo_store.cli.params import int_range
 
 
 def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
@@ -30,7 +31,7 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option(
     "--max-tool-result-chars",
-    type=int,
+    type=int_range(0),
     default=4000,
     show_default=True,
     help="Cut tool results longer than this (the original's suffix is added); 0 = never.",

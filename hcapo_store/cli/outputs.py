@@ -9,6 +9,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
+from hcapo_store.cli.params import FiniteFloat
 from hcapo_store.storage.location import DEFAULT_DB
 
 
@@ -39,8 +40,12 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
-@click.option("--omega", type=float, default=1.0, show_default=True, help="Weight of the micro (step) advantage.")
-@click.option("--min-reward", type=float, default=0.2, show_default=True, help="Only episodes with reward >= X.")
+@click.option(
+    "--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight of the micro (step) advantage."
+)
+@click.option(
+    "--min-reward", type=FiniteFloat(), default=0.2, show_default=True, help="Only episodes with reward >= X."
+)
 @click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
 @click.option(

@@ -10,6 +10,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
+from hcapo_store.cli.params import INT32_MAX, FiniteFloat, int_range
 
 
 @cli.command()
@@ -29,14 +30,14 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
 @click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
 @click.option(
     "--concurrency",
-    type=click.IntRange(1),
+    type=int_range(1, 1024),
     default=4,
     show_default=True,
     help="Episodes in flight at once (each sends its steps in order).",
 )
 @click.option(
     "--max-context",
-    type=click.IntRange(2),
+    type=int_range(2, 2**24),
     default=32768,
     show_default=True,
     help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
@@ -44,7 +45,7 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
 )
 @click.option(
     "--max-logprob-tokens",
-    type=int,
+    type=int_range(-INT32_MAX),
     default=2048,
     show_default=True,
     help="Score only the last N action tokens (<= 0: all).",
@@ -62,7 +63,7 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
 )
 @click.option(
     "--max-tool-result-chars",
-    type=int,
+    type=int_range(0),
     default=4000,
     show_default=True,
     help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
@@ -74,20 +75,20 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
     metavar="NAME",
     help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.",
 )
-@click.option("--min-reward", type=float, help="Only episodes with reward >= X.")
-@click.option("--limit", type=click.IntRange(1), help="Score at most N steps in this run.")
+@click.option("--min-reward", type=FiniteFloat(), help="Only episodes with reward >= X.")
+@click.option("--limit", type=int_range(1), help="Score at most N steps in this run.")
 @click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
 @click.option(
     "--max-attempts",
-    type=click.IntRange(1),
+    type=int_range(1, 1000),
     default=4,
     show_default=True,
     help="Attempts per step before it is marked failed.",
 )
 @click.option(
     "--lease-seconds",
-    type=click.FloatRange(1),
+    type=FiniteFloat(1, 7 * 86400),
     default=120.0,
     show_default=True,
     help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
@@ -102,7 +103,7 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
 )
 @click.option(
     "--request-timeout",
-    type=click.FloatRange(0.1),
+    type=FiniteFloat(0.1, 86400),
     default=300.0,
     show_default=True,
     metavar="SECONDS",

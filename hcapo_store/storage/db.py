@@ -12,6 +12,7 @@ and ``write()``, which turn SQLAlchemy and driver errors into ``StoreError`` sub
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from hcapo_store.storage.location import DEFAULT_DB, ENV_DB, display_url, resolv
 
 ENV_BUSY_TIMEOUT = "HCAPO_STORE_BUSY_TIMEOUT"  # seconds a writer waits for SQLite's write lock
 BUSY_TIMEOUT_MS = 60_000
+MAX_BUSY_TIMEOUT_S = 86_400  # a day; SQLite takes the value as a C int of milliseconds
 # Tables every hcapo-store database has had since revision 0001: a file without them is not ours.
 CORE_TABLES = frozenset({"episodes", "messages", "steps", "scorers", "scores", "attempts"})
 
@@ -40,9 +42,12 @@ def busy_timeout_ms() -> int:
     if not raw:
         return BUSY_TIMEOUT_MS
     try:
-        return max(int(float(raw) * 1000), 0)
+        seconds = float(raw)
     except ValueError:
-        raise StoreError(f"{ENV_BUSY_TIMEOUT}={raw!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_BUSY_TIMEOUT_S:  # NaN fails this too
+        raise StoreError(f"{ENV_BUSY_TIMEOUT}={raw!r} is not a number of seconds in [0, {MAX_BUSY_TIMEOUT_S}]")
+    return int(seconds * 1000)
 
 
 def _sqlite_hooks(engine: Engine) -> None:
