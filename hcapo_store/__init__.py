@@ -68,7 +68,7 @@ _EXPORTS: dict[str, str] = {
     "credits_frame": "hcapo_store.analysis.frames",
     "steps_frame": "hcapo_store.analysis.frames",
     "datasette_metadata": "hcapo_store.analysis.datasette",
-    "status": "hcapo_store.storage.status",
+    "status": "hcapo_store.status_report",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -118,5 +118,5 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.outputs.tokenized import export_tokenized
     from hcapo_store.scoring.job import ScoreConfig, dry_run, prepare, prepare_async, run_scoring, run_scoring_async
     from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
-    from hcapo_store.storage.status import status
+    from hcapo_store.status_report import status
     from hcapo_store.storage.store import Store

@@ -38,8 +38,8 @@ from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.prompts import PromptBuilder
 from hcapo_store.scoring.scorer import register
 from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.status_report import status
 from hcapo_store.storage import db
-from hcapo_store.storage.status import status
 from hcapo_store.storage.store import Store
 
 # Leases outlive the test: work comes back only because the next worker on this host finds

@@ -64,7 +64,7 @@ def db_upgrade(state: Ctx, no_backup: bool) -> None:
 @pass_ctx
 def status(state: Ctx, as_json: bool) -> None:
     """Counts of episodes, steps, subtasks; per scorer scored / failed / missing; workers."""
-    from hcapo_store.storage.status import status as get_status
+    from hcapo_store.status_report import status as get_status
 
     data = get_status(state.store(create=False))
     if as_json:

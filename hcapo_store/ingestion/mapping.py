@@ -14,23 +14,14 @@ documented quirk of docs/ORIGINAL.md §4:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from hcapo_store.steps import StepInfo
 from hcapo_store.tool_arguments import as_mapping
 
 PLANNING = "planning"
 EXECUTING = "executing"
 _FAIL_PREFIXES = ("[tool_error]", "Failed to call tool", "Error:")
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    step_index: int
-    message_index: int
-    phase: str
-    subtask_id: str | None
-    subtask_reward: float | None
 
 
 def effective_tool_name(call: dict[str, Any]) -> str:

@@ -13,55 +13,15 @@ request would give (up to float reduction order on the server).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
 from hcapo_store.scoring.prompts import PromptFailure, StepPrompt
 
 Grouping = Literal["per-step", "grouped"]
 GROUPINGS: tuple[Grouping, ...] = ("per-step", "grouped")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GroupPrompt:
-    """One request: ``input_ids`` is the last member's ids; every member's ids are a prefix of it."""
-
-    members: tuple[StepPrompt, ...]
-
-    @property
-    def input_ids(self) -> list[int]:
-        return self.members[-1].input_ids
-
-    @property
-    def first_scored(self) -> int:
-        return self.members[0].first_scored
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """Per member, the positions ``[first_scored, end)`` of its scored tokens in ``input_ids``."""
-        return [(m.first_scored, len(m.input_ids)) for m in self.members]
-
-    def as_prompt(self) -> StepPrompt:
-        """The whole request as one prompt: every position from the first member's first
-        scored token to the end is scored (the backends' per-step path then verifies it)."""
-        last = self.members[-1]
-        return StepPrompt(
-            step_index=last.step_index,
-            input_ids=last.input_ids,
-            first_scored=self.first_scored,
-            total_action_tokens=0,
-            skipped_action_tokens=0,
-            truncated_prefix_tokens=0,
-            flattened=last.flattened,
-        )
-
-    def split(self, logprobs: Sequence[T]) -> list[list[T]]:
-        """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
-        offset = self.first_scored
-        return [list(logprobs[start - offset : end - offset]) for start, end in self.spans]
 
 
 def joins(group: list[StepPrompt], prompt: StepPrompt, max_tokens: int | None) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, select, text
 
 from hcapo_store.errors import EpisodeLookupError
-from hcapo_store.ingestion.mapping import StepInfo
+from hcapo_store.steps import StepInfo
 from hcapo_store.storage.models import Episode, Message, Step, Subtask
 from hcapo_store.tool_arguments import arguments_text
 

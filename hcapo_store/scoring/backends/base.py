@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from hcapo_store.errors import InferenceError
 from hcapo_store.scoring.prompts import StepPrompt
 
-if TYPE_CHECKING:
-    from hcapo_store.scoring.grouping import GroupPrompt
-
-
 # A logprob below this is refused: e^-10000 is no probability a model computes honestly, and
 # far lower values (-1e300) would become -inf once stored as float32.
 LOGPROB_FLOOR = -1e4
+
+T = TypeVar("T")
 
 
 def checked_cached_tokens(value: Any, prompt_tokens: int) -> int | None:
@@ -40,6 +39,45 @@ class BackendScore:
     cached_tokens: int | None = None
     latency_s: float | None = None
     model_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupPrompt:
+    """One request: ``input_ids`` is the last member's ids; every member's ids are a prefix of it."""
+
+    members: tuple[StepPrompt, ...]
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.members[-1].input_ids
+
+    @property
+    def first_scored(self) -> int:
+        return self.members[0].first_scored
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Per member, the positions ``[first_scored, end)`` of its scored tokens in ``input_ids``."""
+        return [(m.first_scored, len(m.input_ids)) for m in self.members]
+
+    def as_prompt(self) -> StepPrompt:
+        """The whole request as one prompt: every position from the first member's first
+        scored token to the end is scored (the backends' per-step path then verifies it)."""
+        last = self.members[-1]
+        return StepPrompt(
+            step_index=last.step_index,
+            input_ids=last.input_ids,
+            first_scored=self.first_scored,
+            total_action_tokens=0,
+            skipped_action_tokens=0,
+            truncated_prefix_tokens=0,
+            flattened=last.flattened,
+        )
+
+    def split(self, logprobs: Sequence[T]) -> list[list[T]]:
+        """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
+        offset = self.first_scored
+        return [list(logprobs[start - offset : end - offset]) for start, end in self.spans]
 
 
 class Backend(Protocol):

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.base import BackendScore
-from hcapo_store.scoring.grouping import GroupPrompt
+from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
 from hcapo_store.scoring.prompts import StepPrompt
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
