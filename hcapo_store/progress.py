@@ -16,7 +16,7 @@ class Progress:
     """
 
     def __init__(self, label: str, *, total: int | None = None, enabled: bool = True, unit: str = "items") -> None:
-        self.label, self.total, self.unit = label, total, unit
+        self.label, self._total, self.unit = label, total, unit
         self.enabled = enabled
         self.done = 0
         self.fields: dict[str, Any] = {}
@@ -45,7 +45,7 @@ class Progress:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
-                TimeRemainingColumn(),
+                TimeRemainingColumn(compact=True),
                 TextColumn("{task.fields[info]}"),
                 transient=False,
             )
@@ -58,6 +58,18 @@ class Progress:
             self._bar.stop()
         elif self.enabled and self.done:
             self._log()
+
+    @property
+    def total(self) -> int | None:
+        return self._total
+
+    @total.setter
+    def total(self, value: int | None) -> None:
+        """A total learnt after the start (``score`` knows it once its queue is planned) reaches
+        the bar too: without it the bar shows ``n/?`` and no time remaining."""
+        self._total = value
+        if self._bar is not None:
+            self._bar.update(self._task, total=value)
 
     @property
     def elapsed(self) -> float:
