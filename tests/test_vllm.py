@@ -204,7 +204,7 @@ def test_fault_server_good_and_model_discovery(fault: _Fault) -> None:
     backend, result = asyncio.run(_score_once(fault.url + "/v1/", _prompt()))
     assert result.logprobs == pytest.approx([-1.8, -1.9, -2.0]) and result.model_id == "/nowhere"
     assert fault.bodies[-1]["model"] == "served-name" and fault.bodies[-1]["prompt"] == IDS
-    assert backend.context_length() == 4096
+    assert backend.context_length() == 4095  # input tokens: max_model_len 4096 less the one generated
     assert backend.identity() == {
         "kind": "vllm",
         "model": "served-name",
@@ -267,7 +267,9 @@ def test_model_selection(fault: _Fault) -> None:
     with pytest.raises(ScoringError, match="not 'c'"):
         asyncio.run(start(model="c"))
     backend = asyncio.run(start(model="b"))
-    assert backend.model == "b" and backend.context_length() == 100
+    assert (
+        backend.model == "b" and backend.context_length() == 99
+    )  # its max_model_len 100, less the one generated token
 
 
 # --- the reference server over real HTTP -------------------------------------------------
@@ -303,7 +305,7 @@ def test_reference_server_matches_sglang_and_forward_pass(server: ReferenceServe
             await sglang.close()
 
     via_vllm, via_sglang, backend = asyncio.run(run())
-    assert backend.model == str(tiny_model_dir) and backend.context_length() == 32768
+    assert backend.model == str(tiny_model_dir) and backend.context_length() == 32767  # input tokens of a 32768 context
     for p, v, s in zip(prompts, via_vllm, via_sglang):
         assert len(v.logprobs) == p.scored_tokens
         np.testing.assert_allclose(v.logprobs, s.logprobs, atol=TOL, rtol=0)

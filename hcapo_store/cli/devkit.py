@@ -29,14 +29,21 @@ from hcapo_store.cli.params import int_range
 @click.option(
     "--port", type=int_range(0, 65535), default=30000, show_default=True, help="Port to listen on (SGLang's default)."
 )
-def serve_reference(model_dir: Path, tokenizer_dir: Path | None, host: str, port: int) -> None:
+@click.option(
+    "--context-length",
+    type=int_range(2, 2**24),
+    help="Context length to advertise and enforce (at most N-1 input tokens, as SGLang); default: the model's.",
+)
+def serve_reference(
+    model_dir: Path, tokenizer_dir: Path | None, host: str, port: int, context_length: int | None
+) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 
     Real logprobs from a transformers model on CPU: for tests, the demo, and users without a GPU.
     """
     from hcapo_store.devkit.refserver import make_server
 
-    server = make_server(model_dir, tokenizer_dir, host=host, port=port)
+    server = make_server(model_dir, tokenizer_dir, host=host, port=port, context_length=context_length)
     click.echo(f"serving {model_dir} at {server.url} (Ctrl-C to stop)", err=True)
     try:
         server.serve_forever()

@@ -38,10 +38,10 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, int_range
 @click.option(
     "--max-context",
     type=int_range(2, 2**24),
-    default=32768,
-    show_default=True,
+    default=None,
     help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
-    "truncation marker and the most recent history before the action.",
+    "truncation marker and the most recent history before the action. Default: 32768, or the "
+    "server's input limit when that is smaller; a larger value than the server takes is refused.",
 )
 @click.option(
     "--max-logprob-tokens",
@@ -246,11 +246,25 @@ def _echo_score_errors(report, scorer_id: str) -> None:
     click.echo(f"{report.failed} step(s) failed for good; first distinct error(s):", err=True)
     for line in report.error_lines():
         click.echo(f"  {line}", err=True)
-    click.echo(
+    query = (
         f"  all: hcapo-store sql \"SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed' "
-        f"AND scorer_id = '{scorer_id}'\"; rerun with --retry-failed once fixed",
-        err=True,
+        f"AND scorer_id = '{scorer_id}'\""
     )
+    if any(_refused_as_asked(kind) for kind, _ in report.first_errors):
+        # The same request would be refused again: retrying cannot help, another scorer can.
+        click.echo(
+            f"{query}\n  the server refused these requests as they are (e.g. a prompt longer than it takes): "
+            "--retry-failed would send the same requests again; score them with another scorer, "
+            "e.g. a smaller --max-context",
+            err=True,
+        )
+    else:
+        click.echo(f"{query}; rerun with --retry-failed once fixed", err=True)
+
+
+def _refused_as_asked(kind: str) -> bool:
+    """A client error other than a timeout or rate limit: the request itself is what the server refuses."""
+    return kind.startswith("http_4") and kind not in ("http_408", "http_429")
 
 
 @cli.group(cls=Group)

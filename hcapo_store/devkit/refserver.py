@@ -75,12 +75,16 @@ class ReferenceServer(BackgroundHTTPServer):
         self.weight_version = "default"  # SGLang reports it in /model_info and every response
         config = scorer.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.advertise_context = True  # False: enforce the limit without saying it (as older servers)
         self.requests = 0
         self.sequences = 0
         self._count_lock = threading.Lock()
         self.thread_name = "hcapo-refserver"
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
+
+    def _advertised(self) -> int | None:
+        return self.context_length if self.advertise_context else None
 
     # --- endpoints -------------------------------------------------------------------
 
@@ -97,15 +101,16 @@ class ReferenceServer(BackgroundHTTPServer):
         }
 
     def server_info(self) -> JSON:
+        context = self._advertised()
         return {
             "version": SERVER_VERSION,
             "status": "ready",
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.model_path,
-            "context_length": self.context_length,
-            "max_req_input_len": self.context_length - 1 if self.context_length else None,
-            "max_total_num_tokens": self.context_length,
+            "context_length": context,
+            "max_req_input_len": context - 1 if context else None,
+            "max_total_num_tokens": context,
             "skip_tokenizer_init": self.tokenizer is None,
             "scorer": self.scorer.model_info(),
         }
@@ -119,7 +124,7 @@ class ReferenceServer(BackgroundHTTPServer):
                     "object": "model",
                     "owned_by": "hcapo-store",
                     "root": self.model_path,
-                    "max_model_len": self.context_length,
+                    "max_model_len": self._advertised(),
                 }
             ],
         }
@@ -349,23 +354,28 @@ def make_server(
     *,
     device: str = "cpu",
     chunk_size: int = 512,
+    context_length: int | None = None,
 ) -> ReferenceServer:
     """Load the model (and tokenizer: ``tokenizer_dir``, else the model dir if it holds
     one) and bind the server; port 0 picks a free port. Call ``start()`` or
-    ``serve_forever()`` to serve."""
+    ``serve_forever()`` to serve. ``context_length`` (default: the model's) is advertised and
+    enforced as SGLang does: at most ``context_length - 1`` input tokens."""
     from transformers import AutoTokenizer
 
     scorer = LogprobModel(model_dir, device=device, chunk_size=chunk_size)
     if tokenizer_dir is None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         tokenizer_dir = model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None
-    return ReferenceServer(
+    server = ReferenceServer(
         scorer,
         tokenizer,
         tokenizer_path=str(tokenizer_dir) if tokenizer_dir is not None else None,
         host=host,
         port=port,
     )
+    if context_length is not None:
+        server.context_length = context_length
+    return server
 
 
 # --- HTTP plumbing ---------------------------------------------------------------------

@@ -52,7 +52,8 @@ class ScoreConfig:
     model: str | None = None  # served model name (HTTP) or model directory (transformers)
     tokenizer: str | None = None
     api_key: str | None = None
-    max_context: int = DEFAULT_MAX_CONTEXT
+    # None: DEFAULT_MAX_CONTEXT, or the server's input limit when that is smaller (prepare resolves it)
+    max_context: int | None = None
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS
     hindsight_template: str = HINDSIGHT_TEMPLATE
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
@@ -169,12 +170,22 @@ def _check_template(cfg: ScoreConfig) -> None:
         raise ScoringError(f"--hindsight-template: {exc}") from exc
 
 
-def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
-    ctx = backend.context_length()
-    if ctx is not None and ctx < cfg.max_context:
+def resolved_max_context(asked: int | None, limit: int | None) -> int:
+    """The prompt budget: what was asked, refused before anything is sent when the server takes
+    less; when nothing was asked, the default or the server's limit, whichever is smaller (the
+    default stays the scorer users resume when their server takes more)."""
+    if asked is None:
+        return min(DEFAULT_MAX_CONTEXT, limit) if limit else DEFAULT_MAX_CONTEXT
+    if limit is not None and asked > limit:
         raise ScoringError(
-            f"the server's context length is {ctx} < --max-context {cfg.max_context}: pass --max-context {ctx} or less"
+            f"--max-context {asked} is more than the server accepts ({limit} input tokens): "
+            f"pass --max-context {limit} or less, or leave it out to use the server's limit"
         )
+    return asked
+
+
+def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
+    max_context = resolved_max_context(cfg.max_context, backend.context_length())
     location = _tokenizer_location(cfg, backend)
     try:
         tokenizer = load_tokenizer(location)
@@ -183,7 +194,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     builder = PromptBuilder(
         tokenizer,
         hindsight_template=cfg.hindsight_template,
-        max_context=cfg.max_context,
+        max_context=max_context,
         max_logprob_tokens=cfg.max_logprob_tokens,
         truncation=cfg.truncation,
     )
@@ -192,7 +203,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
         "hindsight_template_sha256": template_hash(cfg.hindsight_template),
         "conversion": cfg.conversion.as_dict(),
-        "max_context": cfg.max_context,
+        "max_context": max_context,
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
         "rendering_sha256": rendering_fingerprint(builder),

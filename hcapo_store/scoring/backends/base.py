@@ -92,7 +92,7 @@ class Backend(Protocol):
         """What about this backend determines the logprobs (goes into the scorer id)."""
 
     def context_length(self) -> int | None:
-        """The server's or model's context length, when known."""
+        """The most input tokens one request may carry (the server's or model's limit), when known."""
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         """Score one prompt; raise InferenceError (retryable or not) on any failure."""

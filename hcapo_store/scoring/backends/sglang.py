@@ -198,10 +198,14 @@ class SGLangBackend(HttpBackend):
         }
 
     def context_length(self) -> int | None:
-        for key in ("context_length", "max_req_input_len"):
-            value = self.server_info.get(key) or self.model_info.get(key)
-            if isinstance(value, int):
-                return value
+        # SGLang takes at most max_req_input_len input tokens; a model of context 32768 accepts
+        # 32767 (it keeps one position to generate), so context_length alone means one less.
+        info = {**self.model_info, **self.server_info}
+        limit, context = info.get("max_req_input_len"), info.get("context_length")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+        if isinstance(context, int) and not isinstance(context, bool) and context > 1:
+            return context - 1
         return None
 
     async def score(self, prompt: StepPrompt) -> BackendScore:

@@ -203,8 +203,9 @@ class VLLMBackend(HttpBackend):
         }
 
     def context_length(self) -> int | None:
+        # prompt + max_tokens (1, see above) must fit max_model_len
         value = self.model_card.get("max_model_len")
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+        return value - 1 if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         client = self._started()
