@@ -502,3 +502,45 @@ def test_plan_without_submit_plan_warns_and_accepted_plan_does_not(store, tmp_pa
         r.warning_list[0][1]
         == "plan has 1 subtask(s) but no answered submit_plan call: every step is mapped to planning"
     )
+
+
+def test_lone_surrogates_are_stored_as_replacement_characters_with_a_warning(db_url, tmp_path):
+    """An agent that cut a tool output inside an emoji writes a lone UTF-16 surrogate escape
+    (``\\ud83d``); it failed the whole batch with a traceback on both databases (issue 21)."""
+    root = (tmp_path / "batch").resolve()
+    root.mkdir()
+    cut = jsonl_episode("cut-jsonl")
+    cut["messages"][1]["tool_calls"][0]["id"] = "t\ud83d"
+    cut["messages"][2]["tool_call_id"] = "t\ud83d"
+    cut["messages"][2]["name"] = "submit_plan\udc00"
+    cut["messages"][3]["content"] = [{"type": "text", "text": "smile \ud83d then \ud83d\ude00 whole"}]
+    lines = [json.dumps(jsonl_episode("before")), json.dumps(cut), json.dumps(jsonl_episode("after"))]
+    (root / "eps.jsonl").write_text("\n".join(lines) + "\n")  # json.dumps escapes the surrogates
+    b = pi_episode("cut-pi")
+    tool = next(e for e in b.entries if PI_ENTRY["tool"](e))
+    tool["message"]["content"][0]["text"] = "output cut in an emoji \ud83d"
+    d = b.write(root / "episode_pi")
+    (d / "pi_session.jsonl").write_text("\n".join(json.dumps(e) for e in b.entries) + "\n")
+
+    result = CliRunner().invoke(cli, ["--db", db_url, "ingest", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and "4 new" in result.stdout, result.output
+    assert "lone UTF-16 surrogate(s)" in result.stderr
+    with Store.open(db_url) as store, store.engine.connect() as conn:
+        for marker in ("before", "after", "cut-jsonl", "cut-pi"):
+            assert _stored(store, marker) == 1, marker
+        contents = {
+            c for (c,) in conn.execute(text("SELECT content FROM messages WHERE content LIKE :p"), {"p": "%\ufffd%"})
+        }
+        names = {n for (n,) in conn.execute(text("SELECT name FROM messages WHERE name LIKE :p"), {"p": "%\ufffd%"})}
+        ids = {
+            i
+            for (i,) in conn.execute(
+                text("SELECT tool_call_id FROM messages WHERE tool_call_id LIKE :p"), {"p": "%\ufffd%"}
+            )
+        }
+        warned = conn.execute(text("SELECT COUNT(*) FROM episodes WHERE warnings LIKE '%surrogate%'")).scalar_one()
+    # the lone halves become U+FFFD; a whole pair (an emoji) stays the emoji
+    assert contents == {"smile \ufffd then \U0001f600 whole", "output cut in an emoji \ufffd"}
+    assert names == {"submit_plan\ufffd"} and ids == {"t\ufffd"}
+    assert warned == 2

@@ -286,8 +286,11 @@ MAX_ABS_SCORE = 1e9  # rewards and scores: finite numbers within ±1e9 (the mess
 MAX_COUNT = 2**31 - 1  # turns, tool_call_count: what an INTEGER column holds on every database
 MAX_SESSION_VERSION = 999
 # PostgreSQL text cannot hold U+0000, so on every database a NUL becomes U+FFFD (with a warning).
-NUL_REPLACEMENT = "\ufffd"
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+# A lone UTF-16 surrogate escape (an agent cut a tool output inside an emoji) parses to a str
+# that no UTF-8 database, hash or file can hold: it too becomes U+FFFD, with a warning.
+_HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_LONE_SURROGATE_ESCAPE = re.compile(rf"(?<!\\)((?:\\\\)*)(?:{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW})")
 JSONL_PROBE_LINES = 5
 
 
@@ -326,12 +329,16 @@ def _parse_json(text: str | bytes) -> Any:
 
 
 def _replace_nul(text: str, warnings: list[str], label: str) -> str:
-    """Replace every ``\\u0000`` escape by U+FFFD before parsing (an escaped backslash is kept)."""
-    if "\\u0000" not in text:
+    """Replace every ``\\u0000`` escape and every lone surrogate escape by U+FFFD before parsing
+    (an escaped backslash is kept): text no database can store, each said in a warning."""
+    if "\\u" not in text:
         return text
     text, n = _NUL_ESCAPE.subn(lambda m: m.group(1) + "\\ufffd", text)
     if n:
         warnings.append(f"{label}{n} NUL character(s) (\\u0000) replaced by U+FFFD")
+    text, n = _LONE_SURROGATE_ESCAPE.subn(lambda m: m.group(1) + "\\ufffd", text)
+    if n:
+        warnings.append(f"{label}{n} lone UTF-16 surrogate(s) (e.g. a cut emoji) replaced by U+FFFD")
     return text
 
 
