@@ -78,6 +78,7 @@ class ReferenceServer(BackgroundHTTPServer):
         self.advertise_context = True  # False: enforce the limit without saying it (as older servers)
         self.requests = 0
         self.sequences = 0
+        self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
         self._count_lock = threading.Lock()
         self.thread_name = "hcapo-refserver"
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
@@ -391,6 +392,11 @@ _POST_ROUTES: dict[str, Callable[[ReferenceServer, JSON], JSON | list[JSON]]] = 
 }
 
 
+def _wants_logprobs(body: JSON) -> bool:
+    """A scoring request (SGLang return_logprob, vLLM prompt_logprobs), not a vocabulary probe."""
+    return isinstance(body, dict) and bool(body.get("return_logprob") or body.get("prompt_logprobs") is not None)
+
+
 def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as HTTP clients expect of SGLang
@@ -410,6 +416,8 @@ def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
             try:
                 body = self._read_json()  # first: an unread body would poison keep-alive
                 route = _POST_ROUTES.get(path)
+                if route is not None and _wants_logprobs(body):
+                    server.routing_keys.append(self.headers.get("X-SMG-Routing-Key"))
                 if route is None:
                     self._send_error(HTTPStatus.NOT_FOUND, f"Not Found: {path}")
                     return

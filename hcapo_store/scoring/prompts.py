@@ -33,7 +33,7 @@ import json
 import re
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hcapo_store.tool_arguments import arguments_text, as_mapping
@@ -74,6 +74,10 @@ class StepPrompt:
     skipped_action_tokens: int
     truncated_prefix_tokens: int
     flattened: bool
+    # An opaque key of the request's hindsight context (the episode) for routers that keep one
+    # context on one worker (SGLang router: X-SMG-Routing-Key); never text, a path or a secret.
+    # Not part of what is scored, so not part of equality.
+    routing_key: str | None = field(default=None, compare=False)
 
     @property
     def scored_tokens(self) -> int:

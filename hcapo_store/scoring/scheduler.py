@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import logging
 import random
 import signal
@@ -29,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -143,6 +144,12 @@ class ScoreReport:
             text = text if text.startswith(f"{kind}:") else f"{kind}: {text}"
             lines.append(text if len(text) <= width else text[: width - 1] + "…")
         return lines
+
+
+def routing_key(episode_id: int) -> str:
+    """The routing key of an episode's requests: opaque and stable (a hash of its row id), so a
+    router keeps the episode on the worker whose prefix cache holds its conversation."""
+    return "ep-" + hashlib.sha256(f"hcapo-store episode {episode_id}".encode()).hexdigest()[:16]
 
 
 def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
@@ -407,7 +414,8 @@ class Scheduler:
         steps = [s for s in episode.steps if s.step_index in wanted]
         with self._build_lock:
             built = self.builder.build_episode(episode.messages, episode.outcome, steps)
-        return {p.step_index: p for p in built}
+        key = routing_key(claim.episode_id)
+        return {p.step_index: p if isinstance(p, PromptFailure) else replace(p, routing_key=key) for p in built}
 
     async def _request(self, group: GroupPrompt) -> list[BackendScore]:
         """One request for the group (a lone step goes through ``score`` exactly as before)."""

@@ -9,6 +9,13 @@ from typing import Any, Protocol, TypeVar
 from hcapo_store.errors import InferenceError
 from hcapo_store.scoring.prompts import StepPrompt
 
+ROUTING_HEADER = "X-SMG-Routing-Key"  # the SGLang router's key for sticky routing (--policy manual)
+
+
+def routing_headers(prompt: StepPrompt) -> dict[str, str]:
+    return {ROUTING_HEADER: prompt.routing_key} if prompt.routing_key else {}
+
+
 # A logprob below this is refused: e^-10000 is no probability a model computes honestly, and
 # far lower values (-1e300) would become -inf once stored as float32.
 LOGPROB_FLOOR = -1e4
@@ -72,6 +79,7 @@ class GroupPrompt:
             skipped_action_tokens=0,
             truncated_prefix_tokens=0,
             flattened=last.flattened,
+            routing_key=last.routing_key,
         )
 
     def split(self, logprobs: Sequence[T]) -> list[list[T]]:

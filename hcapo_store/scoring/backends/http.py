@@ -100,17 +100,17 @@ class HttpClient:
     async def get_json(self, path: str) -> Any:
         return await self._request("GET", path, None)
 
-    async def post_json(self, path: str, payload: Any) -> Any:
-        return await self._request("POST", path, payload)
+    async def post_json(self, path: str, payload: Any, headers: dict[str, str] | None = None) -> Any:
+        return await self._request("POST", path, payload, headers)
 
     async def _trace(self, name: str, info: dict[str, Any]) -> None:
         if name.endswith((".connect_tcp.complete", ".connect_unix_socket.complete")):
             self.connections_opened += 1
 
-    async def _request(self, method: str, path: str, payload: Any) -> Any:
+    async def _request(self, method: str, path: str, payload: Any, extra: dict[str, str] | None = None) -> Any:
         where = f"{method} {self.display_url}{path}"
         try:
-            status, headers, body = await asyncio.wait_for(self._exchange(method, path, payload), self.deadline)
+            status, headers, body = await asyncio.wait_for(self._exchange(method, path, payload, extra), self.deadline)
         except asyncio.TimeoutError as exc:  # the overall deadline, not httpx's per-read timeout
             raise InferenceError(
                 "timeout", f"{where}: no complete answer within {self.deadline:g} s", retryable=True
@@ -138,11 +138,13 @@ class HttpClient:
                 retryable=False,
             ) from exc
 
-    async def _exchange(self, method: str, path: str, payload: Any) -> tuple[int, httpx.Headers, bytes]:
+    async def _exchange(
+        self, method: str, path: str, payload: Any, extra: dict[str, str] | None = None
+    ) -> tuple[int, httpx.Headers, bytes]:
         """Send one request and read its body in chunks, up to what the request can need."""
         content = None if payload is None else orjson.dumps(payload)
         cap = GET_CAP_BYTES if content is None else response_cap(len(content))
-        headers = None if content is None else {"Content-Type": "application/json"}
+        headers = None if content is None else {"Content-Type": "application/json", **(extra or {})}
         request = self._client.build_request(
             method, path, content=content, headers=headers, extensions={"trace": self._trace}
         )

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens
+from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
@@ -210,7 +210,9 @@ class SGLangBackend(HttpBackend):
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
-        body = await self._started().post_json("/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens))
+        body = await self._started().post_json(
+            "/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens), routing_headers(prompt)
+        )
         await self.verify_model()
         self._check_weight_version(body)
         result = parse_response(prompt, body)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens
+from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 from hcapo_store.scoring.prompts import StepPrompt
 
@@ -211,7 +211,9 @@ class VLLMBackend(HttpBackend):
         client = self._started()
         started = time.monotonic()
         body = await client.post_json(
-            "/v1/completions", build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs)
+            "/v1/completions",
+            build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs),
+            routing_headers(prompt),
         )
         await self.verify_model()
         reported = body.get("model") if isinstance(body, dict) else None
