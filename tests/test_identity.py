@@ -308,3 +308,52 @@ def test_a_change_from_another_place_is_a_version_and_is_said(store, tmp_path):
     result.write_text(json.dumps({**json.loads(result.read_text()), "episode_reward": 0.99}))
     r = ingest(store, [tmp_path / "pg-01"])
     assert (r.changed, r.changed_elsewhere_count) == (1, 0)  # corrected in place: nothing to say
+
+
+# ---- identity by content, not by how a file was saved (issue 21) ---------------------------------
+
+
+def _resave(path: Path, *, crlf: bool = False, bom: bool = False, newline: bytes | None = None) -> None:
+    data = path.read_bytes()
+    if crlf:
+        data = data.replace(b"\n", b"\r\n")
+    if newline is not None:
+        data += newline
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + data)
+
+
+@pytest.mark.parametrize(
+    "resave",
+    [{"crlf": True}, {"newline": b"\n"}, {"bom": True}, {"crlf": True, "bom": True, "newline": b"\r\n"}],
+    ids=["crlf", "extra-final-newline", "bom", "all"],
+)
+def test_a_v1_session_resaved_by_an_editor_stays_the_same_unchanged_episode(any_store, tmp_path, resave):
+    d = EpisodeBuilder(version=1, seed=5).standard().write(tmp_path / "a" / "episode_001")
+    assert ingest(any_store, [tmp_path / "a"]).new == 1
+    _resave(d / "pi_session.jsonl", **resave)
+    _resave(d / "result.json", **{k: v for k, v in resave.items() if k != "newline"})
+    r = ingest(any_store, [tmp_path / "a"])
+    assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 1, 0), r.summary()
+    assert rows(any_store, "SELECT count(*) FROM episodes") == [(1,)]
+
+
+@pytest.mark.parametrize(
+    "resave",
+    [{"crlf": True}, {"bom": True}, {"crlf": True, "bom": True}],
+    ids=["crlf", "bom", "both"],
+)
+def test_a_jsonl_resaved_by_an_editor_is_unchanged(any_store, tmp_path, resave):
+    path = write_jsonl(tmp_path / "eps.jsonl", [jsonl_episode(0.5, "a", episode_id=1), jsonl_episode(0.7, "b")])
+    assert ingest(any_store, [path]).new == 2
+    _resave(path, **resave)
+    r = ingest(any_store, [path])
+    assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 2, 0), r.summary()
+
+
+def test_a_jsonl_whose_last_line_only_gained_its_newline_is_unchanged(any_store, tmp_path):
+    path = tmp_path / "eps.jsonl"
+    path.write_text(json.dumps(jsonl_episode(0.5, "a", episode_id=1)) + "\n" + json.dumps(jsonl_episode(0.7, "b")))
+    assert ingest(any_store, [path]).new == 2
+    _resave(path, newline=b"\n")
+    r = ingest(any_store, [path])
+    assert (r.new, r.changed, r.unchanged, r.failed) == (0, 0, 2, 0), r.summary()

@@ -145,9 +145,28 @@ def _safe_dir_source(directory: Path, options: ConvertOptions, root: Path) -> So
         return exc
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def _canonical(data: bytes | None, *, lines: bool, final_newline: bool = False) -> bytes | None:
+    """Identity and change detection follow the content, not how an editor saved it: a UTF-8
+    BOM and CRLF line ends are dropped; a line-based file keeps at most one final newline
+    (``final_newline``: exactly one, for a JSONL line, whose end is no truncation signal; a
+    session's missing final newline marks a half-written last line and is kept). A file
+    already in that form (what agents write) is unchanged, so its stored keys and hashes stay."""
+    if data is None:
+        return None
+    data = data.removeprefix(_BOM)
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    if lines and data.strip() and (final_newline or data.endswith(b"\n")):
+        data = data.rstrip(b"\n") + b"\n"
+    return data
+
+
 def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) -> Source:
-    result_bytes = _read(directory / RESULT_FILE)
-    session_bytes = _read(directory / SESSION_FILE)
+    result_bytes = _canonical(_read(directory / RESULT_FILE), lines=False)
+    session_bytes = _canonical(_read(directory / SESSION_FILE), lines=True)
     digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
 
     def load() -> ParsedEpisode:
@@ -229,8 +248,9 @@ def _index_jsonl(path: Path, options: ConvertOptions) -> list[_Line | IngestErro
                 )
             ]
         handle.seek(0)
-        for lineno, line in enumerate(handle, start=1):
-            start, offset = offset, offset + len(line)
+        for lineno, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            line = _canonical(raw, lines=True, final_newline=True) or b""
             if not line.strip():
                 continue
             try:
@@ -261,7 +281,7 @@ def _line_at(path: Path, entry: _Line, options: ConvertOptions) -> bytes:
     try:
         with path.open("rb") as handle:
             handle.seek(entry.offset)
-            line = handle.readline()
+            line = _canonical(handle.readline(), lines=True, final_newline=True) or b""
     except OSError as exc:
         raise IngestError(f"cannot read: {exc.strerror}", path=str(path), line=entry.lineno) from exc
     if _hash(options, line) != entry.digest:
