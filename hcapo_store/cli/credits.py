@@ -9,7 +9,11 @@ from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
 from hcapo_store.cli.params import FiniteFloat, int_range
 
 
-@cli.group(cls=Group, short_help="Credit runs (Eq. 5-7): no model calls.")
+@cli.group(
+    cls=Group,
+    short_help="Credit runs (Eq. 5-7): no model calls.",
+    epilog="Reference: docs/CREDITS.md in the hcapo-store repository.",
+)
 def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 

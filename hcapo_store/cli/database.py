@@ -9,7 +9,7 @@ from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import FiniteFloat
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/DATABASE.md in the hcapo-store repository.")
 @pass_ctx
 def init(state: Ctx) -> None:
     """Create a new database (or confirm an existing one is current)."""
@@ -19,7 +19,7 @@ def init(state: Ctx) -> None:
     click.echo(f"{store.display}: schema at revision {dbmod.current_revision(store.engine)} (head)")
 
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, epilog="Reference: docs/DATABASE.md in the hcapo-store repository.")
 def db() -> None:
     """Schema version of the database: show it, upgrade it."""
 
@@ -59,7 +59,7 @@ def db_upgrade(state: Ctx, no_backup: bool) -> None:
     click.echo(f"{result.url}: {result.before or 'empty'} → {result.head}")
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/DATABASE.md in the hcapo-store repository.")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @pass_ctx
 def status(state: Ctx, as_json: bool) -> None:
@@ -92,9 +92,10 @@ def status(state: Ctx, as_json: bool) -> None:
         )
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/OUTPUTS.md and docs/PROMISES.md in the hcapo-store repository.")
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="The same as --format json (as every data command).")
 @click.option("--write", is_flag=True, help="Allow statements that modify the database.")
 @click.option(
     "--timeout",
@@ -105,12 +106,15 @@ def status(state: Ctx, as_json: bool) -> None:
     help="Stop the statement after this long (on the server for PostgreSQL); 0: no limit. Ctrl-C stops it too.",
 )
 @pass_ctx
-def sql(state: Ctx, query: str, fmt: str, write: bool, timeout: float) -> None:
+def sql(state: Ctx, query: str, fmt: str, as_json: bool, write: bool, timeout: float) -> None:
     """Run one SQL statement against the store (read-only unless --write).
 
     Tables: episodes, messages, steps, subtasks, tags, scorers, scores, attempts,
     credit_runs, credits. Views: step_scores, step_credits, subtask_credits.
     """
+    if as_json and fmt not in ("table", "json"):
+        raise click.UsageError(f"--json and --format {fmt} ask for two formats: pick one")
+    fmt = "json" if as_json else fmt
     columns, rows = state.store(create=False).query(query, read_only=not write, timeout=timeout)
     if not columns:
         click.echo("ok")

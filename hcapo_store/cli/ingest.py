@@ -21,7 +21,7 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
     return tags
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/INGEST.md in the hcapo-store repository.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--include-thinking/--no-thinking",

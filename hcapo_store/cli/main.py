@@ -85,7 +85,8 @@ pass_ctx = click.make_pass_decorator(Ctx)
 def cli(ctx: click.Context, db: str | None) -> None:
     """Keep agent trajectories, hindsight logprobs and HCAPO credits in SQL.
 
-    Typical flow: ingest → score → credits compute → sql / export.
+    Typical flow: ingest → score → credits compute → sql / export. Each command's
+    reference is a page of docs/ in the repository (its --help names it).
     """
     state = Ctx(db)
     ctx.obj = state

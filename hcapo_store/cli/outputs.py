@@ -13,7 +13,7 @@ from hcapo_store.cli.params import FiniteFloat
 from hcapo_store.storage.location import DEFAULT_DB
 
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")
 def export() -> None:
     """Write training data and per-episode files from a credit run."""
 
@@ -36,7 +36,11 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
         sys.exit(1)
 
 
-@export.command("dataset")
+@export.command(
+    "dataset",
+    short_help="Write training rows weighted by HCAPO (Eq. 8), as JSONL or Parquet.",
+    epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.",
+)
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
@@ -123,7 +127,7 @@ def export_scores_cmd(state: Ctx, out: Path, scorer: str | None, fmt: str) -> No
     click.echo(f"wrote {result['path']}: {result['steps']} scored step(s) of scorer {result['scorer']}")
 
 
-@cli.command("datasette-metadata")
+@cli.command("datasette-metadata", epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--database", help="datasette's name of the database (default: the --db file's stem).")
 @pass_ctx
@@ -141,7 +145,7 @@ def datasette_metadata_cmd(state: Ctx, out: Path, database: str | None) -> None:
     click.echo(f"wrote {out} (database {name!r}): datasette {name}.db --metadata {out}")
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
 @click.option(
@@ -166,7 +170,7 @@ def report(state: Ctx, out: Path, run: str | None, episode_pages: bool, tokenize
     click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")
 @click.argument("episode")
 @click.option("--credits", "run", help="Credit run name (default: the only run, if any).")
 @click.option(

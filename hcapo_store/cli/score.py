@@ -13,7 +13,7 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, p
 from hcapo_store.cli.params import INT32_MAX, FiniteFloat, int_range
 
 
-@cli.command()
+@cli.command(epilog="Reference: docs/SCORING.md in the hcapo-store repository.")
 @click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm).")
 @click.option(
     "--backend",
@@ -267,7 +267,7 @@ def _refused_as_asked(kind: str) -> bool:
     return kind.startswith("http_4") and kind not in ("http_408", "http_429")
 
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, epilog="Reference: docs/SCORING.md in the hcapo-store repository.")
 def scorers() -> None:
     """Scorers: each model/tokenizer/template/limits combination that has scores."""
 

@@ -225,6 +225,12 @@ def compute_credits(
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
         run_id = _insert_run(conn, run_name, scorer_id, params, h)
         totals = _fill_run(conn, run_id, scorer_id, params, on_progress)
+        if totals.episodes == 0:  # raising here rolls the run back: an empty run is never listed
+            raise CreditError(
+                f"no episode is completely scored under scorer {scorer_id[:12]} "
+                f"({totals.incomplete_count} incomplete): nothing to credit, no run stored; "
+                "score the missing steps first (hcapo-store score, then hcapo-store status)"
+            )
         conn.execute(
             text(
                 "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
