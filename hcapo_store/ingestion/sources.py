@@ -11,9 +11,11 @@ one converter (``_Turn`` → ``_build_messages``). Nothing here touches the data
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
+import stat
 import sys
 import zlib
 from collections import Counter
@@ -99,9 +101,12 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
     for path in paths:
         path = Path(path)
         if not path.exists():
-            yield IngestError("no such file or directory", path=str(path))
+            yield IngestError(_broken_link(path) or "no such file or directory", path=str(path))
             continue
         path = path.resolve()  # names come from real directory names ("." too)
+        if why := _not_regular(path):
+            yield IngestError(why, path=str(path))
+            continue
         if path.is_file():
             yield from _jsonl_sources(path, options, path)
         elif (path / RESULT_FILE).exists() or (path / SESSION_FILE).exists():
@@ -109,7 +114,15 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
         else:
             children = sorted(p for p in path.glob("episode_*") if p.is_dir())
             jsonl = sorted(p for p in path.glob("*.jsonl") if p.is_file())
-            if not children and not jsonl:
+            # what the patterns name but cannot be read is a failure of its own, never skipped
+            odd = sorted(
+                (p, why)
+                for p in {*path.glob("episode_*"), *path.glob("*.jsonl")}
+                if p not in children and p not in jsonl and (why := _broken_link(p) or _not_regular(p))
+            )
+            for p, why in odd:
+                yield IngestError(why, path=str(p))
+            if not children and not jsonl and not odd:
                 yield IngestError(
                     f"no episodes here: expected {RESULT_FILE} + {SESSION_FILE}, episode_* "
                     "directories, or *.jsonl files",
@@ -129,13 +142,62 @@ def _hash(options: ConvertOptions, *parts: bytes) -> str:
     return h.hexdigest()
 
 
-def _read(path: Path) -> bytes | None:
+# No input is read without a bound: a result.json is a small document; a session of a 100-step
+# episode is a few MB, of the longest agent runs seen a few hundred MB.
+MAX_RESULT_BYTES = 64 << 20
+MAX_SESSION_BYTES = 2 << 30
+
+
+def _read(path: Path, limit: int) -> bytes | None:
+    """A regular file's bytes, or None when it does not exist; a FIFO, a device, a socket, a
+    broken link or a file over ``limit`` is refused (a FIFO would block, /dev/zero never end)."""
     try:
-        return path.read_bytes()
+        info = path.stat()
     except FileNotFoundError:
+        if path.is_symlink():
+            raise IngestError(_broken_link(path) or "a dangling symbolic link", path=str(path)) from None
         return None
     except OSError as exc:
+        raise IngestError(_broken_link(path) or f"cannot read: {exc.strerror}", path=str(path)) from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise IngestError(_not_regular(path) or "not a regular file", path=str(path))
+    if info.st_size > limit:
+        raise IngestError(f"{info.st_size} bytes: more than the {limit >> 20} MiB this input may have", path=str(path))
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
         raise IngestError(f"cannot read: {exc.strerror}", path=str(path)) from exc
+    if len(data) > limit:  # it grew while read
+        raise IngestError(f"more than the {limit >> 20} MiB this input may have", path=str(path))
+    return data
+
+
+def _broken_link(path: Path) -> str | None:
+    """Why a symbolic link leads nowhere, or None when ``path`` is no broken link."""
+    if not path.is_symlink():
+        return None
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:
+        return "a symbolic link loop"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        return "a dangling symbolic link (its target does not exist)"
+    return None
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is when it is neither a directory nor a regular file (FIFO, device, socket)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+        return None
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{kind}, not a regular file: only regular files are read"
 
 
 def _safe_dir_source(directory: Path, options: ConvertOptions, root: Path) -> Source | IngestError:
@@ -165,8 +227,8 @@ def _canonical(data: bytes | None, *, lines: bool, final_newline: bool = False) 
 
 
 def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) -> Source:
-    result_bytes = _canonical(_read(directory / RESULT_FILE), lines=False)
-    session_bytes = _canonical(_read(directory / SESSION_FILE), lines=True)
+    result_bytes = _canonical(_read(directory / RESULT_FILE, MAX_RESULT_BYTES), lines=False)
+    session_bytes = _canonical(_read(directory / SESSION_FILE, MAX_SESSION_BYTES), lines=True)
     digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
 
     def load() -> ParsedEpisode:
