@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import int_range
+from hcapo_store.cli.params import conversion_options
 
 
 def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
@@ -23,18 +23,9 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
 
 @cli.command(epilog="Reference: docs/INGEST.md in the hcapo-store repository.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
-    "--include-thinking/--no-thinking",
-    default=True,
-    show_default=True,
-    help="Keep the assistant's thinking as <think>…</think> in its message.",
-)
-@click.option(
-    "--max-tool-result-chars",
-    type=int_range(0),
-    default=4000,
-    show_default=True,
-    help="Cut tool results longer than this (the original's suffix is added); 0 = never.",
+@conversion_options(
+    thinking_help="Keep the assistant's thinking as <think>…</think> in its message.",
+    cut_help="Cut tool results longer than this (the original's suffix is added); 0 = never.",
 )
 @click.option(
     "--tag",

@@ -7,9 +7,12 @@ IntRange without a maximum takes 10**30. Each refused value names its option and
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+
+from hcapo_store.ingestion.sources import ConvertOptions
 
 INT32_MAX = 2**31 - 1
 
@@ -30,3 +33,30 @@ class FiniteFloat(click.FloatRange):
 def int_range(lo: int | None = None, hi: int = INT32_MAX) -> click.IntRange:
     """An int in [lo, hi]: every int option has a maximum (no 10**30 reaching SQL or asyncio)."""
     return click.IntRange(lo, hi)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def conversion_options(thinking_help: str, cut_help: str) -> Callable[[F], F]:
+    """``--include-thinking/--no-thinking`` and ``--max-tool-result-chars``, declared once for
+    ``ingest`` and ``score`` (and anything that selects episodes by how they were converted),
+    with the library's defaults (``ConvertOptions``)."""
+    defaults = ConvertOptions()
+
+    def decorate(command: F) -> F:
+        command = click.option(
+            "--max-tool-result-chars",
+            type=int_range(0),
+            default=defaults.max_tool_result_chars,
+            show_default=True,
+            help=cut_help,
+        )(command)
+        return click.option(
+            "--include-thinking/--no-thinking",
+            default=defaults.include_thinking,
+            show_default=True,
+            help=thinking_help,
+        )(command)
+
+    return decorate

@@ -10,7 +10,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import INT32_MAX, FiniteFloat, int_range
+from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, int_range
 
 
 @cli.command(epilog="Reference: docs/SCORING.md in the hcapo-store repository.")
@@ -55,18 +55,9 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, int_range
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).",
 )
-@click.option(
-    "--include-thinking/--no-thinking",
-    default=True,
-    show_default=True,
-    help="Score episodes ingested with these conversion options.",
-)
-@click.option(
-    "--max-tool-result-chars",
-    type=int_range(0),
-    default=4000,
-    show_default=True,
-    help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
+@conversion_options(
+    thinking_help="Score episodes ingested with these conversion options.",
+    cut_help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
 )
 @click.option(
     "--episode",
