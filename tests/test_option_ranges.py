@@ -45,3 +45,21 @@ def test_a_busy_timeout_that_is_not_a_number_of_seconds_is_one_line(tmp_path, mo
     r = CliRunner().invoke(cli, ["--db", str(tmp_path / "x.db"), "init"])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.output.strip() == (f"Error: HCAPO_STORE_BUSY_TIMEOUT={value!r} is not a number of seconds in [0, 86400]")
+
+
+def test_a_hindsight_template_that_is_not_utf8_is_one_line(tmp_path):
+    template = tmp_path / "t.txt"
+    template.write_bytes("Outcome: {reward} \u2014 r\u00e9sum\u00e9".encode("latin-1", "replace") + b"\xe9\xff")
+    argv = [
+        "--db",
+        str(tmp_path / "x.db"),
+        "score",
+        "--server",
+        "http://127.0.0.1:9",
+        "--hindsight-template",
+        str(template),
+    ]
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("Error: Invalid value for --hindsight-template:") and "is not UTF-8 text" in last, r.output

@@ -174,7 +174,13 @@ def score(
         truncation=truncation,
     )
     if hindsight_template:
-        cfg.hindsight_template = hindsight_template.read_text()
+        try:
+            cfg.hindsight_template = hindsight_template.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.BadParameter(
+                f"{hindsight_template} is not UTF-8 text (byte {exc.start}): save the template as UTF-8",
+                param_hint="--hindsight-template",
+            ) from exc
     # Options are checked (e.g. --worker-id) before anything touches the database.
     options = RunOptions(
         concurrency=concurrency,
