@@ -207,3 +207,21 @@ def test_report_links_episode_pages(scored: Store, tmp_path: Path) -> None:
         sub = (tmp_path / link).read_text()
         parse(sub)
         assert 'href="../rep.html"' in sub
+
+
+def test_report_links_are_url_encoded(scored: Store, tmp_path: Path) -> None:
+    """A report named r#1.html linked nowhere: '#' starts a fragment in a URL (issue 21)."""
+    from urllib.parse import unquote
+
+    out = write_report(scored, tmp_path / "r#1 x.html", "r", episode_pages=True)
+    page = Path(out["path"]).read_text()
+    links = re.findall(r'href="(r%231%20x_episodes/[^"]+)"', page)
+    assert len(links) == 2, page
+    for link in links:
+        target = tmp_path / unquote(link)
+        assert target.is_file()
+        back = re.findall(r'href="(\.\./[^"]+)"', target.read_text())
+        assert (
+            back == ["../r%231%20x.html"]
+            and (target.parent / unquote(back[0])).resolve() == Path(out["path"]).resolve()
+        )

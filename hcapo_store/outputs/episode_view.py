@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 from sqlalchemy import Connection, text
@@ -369,7 +370,7 @@ def episode_page(view: EpisodeView, *, back_link: str | None = None) -> str:
         f'<input type="radio" name="metric" id="m-{m}"{" checked" if m == "q_h_smoothed" else ""}>' for m in METRICS
     )
     notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in view.notes)
-    back = f'<p><a href="{html.escape(back_link)}">← report</a></p>' if back_link else ""
+    back = f'<p><a href="{html.escape(quote(back_link))}">← report</a></p>' if back_link else ""
     return _assemble(back, title, meta, notes, controls, body)
 
 
@@ -452,7 +453,7 @@ def episode_index_html(rows: list[dict[str, Any]], link_dir: str) -> str:
     """The report's table of episodes, each linking to its page under ``link_dir``."""
     head = "".join(f"<th>{h}</th>" for h in ("episode", "reward", "steps", "mean rho", "mean q_h_smoothed"))
     body = "".join(
-        f'<tr><td><a href="{html.escape(link_dir)}/{html.escape(r["file"])}">{html.escape(r["name"])}</a></td>'
+        f'<tr><td><a href="{html.escape(quote(link_dir + "/" + r["file"]))}">{html.escape(r["name"])}</a></td>'
         f"<td>{_num(r['reward'])}</td><td>{r['steps']}</td><td>{_num(r['rho'])}</td>"
         f"<td>{_num(r['q_h_smoothed'])}</td></tr>"
         for r in rows
