@@ -89,24 +89,53 @@ def _rendered_action(tok, messages: list[dict], m: int) -> str:
     return full[len(prefix) :]
 
 
-def test_weighted_tokens_decode_to_each_steps_action(
-    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3's template inserts on a last turn without reasoning
+
+
+def _own_action(tok, messages: list[dict], m: int) -> str:
+    """The policy's own text of the step, written out for ChatML templates: the rendered action
+    up to and including <|im_end|>, without Qwen3's inserted empty think block."""
+    full = tok.apply_chat_template(normalize_messages(messages)[: m + 1], tokenize=False)
+    header = "<|im_start|>assistant\n"
+    action = full[full.rindex(header) + len(header) : full.rindex("<|im_end|>") + len("<|im_end|>")]
+    if action.startswith(EMPTY_THINK) and "<think>" not in (messages[m].get("content") or ""):
+        action = action[len(EMPTY_THINK) :]
+    return action
+
+
+@pytest.mark.parametrize("rendering", ["turns", "whole"])
+def test_weighted_tokens_decode_to_each_steps_own_tokens(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, rendering: str
 ) -> None:
     scored_with(store, samples, demo_tokenizer_dir)
     tok = load_tokenizer(demo_tokenizer_dir)
     summary = export_dataset(
-        store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized", tokenizer=demo_tokenizer_dir
+        store,
+        tmp_path / "t.jsonl",
+        "r",
+        min_reward=0.0,
+        layout="tokenized",
+        tokenizer=demo_tokenizer_dir,
+        rendering=rendering,
     )
     rows = _rows(tmp_path / "t.jsonl")
     assert rows and summary["episodes_in_dataset"] == len(rows) and summary["unaligned_steps"] == 0
+    assert summary["config"]["rendering"] == rendering and summary["unaligned_reasons"] == {}
     ep_ids = dict(store.query("SELECT name, id FROM episodes")[1])
     with store.engine.connect() as conn:
         for row in rows:
             messages = load_messages(conn, ep_ids[row["episode"]])
             assert len(row["input_ids"]) == len(row["labels"]) == len(row["advantages"])
+            if rendering == "whole":
+                whole = tok.apply_chat_template(normalize_messages(messages), tokenize=False)
+                assert row["input_ids"] == tok.encode(whole, add_special_tokens=False)
+            else:  # the row starts with the first step's prompt, exactly as scoring renders it
+                m0 = row["step_message_indices"][0]
+                prompt = tok.apply_chat_template(normalize_messages(messages)[:m0], tokenize=False, add_generation_prompt=True)
+                assert tok.decode(row["input_ids"][: row["step_spans"][0][0]]) == prompt
             weighted = set()
             for m, w, (start, end) in zip(row["step_message_indices"], row["step_advantages"], row["step_spans"]):
-                assert tok.decode(row["input_ids"][start:end]) == _rendered_action(tok, messages, m)
+                assert tok.decode(row["input_ids"][start:end]) == _own_action(tok, messages, m)
                 if w > 0:
                     assert row["labels"][start:end] == row["input_ids"][start:end]
                     assert row["advantages"][start:end] == [w] * (end - start)
@@ -115,6 +144,7 @@ def test_weighted_tokens_decode_to_each_steps_action(
                 if i not in weighted:
                     assert label == IGNORE_INDEX and adv == 0.0
             assert row["provenance"]["credits"] == "r" and row["provenance"]["scorer_id"] == "sc"
+            assert row["provenance"]["rendering"] == rendering
 
 
 def test_step_weights_equal_eq8_reference(
@@ -141,10 +171,18 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     scored_with(store, _two_turn_episodes(tmp_path / "eps.jsonl"), tok_dir)
     # omega 0: every step of the better episode has the same positive weight
     summary = export_dataset(
-        store, tmp_path / "t.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized", tokenizer=tok_dir
+        store,
+        tmp_path / "t.jsonl",
+        "r",
+        omega=0.0,
+        min_reward=0.0,
+        layout="tokenized",
+        tokenizer=tok_dir,
+        rendering="whole",
     )
     (row,) = _rows(tmp_path / "t.jsonl")
     assert row["episode"].endswith("good") and summary["unaligned_steps"] == 2
+    assert summary["unaligned_reasons"] == {"rendering": 2}
     # the two steps before the second user message render as "[earlier turn]" in the episode
     assert [u["step_index"] for u in row["unaligned_steps"]] == [0, 1]
     assert all(u["reason"].startswith("rendering") for u in row["unaligned_steps"])
@@ -157,22 +195,36 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     assert "step 0" not in tok.decode([row["input_ids"][i] for i in weighted])
     assert tok.decode(row["input_ids"][spans[0].start : spans[0].stop]).startswith("step 2 of good")
 
+    # Turn by turn, every step is in the row as the policy produced it.
+    summary = export_dataset(
+        store, tmp_path / "turns.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized", tokenizer=tok_dir
+    )
+    (row,) = _rows(tmp_path / "turns.jsonl")
+    assert summary["unaligned_steps"] == 0 and row["step_indices"] == [0, 1, 2, 3]
+    texts = [tok.decode(row["input_ids"][a:b]) for a, b in row["step_spans"]]
+    assert [t.split("<")[0] for t in texts] == ["step 0 of good", "step 1 of good", "step 2 of good", "done"]
+    assert all(t.endswith("<|im_end|>") for t in texts)
 
-def test_qwen3_refuses_turns_whose_reasoning_is_dropped() -> None:
+
+@pytest.mark.parametrize("rendering", ["turns", "whole"])
+def test_qwen3_weights_the_policys_own_tokens(rendering: str) -> None:
     tok = real_tokenizer("qwen3")
     messages, _, steps = episode(3, steps=12, thinking=True, extra_user_turns=True)
-    al = EpisodeRenderer(tok).align(messages, [(s["step_index"], s["message_index"]) for s in steps])
+    al = EpisodeRenderer(tok).align(messages, [(s["step_index"], s["message_index"]) for s in steps], rendering)
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     for s in steps:
         m = s["message_index"]
-        if m > last_user:
-            assert s["step_index"] in al.spans  # reasoning kept after the last user turn
-        elif "<think>" in messages[m]["content"]:
-            assert s["step_index"] in al.refused  # rendered without its reasoning in the episode
-    assert al.refused and al.spans
+        if rendering == "turns" or m > last_user or "<think>" not in messages[m]["content"]:
+            assert s["step_index"] in al.spans, al.refused.get(s["step_index"])
+        else:  # rendered without its reasoning in the whole episode: not the policy's tokens
+            assert al.refused[s["step_index"]].startswith("rendering")
     for index, (start, end) in al.spans.items():
         m = steps[index]["message_index"]
-        assert tok.decode(al.input_ids[start:end]) == _rendered_action(tok, messages, m)
+        own = tok.decode(al.input_ids[start:end])
+        assert own == _own_action(tok, messages, m)
+        assert not own.startswith(EMPTY_THINK) and "<|im_start|>" not in own
+    if rendering == "whole":
+        assert al.refused
 
 
 def test_wrong_tokenizer_is_refused(store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path) -> None:

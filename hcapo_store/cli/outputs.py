@@ -61,6 +61,14 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
     metavar="DIR",
     help="With --tokenized: the scorer's tokenizer directory.",
 )
+@click.option(
+    "--rendering",
+    type=click.Choice(["turns", "whole"]),
+    default="turns",
+    show_default=True,
+    help="With --tokenized: the conversation turn by turn as the policy produced it (what multi-turn "
+    "RL trainers hold), or one chat-template rendering of the whole conversation (what SFT trainers do).",
+)
 @click.option("--weights-in-messages", is_flag=True, help='A "weight" on each credited assistant message.')
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
@@ -75,6 +83,7 @@ def export_dataset_cmd(
     no_smooth,
     tokenized,
     tokenizer,
+    rendering,
     weights_in_messages,
     as_json,
 ) -> None:
@@ -95,6 +104,7 @@ def export_dataset_cmd(
         use_smoothed=not no_smooth,
         layout=layout,
         tokenizer=tokenizer,
+        rendering=rendering,
     )
     warn(summary["warnings"])
     if as_json:
@@ -102,7 +112,12 @@ def export_dataset_cmd(
     elif tokenized:
         click.echo(
             f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
-            f"weighted step(s), {summary['unaligned_steps']} step(s) refused (could not be aligned)"
+            f"weighted step(s), {summary['unaligned_steps']} step(s) refused"
+            + (
+                " (" + ", ".join(f"{n} {kind}" for kind, n in summary["unaligned_reasons"].items()) + ")"
+                if summary["unaligned_reasons"]
+                else ""
+            )
         )
     else:
         click.echo(

@@ -1,10 +1,31 @@
-"""Where each step's action sits in the trainer's whole-conversation rendering.
+"""Where each step's own tokens sit in the trainer's whole-conversation rendering.
 
-Spans are found the way scoring finds them (``scoring/prompts.py``), never guessed: for the
-step at message ``m``, ``prefix = render(messages[:m], add_generation_prompt=True)`` and
-``step = render(messages[:m + 1])``; the prefix ids must be a prefix of the step ids, and the
-action is the rest. A step is placed only when ``prefix ids + action ids`` are also a prefix
-of the whole episode's ids; otherwise it is refused with a reason, never moved.
+The row a trainer sees is one rendering of the whole episode. For the step at message
+``m``, the policy's own tokens are found in that rendering by ``scoring/own_tokens.py``: the
+whole episode is rendered again with message ``m`` replaced by an empty assistant turn, and
+the characters that differ are the step's own (reasoning, text, tool calls), plus the
+end-of-turn token; role headers and inserted wrappers (Qwen3's empty think block on the last
+turn) are the template's and never weighted. The characters become token positions through
+the tokenizer's offsets, and every span is checked: its tokens decode to exactly the text
+they cover, and that text holds each piece of the message. A step whose own text is not in
+the rendering (Qwen3 leaves out the reasoning of turns before the last user message) is
+refused with a reason, never moved or weighted in part.
+
+Two renderings (``RENDERINGS``):
+
+* ``whole``: the chat template renders the whole conversation once, as an SFT trainer's
+  ``apply_chat_template`` does. Templates that render a turn differently once more follow
+  (Qwen3 drops the reasoning of turns before the last user message) leave those steps out.
+* ``turns``: the conversation as the policy produced it, turn by turn, as multi-turn RL
+  trainers hold it (token in, token out): the first step's prompt
+  ``render(messages[:m], add_generation_prompt=True)``, then each turn as rendered when it
+  was the last one, then the text the template adds between that turn's end-of-turn token
+  and the next step's generation prompt (tool results, user messages), and so on. Every
+  step's own tokens are in it, reasoning included.
+
+A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
+``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
+``render(messages[:m + 1])``, which must be a prefix of the whole episode.
 """
 
 from __future__ import annotations
@@ -14,10 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import ExportError
+from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
 from hcapo_store.scoring.prompts import SegmentEncoder, flatten_messages, normalize_messages
 from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
+
+
+RENDERINGS = ("turns", "whole")
 
 
 class RenderRejected(Exception):
@@ -26,7 +51,7 @@ class RenderRejected(Exception):
 
 @dataclass
 class Alignment:
-    """Where each step's action sits in the episode's ids, or why it cannot be placed."""
+    """Where each step's own tokens sit in the episode's ids, or why they cannot be placed."""
 
     input_ids: list[int]
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_index -> [start, end)
@@ -35,11 +60,12 @@ class Alignment:
 
 
 class EpisodeRenderer:
-    """Renders a whole episode with a chat template and places each step's action in it."""
+    """Renders a whole episode with a chat template and places each step's own tokens in it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.encoder = SegmentEncoder(tokenizer)
+        self.locator = OwnTokenLocator(tokenizer)
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         try:
@@ -47,19 +73,118 @@ class EpisodeRenderer:
         except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
             raise RenderRejected(f"{type(exc).__name__}: {exc}") from exc
 
-    def align(self, messages: list[dict[str, Any]], steps: list[tuple[int, int]]) -> Alignment:
+    def align(
+        self, messages: list[dict[str, Any]], steps: list[tuple[int, int]], rendering: str = "whole"
+    ) -> Alignment:
         """``steps``: (step_index, message_index). Flattens tool traffic when the template rejects it
         (as scoring does), for the whole episode so every span lives in one rendering."""
+        if rendering not in RENDERINGS:
+            raise ExportError(f"unknown rendering {rendering!r}: use one of {', '.join(RENDERINGS)}")
+        if not self.locator.available:
+            place = self._align_prefix
+        else:
+            place = self._align_turns if rendering == "turns" else self._align_own
         try:
-            return self._align(normalize_messages(messages), steps, flattened=False)
+            return place(normalize_messages(messages), steps, flattened=False)
         except RenderRejected:
             pass
         try:
-            return self._align(flatten_messages(messages), steps, flattened=True)
+            return place(flatten_messages(messages), steps, flattened=True)
         except RenderRejected as exc:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
-    def _align(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+    def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+        whole = self._render(msgs, generation=False)
+        ids, offsets = self.locator.offsets(whole)
+        out = Alignment(ids, flattened=flattened)
+        for index, m in steps:
+            if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
+                out.refused[index] = f"message {m} is not an assistant message after the first message"
+                continue
+            try:
+                empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=False)
+            except RenderRejected as exc:
+                out.refused[index] = f"template: the template cannot render this turn empty ({exc})"
+                continue
+            try:
+                span = self.locator.span(whole, empty, msgs[m], ids, offsets)
+            except NotOwn as exc:
+                out.refused[index] = exc.reason
+                continue
+            covered = whole[offsets[span.start][0] : offsets[span.end - 1][1]]
+            if self.tokenizer.decode(ids[span.start : span.end]) != covered:
+                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
+                continue
+            out.spans[index] = (span.start, span.end)
+        return out
+
+    def _align_turns(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+        ids: list[int] = []
+        out = Alignment(ids, flattened=flattened)
+        previous: int | None = None  # message index of the last turn in the row
+        for index, m in sorted(steps, key=lambda s: s[1]):
+            if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant" or m == previous:
+                out.refused[index] = f"message {m} is not an assistant message after the first message"
+                continue
+            prompt = self._render(msgs[:m], generation=True)
+            if previous is None:
+                context = prompt
+            else:
+                end = self._turn_end(msgs[:m], previous, prompt)
+                if end is None:
+                    out.refused[index] = "alignment: the end of the previous turn is not found in this step's prompt"
+                    continue
+                context = prompt[end:]
+            turn = self._turn_text(msgs, m, prompt)
+            if turn is None:
+                out.refused[index] = "alignment: the turn's generation prompt is not found in its rendering"
+                continue
+            turn_text, turn_empty = turn
+            turn_ids, turn_offsets = self.locator.offsets(turn_text)
+            try:
+                span = self.locator.span(turn_text, turn_empty, msgs[m], turn_ids, turn_offsets)
+            except NotOwn as exc:
+                out.refused[index] = exc.reason
+                continue
+            covered = turn_text[turn_offsets[span.start][0] : turn_offsets[span.end - 1][1]]
+            if self.tokenizer.decode(turn_ids[span.start : span.end]) != covered:
+                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
+                continue
+            context_ids, _ = self.locator.offsets(context)
+            ids.extend(context_ids)
+            out.spans[index] = (len(ids) + span.start, len(ids) + span.end)
+            ids.extend(turn_ids[: span.end])  # the turn as the policy ended it: nothing after its end
+            previous = m
+        return out
+
+    def _turn_text(self, msgs: list[dict], m: int, prompt: str) -> tuple[str, str] | None:
+        """Turn ``m`` as rendered when it is the last message, from the end of its generation
+        prompt, and the same for an empty turn. The turn starts at the last occurrence of the
+        generation prompt before its own text (earlier turns may render differently here than in
+        ``prompt``: Qwen3 wraps only the last assistant turn in an empty think block)."""
+        base = self._render(msgs[:m], generation=False)
+        if not prompt.startswith(base):
+            return None
+        generation = prompt[len(base) :]
+        text = self._render(msgs[: m + 1], generation=False)
+        empty = self._render([*msgs[:m], EMPTY_TURN], generation=False)
+        own_start, _ = own_char_range(text, empty)
+        begin = text.rfind(generation, 0, own_start + 1) if generation else len(base)
+        if begin < 0 or not empty.startswith(text[:begin]):
+            return None
+        begin += len(generation)
+        return text[begin:], empty[begin:]
+
+    def _turn_end(self, msgs: list[dict], m: int, prompt: str) -> int | None:
+        """Where turn ``m`` (own text + end-of-turn token) ends in ``prompt`` (a render of ``msgs``)."""
+        try:
+            empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=True)
+        except RenderRejected:
+            return None
+        _, own_end = own_char_range(prompt, empty)
+        return own_end + self.locator.end_of_turn_length(prompt, own_end)
+
+    def _align_prefix(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
         full = self.encoder.encode_whole(self._render(msgs, generation=False))
         out = Alignment(full, flattened=flattened)
         prefix_state, step_state = self.encoder.new_state(), self.encoder.new_state()

@@ -243,6 +243,7 @@ def export_dataset(
     use_smoothed: bool = True,
     layout: str = "steps",
     tokenizer: str | Path | None = None,
+    rendering: str = "turns",
 ) -> dict[str, Any]:
     """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns the summary.
 
@@ -271,6 +272,7 @@ def export_dataset(
             group_by=group_by,
             fmt=fmt,
             use_smoothed=use_smoothed,
+            rendering=rendering,
         )
     run = get_run(store, run_name)
     out = Path(out_path)

@@ -1,21 +1,13 @@
-"""Training-ready exports of a credit run: token-level rows and per-message weights.
+"""Token-level training rows of a credit run.
 
 ``export_tokenized`` writes one row per episode as the policy saw it (no hindsight block):
-``input_ids`` of the whole conversation rendered with the scorer's tokenizer and chat
-template, ``labels`` (-100 outside credited action tokens) and per-token ``advantages``
-(each credited step's Eq. 8 weight on the tokens of its action).
-
-Spans are found the way scoring finds them (``scoring/prompts.py``), never guessed: for the
-step at message ``m``, ``prefix = render(messages[:m], add_generation_prompt=True)`` and
-``step = render(messages[:m + 1])``; the prefix ids must be a prefix of the step ids, and the
-action is the rest. The row is one rendering of the whole episode, so a step is weighted
-only when ``prefix ids + action ids`` are also a prefix of the whole episode's ids. Templates
-that render a turn differently depending on what follows (Qwen3 drops the reasoning of
-turns before the last user message) fail that check for the changed turns: such a step is
-refused (listed in ``unaligned_steps``, never weighted), not moved.
-
-``with_message_weights`` turns the default Eq. 8 rows into the TRL #5761 shape: a
-``"weight"`` on every credited assistant message.
+``input_ids`` of the conversation with the scorer's tokenizer and chat template (``turns``:
+turn by turn as the policy produced it; ``whole``: one chat-template rendering), ``labels``
+(-100 outside credited tokens) and per-token ``advantages`` (each credited step's Eq. 8
+weight on the policy's own tokens of its action: never a role header or a wrapper the
+template inserts). Where the spans come from and how they are checked:
+``outputs/alignment.py``. A step whose own tokens are not in the rendering is refused
+(``unaligned_steps`` with the reason; counted by kind in the summary), never moved.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
-from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
+from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     episode_groups,
@@ -130,6 +122,13 @@ class _Stats:
     def __init__(self) -> None:
         self.rows = self.steps = self.weighted_steps = self.refused = self.tokens = self.weighted_tokens = 0
         self.no_weight = 0
+        self.reasons: dict[str, int] = {}
+
+    def refuse(self, refused: dict[int, str]) -> None:
+        self.refused += len(refused)
+        for reason in refused.values():
+            kind = reason.split(":", 1)[0]
+            self.reasons[kind] = self.reasons.get(kind, 0) + 1
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows += 1
@@ -144,6 +143,7 @@ class _Stats:
             "aligned_steps": self.steps,
             "weighted_steps": self.weighted_steps,
             "unaligned_steps": self.refused,
+            "unaligned_reasons": dict(sorted(self.reasons.items())),
             "episodes_without_weighted_tokens": self.no_weight,
             "tokens": self.tokens,
             "weighted_tokens": self.weighted_tokens,
@@ -161,13 +161,17 @@ def export_tokenized(
     group_by: str | None = None,
     fmt: str = "jsonl",
     use_smoothed: bool = True,
+    rendering: str = "turns",
 ) -> dict[str, Any]:
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
 
     ``tokenizer`` is the directory of the tokenizer the run's scorer used (checked against
     the scorer's fingerprint). Episodes with no weighted token are left out, as in the
-    default export.
+    default export. ``rendering``: ``turns`` (the conversation as the policy produced it, turn
+    by turn) or ``whole`` (one chat-template rendering); see ``outputs/alignment.py``.
     """
+    if rendering not in RENDERINGS:
+        raise ExportError(f"unknown rendering {rendering!r}: use one of {', '.join(RENDERINGS)}")
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
     out = Path(out_path)
@@ -186,6 +190,7 @@ def export_tokenized(
         "chat_template_sha256": fingerprint["chat_template_sha256"],
         "q": "q_h_smoothed" if use_smoothed else "q_h",
         "omega": float(omega),
+        "rendering": rendering,
     }
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
@@ -204,9 +209,11 @@ def export_tokenized(
             for i, ep in enumerate(episodes):
                 if not (eq8.weights[i] > 0).any():
                     continue
-                al = renderer.align(load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])))
+                al = renderer.align(
+                    load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
+                )
                 row = _row(ep, ids[i], eq8.grpo[i], eq8.weights[i], al, provenance)
-                stats.refused += len(al.refused)  # also in episodes left out for having no weighted token
+                stats.refuse(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
                     stats.no_weight += 1
                     continue
@@ -239,6 +246,7 @@ def export_tokenized(
             "credit_params": run.params,
             "format": fmt,
             "layout": "tokenized",
+            "rendering": rendering,
             "tokenizer": str(tokenizer),
         },
         "provenance": run_provenance(run),
@@ -264,6 +272,7 @@ def _schema(id_type: Any) -> Any:
                 "tokenizer_files_sha256",
                 "chat_template_sha256",
                 "q",
+                "rendering",
             )
         ]
         + [("omega", pa.float64()), ("flattened", pa.bool_())]

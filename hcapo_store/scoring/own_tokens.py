@@ -1,0 +1,181 @@
+"""Which tokens of a rendered assistant turn are the policy's own (docs/SCORING.md "Action span").
+
+A chat template wraps what the policy generated in tokens it inserts itself: the role
+header, Qwen3's empty ``<think>\\n\\n</think>\\n\\n`` on the last assistant turn, the newline
+after the end-of-turn token. The rule, for any template: render the conversation twice,
+once as it is and once with the assistant message at ``m`` replaced by an empty assistant
+message (:data:`EMPTY_TURN`). Everything the two texts share at the start and at the end is
+the template's; the characters in between are the policy's own text (reasoning, text, tool
+calls). The end-of-turn token right after them (``<|im_end|>``, ``<|eot_id|>``) is the
+policy's too: it generated it to stop.
+
+Characters become tokens through the fast tokenizer's offsets: a token belongs to the span
+when its characters overlap the own text. A token that straddles the boundary (a merge of a
+header newline with the text's first characters) is included, never split.
+
+The opening ``<think>`` of a message with reasoning is the policy's too (see
+:data:`REASONING_OPEN`). The own text must hold every piece of the message (its reasoning, its text, each tool
+call's name); a template that leaves a piece out of this rendering (Qwen3 drops the
+reasoning of turns before the last user message) makes the step unplaceable, with a
+reason, rather than a span over part of the action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+EMPTY_TURN: dict[str, Any] = {"role": "assistant", "content": ""}
+
+# How the store keeps thinking in a message's content (ingest --include-thinking). The opening
+# tag is the policy's own even where the template also writes it for an empty turn (Qwen3's
+# last turn), so the own text is widened back over it.
+REASONING_OPEN = "<think>"
+
+
+@dataclass(frozen=True)
+class OwnSpan:
+    """Token span ``[start, end)`` of the policy's own tokens, and of its own characters."""
+
+    start: int
+    end: int
+    char_start: int
+    char_end: int
+    end_of_turn: bool  # the span ends with the template's end-of-turn token
+
+
+class NotOwn(Exception):
+    """The step's own tokens cannot be placed in this rendering; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def own_char_range(text: str, empty: str) -> tuple[int, int]:
+    """``[start, end)`` of ``text`` that differs from ``empty`` (the same turn rendered empty).
+
+    The shared prefix is taken first and the shared suffix may not overlap it, so a text
+    that ends like the template's tail ("ok\\n" before "<|im_end|>") keeps its own characters.
+    """
+    limit = min(len(text), len(empty))
+    p = 0
+    while p < limit and text[p] == empty[p]:
+        p += 1
+    s = 0
+    while s < limit - p and text[-1 - s] == empty[-1 - s]:
+        s += 1
+    return p, len(text) - s
+
+
+def own_pieces(message: Mapping[str, Any]) -> list[str]:
+    """The message's own text pieces a rendering must contain: reasoning, text, tool names."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):  # multimodal parts: the text parts are the pieces
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    pieces: list[str] = []
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str):
+        pieces.append(reasoning.strip())
+    if "</think>" in content:
+        head, _, content = content.rpartition("</think>")
+        pieces.append(head.split("<think>")[-1].strip())
+    pieces.append(content.strip())
+    for call in message.get("tool_calls") or []:
+        name = (call.get("function") or {}).get("name") if isinstance(call, Mapping) else None
+        if isinstance(name, str):
+            pieces.append(name)
+    return [p for p in pieces if p]
+
+
+class OwnTokenLocator:
+    """Maps the own characters of a turn to token positions with a fast tokenizer's offsets."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.end_of_turn_ids = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+        # Longest first, so a token that starts like a shorter one is matched whole.
+        self._end_of_turn_texts = sorted(
+            (str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [] if str(t)), key=len, reverse=True
+        )
+
+    @property
+    def available(self) -> bool:
+        return bool(getattr(self.tokenizer, "is_fast", False))
+
+    def end_of_turn_length(self, text: str, at: int) -> int:
+        """Length of the end-of-turn (special) token text starting at ``at``, or 0."""
+        for token in self._end_of_turn_texts:
+            if text.startswith(token, at):
+                return len(token)
+        return 0
+
+    def offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def span(
+        self,
+        text: str,
+        empty: str,
+        message: Mapping[str, Any],
+        ids: list[int],
+        offsets: list[tuple[int, int]],
+        *,
+        search_from: int = 0,
+    ) -> OwnSpan:
+        """The own span of the turn whose rendering differs between ``text`` and ``empty``.
+
+        ``ids``/``offsets``: the tokenization of ``text`` (offsets are character positions
+        in ``text``). Raises :class:`NotOwn` when the own text misses a piece or is empty.
+        """
+        cs, ce = own_char_range(text, empty)
+        if ce > cs and _has_reasoning(message):
+            head = text[:cs].rstrip()
+            if head.endswith(REASONING_OPEN):
+                cs = len(head) - len(REASONING_OPEN)
+        if ce <= cs:
+            raise NotOwn("empty_action: the action renders to no tokens of its own")
+        own = text[cs:ce]
+        missing = [p for p in own_pieces(message) if p not in own]
+        if missing:
+            raise NotOwn(
+                "rendering: the whole conversation leaves out part of this step's own text "
+                f"({_preview(missing[0])}); the template renders this turn without it"
+            )
+        start = _first_overlapping(offsets, cs, search_from)
+        end = start
+        while end < len(offsets) and offsets[end][0] < ce:
+            end += 1
+        if start >= end:
+            raise NotOwn("alignment: no token covers the action's own characters")
+        eot = False
+        if end < len(ids) and ids[end] in self.end_of_turn_ids and offsets[end][0] == ce:
+            end += 1
+            eot = True
+        return OwnSpan(start, end, cs, ce, eot)
+
+
+def _has_reasoning(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return bool(message.get("reasoning_content")) or (
+        isinstance(content, str) and content.lstrip().startswith(REASONING_OPEN)
+    )
+
+
+def _first_overlapping(offsets: list[tuple[int, int]], char: int, lo: int) -> int:
+    """The first token (from ``lo``) whose characters end after ``char``; offsets ascend."""
+    hi = len(offsets)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if offsets[mid][1] <= char:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _preview(text: str, limit: int = 40) -> str:
+    one_line = " ".join(text.split())
+    return repr(one_line if len(one_line) <= limit else one_line[: limit - 1] + "…")
