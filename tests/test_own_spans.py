@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 from _shared import SHARED, TOKENIZERS
-from test_credits import add_scorer, add_scores
-
 from sqlalchemy import text
+from test_credits import add_scorer, add_scores
 
 from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
@@ -36,7 +35,7 @@ LLAMA3 = (
     "{%- if m.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
     "{%- elif m.role == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
     "{%- if m.content %}{{- m.content }}{%- endif %}"
-    "{%- for c in m.tool_calls or [] %}{{- '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}"
+    '{%- for c in m.tool_calls or [] %}{{- \'{"name": "\' + c.function.name + \'", "parameters": \' }}'
     "{{- c.function.arguments | tojson }}{{- '}' }}{%- endfor %}{{- '<|eot_id|>' }}"
     "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
     "{%- endif %}{%- endfor %}"
@@ -122,3 +121,33 @@ def test_real_size_sessions_are_placed_whole(
                     assert own.startswith("<think>")
                 elif name == "qwen3":
                     assert "</think>" not in own  # the inserted empty think block is the template's
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_policy_span_scores_no_template_tokens(thinking: bool) -> None:
+    """score --action-span policy with Qwen3: the scored tokens are the policy's own (no inserted
+    empty think block, no newline after <|im_end|>); the rendered span keeps both."""
+    from _tokenizers import episode, real_tokenizer
+
+    from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure
+
+    tok = real_tokenizer("qwen3")
+    messages, outcome, steps = episode(5, steps=10, thinking=thinking, extra_user_turns=False)
+    rendered = PromptBuilder(tok).build_episode(messages, outcome, steps)
+    policy = PromptBuilder(tok, action_span="policy").build_episode(messages, outcome, steps)
+    # Both spans refuse the same steps (a turn right after another assistant turn renders
+    # differently once it is no longer the last: "alignment", as scoring always did).
+    assert [isinstance(p, PromptFailure) for p in rendered] == [isinstance(p, PromptFailure) for p in policy]
+    placed = [(s, r, p) for s, r, p in zip(steps, rendered, policy) if not isinstance(p, PromptFailure)]
+    assert len(placed) >= 7
+    for step, r, p in placed:
+        r_text = tok.decode(r.input_ids[r.first_scored :])
+        p_text = tok.decode(p.input_ids[p.first_scored :])
+        assert r_text.endswith("<|im_end|>\n") and p_text.endswith("<|im_end|>")
+        assert p.input_ids == r.input_ids[: len(p.input_ids)]  # the same request, cut after the policy's last token
+        content = messages[step["message_index"]]["content"]
+        if "<think>" in content:
+            assert p_text.startswith("<think>") and r_text.startswith("<think>")
+        else:  # Qwen3 wraps this last turn in an empty think block: the template's, not the policy's
+            assert r_text.startswith("<think>\n\n</think>\n\n") and "</think>" not in p_text
+        assert p.total_action_tokens == p.scored_tokens < r.scored_tokens

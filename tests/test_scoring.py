@@ -23,6 +23,7 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
 from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
 from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.scoring.scorer import scorer_label
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store, count
 
@@ -276,6 +277,28 @@ def test_transformers_backend_stores_the_same_values(scored, tiny_model_dir, run
     assert prep.scorer_id[:12] in r.output and server_prep.scorer_id[:12] in r.output
 
 
+def test_policy_action_span_scores_exactly_the_policys_tokens(scored, ref, tiny_model_dir, runner):
+    """--action-span policy: a scorer of its own whose logprobs are the rendered span's, less the
+    tokens the template adds after the end-of-turn token (the demo ChatML template inserts no
+    wrapper before the text, and its "\n" after <|im_end|> is the only token left out)."""
+    store, prep, _ = scored
+    own = prepare(store, _cfg(ref, tiny_model_dir, action_span="policy"))
+    assert own.scorer_id != prep.scorer_id and own.spec["action_span"] == "policy"
+    assert "span=policy" in scorer_label(own.spec) and "action_span" not in prep.spec
+    report = run_scoring(store, own, RunOptions(concurrency=2))
+    n = _steps(store)
+    assert (report.scored, report.failed) == (n, 0)
+    rendered, policy = stored_scores(store, prep.scorer_id), stored_scores(store, own.scorer_id)
+    assert rendered.keys() == policy.keys()
+    for key, (mean, blob, token_count) in policy.items():
+        want = np.frombuffer(rendered[key][1], "<f4")
+        assert token_count == rendered[key][2] - 1, key
+        # The two scorers' requests group differently, so the server's float32 reductions differ
+        # slightly; a one-token shift would differ by tenths.
+        np.testing.assert_allclose(np.frombuffer(blob, "<f4"), want[:-1], atol=2e-3, rtol=0)
+        assert mean == pytest.approx(float(want[:-1].astype(np.float64).mean()), abs=2e-3)
+
+
 def test_scorer_identity_and_max_logprob_tokens(scored, ref, tiny_model_dir):
     store, prep, _ = scored
     assert prepare(store, _cfg(ref, tiny_model_dir)).scorer_id == prep.scorer_id
@@ -296,3 +319,25 @@ def test_scorer_identity_and_max_logprob_tokens(scored, ref, tiny_model_dir):
             text("SELECT MIN(skipped_action_tokens) FROM scores WHERE scorer_id = :s"), {"s": short.scorer_id}
         ).scalar_one()
     assert skipped > 0
+
+
+def test_template_token_weight_of_a_rendered_scorer(scored, ref, tiny_model_dir):
+    """The demo template's only template token in a rendered action is the newline after
+    <|im_end|>: one per step, and the shift is the step's mean minus the mean without it."""
+    from hcapo_store.scoring.template_weight import template_token_weight
+
+    store, prep, _ = scored
+    got = template_token_weight(store, prep.scorer_id, tiny_model_dir)
+    stored = stored_scores(store, prep.scorer_id)
+    n = _steps(store)
+    assert (got["steps"], got["not_comparable"], got["template_tokens"]) == (n, 0, n)
+    assert got["scored_tokens"] == sum(v[2] for v in stored.values())
+    shifts = []
+    for _mean, blob, _count in stored.values():
+        values = np.frombuffer(blob, "<f4").astype(np.float64)
+        shifts.append(values.mean() - values[:-1].mean())
+    assert got["mean_shift"] == pytest.approx(float(np.mean(shifts)), abs=1e-12)
+    assert got["max_abs_shift"] == pytest.approx(float(np.max(np.abs(shifts))), abs=1e-12)
+    own = prepare(store, _cfg(ref, tiny_model_dir, action_span="policy"))
+    run_scoring(store, own, RunOptions(concurrency=2))
+    assert template_token_weight(store, own.scorer_id, tiny_model_dir)["template_token_share"] == 0.0

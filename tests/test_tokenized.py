@@ -131,7 +131,9 @@ def test_weighted_tokens_decode_to_each_steps_own_tokens(
                 assert row["input_ids"] == tok.encode(whole, add_special_tokens=False)
             else:  # the row starts with the first step's prompt, exactly as scoring renders it
                 m0 = row["step_message_indices"][0]
-                prompt = tok.apply_chat_template(normalize_messages(messages)[:m0], tokenize=False, add_generation_prompt=True)
+                prompt = tok.apply_chat_template(
+                    normalize_messages(messages)[:m0], tokenize=False, add_generation_prompt=True
+                )
                 assert tok.decode(row["input_ids"][: row["step_spans"][0][0]]) == prompt
             weighted = set()
             for m, w, (start, end) in zip(row["step_message_indices"], row["step_advantages"], row["step_spans"]):

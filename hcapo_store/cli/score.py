@@ -117,6 +117,15 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, i
     "window starts the tail at block boundaries so a window's steps share one request "
     "(a different scorer).",
 )
+@click.option(
+    "--action-span",
+    type=click.Choice(["rendered", "policy"]),
+    default="rendered",
+    show_default=True,
+    help="Tokens whose logprobs make a step's mean: rendered = everything the chat template renders "
+    "for the turn (the original's); policy = only the policy's own tokens and its end-of-turn token, "
+    "never a header or a wrapper the template inserts (Qwen3's empty think block). A different scorer.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(
@@ -144,6 +153,7 @@ def score(
     request_timeout,
     grouping,
     truncation,
+    action_span,
     as_json,
 ) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
@@ -172,6 +182,7 @@ def score(
         max_new_tokens=max_new_tokens,
         request_timeout=request_timeout,
         truncation=truncation,
+        action_span=action_span,
     )
     if hindsight_template:
         try:

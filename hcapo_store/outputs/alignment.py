@@ -41,7 +41,6 @@ from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
 
-
 RENDERINGS = ("turns", "whole")
 
 

@@ -23,6 +23,7 @@ from hcapo_store.scoring.prompts import (
     DEFAULT_MAX_LOGPROB_TOKENS,
     HINDSIGHT_TEMPLATE,
     PROMPT_BUILDER_VERSION,
+    ActionSpan,
     PromptBuilder,
     PromptFailure,
     Truncation,
@@ -61,6 +62,7 @@ class ScoreConfig:
     device: str = "cpu"
     request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
     truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
+    action_span: ActionSpan = "rendered"  # or "policy": only the policy's own tokens are scored
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -197,6 +199,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         max_context=max_context,
         max_logprob_tokens=cfg.max_logprob_tokens,
         truncation=cfg.truncation,
+        action_span=cfg.action_span,
     )
     spec = {
         "backend": backend.identity(),
@@ -211,6 +214,8 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     }
     if cfg.truncation != "sliding":  # only when set: the default keeps existing scorer ids
         spec["truncation"] = cfg.truncation
+    if cfg.action_span != "rendered":
+        spec["action_span"] = cfg.action_span
     return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
 
 

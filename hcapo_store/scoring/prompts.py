@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.tool_arguments import arguments_text, as_mapping
 
 PROMPT_BUILDER_VERSION = 1
@@ -57,6 +58,8 @@ DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_MAX_LOGPROB_TOKENS = 2048
 
 FailureReason = Literal["alignment", "empty_action", "template"]
+ActionSpan = Literal["rendered", "policy"]
+ACTION_SPANS: tuple[ActionSpan, ...] = ("rendered", "policy")
 Truncation = Literal["sliding", "window"]
 TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window")
 # --truncation window: the window start moves in blocks of this fraction of the tail budget.
@@ -399,6 +402,8 @@ class _StepTexts:
     prefix_ids: list[int]
     full_ids: list[int]
     flattened: bool
+    # action_span "policy": [start, end) of the policy's own tokens in the action ids, or why not
+    own: tuple[int, int] | str | None = None
 
 
 class PromptBuilder:
@@ -412,12 +417,16 @@ class PromptBuilder:
         max_context: int = DEFAULT_MAX_CONTEXT,
         max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS,
         truncation: Truncation = "sliding",
+        action_span: ActionSpan = "rendered",
     ) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
+        if action_span not in ACTION_SPANS:
+            raise ValueError(f"action_span must be one of {ACTION_SPANS}, got {action_span!r}")
         self.truncation = truncation
+        self.action_span = action_span
         check_hindsight_template(hindsight_template)
         self.tokenizer = tokenizer
         self.hindsight_template = hindsight_template
@@ -426,6 +435,9 @@ class PromptBuilder:
         self.encoder = SegmentEncoder(tokenizer)
         _memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
+        self._locator = OwnTokenLocator(tokenizer)
+        if action_span == "policy" and not self._locator.available:
+            raise ValueError("action_span 'policy' needs a fast tokenizer (character offsets)")
 
     # -- rendering, shared by both paths: only tokenization differs
 
@@ -482,6 +494,7 @@ class PromptBuilder:
                 self.encoder.encode(full_text, full_state),
                 flattened,
             )
+            texts.own = self._own_span(messages, normalized, m, hindsight, prefix_text, full_text, texts)
             results.append(self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first)))
         self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
         return results
@@ -503,9 +516,41 @@ class PromptBuilder:
             return PromptFailure(index, "template", str(exc))
         encode = self.encoder.encode_whole
         texts = _StepTexts(encode(prefix_text), encode(full_text), flattened)
+        texts.own = self._own_span(messages, normalize_messages(messages), m, hindsight, prefix_text, full_text, texts)
         return self._finish(index, texts, lambda: encode(self._render([first], generation=False)))
 
     # -- span logic, shared by both paths
+
+    def _own_span(
+        self,
+        raw: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        m: int,
+        hindsight: str,
+        prefix_text: str,
+        full_text: str,
+        texts: _StepTexts,
+    ) -> tuple[int, int] | str | None:
+        """action_span "policy": the policy's own tokens among the action ids (own_tokens.py)."""
+        if self.action_span != "policy":
+            return None
+        source = flatten_messages(inject_hindsight(raw[: m + 1], hindsight)) if texts.flattened else None
+        messages = source if source is not None else inject_hindsight(normalized[: m + 1], hindsight)
+        try:
+            empty = self._render([*messages[:m], EMPTY_TURN], generation=False)
+        except _TemplateRejected as exc:
+            return f"template: the template cannot render this turn empty ({exc})"
+        if not (full_text.startswith(prefix_text) and empty.startswith(prefix_text)):
+            return "the prompt with a generation prompt is not a prefix of the rendered turn"
+        action_text = full_text[len(prefix_text) :]
+        ids, offsets = self._locator.offsets(action_text)
+        if ids != texts.full_ids[len(texts.prefix_ids) :]:
+            return "the action's tokens alone differ from its tokens in the conversation"
+        try:
+            span = self._locator.span(action_text, empty[len(prefix_text) :], messages[m], ids, offsets)
+        except NotOwn as exc:
+            return exc.reason
+        return span.start, span.end
 
     def _render_step(
         self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str
@@ -532,12 +577,22 @@ class PromptBuilder:
         action_ids = full_ids[prefix_len:]
         if not action_ids:
             return PromptFailure(index, "empty_action", "the action renders to no tokens")
+        own_start, own_end = 0, len(action_ids)  # "rendered": every token the turn renders to
+        if isinstance(texts.own, str):
+            reason: FailureReason = "empty_action" if texts.own.startswith("empty_action") else "alignment"
+            return PromptFailure(index, reason, f"policy span: {texts.own}")
+        if texts.own is not None:
+            # The request ends with the policy's last token: logprobs are causal, so what the
+            # template adds after it changes nothing scored and is not sent.
+            own_start, own_end = texts.own
+            action_ids = action_ids[:own_end]
         try:
             kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor)
         except _TemplateRejected as exc:
             return PromptFailure(index, "template", f"anchor: {exc}")
         input_ids = kept_prefix + kept_action
-        scored = len(kept_action)
+        own_tokens = own_end - own_start
+        scored = min(own_tokens, len(kept_action))
         if self.max_logprob_tokens > 0:
             scored = min(scored, self.max_logprob_tokens)
         # Position 0 has no context, so it cannot be scored.
@@ -546,8 +601,8 @@ class PromptBuilder:
             step_index=index,
             input_ids=input_ids,
             first_scored=first_scored,
-            total_action_tokens=len(action_ids),
-            skipped_action_tokens=len(action_ids) - (len(input_ids) - first_scored),
+            total_action_tokens=own_tokens,
+            skipped_action_tokens=own_tokens - (len(input_ids) - first_scored),
             truncated_prefix_tokens=prefix_len - len(kept_prefix),
             flattened=texts.flattened,
         )
