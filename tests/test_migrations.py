@@ -102,6 +102,10 @@ def _generator():
     return module
 
 
+# Columns later revisions add (0003: credit variants); the rows' other values must survive.
+ADDED_COLUMNS = {"credit_runs": {"variant"}, "credits": {"a_macro", "micro", "advantage"}}
+
+
 def _snapshot(engine) -> dict[str, list[tuple]]:
     """Every row of every table, comparable across SQLite and PostgreSQL (episodes: the columns kept)."""
     meta = MetaData()
@@ -111,7 +115,12 @@ def _snapshot(engine) -> dict[str, list[tuple]]:
         for table in meta.sorted_tables:
             if table.name == "alembic_version":
                 continue
-            cols = [c for c in table.columns if not (table.name == "episodes" and c.name in CHANGED_COLUMNS)]
+            cols = [
+                c
+                for c in table.columns
+                if not (table.name == "episodes" and c.name in CHANGED_COLUMNS)
+                and c.name not in ADDED_COLUMNS.get(table.name, ())
+            ]
             order = list(table.primary_key.columns)
             out[table.name] = [tuple(_plain(v) for v in row) for row in conn.execute(select(*cols).order_by(*order))]
     return out
@@ -140,6 +149,11 @@ def _check_upgraded(store: Store, before: dict[str, list[tuple]]) -> None:
     assert paths[7].endswith("/mirror/pg-01/episode_001") and paths[12].endswith("/eps.jsonl")
     credits = store.query("SELECT COUNT(*), COUNT(DISTINCT episode) FROM step_credits WHERE run = 'r1'")[1][0]
     assert credits[0] == len(before["credits"])
+    # 0003: runs from before read as the original variant, with no stored advantage
+    variants = store.query(
+        "SELECT DISTINCT variant, COUNT(advantage), COUNT(a_macro), COUNT(micro) FROM step_credits GROUP BY variant"
+    )[1]
+    assert variants == [("original", 0, 0, 0)]
 
 
 def _reingest_rebuilt_inputs(store: Store, base: Path) -> None:
@@ -160,7 +174,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0002" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0003" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

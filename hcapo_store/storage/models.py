@@ -248,6 +248,8 @@ class CreditRun(Base):
     incomplete_episodes: Mapped[int] = mapped_column(Integer, default=0)
     incomplete: Mapped[str | None] = mapped_column(Text)  # JSON list of incomplete episode ids
     created_at: Mapped[str] = mapped_column(String(40))
+    # original | paper (docs/CREDITS.md); runs from before revision 0003 read as original
+    variant: Mapped[str] = mapped_column(String(16), server_default="original")
 
 
 class Credit(Base):
@@ -267,3 +269,8 @@ class Credit(Base):
     discount: Mapped[float] = mapped_column(Float)
     q_h: Mapped[float] = mapped_column(Float)
     q_h_smoothed: Mapped[float] = mapped_column(Float)
+    # The advantage and its parts (NULL for runs from before revision 0003, and for an
+    # original run's episodes below its min_reward, which the default export leaves out).
+    a_macro: Mapped[float | None] = mapped_column(Float)
+    micro: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
