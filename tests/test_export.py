@@ -212,3 +212,27 @@ def test_datasets_loads_jsonl(scored: Store, tmp_path: Path) -> None:
     export_dataset(scored, tmp_path / "d.parquet", min_reward=0.0, fmt="parquet")
     pq = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train")
     assert pq["step_advantages"] == ds["step_advantages"] and pq["_episode_id"] == ds["_episode_id"]
+
+
+def test_default_export_reads_the_runs_stored_advantages(store, samples, tmp_path):
+    """A run computed now stores Eq. 8 with its parts; the default export writes them, and the
+    file is byte-identical to the one computed as before revision 0003 (advantages NULL)."""
+    import filecmp
+
+    from sqlalchemy import text as sql
+
+    ingest(store, [samples])
+    add_scorer(store, "sc")
+    add_scores(store, "sc", seed=11)
+    compute_credits(store, name="r")
+    stored = export_dataset(store, tmp_path / "stored.jsonl", "r")
+    assert stored["config"]["advantages"] == "stored" and stored["config"]["variant"] == "original"
+    rows = store.query(
+        "SELECT COUNT(*), COUNT(advantage), COUNT(a_macro), COUNT(micro) FROM step_credits WHERE reward >= 0.2"
+    )[1][0]
+    assert rows[0] > 0 and rows[0] == rows[1] == rows[2] == rows[3]
+    with store.engine.begin() as conn:  # what a run from before revision 0003 looks like
+        conn.execute(sql("UPDATE credits SET advantage = NULL, a_macro = NULL, micro = NULL"))
+    computed = export_dataset(store, tmp_path / "computed.jsonl", "r")
+    assert computed["config"]["advantages"] == "computed"
+    assert filecmp.cmp(tmp_path / "stored.jsonl", tmp_path / "computed.jsonl", shallow=False)

@@ -45,12 +45,16 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
 @click.option("--credits", "run", help="Credit run name (default: the only run).")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
 @click.option(
-    "--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight of the micro (step) advantage."
+    "--omega",
+    type=FiniteFloat(),
+    help="Weight of the micro (step) advantage. Default: the credit run's (1.0 unless computed with another).",
 )
 @click.option(
-    "--min-reward", type=FiniteFloat(), default=0.2, show_default=True, help="Only episodes with reward >= X."
+    "--min-reward",
+    type=FiniteFloat(),
+    help="Only episodes with reward >= X. Default: the credit run's (0.2); a paper run keeps every episode.",
 )
-@click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task).")
+@click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task). Default: the run's.")
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
 @click.option(
     "--tokenized", is_flag=True, help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer)."
@@ -101,7 +105,7 @@ def export_dataset_cmd(
         min_reward=min_reward,
         group_by=group_by,
         fmt=fmt,
-        use_smoothed=not no_smooth,
+        use_smoothed=False if no_smooth else None,
         layout=layout,
         tokenizer=tokenizer,
         rendering=rendering,

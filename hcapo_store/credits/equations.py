@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,9 +24,19 @@ from hcapo_store.errors import InvalidCreditParams
 PI_MEAN_FLOOR = 1e-12  # the original's guard when the episode mean of pi_hind is 0
 
 
+VARIANTS = ("original", "paper")
+
+
 @dataclass(frozen=True)
 class CreditParams:
-    """Hyperparameters of a credit run (defaults = the original script's defaults)."""
+    """Hyperparameters of a credit run (defaults = the original script's defaults).
+
+    ``variant``: ``original`` (the scripts' Eq. 5–8, docs/ORIGINAL.md) or ``paper``
+    (Algorithm 1 of the paper, ``credits/paper.py``). ``omega`` and ``group_by`` shape the
+    stored advantage of both; ``min_reward`` selects the episodes an original run's
+    advantages are computed over (those the default export keeps); ``success_threshold`` is
+    the paper's do-no-harm test (reward >= X is a success).
+    """
 
     t_temp: float = 5.0
     gamma: float = 0.95
@@ -36,8 +46,20 @@ class CreditParams:
     smooth: bool = True
     dense: bool = True
     max_logprob_tokens: int | None = None  # None: the stored span's mean
+    variant: str = "original"
+    omega: float = 1.0
+    group_by: str | None = None
+    min_reward: float = 0.2
+    success_threshold: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise InvalidCreditParams(f"variant (--variant) must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        _check("omega", self.omega, math.isfinite(self.omega), "a finite number")
+        _check("min_reward", self.min_reward, math.isfinite(self.min_reward), "a finite number")
+        _check("success_threshold", self.success_threshold, math.isfinite(self.success_threshold), "a finite number")
+        if self.group_by is not None and not str(self.group_by).strip():
+            raise InvalidCreditParams("group_by (--group-by) must name a tag, got an empty string")
         # NaN fails every comparison, so each check is written as "inside the range".
         _check("t_temp", self.t_temp, self.t_temp > 0 and math.isfinite(self.t_temp), "a finite number > 0")
         _check("gamma", self.gamma, 0.0 <= self.gamma <= 1.0, "in [0, 1]")
@@ -61,9 +83,19 @@ class CreditParams:
             object.__setattr__(self, "max_logprob_tokens", None)
 
     def as_dict(self) -> dict[str, Any]:
+        """The run's parameters as stored and hashed. Fields added after the first release are
+        left out at their defaults, so a run computed before keeps its hash and name."""
         d = asdict(self)
-        for k in ("t_temp", "gamma", "c_min", "c_max", "alpha"):
+        for k in ("t_temp", "gamma", "c_min", "c_max", "alpha", "omega", "min_reward", "success_threshold"):
             d[k] = float(d[k])
+        if self.variant == "original":
+            for k in ("variant", "success_threshold"):
+                del d[k]
+            for k, default in (("omega", 1.0), ("group_by", None), ("min_reward", 0.2)):
+                if d[k] == default:
+                    del d[k]
+        else:
+            del d["min_reward"]  # the paper keeps every episode
         return d
 
     @classmethod
@@ -193,6 +225,7 @@ class Eq8Result:
     mu: float
     sigma: float
     positive_mean: float
+    micro: list[np.ndarray] = field(default_factory=list)  # per step, after do-no-harm, before ω
 
 
 def _zscore_stats(x: np.ndarray) -> tuple[float, float]:
@@ -223,13 +256,14 @@ def hcapo_weights(
     grpo = grpo_advantages(rewards, groups)
     flat = np.concatenate(q) if len(q) else np.zeros(0)
     mu, sigma = _zscore_stats(flat)
-    clamped = []
+    clamped, micros = [], []
     for a_i, qe in zip(grpo, q):
         micro = (qe - mu) / sigma
         if a_i > 0:  # do-no-harm: a good episode never gets negative step credit
             micro = np.maximum(micro, 0.0)
+        micros.append(micro)
         clamped.append(np.maximum(a_i + omega * micro, 0.0))
     all_clamped = np.concatenate(clamped) if clamped else np.zeros(0)
     positive = all_clamped[all_clamped > 0]
     pos_mean = float(positive.mean()) if len(positive) else 1.0
-    return Eq8Result(grpo, [c / pos_mean for c in clamped], mu, sigma, pos_mean)
+    return Eq8Result(grpo, [c / pos_mean for c in clamped], mu, sigma, pos_mean, micros)

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, run_hash
+from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, hcapo_weights, run_hash
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
@@ -54,6 +54,9 @@ CREDIT_COLUMNS = (
     "discount",
     "q_h",
     "q_h_smoothed",
+    "a_macro",
+    "micro",
+    "advantage",
 )
 
 
@@ -70,12 +73,18 @@ class RunInfo:
     incomplete_episodes: int
     incomplete: list[str]
     created_at: str
+    variant: str = "original"
+    stored_advantages: bool = False  # False: a run from before revision 0003 (exports compute them)
     # Staleness, filled by get_run / list_runs (see ``run_staleness``).
     superseded_episodes: int = 0  # credited episodes that have a newer version since
     uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "stale": self.stale}
+
+    @property
+    def credit_params(self) -> CreditParams:
+        return CreditParams.from_dict(self.params)
 
     @property
     def stale(self) -> str | None:
@@ -116,7 +125,9 @@ class ComputeResult:
 
 RUN_SQL = """
 SELECT r.id, r.name, r.scorer_id, sc.label, r.params, r.run_hash, r.episodes, r.steps,
-       r.incomplete_episodes, r.incomplete, r.created_at
+       r.incomplete_episodes, r.incomplete, r.created_at, r.variant,
+       CASE WHEN EXISTS (SELECT 1 FROM credits c WHERE c.run_id = r.id AND c.advantage IS NOT NULL)
+            THEN 1 ELSE 0 END AS stored
 FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
 """
 
@@ -134,6 +145,8 @@ def _run_from_row(row: Any) -> RunInfo:
         incomplete_episodes=row[8],
         incomplete=json.loads(row[9]) if row[9] else [],
         created_at=row[10],
+        variant=row[11],
+        stored_advantages=bool(row[12]),
     )
 
 
@@ -253,6 +266,8 @@ def compute_credits(
     )
     if totals.null_rewards:
         msg += f"; warning: {totals.null_rewards} step(s) with NULL subtask_reward used r_t = 0"
+    for warning in totals.warnings:
+        msg += f"; warning: {warning}"
     return ComputeResult(run, True, msg, totals.null_rewards, time.perf_counter() - started)
 
 
@@ -289,8 +304,8 @@ def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParam
         conn.execute(
             text(
                 "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-                "incomplete_episodes, incomplete, created_at) "
-                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at) RETURNING id"
+                "incomplete_episodes, incomplete, created_at, variant) "
+                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant) RETURNING id"
             ),
             {
                 "name": name,
@@ -298,6 +313,7 @@ def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParam
                 "params": canonical_json(params.as_dict(), ascii_only=True),
                 "h": h,
                 "at": utcnow().isoformat(timespec="seconds"),
+                "variant": params.variant,
             },
         ).scalar_one()
     )
@@ -311,31 +327,170 @@ class _Totals:
     incomplete_count: int = 0
     incomplete_ids: list[int] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _fill_run(
     conn: Connection, run_id: int, scorer_id: str, params: CreditParams, on_progress: Callable[[int, int], None] | None
 ) -> _Totals:
+    """Streams the scored steps, keeps the complete episodes' columns, then computes every
+    credit at once: advantages need statistics over all episodes of a group."""
     n = params.max_logprob_tokens
     # The blob is fetched only for scores the suffix re-aggregation actually changes.
     blob = "CASE WHEN sc.token_count > :n THEN sc.token_logprobs END" if n else "NULL"
     sql = text(STREAM_SQL.format(blob=blob))
     bind: dict[str, Any] = {"scorer": scorer_id, **({"n": n} if n else {})}
-    insert_sql = _insert_sql(conn)
     totals = _Totals()
-    pending: list[tuple] = []
+    parts: list[_Columns] = []
     for rows in _whole_episodes(_raw_stream(conn, sql, bind)):
-        pending.extend(_batch_credits(rows, run_id, params, totals))
-        if len(pending) >= INSERT_ROWS:
-            conn.exec_driver_sql(insert_sql, pending)
-            pending = []
+        cols = _batch_columns(rows, params, totals)
+        if cols is not None:
+            parts.append(cols)
         if on_progress is not None:
             on_progress(totals.episodes, totals.steps)
-    if pending:
-        conn.exec_driver_sql(insert_sql, pending)
     if totals.incomplete_ids:
         totals.incomplete = _episode_names(conn, totals.incomplete_ids)
+    if not parts:
+        return totals
+    cols = _Columns.concat(parts)
+    credit_rows = _credit_rows(conn, run_id, params, cols, totals)
+    insert_sql = _insert_sql(conn)
+    for i in range(0, len(credit_rows[0]), INSERT_ROWS):
+        conn.exec_driver_sql(insert_sql, list(zip(*(col[i : i + INSERT_ROWS] for col in credit_rows))))
     return totals
+
+
+@dataclass
+class _Columns:
+    """Per-step columns of complete episodes, in (episode, step) order."""
+
+    episode: np.ndarray  # int64 episode id per step
+    step_id: np.ndarray
+    mean: np.ndarray
+    tokens: np.ndarray
+    subtask_reward: np.ndarray
+    group: np.ndarray
+    reward: np.ndarray  # per step (the episode's)
+
+    @staticmethod
+    def concat(parts: list[_Columns]) -> _Columns:
+        return _Columns(*(np.concatenate([getattr(p, f) for p in parts]) for f in _Columns.__dataclass_fields__))
+
+
+def _credit_rows(conn: Connection, run_id: int, params: CreditParams, cols: _Columns, totals: _Totals) -> list[list]:
+    """The credit table's columns (lists, in CREDIT_COLUMNS order) for every collected step."""
+    starts = _starts(cols.episode)
+    batch = EpisodeBatch(
+        starts=starts,
+        mean_logprob=cols.mean,
+        subtask_reward=cols.subtask_reward,
+        group=cols.group,
+        episode_reward=cols.reward[starts],
+    )
+    episode_ids = cols.episode[starts]
+    groups = _tag_groups(conn, episode_ids, params.group_by, totals)
+    if params.variant == "paper":
+        from hcapo_store.credits.paper import paper_advantages
+
+        c = paper_advantages(
+            batch,
+            params,
+            groups=groups,
+            success_threshold=params.success_threshold,
+            omega=params.omega,
+            dense=params.dense,
+        )
+        a_macro, micro, advantage = c.a_macro, c.micro, c.advantage
+        totals.null_rewards += getattr(c, "null_rewards", 0)
+    else:
+        c = episode_credits(batch, params)
+        totals.null_rewards += c.null_rewards
+        a_macro, micro, advantage = _original_advantages(conn, params, batch, episode_ids, groups, c.q_h_smoothed)
+    n = len(cols.step_id)
+    return [
+        [run_id] * n,
+        cols.step_id.tolist(),
+        cols.mean.tolist(),
+        cols.tokens.tolist(),
+        c.pi_hind.tolist(),
+        c.rho_raw.tolist(),
+        c.rho.tolist(),
+        c.r_t.tolist(),
+        c.discount.tolist(),
+        c.q_h.tolist(),
+        c.q_h_smoothed.tolist(),
+        _nullable(a_macro),
+        _nullable(micro),
+        _nullable(advantage),
+    ]
+
+
+def _nullable(x: np.ndarray) -> list[float | None]:
+    return [None if v != v else v for v in x.tolist()]  # NaN → NULL
+
+
+def _original_advantages(
+    conn: Connection,
+    params: CreditParams,
+    batch: EpisodeBatch,
+    episode_ids: np.ndarray,
+    groups: list[Any] | None,
+    q: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Eq. 8 exactly as the default export computes it (``hcapo_weights`` over the episodes with
+    reward >= min_reward, in the export's order: by name, then id); NaN for the others."""
+    n_steps = len(q)
+    a_macro, micro, advantage = (np.full(n_steps, np.nan) for _ in range(3))
+    names = dict(_names_of(conn, episode_ids.tolist()))
+    lengths = batch.lengths
+    order = sorted(
+        (i for i in range(len(episode_ids)) if batch.episode_reward[i] >= params.min_reward),
+        key=lambda i: (names[int(episode_ids[i])], int(episode_ids[i])),
+    )
+    if not order:
+        return a_macro, micro, advantage
+    spans = [(int(batch.starts[i]), int(batch.starts[i] + lengths[i])) for i in order]
+    eq8 = hcapo_weights(
+        batch.episode_reward[order],
+        [q[a:b] for a, b in spans],
+        params.omega,
+        None if groups is None else [groups[i] for i in order],
+    )
+    for k, (a, b) in enumerate(spans):
+        a_macro[a:b] = eq8.grpo[k]
+        micro[a:b] = eq8.micro[k]
+        advantage[a:b] = eq8.weights[k]
+    return a_macro, micro, advantage
+
+
+def _names_of(conn: Connection, ids: list[int]) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    for i in range(0, len(ids), 500):
+        marks = ", ".join(str(int(x)) for x in ids[i : i + 500])  # integers from our own query
+        out.extend(conn.execute(text(f"SELECT id, name FROM episodes WHERE id IN ({marks})")).all())
+    return out
+
+
+def _tag_groups(conn: Connection, episode_ids: np.ndarray, tag: str | None, totals: _Totals) -> list[Any] | None:
+    """Each episode's value of ``tag`` (None: untagged, one group of their own), or None."""
+    if tag is None:
+        return None
+    values: dict[int, str] = dict(
+        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": tag}).all()
+    )
+    groups = [values.get(int(e)) for e in episode_ids.tolist()]
+    untagged = groups.count(None)
+    if untagged == len(groups):
+        known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
+        raise CreditError(
+            f"--group-by {tag}: no credited episode has this tag (tags: {', '.join(known) or 'none'}); "
+            "tag the episodes at ingest (--tag KEY=VALUE) or pick another tag"
+        )
+    if untagged:
+        totals.warnings.append(
+            f"--group-by {tag}: {untagged} of {len(groups)} episode(s) lack this tag and form one group of their own"
+        )
+    return groups
 
 
 def _raw_stream(conn: Connection, sql: Any, bind: dict[str, Any]) -> Iterator[Sequence[tuple]]:
@@ -393,8 +548,8 @@ def _whole_episodes(partitions: Iterator[Sequence[Any]]) -> Iterator[list[Any]]:
         yield carry
 
 
-def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals: _Totals) -> list[tuple]:
-    """Credits of the complete episodes among ``rows`` (whole episodes, in step order)."""
+def _batch_columns(rows: list[tuple], params: CreditParams, totals: _Totals) -> _Columns | None:
+    """The columns of the complete episodes among ``rows`` (whole episodes, in step order)."""
     ep_col = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
     starts = _starts(ep_col)
     mean_all = np.asarray([r[6] for r in rows], dtype=np.float64)  # NULL (no score) → NaN
@@ -407,7 +562,7 @@ def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals:
         keep = np.repeat(~missing, np.diff(np.append(starts, len(rows))))
         rows = [r for r, k in zip(rows, keep.tolist()) if k]
         if not rows:
-            return []
+            return None
         ep_col = ep_col[keep]
         starts = _starts(ep_col)
         mean_all = mean_all[keep]
@@ -416,31 +571,16 @@ def _batch_credits(rows: list[tuple], run_id: int, params: CreditParams, totals:
     tokens = np.asarray(token_count, dtype=np.int64)
     if params.max_logprob_tokens:
         _reaggregate(mean, tokens, blob, params.max_logprob_tokens)
-    batch = EpisodeBatch(
-        starts=starts,
-        mean_logprob=mean,
-        subtask_reward=np.asarray(subtask_reward, dtype=np.float64),
-        group=_group_codes(subtask_id, phase),
-        episode_reward=np.asarray(reward, dtype=np.float64)[starts],
-    )
-    c = episode_credits(batch, params)
     totals.episodes += len(starts)
     totals.steps += len(rows)
-    totals.null_rewards += c.null_rewards
-    return list(
-        zip(
-            [run_id] * len(rows),
-            step_id,
-            mean.tolist(),
-            tokens.tolist(),
-            c.pi_hind.tolist(),
-            c.rho_raw.tolist(),
-            c.rho.tolist(),
-            c.r_t.tolist(),
-            c.discount.tolist(),
-            c.q_h.tolist(),
-            c.q_h_smoothed.tolist(),
-        )
+    return _Columns(
+        episode=ep_col,
+        step_id=np.asarray(step_id, dtype=np.int64),
+        mean=mean,
+        tokens=tokens,
+        subtask_reward=np.asarray(subtask_reward, dtype=np.float64),
+        group=_group_codes(subtask_id, phase),
+        reward=np.asarray(reward, dtype=np.float64),
     )
 
 

@@ -18,20 +18,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from sqlalchemy import Connection
 
-from hcapo_store.credits.equations import CreditParams, hcapo_weights
+from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
-    episode_groups,
+    NO_MIN_REWARD,
+    RunWeights,
     episode_id_value,
     episode_ids,
     run_provenance,
     run_warnings,
-    selected_episodes,
+    run_weights,
     stream,
     summary_path_for,
     write_json,
@@ -168,21 +168,17 @@ ORDER BY e.name, e.id, m.message_index
 """
 
 
-def _rows(
-    conn: Connection,
-    run: RunInfo,
-    episodes: list[dict[str, Any]],
-    weights: list[np.ndarray],
-    grpo: np.ndarray,
-    min_reward: float,
-) -> Iterator[dict[str, Any]]:
+def _rows(conn: Connection, run: RunInfo, rw: RunWeights, stats: _Stats) -> Iterator[dict[str, Any]]:
+    episodes, weights, grpo = rw.episodes, rw.weights, rw.grpo
     ids = episode_ids(episodes)
     by_id = {e["id"]: i for i, e in enumerate(episodes)}
-    msgs = stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": min_reward})
+    bound = NO_MIN_REWARD if rw.min_reward is None else rw.min_reward
+    msgs = stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": bound})
     for ep_id, group in itertools.groupby(msgs, key=lambda r: r[0]):
         i = by_id[ep_id]
         w = weights[i]
-        if not (w > 0).any():  # the original drops rows whose weights are all 0
+        if not rw.signed and not (w > 0).any():  # the original drops rows whose weights are all 0
+            stats.dropped_all_zero += 1
             continue
         messages = [loader_message(*r[2:]) for r in group]
         ep = episodes[i]
@@ -205,7 +201,7 @@ def _rows(
 
 class _Stats:
     def __init__(self) -> None:
-        self.rows = self.steps = self.nonzero = 0
+        self.rows = self.steps = self.nonzero = self.dropped_all_zero = 0
         self.total = self.nonzero_total = 0.0
         self.min: float | None = None
         self.max: float | None = None
@@ -222,6 +218,18 @@ class _Stats:
         self.max = max(w) if self.max is None else max(self.max, max(w))
         return row
 
+    def dropped_reasons(self) -> dict[str, Any]:
+        """Selected episodes the file leaves out, by reason (the original drops them silently)."""
+        if not self.dropped_all_zero:
+            return {}
+        return {
+            "all_zero_weights": {
+                "episodes": self.dropped_all_zero,
+                "reason": "every step's Eq. 8 weight is 0 (max(A_i + omega * micro, 0) = 0: a below-average "
+                "episode whose steps' hindsight terms do not lift it above 0), so the row would train on nothing",
+            }
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "min": self.min or 0.0,
@@ -236,11 +244,11 @@ def export_dataset(
     out_path: Path | str,
     run_name: str | None = None,
     *,
-    omega: float = 1.0,
-    min_reward: float = 0.2,
+    omega: float | None = None,
+    min_reward: float | None = None,
     group_by: str | None = None,
     fmt: str = "jsonl",
-    use_smoothed: bool = True,
+    use_smoothed: bool | None = None,
     layout: str = "steps",
     tokenizer: str | Path | None = None,
     rendering: str = "turns",
@@ -250,6 +258,8 @@ def export_dataset(
     ``layout``: ``steps`` (the original's rows), ``weights-in-messages`` (the same rows with a
     ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
     ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
+    ``omega``, ``min_reward``, ``group_by``, ``use_smoothed``: None = the credit run's own,
+    whose stored advantages are then written as they are (``rows.run_weights``).
     ``summary["warnings"]`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset.
     """
@@ -283,16 +293,11 @@ def export_dataset(
     provenance = run_provenance(run)
     stats = _Stats()
     with db.read(store.engine) as conn:
-        episodes = selected_episodes(conn, run, min_reward, use_smoothed)
-        eq8 = hcapo_weights(
-            np.asarray([e["reward"] for e in episodes], dtype=np.float64),
-            [e["q"] for e in episodes],
-            omega,
-            episode_groups(conn, episodes, group_by, warnings),
+        rw = run_weights(
+            conn, run, warnings, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
         )
-        rows: Iterator[dict[str, Any]] = (
-            stats.add(r) for r in _rows(conn, run, episodes, eq8.weights, eq8.grpo, min_reward)
-        )
+        episodes = rw.episodes
+        rows: Iterator[dict[str, Any]] = (stats.add(r) for r in _rows(conn, run, rw, stats))
         if layout == "weights-in-messages":
             from hcapo_store.outputs.rows import with_message_weights
 
@@ -300,13 +305,7 @@ def export_dataset(
         if fmt == "jsonl":
             atomic_write(out, lambda f: write_jsonl(f, rows), inputs=store.files)
         else:
-            config = {
-                "omega": omega,
-                "min_reward": min_reward,
-                "use_smoothed": use_smoothed,
-                "group_by": group_by,
-                "layout": layout,
-            }
+            config = {**rw.config(), "layout": layout}
             atomic_write(
                 out,
                 lambda f: write_parquet(f, rows, {**provenance, "config": config}, weighted=layout != "steps"),
@@ -315,19 +314,18 @@ def export_dataset(
     if stats.rows == 0:
         warnings.append(
             f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
-            f"{min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)"
+            f"{rw.min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)"
         )
     summary = {
         "total_episodes_loaded": len(episodes),
         "episodes_in_dataset": stats.rows,
+        "episodes_dropped": stats.dropped_reasons(),
         "total_steps": stats.steps,
         "nonzero_steps": stats.nonzero,
         "advantage_stats": stats.as_dict(),
         "config": {
-            "omega": omega,
-            "min_reward": min_reward,
-            "use_smoothed": use_smoothed,
-            "group_by": group_by,
+            **rw.config(),
+            "variant": run.variant,
             "credits": run.name,
             "scorer_id": run.scorer_id,
             "credit_params": run.params,

@@ -19,17 +19,15 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.runs import RunInfo, get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
-    episode_groups,
     episode_ids,
     run_provenance,
     run_warnings,
-    selected_episodes,
+    run_weights,
     summary_path_for,
     write_json,
     write_jsonl,
@@ -67,8 +65,16 @@ ROW_KEYS = (
 
 
 def _row(
-    ep: dict[str, Any], ep_id: int | str, grpo: float, weights: np.ndarray, al: Alignment, provenance: dict[str, Any]
+    ep: dict[str, Any],
+    ep_id: int | str,
+    grpo: float,
+    weights: np.ndarray,
+    al: Alignment,
+    provenance: dict[str, Any],
+    signed: bool,
 ) -> dict[str, Any]:
+    """``signed`` (paper): every placed step is trained with its advantage, negative or 0 too;
+    otherwise only steps with a positive Eq. 8 weight get labels."""
     ids = al.input_ids
     labels = [IGNORE_INDEX] * len(ids)
     adv = [0.0] * len(ids)
@@ -82,7 +88,7 @@ def _row(
         msg_indices.append(m)
         step_w.append(w)
         spans.append([start, end])
-        if w > 0:
+        if w > 0 or signed:
             labels[start:end] = ids[start:end]
             adv[start:end] = [w] * (end - start)
     return {
@@ -121,7 +127,8 @@ def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo
 class _Stats:
     def __init__(self) -> None:
         self.rows = self.steps = self.weighted_steps = self.refused = self.tokens = self.weighted_tokens = 0
-        self.no_weight = 0
+        self.no_weight = 0  # all-zero Eq. 8 weights
+        self.no_aligned_weight = 0  # weighted steps exist, but none could be placed
         self.reasons: dict[str, int] = {}
 
     def refuse(self, refused: dict[int, str]) -> None:
@@ -144,7 +151,15 @@ class _Stats:
             "weighted_steps": self.weighted_steps,
             "unaligned_steps": self.refused,
             "unaligned_reasons": dict(sorted(self.reasons.items())),
-            "episodes_without_weighted_tokens": self.no_weight,
+            "episodes_without_weighted_tokens": self.no_weight + self.no_aligned_weight,
+            "episodes_dropped": {
+                k: v
+                for k, v in (
+                    ("all_zero_weights", self.no_weight),
+                    ("no_weighted_step_placed", self.no_aligned_weight),
+                )
+                if v
+            },
             "tokens": self.tokens,
             "weighted_tokens": self.weighted_tokens,
         }
@@ -156,11 +171,11 @@ def export_tokenized(
     run_name: str | None = None,
     *,
     tokenizer: str | Path,
-    omega: float = 1.0,
-    min_reward: float = 0.2,
+    omega: float | None = None,
+    min_reward: float | None = None,
     group_by: str | None = None,
     fmt: str = "jsonl",
-    use_smoothed: bool = True,
+    use_smoothed: bool | None = None,
     rendering: str = "turns",
 ) -> dict[str, Any]:
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
@@ -181,41 +196,40 @@ def export_tokenized(
     run = get_run(store, run_name)
     warnings = run_warnings(run)
     tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
-    provenance = {
-        "credits": run.name,
-        "run_hash": run.run_hash,
-        "scorer_id": run.scorer_id,
-        "tokenizer": fingerprint["name"],
-        "tokenizer_files_sha256": fingerprint["files_sha256"],
-        "chat_template_sha256": fingerprint["chat_template_sha256"],
-        "q": "q_h_smoothed" if use_smoothed else "q_h",
-        "omega": float(omega),
-        "rendering": rendering,
-    }
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
     with db.read(store.engine) as conn:
-        episodes = selected_episodes(conn, run, min_reward, use_smoothed)
-        _step_indices(conn, episodes, run)
-        eq8 = hcapo_weights(
-            np.asarray([e["reward"] for e in episodes], dtype=np.float64),
-            [e["q"] for e in episodes],
-            omega,
-            episode_groups(conn, episodes, group_by, warnings),
+        rw = run_weights(
+            conn, run, warnings, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
         )
+        episodes = rw.episodes
+        provenance = {
+            "credits": run.name,
+            "run_hash": run.run_hash,
+            "scorer_id": run.scorer_id,
+            "tokenizer": fingerprint["name"],
+            "tokenizer_files_sha256": fingerprint["files_sha256"],
+            "chat_template_sha256": fingerprint["chat_template_sha256"],
+            "q": "q_h_smoothed" if rw.use_smoothed else "q_h",
+            "omega": float(rw.omega),
+            "rendering": rendering,
+            "variant": run.variant,
+        }
+        _step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
-                if not (eq8.weights[i] > 0).any():
+                if not rw.signed and not (rw.weights[i] > 0).any():
+                    stats.no_weight += 1  # the original leaves all-zero episodes out
                     continue
                 al = renderer.align(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
-                row = _row(ep, ids[i], eq8.grpo[i], eq8.weights[i], al, provenance)
+                row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed)
                 stats.refuse(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
-                    stats.no_weight += 1
+                    stats.no_aligned_weight += 1
                     continue
                 stats.add(row)
                 yield row
@@ -231,16 +245,14 @@ def export_tokenized(
     if stats.rows == 0:
         warnings.append(
             f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
-            f"{min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)"
+            f"{rw.min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)"
         )
     summary = {
         "total_episodes_loaded": len(episodes),
         **stats.as_dict(),
         "config": {
-            "omega": omega,
-            "min_reward": min_reward,
-            "use_smoothed": use_smoothed,
-            "group_by": group_by,
+            **rw.config(),
+            "variant": run.variant,
             "credits": run.name,
             "scorer_id": run.scorer_id,
             "credit_params": run.params,
@@ -273,6 +285,7 @@ def _schema(id_type: Any) -> Any:
                 "chat_template_sha256",
                 "q",
                 "rendering",
+                "variant",
             )
         ]
         + [("omega", pa.float64()), ("flattened", pa.bool_())]
