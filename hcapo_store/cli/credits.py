@@ -50,8 +50,43 @@ def credits() -> None:
     show_default=True,
     help="Backward smoothing weight α of q_h into q_h_smoothed.",
 )
-@click.option("--no-smooth", is_flag=True, help="No backward smoothing (q_h_smoothed = q_h).")
-@click.option("--no-dense-rewards", is_flag=True, help="Sparse: episode reward discounted to the episode end.")
+@click.option("--no-smooth", is_flag=True, help="No smoothing (q_h_smoothed = q_h).")
+@click.option(
+    "--variant",
+    type=click.Choice(["original", "paper"]),
+    default="original",
+    show_default=True,
+    help="original: the scripts' estimator (recursive smoothing, global statistics, Eq. 8 weights >= 0 for "
+    "weighted SFT); paper: Algorithm 1 (one-step smoothing, per-group statistics, signed advantages for "
+    "PPO/GRPO). docs/CREDITS.md lists the differences.",
+)
+@click.option(
+    "--dense-rewards/--no-dense-rewards",
+    default=None,
+    help="Dense: a step's return is its subtask's score discounted to the subtask's end; sparse: the episode "
+    "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper.",
+)
+@click.option("--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight ω of the micro (step) term.")
+@click.option(
+    "--group-by",
+    metavar="TAG",
+    help="Macro advantage (and, for paper, μ_H/σ_H) per value of this tag, e.g. a GRPO group id; "
+    "episodes without it form one group.",
+)
+@click.option(
+    "--min-reward",
+    type=FiniteFloat(),
+    default=0.2,
+    show_default=True,
+    help="original: advantages over the episodes with reward >= X (those the export keeps).",
+)
+@click.option(
+    "--success-threshold",
+    type=FiniteFloat(),
+    default=1.0,
+    show_default=True,
+    help="paper: a trajectory with reward >= X is successful; do-no-harm clears its negative micro terms.",
+)
 @click.option("--max-logprob-tokens", type=int_range(1), help="Re-aggregate only the last N stored token logprobs.")
 @click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -66,12 +101,17 @@ def credits_compute(
     c_max,
     alpha,
     no_smooth,
-    no_dense_rewards,
+    variant,
+    dense_rewards,
+    omega,
+    group_by,
+    min_reward,
+    success_threshold,
     max_logprob_tokens,
     recompute,
     as_json,
 ) -> None:
-    """Compute pi_hind, rho, q_h, q_h_smoothed for every completely scored episode.
+    """Compute pi_hind, rho, q_h, q_h_smoothed and the advantage for every completely scored episode.
 
     Same scorer + same hyperparameters is the same run (returned, not recomputed).
     Episodes with missing or failed steps are listed as incomplete and get no credits.
@@ -79,6 +119,11 @@ def credits_compute(
     from hcapo_store.credits.equations import CreditParams
     from hcapo_store.credits.runs import compute_credits
 
+    given = click.get_current_context().get_parameter_source
+    for option, only in (("success_threshold", "paper"), ("min_reward", "original")):
+        if variant != only and given(option) is click.core.ParameterSource.COMMANDLINE:
+            flag = "--" + option.replace("_", "-")
+            raise click.UsageError(f"{flag} applies to --variant {only} only (this run is --variant {variant})")
     # Invalid values are refused by CreditParams itself (one line, with the valid range).
     params = CreditParams(
         t_temp=t_temp,
@@ -87,8 +132,13 @@ def credits_compute(
         c_max=c_max,
         alpha=alpha,
         smooth=not no_smooth,
-        dense=not no_dense_rewards,
+        dense=(variant == "original") if dense_rewards is None else dense_rewards,
         max_logprob_tokens=max_logprob_tokens,
+        variant=variant,
+        omega=omega,
+        group_by=group_by,
+        min_reward=min_reward,
+        success_threshold=success_threshold,
     )
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
     echo_json(result.as_dict()) if as_json else click.echo(result.message)
