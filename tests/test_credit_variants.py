@@ -101,7 +101,7 @@ def _store_with(tmp_path, trajs: list[dict]) -> Store:
                 text("SELECT id, step_index FROM steps WHERE episode_id = :e ORDER BY step_index"), {"e": ep}
             ).all()
             assert len(steps) == len(tr["logprobs"])
-            for (sid, t), lp in zip(steps, tr["logprobs"]):
+            for (sid, _t), lp in zip(steps, tr["logprobs"]):
                 conn.execute(
                     text(
                         "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
