@@ -341,3 +341,23 @@ def test_template_token_weight_of_a_rendered_scorer(scored, ref, tiny_model_dir)
     own = prepare(store, _cfg(ref, tiny_model_dir, action_span="policy"))
     run_scoring(store, own, RunOptions(concurrency=2))
     assert template_token_weight(store, own.scorer_id, tiny_model_dir)["template_token_share"] == 0.0
+
+
+def test_no_hindsight_is_a_baseline_scorer_without_the_outcome(scored, ref, tiny_model_dir):
+    """score --no-hindsight: the same conversation without the hindsight block, a scorer of its own."""
+    store, prep, _ = scored
+    base = prepare(store, _cfg(ref, tiny_model_dir, hindsight=False))
+    assert base.scorer_id != prep.scorer_id and base.spec["hindsight"] is False
+    assert "hindsight_template_sha256" not in base.spec and "no-hindsight" in scorer_label(base.spec)
+    before = len(ref.sequences_seen)
+    report = run_scoring(store, base, RunOptions(concurrency=2))
+    n = _steps(store)
+    assert (report.scored, report.failed) == (n, 0)
+    sent = ref.sequences_seen[before:]
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert sent and not any("HINDSIGHT" in tok.decode(p) for p in sent)
+    assert all("HINDSIGHT" in tok.decode(p) for p in ref.sequences_seen[:before])
+    # The same action tokens are scored: equal counts per step, different values.
+    hind, plain = stored_scores(store, prep.scorer_id), stored_scores(store, base.scorer_id)
+    assert {k: v[2] for k, v in hind.items()} == {k: v[2] for k, v in plain.items()}
+    assert any(abs(hind[k][0] - plain[k][0]) > 1e-4 for k in hind)

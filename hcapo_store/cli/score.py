@@ -126,6 +126,12 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, i
     "for the turn (the original's); policy = only the policy's own tokens and its end-of-turn token, "
     "never a header or a wrapper the template inserts (Qwen3's empty think block). A different scorer.",
 )
+@click.option(
+    "--no-hindsight",
+    is_flag=True,
+    help="Score the same prompts without the outcome block: the policy's π(a|s), a baseline scorer of its "
+    "own for `diagnose --baseline` (never an estimator).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(
@@ -154,6 +160,7 @@ def score(
     grouping,
     truncation,
     action_span,
+    no_hindsight,
     as_json,
 ) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
@@ -183,7 +190,10 @@ def score(
         request_timeout=request_timeout,
         truncation=truncation,
         action_span=action_span,
+        hindsight=not no_hindsight,
     )
+    if hindsight_template and no_hindsight:
+        raise click.UsageError("--hindsight-template and --no-hindsight contradict each other: pick one")
     if hindsight_template:
         try:
             cfg.hindsight_template = hindsight_template.read_bytes().decode("utf-8")

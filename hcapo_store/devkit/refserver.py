@@ -79,6 +79,7 @@ class ReferenceServer(BackgroundHTTPServer):
         self.requests = 0
         self.sequences = 0
         self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
+        self.sequences_seen: list[list[int]] = []  # the ids of every scored sequence, in order (for tests)
         self._count_lock = threading.Lock()
         self.thread_name = "hcapo-refserver"
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
@@ -314,6 +315,7 @@ class ReferenceServer(BackgroundHTTPServer):
     def _run(self, ids: list[int], first_scored: int, **options: Any) -> PositionScores:
         with self._count_lock:
             self.sequences += 1
+            self.sequences_seen.append(list(ids))
         return self.scorer.score_positions(ids, first_scored, **options)
 
     def _count_request(self) -> None:

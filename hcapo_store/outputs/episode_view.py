@@ -147,12 +147,19 @@ class TokenRebuilder:
         self.note: str | None = None
         self.builder = None
         spec = scorer_spec(store, scorer_id)
-        if spec.get("hindsight_template_sha256") != template_hash(HINDSIGHT_TEMPLATE):
+        baseline = spec.get("hindsight") is False
+        if not baseline and spec.get("hindsight_template_sha256") != template_hash(HINDSIGHT_TEMPLATE):
             self.note = "no token heat maps: the scorer used a custom hindsight template"
             return
         self.tokenizer, _ = scorer_tokenizer(store, scorer_id, tokenizer_dir)
+        # The scorer's own prompt options, so each heat map shows exactly the tokens it scored.
         self.builder = PromptBuilder(
-            self.tokenizer, max_context=spec["max_context"], max_logprob_tokens=spec["max_logprob_tokens"]
+            self.tokenizer,
+            max_context=spec["max_context"],
+            max_logprob_tokens=spec["max_logprob_tokens"],
+            truncation=spec.get("truncation") or "sliding",
+            action_span=spec.get("action_span") or "rendered",
+            hindsight=not baseline,
         )
 
     def add_tokens(self, view: EpisodeView) -> None:

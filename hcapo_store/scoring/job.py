@@ -63,6 +63,7 @@ class ScoreConfig:
     request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
     truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
     action_span: ActionSpan = "rendered"  # or "policy": only the policy's own tokens are scored
+    hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -200,6 +201,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         max_logprob_tokens=cfg.max_logprob_tokens,
         truncation=cfg.truncation,
         action_span=cfg.action_span,
+        hindsight=cfg.hindsight,
     )
     spec = {
         "backend": backend.identity(),
@@ -216,6 +218,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         spec["truncation"] = cfg.truncation
     if cfg.action_span != "rendered":
         spec["action_span"] = cfg.action_span
+    if not cfg.hindsight:  # a baseline: no outcome, so the hindsight template plays no part
+        spec["hindsight"] = False
+        del spec["hindsight_template_sha256"]
     return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
 
 

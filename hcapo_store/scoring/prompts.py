@@ -166,10 +166,12 @@ def check_hindsight_template(template: str) -> None:
         raise ValueError(f"hindsight template cannot be filled: {exc!r}; {allowed}") from exc
 
 
-def inject_hindsight(messages: Sequence[Mapping[str, Any]], hindsight: str) -> list[dict[str, Any]]:
-    """Copies of ``messages`` with ``hindsight`` appended to the first one's content."""
+def inject_hindsight(messages: Sequence[Mapping[str, Any]], hindsight: str | None) -> list[dict[str, Any]]:
+    """Copies of ``messages`` with ``hindsight`` appended to the first one's content (None: the
+    plain conversation, for the baseline scorer π(a|s) of ``score --no-hindsight``)."""
     out = [dict(m) for m in messages]
-    out[0]["content"] = (out[0].get("content") or "") + "\n\n" + hindsight
+    if hindsight is not None:
+        out[0]["content"] = (out[0].get("content") or "") + "\n\n" + hindsight
     return out
 
 
@@ -418,6 +420,7 @@ class PromptBuilder:
         max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS,
         truncation: Truncation = "sliding",
         action_span: ActionSpan = "rendered",
+        hindsight: bool = True,
     ) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
@@ -427,6 +430,7 @@ class PromptBuilder:
             raise ValueError(f"action_span must be one of {ACTION_SPANS}, got {action_span!r}")
         self.truncation = truncation
         self.action_span = action_span
+        self.hindsight = hindsight  # False: no outcome in the prompt (a baseline scorer)
         check_hindsight_template(hindsight_template)
         self.tokenizer = tokenizer
         self.hindsight_template = hindsight_template
@@ -448,7 +452,7 @@ class PromptBuilder:
             raise _TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
     def _render_pair(
-        self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str
+        self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
     ) -> tuple[str, str, dict, bool]:
         """(prefix text, full text, first message, flattened); flattens when the template rejects."""
         messages = inject_hindsight(normalized[: m + 1], hindsight)
@@ -479,7 +483,7 @@ class PromptBuilder:
         results: list[StepPrompt | PromptFailure] = []
         for step in steps:
             index, m = _field(step, "step_index"), _field(step, "message_index")
-            hindsight = hindsight_text(outcome, step, self.hindsight_template)
+            hindsight = self._hindsight(outcome, step)
             try:
                 prefix_text, full_text, first, flattened = self._render_step(messages, normalized, m, hindsight)
             except _TemplateRejected as exc:
@@ -507,7 +511,7 @@ class PromptBuilder:
     ) -> StepPrompt | PromptFailure:
         """The straightforward render + tokenize of everything, for tests and benchmarks."""
         index, m = _field(step, "step_index"), _field(step, "message_index")
-        hindsight = hindsight_text(outcome, step, self.hindsight_template)
+        hindsight = self._hindsight(outcome, step)
         try:
             prefix_text, full_text, first, flattened = self._render_step(
                 messages, normalize_messages(messages), m, hindsight
@@ -519,6 +523,9 @@ class PromptBuilder:
         texts.own = self._own_span(messages, normalize_messages(messages), m, hindsight, prefix_text, full_text, texts)
         return self._finish(index, texts, lambda: encode(self._render([first], generation=False)))
 
+    def _hindsight(self, outcome: Any, step: Any) -> str | None:
+        return hindsight_text(outcome, step, self.hindsight_template) if self.hindsight else None
+
     # -- span logic, shared by both paths
 
     def _own_span(
@@ -526,7 +533,7 @@ class PromptBuilder:
         raw: Sequence[Mapping[str, Any]],
         normalized: list[dict],
         m: int,
-        hindsight: str,
+        hindsight: str | None,
         prefix_text: str,
         full_text: str,
         texts: _StepTexts,
@@ -553,7 +560,7 @@ class PromptBuilder:
         return span.start, span.end
 
     def _render_step(
-        self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str
+        self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str | None
     ) -> tuple[str, str, dict, bool]:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
             raise _TemplateRejected(f"message {m} is not an assistant message after the first message")

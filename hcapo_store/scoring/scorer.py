@@ -54,6 +54,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
         parts.append(f"tool-chars={conv['max_tool_result_chars']}")
     if spec.get("truncation"):
         parts.append(f"trunc={spec['truncation']}")
+    if spec.get("hindsight") is False:
+        parts.append("no-hindsight")
     if spec.get("action_span"):
         parts.append(f"span={spec['action_span']}")
     return " ".join(parts)
