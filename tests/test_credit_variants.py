@@ -73,7 +73,8 @@ def reference_paper(
 
 
 def _store_with(tmp_path, trajs: list[dict]) -> Store:
-    """Episodes with the given rewards, group tags and per-step mean logprobs, scored by "sc"."""
+    """Episodes with the given rewards, group tags and per-step mean logprobs, scored by "sc"
+    (``tokens``: each step's action length, default 1)."""
     lines = []
     for k, tr in enumerate(trajs):
         messages = [{"role": "user", "content": f"task {k}"}]
@@ -101,17 +102,31 @@ def _store_with(tmp_path, trajs: list[dict]) -> Store:
                 text("SELECT id, step_index FROM steps WHERE episode_id = :e ORDER BY step_index"), {"e": ep}
             ).all()
             assert len(steps) == len(tr["logprobs"])
-            for (sid, _t), lp in zip(steps, tr["logprobs"]):
-                conn.execute(
-                    text(
-                        "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
-                        "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
-                        "logprob_start_len, flattened, created_at) VALUES (:s, 'sc', :b, 1, :m, 1, 0, 0, 2, 1, "
-                        "FALSE, '2026-11-25')"
-                    ),
-                    {"s": sid, "b": b"\0\0\0\0", "m": lp},
-                )
+            for (sid, _t), lp, n in zip(steps, tr["logprobs"], tr.get("tokens") or [1] * len(steps)):
+                add_score(conn, "sc", sid, lp, n)
     return store
+
+
+def add_score(conn, scorer: str, step_id: int, mean: float, tokens: int = 1) -> None:
+    """One stored score of ``tokens`` equal per-token values (so the mean is ``mean``)."""
+    import struct
+
+    conn.execute(
+        text(
+            "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
+            "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
+            "logprob_start_len, flattened, created_at) VALUES (:s, :sc, :b, :n, :m, :n, 0, 0, :i, 1, "
+            "FALSE, '2026-11-25')"
+        ),
+        {
+            "s": step_id,
+            "sc": scorer,
+            "b": struct.pack(f"<{tokens}f", *[mean] * tokens),
+            "n": tokens,
+            "m": mean,
+            "i": tokens + 1,
+        },
+    )
 
 
 def _stored(store: Store, run: str) -> dict[tuple[str, int], dict]:
