@@ -12,8 +12,8 @@ from scipy import stats as sps
 from sqlalchemy import text
 from test_credit_variants import _store_with, add_score
 
-from hcapo_store.analysis.diagnose import CLIPPED_SHARE, INERT_STD, LENGTH_CORR, diagnose_run, spearman
 from hcapo_store.cli import cli
+from hcapo_store.credits.diagnose import CLIPPED_SHARE, INERT_STD, LENGTH_CORR, diagnose_run, spearman
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import CreditError
@@ -168,3 +168,19 @@ def test_cli_json_and_one_line_errors(tmp_path, runner):
         r = runner.invoke(cli, ["--db", db_path, "diagnose", *args])
         assert r.exit_code != 0 and needle in r.output and "Traceback" not in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_report_shows_the_diagnostics_panel(tmp_path):
+    from hcapo_store.outputs.report import write_report
+
+    store = _store_with(tmp_path, _trajs(2, spread=0.0))
+    compute_credits(store, name="r")
+    write_report(store, tmp_path / "r.html", "r")
+    page = (tmp_path / "r.html").read_text()
+    assert 'id="diagnostics"' in page and "<strong>inert</strong>" in page
+    assert "Mean rho_raw by position in the episode" in page
+    (tmp_path / "h").mkdir()
+    healthy = _store_with(tmp_path / "h", _trajs(1, spread=0.4))
+    compute_credits(healthy, name="r")
+    write_report(healthy, tmp_path / "h.html", "r")
+    assert "No warning: rho has spread" in (tmp_path / "h.html").read_text()

@@ -51,7 +51,7 @@ def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path)
     for section in ("run", "hyperparameters", "distributions", "subtasks", "coverage", "failures"):
         assert f'id="{section}"' in page
     svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
-    assert len(svgs) == 8  # 5 histograms, subtask positions, coverage, failure kinds
+    assert len(svgs) == 9  # 5 histograms, rho by position decile, subtask positions, coverage, failure kinds
     for svg in svgs:
         ET.fromstring(svg)  # well-formed
     assert "c_min 0.9" in page and "c_max 1.1" in page  # the clip bounds are marked
@@ -69,4 +69,4 @@ def test_report_without_failures(store: Store, samples: Path, tmp_path: Path) ->
     compute_credits(store)
     page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
     assert "No failed attempts recorded." in page
-    assert len(re.findall(r"<svg", page)) == 7
+    assert len(re.findall(r"<svg", page)) == 8

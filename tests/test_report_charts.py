@@ -83,6 +83,6 @@ def test_report_labels_subtasks_by_id(store: Store, samples: Path, tmp_path: Pat
     ids = [
         r[0] for r in store.query("SELECT DISTINCT subtask_id FROM steps WHERE subtask_id IS NOT NULL ORDER BY 1")[1]
     ]
-    svg = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)[5]  # the subtask chart
+    svg = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)[6]  # the subtask chart (after the decile chart)
     xs = _labels(svg, anchor="middle")
     assert xs[0] == "planning" and set(ids) <= set(xs)

@@ -43,7 +43,7 @@ def diagnose_cmd(
     With RUN2: the rank agreement (Spearman) of the two runs' step advantages, e.g. two hindsight
     templates, two variants or two policy versions.
     """
-    from hcapo_store.analysis.diagnose import diagnose_run
+    from hcapo_store.credits.diagnose import diagnose_run
 
     store = state.store(create=False)
     data = diagnose_run(store, run, other_run=run2, group_by=group_by, baseline_scorer=baseline)

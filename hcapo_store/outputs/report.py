@@ -19,6 +19,7 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.clock import utcnow
+from hcapo_store.credits.diagnose import diagnose_run
 from hcapo_store.credits.runs import get_run
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_counts
@@ -326,6 +327,49 @@ def _figure(svg: str, caption: str) -> str:
     return f"<figure>{svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
+def _diagnostics_html(d: dict[str, Any]) -> str:
+    """The numbers of ``hcapo-store diagnose`` (analysis/diagnose.py) with its warnings."""
+    if not d.get("steps"):
+        return "<p>No credited step.</p>"
+    q = d["rho_raw_quantiles"]
+
+    def num(v: Any, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    rows = [
+        ["std of rho_raw (spread of the hindsight ratio)", num(d["rho_raw_std"], ".4f")],
+        ["rho_raw 5 % / 50 % / 95 % quantiles", f"{q['p05']:.3f} / {q['p50']:.3f} / {q['p95']:.3f}"],
+        ["share of steps with rho_raw < c_min / > c_max", f"{d['clipped_low']:.1%} / {d['clipped_high']:.1%}"],
+        ["Pearson r of rho_raw with the action's token count", num(d["corr_rho_action_tokens"], "+.2f")],
+        ["Pearson r of the micro term with the action's token count", num(d["corr_micro_action_tokens"], "+.2f")],
+        ["mean |omega · micro| / mean |A_i|", num(d["micro_macro_ratio"], ".2f")],
+        ["share of steps whose advantage sign the micro term flips", num(d["micro_sign_flips"], ".1%")],
+    ]
+    deciles = d["rho_raw_by_position_decile"]
+    labels = [f"{10 * i}–{10 * i + 10} %" for i in range(10)]
+    bars = svg_bars(
+        [lab for lab, v in zip(labels, deciles) if v is not None],
+        [float(v) for v in deciles if v is not None],
+        "Mean rho_raw by position in the episode (deciles)",
+        "mean rho_raw",
+    )
+    warnings = "".join(
+        f"<li><strong>{html.escape(w['code'])}</strong>: {html.escape(w['message'])}</li>" for w in d["warnings"]
+    )
+    verdict = (
+        f'<ul class="warnings">{warnings}</ul>'
+        if warnings
+        else "<p>No warning: rho has spread, is not tied to action length and is not mostly clipped.</p>"
+    )
+    note = f'<p class="meta">{html.escape(d["note"])}</p>' if d.get("note") else ""
+    return (
+        verdict
+        + note
+        + _table(["statistic", "value"], rows)
+        + f'<div class="grid">{_figure(bars, "A ratio that falls or rises with position is a positional discount, not evidence from the outcome.")}</div>'
+    )
+
+
 def build_report(store: Store, run_name: str | None = None, extra: str | None = None) -> str:
     """The report's HTML text (``extra``: HTML appended at the end, e.g. the episode index)."""
     run = get_run(store, run_name)
@@ -383,6 +427,7 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
         else ""
     )
 
+    diag = diagnose_run(store, run.name)
     hyper = [(k, json.dumps(v)) for k, v in p.items()]
     sections = [
         f"<h1>hcapo-store credit report: {html.escape(run.name)}</h1>",
@@ -398,6 +443,8 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
         _table(["parameter", "value"], hyper),
         '<h2 id="distributions">Distributions</h2>',
         f'<div class="grid">{"".join(dist)}</div>',
+        '<h2 id="diagnostics">Does the hindsight signal carry information?</h2>',
+        _diagnostics_html(diag),
         '<h2 id="subtasks">Q_H per subtask</h2>',
         f'<div class="grid">{_figure(pos_svg, "Planning is its own bar; unmapped = executing steps whose subtask is not in the plan.")}</div>',
         _table(
