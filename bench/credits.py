@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from hcapo_store import db  # noqa: E402
 from hcapo_store.credits.equations import CreditParams  # noqa: E402
 from hcapo_store.credits.runs import compute_credits  # noqa: E402
+from hcapo_store.storage import db  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 
 SCORER = "bench-scorer"
@@ -123,6 +123,21 @@ def measure(path: Path, params: CreditParams) -> dict:
     seconds = time.perf_counter() - t0
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+    if (
+        params.variant != "original"
+    ):  # the plain reference is the original's; tests/test_credit_variants.py checks paper
+        store.close()
+        n = result.run.steps
+        return {
+            "episodes": result.run.episodes,
+            "steps": n,
+            "seconds": round(seconds, 3),
+            "steps_per_s": round(n / seconds),
+            "peak_rss_mb": round(peak_mb, 1),
+            "reference_seconds": None,
+            "reference_over_store": None,
+            "max_abs_diff_vs_reference": None,
+        }
     # The reference on the same data, in memory (loading is not timed).
     with store.engine.connect() as conn:
         rows = conn.exec_driver_sql(
@@ -180,9 +195,13 @@ def main() -> None:
         "--max-logprob-tokens", type=int, default=None, help="also exercise the suffix re-aggregation (e.g. 8)"
     )
     ap.add_argument("--no-dense-rewards", action="store_true")
+    ap.add_argument("--variant", choices=("original", "paper"), default="original")
+    ap.add_argument("--json", action="store_true", help="print the measurement as one JSON object")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child process mode
     args = ap.parse_args()
-    params = CreditParams(dense=not args.no_dense_rewards, max_logprob_tokens=args.max_logprob_tokens)
+    params = CreditParams(
+        dense=not args.no_dense_rewards, max_logprob_tokens=args.max_logprob_tokens, variant=args.variant
+    )
     if args.measure:
         print(json.dumps(measure(args.db, params)))
         return
@@ -197,11 +216,19 @@ def main() -> None:
         cmd += ["--max-logprob-tokens", str(args.max_logprob_tokens)]
     if args.no_dense_rewards:
         cmd.append("--no-dense-rewards")
+    if args.variant != "original":
+        cmd += ["--variant", args.variant]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    if args.json:
+        print(json.dumps(out))
+        return
     print(
         f"credits compute: {out['steps']:,} steps of {out['episodes']:,} episodes in {out['seconds']} s "
         f"({out['steps_per_s']:,} steps/s), peak RSS {out['peak_rss_mb']} MB"
     )
+    if out["reference_seconds"] is None:
+        tmp.cleanup()
+        return
     print(
         f"reference (plain Python, in memory, same data): {out['reference_seconds']} s "
         f"= {out['reference_over_store']}x the store's time (which includes SQL read + write); "

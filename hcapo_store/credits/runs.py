@@ -353,10 +353,16 @@ def _fill_run(
     if not parts:
         return totals
     cols = _Columns.concat(parts)
-    credit_rows = _credit_rows(conn, run_id, params, cols, totals)
+    del parts
+    columns = _credit_columns(conn, run_id, params, cols, totals)
     insert_sql = _insert_sql(conn)
-    for i in range(0, len(credit_rows[0]), INSERT_ROWS):
-        conn.exec_driver_sql(insert_sql, list(zip(*(col[i : i + INSERT_ROWS] for col in credit_rows))))
+    # Python objects only for one chunk at a time: a million rows of 14 floats would be ~0.5 GB.
+    for i in range(0, len(cols.step_id), INSERT_ROWS):
+        chunk = [c[i : i + INSERT_ROWS] for c in columns]
+        n = len(chunk[0])
+        conn.exec_driver_sql(
+            insert_sql, list(zip([run_id] * n, *(c.tolist() if c.dtype != object else list(c) for c in chunk)))
+        )
     return totals
 
 
@@ -377,8 +383,10 @@ class _Columns:
         return _Columns(*(np.concatenate([getattr(p, f) for p in parts]) for f in _Columns.__dataclass_fields__))
 
 
-def _credit_rows(conn: Connection, run_id: int, params: CreditParams, cols: _Columns, totals: _Totals) -> list[list]:
-    """The credit table's columns (lists, in CREDIT_COLUMNS order) for every collected step."""
+def _credit_columns(
+    conn: Connection, run_id: int, params: CreditParams, cols: _Columns, totals: _Totals
+) -> list[np.ndarray]:
+    """The credit table's columns after ``run_id`` (CREDIT_COLUMNS order) for every collected step."""
     starts = _starts(cols.episode)
     batch = EpisodeBatch(
         starts=starts,
@@ -401,32 +409,35 @@ def _credit_rows(conn: Connection, run_id: int, params: CreditParams, cols: _Col
             dense=params.dense,
         )
         a_macro, micro, advantage = c.a_macro, c.micro, c.advantage
-        totals.null_rewards += getattr(c, "null_rewards", 0)
     else:
-        c = episode_credits(batch, params)
-        totals.null_rewards += c.null_rewards
+        c = episode_credits(batch, params)  # type: ignore[assignment]
         a_macro, micro, advantage = _original_advantages(conn, params, batch, episode_ids, groups, c.q_h_smoothed)
-    n = len(cols.step_id)
+    totals.null_rewards += c.null_rewards
     return [
-        [run_id] * n,
-        cols.step_id.tolist(),
-        cols.mean.tolist(),
-        cols.tokens.tolist(),
-        c.pi_hind.tolist(),
-        c.rho_raw.tolist(),
-        c.rho.tolist(),
-        c.r_t.tolist(),
-        c.discount.tolist(),
-        c.q_h.tolist(),
-        c.q_h_smoothed.tolist(),
+        cols.step_id,
+        cols.mean,
+        cols.tokens,
+        c.pi_hind,
+        c.rho_raw,
+        c.rho,
+        c.r_t,
+        c.discount,
+        c.q_h,
+        c.q_h_smoothed,
         _nullable(a_macro),
         _nullable(micro),
         _nullable(advantage),
     ]
 
 
-def _nullable(x: np.ndarray) -> list[float | None]:
-    return [None if v != v else v for v in x.tolist()]  # NaN → NULL
+def _nullable(x: np.ndarray) -> np.ndarray:
+    """NaN → NULL: an object array (None where NaN) when there is a NaN, else the floats."""
+    nan = np.isnan(x)
+    if not nan.any():
+        return x
+    out = x.astype(object)
+    out[nan] = None
+    return out
 
 
 def _original_advantages(

@@ -1,0 +1,39 @@
+"""Every script in bench/ still runs: each one's --help (imports included), and the cheap ones
+end to end at a small size with their own numeric cross-checks. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(BENCH.glob("*.py"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_every_bench_script_starts(script: Path) -> None:
+    r = _run(str(script), "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage" in r.stdout.lower()
+
+
+def test_credits_bench_small(tmp_path: Path) -> None:
+    r = _run(str(BENCH / "credits.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "c.db"), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    assert out["steps"] == 240 and out["max_abs_diff_vs_reference"] < 1e-9
+
+
+def test_diagnose_bench_small(tmp_path: Path) -> None:
+    r = _run(str(BENCH / "diagnose.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "d.db"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    assert out["steps"] == 240 and out["abs_diff_std_vs_numpy"] < 1e-12
