@@ -102,3 +102,7 @@ class InvalidCreditParams(CreditError, ValueError):
 
 class ExportError(HcapoError):
     """An export cannot be written."""
+
+
+class TrainingDataError(HcapoError, ValueError):
+    """Training rows that a trainer must not use as they are (another tokenizer, wrong columns)."""

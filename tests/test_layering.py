@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "hcapo_store"
-ABOVE_STORAGE = ("ingestion", "scoring", "credits", "outputs", "analysis", "cli", "devkit", "trainers", "online")
+ABOVE_STORAGE = ("ingestion", "scoring", "credits", "outputs", "analysis", "cli", "devkit", "training", "online")
 
 
 def _module_name(path: Path) -> str:
@@ -46,6 +46,18 @@ def test_storage_imports_nothing_above_it():
         if target.split(".")[1] in ABOVE_STORAGE
     ]
     assert upward == []
+
+
+def test_the_pipeline_never_imports_the_trainers():
+    """training/ reads exports and needs torch/TRL: nothing else may depend on it."""
+    users = [
+        f"{name} -> {target}"
+        for name, targets in _graph(top_level_only=False).items()
+        if not name.startswith("hcapo_store.training")
+        for target in targets
+        if target.startswith("hcapo_store.training")
+    ]
+    assert users == []
 
 
 def test_no_module_level_import_cycle():

@@ -112,7 +112,7 @@ def test_real_size_sessions_are_placed_whole(
         for row in rows:
             messages = load_messages(conn, ep_ids[row["episode"]])
             for m, (start, end) in zip(row["step_message_indices"], row["step_spans"]):
-                own = tok.decode(row["input_ids"][start:end])
+                own = tok.decode(row["token_ids"][start:end])
                 assert own.endswith(end_of_turn) and own.count(end_of_turn) == 1
                 assert "<|im_start|>" not in own and "<|start_header_id|>" not in own
                 for piece in own_pieces(messages[m]):

@@ -21,7 +21,15 @@ from hcapo_store.cli import cli
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "cli.py", *(ROOT / "hcapo_store").rglob("*.py"), *(ROOT / "migrations").rglob("*.py")]
 # Imported only behind an extra, each guarded by a MissingExtra (the tests below).
-EXTRAS = {"torch": "local", "safetensors": "local", "pyarrow": "parquet", "psycopg": "postgres", "pandas": "pandas"}
+EXTRAS = {
+    "torch": "local",
+    "safetensors": "local",
+    "pyarrow": "parquet",
+    "psycopg": "postgres",
+    "pandas": "pandas",
+    "trl": "trl",
+    "datasets": "trl",
+}
 
 
 def _imported_top_level_modules() -> set[str]:

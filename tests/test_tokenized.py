@@ -125,21 +125,21 @@ def test_weighted_tokens_decode_to_each_steps_own_tokens(
     with store.engine.connect() as conn:
         for row in rows:
             messages = load_messages(conn, ep_ids[row["episode"]])
-            assert len(row["input_ids"]) == len(row["labels"]) == len(row["advantages"])
+            assert len(row["token_ids"]) == len(row["labels"]) == len(row["advantages"])
             if rendering == "whole":
                 whole = tok.apply_chat_template(normalize_messages(messages), tokenize=False)
-                assert row["input_ids"] == tok.encode(whole, add_special_tokens=False)
+                assert row["token_ids"] == tok.encode(whole, add_special_tokens=False)
             else:  # the row starts with the first step's prompt, exactly as scoring renders it
                 m0 = row["step_message_indices"][0]
                 prompt = tok.apply_chat_template(
                     normalize_messages(messages)[:m0], tokenize=False, add_generation_prompt=True
                 )
-                assert tok.decode(row["input_ids"][: row["step_spans"][0][0]]) == prompt
+                assert tok.decode(row["token_ids"][: row["step_spans"][0][0]]) == prompt
             weighted = set()
             for m, w, (start, end) in zip(row["step_message_indices"], row["step_advantages"], row["step_spans"]):
-                assert tok.decode(row["input_ids"][start:end]) == _own_action(tok, messages, m)
+                assert tok.decode(row["token_ids"][start:end]) == _own_action(tok, messages, m)
                 if w > 0:
-                    assert row["labels"][start:end] == row["input_ids"][start:end]
+                    assert row["labels"][start:end] == row["token_ids"][start:end]
                     assert row["advantages"][start:end] == [w] * (end - start)
                     weighted.update(range(start, end))
             for i, (label, adv) in enumerate(zip(row["labels"], row["advantages"])):
@@ -194,8 +194,8 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     assert weighted == [i for span in spans for i in span]
     assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
     tok = load_tokenizer(tok_dir)
-    assert "step 0" not in tok.decode([row["input_ids"][i] for i in weighted])
-    assert tok.decode(row["input_ids"][spans[0].start : spans[0].stop]).startswith("step 2 of good")
+    assert "step 0" not in tok.decode([row["token_ids"][i] for i in weighted])
+    assert tok.decode(row["token_ids"][spans[0].start : spans[0].stop]).startswith("step 2 of good")
 
     # Turn by turn, every step is in the row as the policy produced it.
     summary = export_dataset(
@@ -203,7 +203,7 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     )
     (row,) = _rows(tmp_path / "turns.jsonl")
     assert summary["unaligned_steps"] == 0 and row["step_indices"] == [0, 1, 2, 3]
-    texts = [tok.decode(row["input_ids"][a:b]) for a, b in row["step_spans"]]
+    texts = [tok.decode(row["token_ids"][a:b]) for a, b in row["step_spans"]]
     assert [t.split("<")[0] for t in texts] == ["step 0 of good", "step 1 of good", "step 2 of good", "done"]
     assert all(t.endswith("<|im_end|>") for t in texts)
 
@@ -250,7 +250,7 @@ def test_parquet_and_datasets(store: Store, samples: Path, demo_tokenizer_dir: P
     js = datasets.load_dataset("json", data_files=str(tmp_path / "t.jsonl"), split="train")
     pq = datasets.load_dataset("parquet", data_files=str(tmp_path / "t.parquet"), split="train")
     assert len(js) == len(pq) > 0
-    assert js["input_ids"] == pq["input_ids"] and js["labels"] == pq["labels"]
+    assert js["token_ids"] == pq["token_ids"] and js["labels"] == pq["labels"]
     for a, b in zip(js["advantages"], pq["advantages"]):
         assert a == pytest.approx(b, rel=1e-6)
 

@@ -62,7 +62,8 @@ class _Steps:
     scored_tokens: np.ndarray  # the run's scorer's token_count per step (-1: no score row)
 
     def subset(self, mask: np.ndarray) -> _Steps:
-        return _Steps(**{k: (None if v is None else v[mask]) for k, v in vars(self).items()})
+        fields: dict[str, Any] = {k: (None if v is None else v[mask]) for k, v in vars(self).items()}
+        return _Steps(**fields)
 
 
 def _load(conn: Connection, run: RunInfo, group_by: str | None) -> _Steps:

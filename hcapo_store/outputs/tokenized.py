@@ -1,7 +1,7 @@
 """Token-level training rows of a credit run.
 
 ``export_tokenized`` writes one row per episode as the policy saw it (no hindsight block):
-``input_ids`` of the conversation with the scorer's tokenizer and chat template (``turns``:
+``token_ids`` of the conversation with the scorer's tokenizer and chat template (``turns``:
 turn by turn as the policy produced it; ``whole``: one chat-template rendering), ``labels``
 (-100 outside credited tokens) and per-token ``advantages`` (each credited step's Eq. 8
 weight on the policy's own tokens of its action: never a role header or a wrapper the
@@ -33,13 +33,13 @@ from hcapo_store.outputs.rows import (
     write_jsonl,
     write_parquet,
 )
+from hcapo_store.outputs.token_format import IGNORE_INDEX, TOKEN_IDS
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
-IGNORE_INDEX = -100  # the label PyTorch's cross-entropy ignores
 ROW_KEYS = (
-    "input_ids",
+    TOKEN_IDS,
     "labels",
     "advantages",
     "episode",
@@ -53,15 +53,6 @@ ROW_KEYS = (
     "_grpo_advantage",
     "provenance",
 )
-
-
-# ---- weights on messages (TRL #5761 shape) ---------------------------------------------------
-
-
-# ---- spans -------------------------------------------------------------------------------------
-
-
-# ---- rows ----------------------------------------------------------------------------------------
 
 
 def _row(
@@ -92,7 +83,7 @@ def _row(
             labels[start:end] = ids[start:end]
             adv[start:end] = [w] * (end - start)
     return {
-        "input_ids": ids,
+        TOKEN_IDS: ids,
         "labels": labels,
         "advantages": adv,
         "episode": ep["name"],
@@ -141,7 +132,7 @@ class _Stats:
         self.rows += 1
         self.steps += len(row["step_indices"])
         self.weighted_steps += sum(1 for w in row["step_advantages"] if w > 0)
-        self.tokens += len(row["input_ids"])
+        self.tokens += len(row[TOKEN_IDS])
         self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
 
     def as_dict(self) -> dict[str, Any]:
@@ -292,7 +283,7 @@ def _schema(id_type: Any) -> Any:
     )
     return pa.schema(
         [
-            ("input_ids", ints),
+            (TOKEN_IDS, ints),
             ("labels", ints),
             ("advantages", pa.list_(pa.float32())),
             ("episode", pa.string()),

@@ -478,7 +478,7 @@ class PromptBuilder:
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
         normalized = normalize_messages(messages)
-        states: dict[tuple[str, bool], tuple[_State, _State]] = {}
+        states: dict[tuple[str | None, bool], tuple[_State, _State]] = {}
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
         for step in steps:

@@ -1,0 +1,214 @@
+"""The TRL hand-off: a plain SFTTrainer cannot take the tokenized export, WeightedSFTTrainer
+trains on it with the advantages (its loss checked against a plain per-row computation), and
+rows of another tokenizer are refused — with a real TRL, the tiny model and real tokenizers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+import torch  # noqa: E402
+from conftest import REPO, TOKENIZERS  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from test_tokenized import scored_with  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hcapo_store.credits.equations import CreditParams  # noqa: E402
+from hcapo_store.credits.runs import compute_credits  # noqa: E402
+from hcapo_store.devkit.synth import write_standard_episodes  # noqa: E402
+from hcapo_store.errors import TrainingDataError  # noqa: E402
+from hcapo_store.outputs.export import export_dataset  # noqa: E402
+from hcapo_store.storage.store import Store  # noqa: E402
+from hcapo_store.training.data import check_tokenizer, read_rows  # noqa: E402
+from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset  # noqa: E402
+
+
+def _config(tmp_path: Path, **kw) -> SFTConfig:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        shuffle_dataset=False,
+        max_length=32768,
+        disable_tqdm=True,
+    )
+    return SFTConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def short(tmp_path: Path) -> Path:
+    """Six short synthetic episodes (~2k tokens each): CPU training stays quick."""
+    write_standard_episodes(tmp_path / "episodes", 6, steps_per_subtask=1, output_words=5)
+    return tmp_path / "episodes"
+
+
+@pytest.fixture
+def exported(store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path) -> Path:
+    scored_with(store, short, tiny_model_dir)
+    out = tmp_path / "train.jsonl"
+    summary = export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir)
+    assert summary["weighted_tokens"] > 0
+    return out
+
+
+def test_a_plain_sft_trainer_cannot_take_the_export(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = read_rows(exported)
+    assert "input_ids" not in rows[0] and {"token_ids", "labels", "advantages"} <= set(rows[0])
+    with pytest.raises(Exception) as info:  # TRL's own error: no text, messages or input_ids column
+        SFTTrainer(model=str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
+    assert "text" in str(info.value) or "input_ids" in str(info.value)
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def _independent_loss(model, rows: list[dict], normalize: str) -> float:
+    """Each row alone (no padding), float64 log-softmax, a Python loop over tokens."""
+    total, count, weight = 0.0, 0, 0.0
+    with torch.no_grad():
+        for row in rows:
+            ids = row["token_ids"]
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+            for t in range(1, len(ids)):
+                if row["labels"][t] != -100:
+                    total += row["advantages"][t] * -float(logp[t - 1, row["labels"][t]])
+                    count += 1
+                    weight += row["advantages"][t]
+    return total / max(count if normalize == "tokens" else weight, 1.0)
+
+
+@pytest.mark.parametrize("normalize", ["tokens", "weights"])
+def test_the_loss_is_the_advantage_weighted_nll(
+    exported: Path, tiny_model_dir: Path, tmp_path: Path, normalize: str
+) -> None:
+    trainer = WeightedSFTTrainer(
+        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(exported), normalize=normalize
+    )
+    rows = read_rows(exported)[:8]
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    assert batch["advantages"].shape == batch["input_ids"].shape
+    model = trainer.model.eval()
+    with torch.no_grad():
+        got = float(trainer.compute_loss(model, {k: v.to(model.device) for k, v in batch.items()}))
+    want = _independent_loss(model, rows, normalize)
+    assert got == pytest.approx(want, rel=1e-4)
+    assert want != pytest.approx(_independent_loss(model, rows, "tokens" if normalize == "weights" else "weights"))
+
+
+def test_training_lowers_the_weighted_loss(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    ds = load_dataset(exported)
+    config = _config(tmp_path, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
+    config.per_device_train_batch_size = len(ds)
+    trainer = WeightedSFTTrainer(str(tiny_model_dir), args=config, train_dataset=ds)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_rows_of_another_tokenizer_are_refused(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = read_rows(exported)
+    rows[1]["provenance"]["tokenizer_files_sha256"] = "0" * 64
+    with pytest.raises(TrainingDataError, match="2 different tokenizers"):
+        WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
+    for row in rows:
+        row["provenance"]["tokenizer_files_sha256"] = "0" * 64
+    with pytest.raises(TrainingDataError, match="tokenizer_files_sha256 differs"):
+        WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
+    # rows written by an older version (input_ids) say what to do
+    old = [{("input_ids" if k == "token_ids" else k): v for k, v in r.items()} for r in read_rows(exported)]
+    with pytest.raises(TrainingDataError, match="re-export"):
+        WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(old))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5"])
+def test_a_real_tokenizer_is_not_the_rows_tokenizer(exported: Path, family: str) -> None:
+    directory = TOKENIZERS / family
+    if not directory.is_dir():
+        pytest.skip(f"{directory} is not here (../shared absent)")
+    with pytest.raises(TrainingDataError, match="not the one in"):
+        check_tokenizer(read_rows(exported), AutoTokenizer.from_pretrained(str(directory)), directory)
+
+
+def test_cutting_to_max_length_keeps_advantages_on_their_tokens(
+    exported: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rows = read_rows(exported)
+    longest = max(rows, key=lambda r: len(r["token_ids"]))
+    cut = len(longest["token_ids"]) - 5
+    last_label = max(i for i, x in enumerate(longest["labels"]) if x != -100)
+    assert last_label >= cut  # the cut removes trained tokens of this row
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = WeightedSFTTrainer(
+            str(tiny_model_dir), args=_config(tmp_path, max_length=cut), train_dataset=Dataset.from_list(rows)
+        )
+    assert trainer.truncated_tokens > 0
+    assert any("cut" in str(w.message) and "trained tokens" in str(w.message) for w in caught)
+    for prepared in trainer.train_dataset:
+        source = next(r for r in rows if r["token_ids"][: len(prepared["input_ids"])] == prepared["input_ids"])
+        n = len(prepared["input_ids"])
+        assert n <= cut
+        assert prepared["labels"] == source["labels"][:n]
+        assert prepared["advantages"] == pytest.approx(source["advantages"][:n])
+
+
+def test_signed_advantages_of_the_paper_variant(
+    store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    scored_with(store, short, tiny_model_dir)
+    compute_credits(store, CreditParams(variant="paper"), name="p")
+    out = tmp_path / "paper.jsonl"
+    export_dataset(store, out, "p", layout="tokenized", tokenizer=tiny_model_dir)
+    rows = read_rows(out)
+    assert any(a < 0 for r in rows for a in r["advantages"])
+    trainer = WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(out))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(min(8, len(rows)))])
+    model = trainer.model.eval()
+    with torch.no_grad():
+        got = float(trainer.compute_loss(model, batch))
+    assert got == pytest.approx(_independent_loss(model, rows[:8], "tokens"), rel=1e-4)
+    weights = WeightedSFTTrainer(
+        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(out), normalize="weights"
+    )
+    with pytest.raises(ValueError, match="non-negative"):
+        weights.compute_loss(model, batch)
+
+
+def test_the_example_refuses_rows_of_another_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows = read_rows(exported)
+    for row in rows:
+        row["provenance"]["chat_template_sha256"] = "f" * 64
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train_weighted.py"), str(other), "--model", str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode != 0
+    assert "chat_template_sha256 differs" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_model_must_match_its_vocabulary(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model.resize_token_embeddings(8)  # a model of another vocabulary with this tokenizer's files
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        WeightedSFTTrainer(
+            model,
+            args=_config(tmp_path),
+            train_dataset=load_dataset(exported),
+            processing_class=tok,
+            tokenizer_dir=tiny_model_dir,
+        )
