@@ -16,7 +16,7 @@ from conftest import REPO
 from test_credits import add_scorer, add_scores, read_credits
 
 import hcapo_store as hs
-from hcapo_store.analysis.datasette import QUERIES
+from hcapo_store.analysis.datasette import DOCUMENTED, QUERIES
 from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
@@ -155,9 +155,17 @@ def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Pat
         assert set(meta["columns"]) <= columns, (table, set(meta["columns"]) - columns)
         assert meta["description"]
     page = (REPO / "docs" / "DATABASE.md").read_text()
-    for query in database["queries"].values():
-        assert query["sql"] in page  # the documented example queries, verbatim
-        con.execute(query["sql"]).fetchall()  # and they run on this schema
+    for key, query in database["queries"].items():
+        documented = DOCUMENTED[key]["sql"]
+        assert documented in page  # the documented example queries, verbatim
+        # in datasette the run and the subtask are parameters; with the documented values the
+        # canned query gives the documented query's rows
+        assert query["sql"] == documented.replace("'default'", ":run").replace("'S2'", ":subtask")
+        assert set(query.get("params", [])) == {p for p in ("run", "subtask") if f":{p}" in query["sql"]}
+        want = con.execute(documented).fetchall()
+        assert con.execute(query["sql"], {"run": "default", "subtask": "S2"}).fetchall() == want
+    assert database["queries"]["top_steps_by_rho"]["params"] == ["run", "subtask"]
+    assert "identity" in database["tables"]["episodes"]["columns"]["source_key"]
     assert len(database["queries"]) == len(QUERIES) == 3
 
 
@@ -172,8 +180,12 @@ def test_datasette_serves_the_metadata(credited: Store, db_path: Path) -> None:
         return response
 
     async def main() -> None:
+        con = sqlite3.connect(db_path)
         for query in QUERIES:
-            await get(f"/{name}/{query}.json?_shape=array")
+            rows = (await get(f"/{name}/{query}.json?_shape=array&run=default&subtask=S2")).json()
+            assert [tuple(r.values()) for r in rows] == con.execute(DOCUMENTED[query]["sql"]).fetchall()
+        other = (await get(f"/{name}/mean_q_h_per_subtask.json?_shape=array&run=nothing")).json()
+        assert other == []  # the run is a real parameter
         page = (await get(f"/{name}/step_credits")).text
         assert "rho * discount * r_t (Eq. 7)" in page  # a column description is shown
 

@@ -203,6 +203,9 @@ def test_report_links_episode_pages(scored: Store, tmp_path: Path) -> None:
     page = Path(out["path"]).read_text()
     links = re.findall(r'href="(rep_episodes/[^"]+)"', page)
     assert len(links) == 2 and 'id="episodes"' in page
+    # no per-episode mean rho (1 by construction): the spread of rho_raw and the clipped steps instead
+    assert "<th>mean rho</th>" not in page
+    assert "<th>rho_raw min – max</th>" in page and "<th>steps on a clip bound</th>" in page
     for link in links:
         sub = (tmp_path / link).read_text()
         parse(sub)
@@ -225,3 +228,43 @@ def test_report_links_are_url_encoded(scored: Store, tmp_path: Path) -> None:
             back == ["../r%231%20x.html"]
             and (target.parent / unquote(back[0])).resolve() == Path(out["path"]).resolve()
         )
+
+
+def test_heat_maps_show_multibyte_characters_whole(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The demo tokenizer is byte-level: an emoji or a CJK character spans several tokens, and
+    decoding them one by one printed U+FFFD (issue 22). One span per character, coloured by the
+    mean of its tokens, every logprob in its title."""
+    from hcapo_store.devkit.synth import EpisodeBuilder
+    from hcapo_store.outputs.episode_view import whole_characters
+
+    text = "Done 🦩 数据库 ꙮ façade"
+    b = EpisodeBuilder(seed=5, episode_id=5).standard(steps_per_subtask=1, output_words=5)
+    b.entries[-1]["message"]["content"][0]["text"] = text
+    b.write(tmp_path / "eps" / "episode_005")
+    store = Store.open(str(tmp_path / "s.db"))
+    ingest(store, [tmp_path / "eps"])
+    with make_server(tiny_model_dir) as server:
+        cfg = ScoreConfig(backend="sglang", server=server.url, tokenizer=str(tiny_model_dir), max_context=2048)
+        assert run_scoring(store, prepare(store, cfg), RunOptions(concurrency=2)).failed == 0
+    compute_credits(store, name="r")
+    view = episode_view(store, "episode_005", "r", tokenizer=tiny_model_dir)
+    last = view.steps[-1]
+    assert last.tokens is not None and len(last.tokens) == len(last.logprobs)
+    assert text in "".join(last.tokens) and not any("\ufffd" in t for t in last.tokens)
+    page = episode_page(view)
+    assert "\ufffd" not in page
+    els = parse(page)
+    heat = [e for e in els if "heat" in _cls(e)][-1]
+    assert text in heat["text"]
+    spans = [e for e in els if e["tag"] == "span" and any("heat" in p for p in e["parents"])]
+    grouped = [e for e in spans if "tokens)" in e["attrs"]["title"]]
+    assert [e["text"] for e in grouped][-6:] == ["🦩", "数", "据", "库", "ꙮ", "ç"]
+    for e in grouped[-6:]:  # every token's logprob is in the title
+        n = len(e["text"].encode())
+        assert e["attrs"]["title"].endswith(f"({n} tokens)") and e["attrs"]["title"].count(",") == n - 1
+    store.close()
+    # the plain case with a real tokenizer: pieces rejoin to the decoded text
+    tok = load_tokenizer(tiny_model_dir)
+    ids = tok.encode("x 🦩𝔘龘 ꙮ end", add_special_tokens=False)
+    pieces = whole_characters(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) and "\ufffd" not in "".join(pieces)

@@ -329,8 +329,19 @@ def test_new_episode_version_makes_the_run_stale(store: Store, tmp_path: Path, d
     assert ingest(store, [tmp_path / "eps"]).changed == 1
     run = get_run(store, "r")
     assert run.superseded_episodes == 1 and "1 credited episode(s) have a newer version" in run.stale
+    assert run.unscored_new_versions == 1
+    assert "score the 1 new version(s) first (`hcapo-store score` with the options of scorer" in run.stale
+    assert run.stale.endswith("then run `hcapo-store credits compute --recompute` with its parameters")
     summary = export_dataset(store, tmp_path / "d.jsonl", "r", min_reward=-1)
-    assert any("is stale" in w for w in summary["warnings"])
+    assert any("is stale" in w and "new version(s) first" in w for w in summary["warnings"])
+    with store.engine.connect() as conn:
+        scored = conn.exec_driver_sql(
+            "SELECT e.name, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "
+            "WHERE e.is_current AND e.version = 1"
+        ).all()
+    add_scores(store, "sc", seed=2, skip={tuple(r) for r in scored})  # the new version: only recompute is left
+    run = get_run(store, "r")
+    assert run.unscored_new_versions == 0 and "first" not in run.stale and "--recompute" in run.stale
 
 
 def test_group_by_a_missing_tag_warns(credited: Store, db_path: Path, tmp_path: Path) -> None:

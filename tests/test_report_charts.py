@@ -86,3 +86,27 @@ def test_report_labels_subtasks_by_id(store: Store, samples: Path, tmp_path: Pat
     svg = re.findall(r"<svg.*?</svg>", page, flags=re.DOTALL)[6]  # the subtask chart (after the decile chart)
     xs = _labels(svg, anchor="middle")
     assert xs[0] == "planning" and set(ids) <= set(xs)
+
+
+def test_histogram_statistics_name_their_quantity() -> None:
+    svg = svg_histogram(np.array([0.5, 0.7, 0.9]), "pi_hind = exp(mean logprob / T)", "pi_hind (T = 1.0)")
+    texts = [t.text or "" for t in ET.fromstring(svg).iter(f"{NS}text")]
+    assert "3 steps · mean pi_hind 0.7 · median pi_hind 0.7" in texts
+    assert not any(t.startswith("n=") or " mean=" in t for t in texts)
+
+
+def test_the_diverging_scale_reads_for_everyone() -> None:
+    """Every heat-map background has a text colour at WCAG AA (4.5:1) on it, message tints keep
+    the body text at AA, and the scale's ends are not red/green."""
+    from hcapo_store.outputs.colors import HIGH, LOW, PAGE_TEXT, contrast, diverging, diverging_rgb, text_on, tint
+
+    for x in np.linspace(-1, 1, 401):
+        bg = diverging_rgb(float(x))
+        assert contrast(text_on(bg), bg) >= 4.5, (x, bg)
+        rgb = tuple(int(tint(float(x))[i : i + 2], 16) for i in (1, 3, 5))
+        assert contrast(PAGE_TEXT, rgb) >= 4.5, (x, rgb)
+    assert diverging(0.0) == ("#ffffff", "#000000") and diverging(1.0)[1] == "#ffffff"
+    for r, g, b in (LOW, HIGH):  # orange and purple: neither end is a green
+        assert not (g > r and g > b)
+    # the ends stay apart in lightness, which survives any colour-vision deficiency
+    assert contrast(LOW, HIGH) >= 2.0

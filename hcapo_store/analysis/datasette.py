@@ -28,6 +28,10 @@ _CREDIT_COLUMNS = {
     "discount": "gamma ** (steps to the end of the step's subtask)",
     "q_h": "rho * discount * r_t (Eq. 7)",
     "q_h_smoothed": "backward-smoothed q_h (alpha); the default input of Eq. 8",
+    "a_macro": "the step's episode-level advantage (original: the group-normalised reward of Eq. 8; "
+    "paper: the group-normalised return of Algorithm 1)",
+    "micro": "the step's hindsight term (original: q used by Eq. 8; paper: the micro advantage after do-no-harm)",
+    "advantage": "what training uses: the Eq. 8 weight (original) or the signed a_macro + omega * micro (paper)",
 }
 
 TABLES: dict[str, dict[str, Any]] = {
@@ -35,7 +39,9 @@ TABLES: dict[str, dict[str, Any]] = {
         "description": "one row per version of an episode; is_current marks the latest",
         "columns": {
             "name": _EPISODE,
-            "source_key": "where it came from (directory or file:line)",
+            "source_key": "the episode's identity, shared by all its versions and independent of where "
+            "the files sit: pi:<session id>, pi-sha256:<hash of an id-less session>, "
+            "jsonl:<file name>#<episode_id>, or jsonl-sha256:<hash of an id-less line>",
             "version": "1, 2, ... as the source changes",
             "is_current": "1 for the latest version",
             "reward": "episode reward",
@@ -99,6 +105,7 @@ TABLES: dict[str, dict[str, Any]] = {
         "description": "credited steps with their episode and subtask (one row per run x step)",
         "columns": {
             "run": "credit run name",
+            "variant": "estimator: original (the scripts') or paper (Algorithm 1)",
             "episode": _EPISODE,
             "reward": "episode reward",
             **_STEP_COLUMNS,
@@ -122,10 +129,12 @@ TABLES: dict[str, dict[str, Any]] = {
     },
 }
 
-# The example queries of docs/DATABASE.md (tests check both lists agree).
-QUERIES: dict[str, dict[str, str]] = {
+# The example queries of docs/DATABASE.md, verbatim (tests check both lists agree); in
+# datasette the run and the subtask are the query's parameters (``PARAMETERS``), with the
+# documented values as the form's starting point.
+DOCUMENTED: dict[str, dict[str, str]] = {
     "top_steps_by_rho": {
-        "title": "Top steps by rho in subtask S2",
+        "title": "Top steps by rho in a subtask",
         "sql": "SELECT episode, step_index, rho, q_h_smoothed FROM step_credits\n"
         "WHERE run = 'default' AND subtask_id = 'S2' ORDER BY rho DESC LIMIT 10;",
     },
@@ -139,6 +148,20 @@ QUERIES: dict[str, dict[str, str]] = {
         "sql": "SELECT last_error_kind, count(*) FROM attempts WHERE status = 'failed' GROUP BY 1;",
     },
 }
+PARAMETERS = {"run": "'default'", "subtask": "'S2'"}  # parameter -> the literal it stands for
+
+
+def _parameterised(sql: str) -> tuple[str, list[str]]:
+    params = [p for p, literal in PARAMETERS.items() if literal in sql]
+    for p in params:
+        sql = sql.replace(PARAMETERS[p], f":{p}")
+    return sql, params
+
+
+QUERIES: dict[str, dict[str, Any]] = {}
+for _key, _query in DOCUMENTED.items():
+    _sql, _params = _parameterised(_query["sql"])
+    QUERIES[_key] = {**_query, "sql": _sql, **({"params": _params} if _params else {})}
 
 
 def datasette_metadata(database: str = "hcapo") -> dict[str, Any]:

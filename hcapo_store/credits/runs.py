@@ -78,6 +78,7 @@ class RunInfo:
     # Staleness, filled by get_run / list_runs (see ``run_staleness``).
     superseded_episodes: int = 0  # credited episodes that have a newer version since
     uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
+    unscored_new_versions: int = 0  # new versions of credited episodes not yet completely scored
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "stale": self.stale}
@@ -96,10 +97,14 @@ class RunInfo:
             why.append(f"{self.uncredited_complete_episodes} completely scored episode(s) are not in it")
         if not why:
             return None
-        return (
-            f"credit run {self.name!r} is stale: {'; '.join(why)}; run `hcapo-store credits compute "
-            f"--recompute` with its parameters"
-        )
+        then = "run `hcapo-store credits compute --recompute` with its parameters"
+        if self.unscored_new_versions:
+            scorer = self.scorer_label or self.scorer_id[:12]
+            then = (
+                f"score the {self.unscored_new_versions} new version(s) first (`hcapo-store score` with the "
+                f"options of scorer {scorer}; `hcapo-store scorers list` shows them), then {then}"
+            )
+        return f"credit run {self.name!r} is stale: {'; '.join(why)}; {then}"
 
 
 @dataclass
@@ -161,6 +166,16 @@ FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.epis
 WHERE c.run_id = :run AND e.is_current IS NOT TRUE
 """
 
+STALE_UNSCORED_SQL = """
+SELECT COUNT(*) FROM episodes e
+WHERE e.is_current IS TRUE
+  AND e.source_key IN (SELECT o.source_key FROM credits c JOIN steps s ON s.id = c.step_id
+                       JOIN episodes o ON o.id = s.episode_id
+                       WHERE c.run_id = :run AND o.is_current IS NOT TRUE)
+  AND EXISTS (SELECT 1 FROM steps s LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
+              WHERE s.episode_id = e.id AND sc.id IS NULL)
+"""
+
 STALE_UNCREDITED_SQL = """
 SELECT COUNT(*) FROM episodes e
 WHERE e.is_current IS TRUE
@@ -178,6 +193,8 @@ def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
     bind = {"run": run.id, "scorer": run.scorer_id}
     run.superseded_episodes = int(conn.execute(text(STALE_SUPERSEDED_SQL), bind).scalar() or 0)
     run.uncredited_complete_episodes = int(conn.execute(text(STALE_UNCREDITED_SQL), bind).scalar() or 0)
+    if run.superseded_episodes:
+        run.unscored_new_versions = int(conn.execute(text(STALE_UNSCORED_SQL), bind).scalar() or 0)
     return run
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from sqlalchemy import Connection, text
 
 from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.outputs.colors import diverging, legend_gradient, tint
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage import db
@@ -182,9 +183,34 @@ class TokenRebuilder:
             if len(ids) != len(step.logprobs):
                 misaligned += 1
                 continue
-            step.tokens = [self.tokenizer.decode([i]) for i in ids]
+            step.tokens = whole_characters(self.tokenizer, ids)
         if misaligned:
             view.notes.append(f"{misaligned} scored step(s) without a heat map: the rebuilt span has another length")
+
+
+REPLACEMENT = "\ufffd"
+
+
+def whole_characters(tokenizer: Any, ids: list[int], longest: int = 8) -> list[str]:
+    """Each token's text, aligned with ``ids``, without cutting a character in two: where a
+    character's bytes are split over tokens (an emoji, CJK under a byte-level BPE), the first
+    token gets the whole character and the others "" (decoding them one by one gives U+FFFD)."""
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j, piece = i + 1, tokenizer.decode([ids[i]])
+        while piece.endswith(REPLACEMENT) and j < len(ids) and j - i < longest:
+            longer = tokenizer.decode(ids[i : j + 1])
+            j += 1
+            piece = longer
+            if not longer.endswith(REPLACEMENT):
+                break
+        if piece.endswith(REPLACEMENT) and j > i + 1:  # no whole character within reach: one by one
+            j, piece = i + 1, tokenizer.decode([ids[i]])
+        out.append(piece)
+        out.extend([""] * (j - i - 1))
+        i = j
+    return out
 
 
 # ---- terminal ------------------------------------------------------------------------------------
@@ -225,7 +251,8 @@ def _preview(message: dict[str, Any]) -> str:
 
 # ---- HTML ----------------------------------------------------------------------------------------
 
-CSS = """
+CSS = (
+    """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1000px;color:#222}
 h1{font-size:20px;margin-bottom:4px} .meta{color:#666;font-size:13px} .note{color:#a15c00;font-size:13px}
 .controls{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ddd;font-size:13px;z-index:2}
@@ -233,7 +260,9 @@ h1{font-size:20px;margin-bottom:4px} .meta{color:#666;font-size:13px} .note{colo
 input[name=metric]{display:none}
 #m-rho:checked~.controls label[for=m-rho],#m-q_h:checked~.controls label[for=m-q_h],
 #m-q_h_smoothed:checked~.controls label[for=m-q_h_smoothed]{background:#4c78a8;color:#fff;border-color:#4c78a8} .legend{display:inline-block;width:160px;height:10px;vertical-align:middle;
-background:linear-gradient(90deg,rgba(228,87,86,.55),rgba(255,255,255,1),rgba(84,162,75,.55));border:1px solid #ccc}
+background:"""
+    + legend_gradient()
+    + """;border:1px solid #ccc}
 .msg{border-radius:6px;padding:6px 10px;margin:6px 0;border:1px solid #e5e5e5;white-space:pre-wrap;word-wrap:break-word;font-size:13px}
 .role{font-size:11px;color:#666;text-transform:uppercase;letter-spacing:.04em;display:block;margin-bottom:2px}
 .system,.user{background:#f6f7f9} .tool{background:#fbfbf7}
@@ -246,6 +275,7 @@ details{margin:4px 0} summary{cursor:pointer;font-size:12px;color:#555} pre{marg
 #m-q_h:checked~.transcript .step{background:var(--q_h)}
 #m-q_h_smoothed:checked~.transcript .step{background:var(--q_h_smoothed)}
 """
+)
 
 
 def _num(v: Any) -> str:
@@ -257,9 +287,9 @@ def _num(v: Any) -> str:
 
 
 def _tints(view: EpisodeView) -> dict[str, list[str]]:
-    """Per metric, one CSS colour per step. rho: white at 1, full green at c_max, full red at
-    c_min (the run's clip bounds); q_h, q_h_smoothed: white at 0, full colour at the episode's
-    largest |q| (green above 0, red below)."""
+    """Per metric, one CSS colour per step (``colors.tint``). rho: white at 1, full purple at
+    c_max, full orange at c_min (the run's clip bounds); q_h, q_h_smoothed: white at 0, full
+    colour at the episode's largest |q| (purple above 0, orange below)."""
     params = view.run.params if view.run else {}
     out: dict[str, list[str]] = {}
     for m in METRICS:
@@ -275,29 +305,37 @@ def _tints(view: EpisodeView) -> dict[str, list[str]]:
                 x = (v - 1.0) / bound if bound > 0 else 0.0
             else:
                 x = v / peak
-            x = max(-1.0, min(1.0, x))
-            rgb = "84,162,75" if x >= 0 else "228,87,86"
-            colors.append(f"rgba({rgb},{abs(x) * 0.55:.3f})")
+            colors.append(tint(x))
         out[m] = colors
     return out
 
 
 def _heat(step: StepView) -> str:
-    """Tokens coloured by their logprob relative to the step: green = the step's most likely
-    token under the hindsight prompt, red = its least likely (the 5th percentile and below)."""
+    """Tokens coloured by their logprob relative to the step: purple = the step's most likely
+    token under the hindsight prompt, orange = its least likely (the 5th percentile and
+    below). A character split over several tokens is one span (``tokens`` has "" for the
+    tokens after its first), coloured by their mean."""
     assert step.logprobs is not None and step.tokens is not None
     lps = step.logprobs.astype(np.float64)
     hi = float(lps.max()) if len(lps) else 0.0
     lo = float(np.percentile(lps, 5)) if len(lps) else 0.0
     spans = []
+    groups: list[tuple[str, list[float]]] = []
     for tok, lp in zip(step.tokens, lps.tolist()):
+        if tok == "" and groups:
+            groups[-1][1].append(lp)
+        else:
+            groups.append((tok, [lp]))
+    for tok, group in groups:
+        lp = sum(group) / len(group)
         x = (lp - lo) / (hi - lo) if hi > lo else 1.0
-        hue = 120 * max(0.0, min(1.0, x))
-        spans.append(f'<span style="background:hsla({hue:.0f},70%,60%,.55)" title="{lp:.3f}">{html.escape(tok)}</span>')
+        bg, fg = diverging(2 * max(0.0, min(1.0, x)) - 1)
+        title = ", ".join(f"{v:.3f}" for v in group) + (f" ({len(group)} tokens)" if len(group) > 1 else "")
+        spans.append(f'<span style="background:{bg};color:{fg}" title="{title}">{html.escape(tok)}</span>')
     mean = float(lps.mean()) if len(lps) else float("nan")
     return (
         f'<details class="heatmap"><summary>hindsight logprob per token ({len(step.tokens)} tokens, mean '
-        f"{mean:.3f}, range {lo:.2f} … {hi:.2f}; green = most likely given the outcome, red = least)</summary>"
+        f"{mean:.3f}, range {lo:.2f} … {hi:.2f}; purple = most likely given the outcome, orange = least)</summary>"
         f'<div class="heat">{"".join(spans)}</div></details>'
     )
 
@@ -426,7 +464,8 @@ def write_episode_page(
 
 
 EPISODES_SQL = """
-SELECT e.name, e.reward, COUNT(*) AS steps, AVG(c.rho) AS rho, AVG(c.q_h_smoothed) AS q_h_smoothed
+SELECT e.name, e.reward, COUNT(*) AS steps, MIN(c.rho_raw) AS rho_min, MAX(c.rho_raw) AS rho_max,
+       SUM(CASE WHEN c.rho <> c.rho_raw THEN 1 ELSE 0 END) AS clipped, AVG(c.q_h_smoothed) AS q_h_smoothed
 FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
 WHERE c.run_id = :run
 GROUP BY e.id, e.name, e.reward
@@ -458,11 +497,13 @@ def write_episode_pages(
 
 def episode_index_html(rows: list[dict[str, Any]], link_dir: str) -> str:
     """The report's table of episodes, each linking to its page under ``link_dir``."""
-    head = "".join(f"<th>{h}</th>" for h in ("episode", "reward", "steps", "mean rho", "mean q_h_smoothed"))
+    # No mean rho: rho_raw is a ratio to the episode's own mean, so its mean is 1 by construction.
+    columns = ("episode", "reward", "steps", "rho_raw min – max", "steps on a clip bound", "mean q_h_smoothed")
+    head = "".join(f"<th>{h}</th>" for h in columns)
     body = "".join(
         f'<tr><td><a href="{html.escape(quote(link_dir + "/" + r["file"]))}">{html.escape(r["name"])}</a></td>'
-        f"<td>{_num(r['reward'])}</td><td>{r['steps']}</td><td>{_num(r['rho'])}</td>"
-        f"<td>{_num(r['q_h_smoothed'])}</td></tr>"
+        f"<td>{_num(r['reward'])}</td><td>{r['steps']}</td><td>{_num(r['rho_min'])} – {_num(r['rho_max'])}</td>"
+        f"<td>{r['clipped']}</td><td>{_num(r['q_h_smoothed'])}</td></tr>"
         for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"

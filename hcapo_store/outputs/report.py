@@ -29,7 +29,8 @@ from hcapo_store.storage.store import Store
 W, H = 560, 250  # chart size in px
 PAD_L, PAD_R, PAD_T, PAD_B = 56, 16, 28, 42
 BAR = "#4c78a8"
-COLORS = {"scored": "#54a24b", "failed": "#e45756", "leased": "#f58518", "missing": "#bab0ac"}
+# Okabe–Ito: told apart with any colour vision (red/green are not)
+COLORS = {"scored": "#0072b2", "failed": "#d55e00", "leased": "#e69f00", "missing": "#bbbbbb"}
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222}
@@ -168,16 +169,21 @@ def svg_histogram(
     mid = (lo + hi) / 2
     for v, label in markers:
         parts.append(
-            f'<line x1="{x(v):.1f}" y1="{PAD_T}" x2="{x(v):.1f}" y2="{H - PAD_B}" stroke="#e45756" '
+            f'<line x1="{x(v):.1f}" y1="{PAD_T}" x2="{x(v):.1f}" y2="{H - PAD_B}" stroke="#d55e00" '
             f'stroke-width="2" stroke-dasharray="5,3"/>'
         )
         # Label on the inner side of the line so that it stays inside the plot.
         dx, anchor = (4, "start") if v <= mid else (-4, "end")
         parts.append(
             f'<text x="{x(v) + dx:.1f}" y="{PAD_T + 26}" text-anchor="{anchor}" font-size="10" '
-            f'fill="#e45756">{html.escape(label)}</text>'
+            f'fill="#d55e00">{html.escape(label)}</text>'
         )
-    stats = f"n={len(values):,}  mean={_fmt(float(values.mean()))}  median={_fmt(float(np.median(values)))}"
+    # the statistics name their quantity, as precisely as the x axis does
+    quantity = xlabel.split(" (")[0]
+    stats = (
+        f"{len(values):,} steps · mean {quantity} {_fmt(float(values.mean()))} · "
+        f"median {quantity} {_fmt(float(np.median(values)))}"
+    )
     parts.append(f'<text x="{W - PAD_R}" y="{PAD_T + 10}" text-anchor="end" font-size="10" fill="#555">{stats}</text>')
     return _frame(title, parts, xlabel=xlabel, ylabel="steps")
 
