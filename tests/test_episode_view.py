@@ -193,6 +193,14 @@ def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert [s["rho"] for s in data["steps"]] == [rho for _, rho in steps]
+    # --json is never cut: each step's whole action text and its tool calls
+    view = episode_view(scored, "episode_002", "r")
+    messages = view.episode.messages
+    for step, s in zip(data["steps"], view.steps):
+        message = messages[s.message_index]
+        assert step["action"] == (message.get("content") or "") and "…" not in step["action"]
+        assert step["tool_calls"] == [c["function"]["name"] for c in message.get("tool_calls") or []]
+    assert any(len(step["action"]) > 60 for step in data["steps"])
     assert 'class="heatmap"' in (tmp_path / "p.html").read_text()
     r = runner.invoke(cli, ["--db", db, "show", "no_such_episode"])
     assert r.exit_code == 1 and "no episode 'no_such_episode'" in r.output and "Traceback" not in r.output

@@ -368,10 +368,40 @@ def test_group_by_a_missing_tag_warns(credited: Store, db_path: Path, tmp_path: 
 
 def test_tables_mark_cut_cells_and_say_how_to_see_them() -> None:
     long = "x" * 70
-    text = table(["id", "n"], [(long, 1), ("short", 2)], max_width=60, full="--format json")
+    text = table(["id", "n"], [(long, 1), ("short", 2)], max_width=60, full="--format json", width=None)
     assert "x" * 59 + "…" in text and long not in text
-    assert text.splitlines()[-1].startswith("(cells longer than 60") and "--format json" in text
-    assert "…" not in table(["id"], [("short",)]) and "cut" not in table(["id"], [(long,)], max_width=None)
+    assert text.splitlines()[-1].startswith("(long cells are cut") and "--format json" in text
+    assert "…" not in table(["id"], [("short",)]) and "cut" not in table(["id"], [(long,)], max_width=None, width=None)
+
+
+LABELS = [
+    "sglang:/models/Qwen3-8B tok=qwen3@2a056a25 ctx=32767 lp=2048 layout=per-step",
+    "sglang:/models/Qwen3-8B tok=qwen3@2a056a25 ctx=8192 lp=2048 layout=per-step",
+    "sglang:/models/Qwen3-8B tok=qwen3@2a056a25 ctx=32767 lp=2048 layout=per-step no-hindsight",
+]
+
+
+@pytest.mark.parametrize("width", [200, 100, 80, 60, 40])
+def test_tables_fit_the_terminal_and_keep_what_tells_labels_apart(width: int) -> None:
+    ids = ("5f0e0c1a9b2d", "a41c93e07f55", "c0ffee123456")
+    rows = [(ids[i], label, 10 * i, "2026-11-25T10:00:00+00:00") for i, label in enumerate(LABELS)]
+    text = table(["scorer", "label", "scored", "created"], rows, max_width=None, width=width)
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines[:-1] if not line.startswith("(")), text
+    shown = [line.split("  ")[1].strip() for line in lines[2 : 2 + len(LABELS)]]
+    if width >= 60:
+        assert len(set(shown)) == len(LABELS), text  # no two labels look alike after the cut
+    assert len({line[:8] for line in lines[2 : 2 + len(LABELS)]}) == len(LABELS)  # the ids stay apart
+    if width >= 80:  # the words that differ are all kept
+        assert [("32767" in s, "8192" in s, "no-hindsight" in s) for s in shown] == [
+            (True, False, False),
+            (False, True, False),
+            (True, False, True),
+        ], text
+    if width < 200:
+        assert "…" in text and lines[-1].startswith("(long cells are cut")
+    # piped (no terminal): whole values
+    assert all(label in table(["label"], [(lb,) for lb in LABELS], max_width=None, width=None) for label in LABELS)
 
 
 def test_credits_list_shows_every_parameter(credited: Store, db_path: Path) -> None:

@@ -214,7 +214,7 @@ def show(
     from hcapo_store.outputs.files import atomic_write
 
     view = episode_view(state.store(create=False), episode, run, tokenizer=tokenizer if out_html else None)
-    rows = episode_table(view)
+    rows = episode_table(view, preview=not as_json)
     if as_json:
         echo_json({"episode": view.episode.name, "run": view.run.name if view.run else None, "steps": rows})
     else:

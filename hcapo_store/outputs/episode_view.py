@@ -216,8 +216,9 @@ def whole_characters(tokenizer: Any, ids: list[int], longest: int = 8) -> list[s
 # ---- terminal ------------------------------------------------------------------------------------
 
 
-def episode_table(view: EpisodeView) -> list[dict[str, Any]]:
-    """The per-step rows ``hcapo-store show`` prints."""
+def episode_table(view: EpisodeView, *, preview: bool = True) -> list[dict[str, Any]]:
+    """The per-step rows ``hcapo-store show`` prints; ``preview=False`` (``--json``): the
+    action's whole text and its tool calls' names, never cut."""
     messages = view.episode.messages
     rows = []
     for s in view.steps:
@@ -236,7 +237,17 @@ def episode_table(view: EpisodeView) -> list[dict[str, Any]]:
                 "rho": c["rho"],
                 "q_h": c["q_h"],
                 "q_h_smoothed": c["q_h_smoothed"],
-                "action": _preview(messages[s.message_index]),
+                **(
+                    {"action": _preview(messages[s.message_index])}
+                    if preview
+                    else {
+                        "action": messages[s.message_index].get("content") or "",
+                        "tool_calls": [
+                            (c.get("function") or {}).get("name", "?")
+                            for c in messages[s.message_index].get("tool_calls") or []
+                        ],
+                    }
+                ),
             }
         )
     return rows
