@@ -77,12 +77,17 @@ class Progress:
 
     def info(self) -> str:
         elapsed = max(self.elapsed, 1e-9)
-        parts = [f"{self.done / elapsed:.1f} {self.unit}/s"]
+        rate = self.done / elapsed
+        parts = [f"{rate:.1f} {self.unit}/s"]
+        if self._bar is None and self.total is not None and self.done and self.total > self.done:
+            parts.append(f"about {_duration((self.total - self.done) / rate)} left")
         parts += [f"{k} {v}" for k, v in self.fields.items()]
         return ", ".join(parts)
 
     def advance(self, *_: Any, n: int = 1) -> None:
         self.done += n
+        if self.total is not None and self.done > self.total:  # a total that was an estimate
+            self.total = self.done
         if not self.enabled:
             return
         if self._bar is not None:
@@ -97,6 +102,15 @@ class Progress:
         self._last_log = time.monotonic()
         of = f"/{self.total}" if self.total is not None else ""
         print(f"{self.label}: {self.done}{of} {self.unit} ({self.info()})", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def EpisodeProgress(label: str, *, enabled: bool = True) -> Progress:

@@ -26,9 +26,9 @@ def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
         yield server
 
 
-def _run_in_pty(argv: list[str], cwd: Path) -> tuple[int, str]:
+def _run_in_pty(argv: list[str], cwd: Path, columns: int = 160) -> tuple[int, str]:
     primary, secondary = pty.openpty()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160", "TERM": "xterm"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns), "TERM": "xterm"}
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen(argv, stdin=secondary, stdout=secondary, stderr=secondary, cwd=cwd, env=env)
     os.close(secondary)
@@ -60,3 +60,41 @@ def test_score_on_a_terminal_shows_the_total_and_a_time_remaining(tmp_path, ref,
     assert not re.search(r"\b[1-9]\d*/\?", text), text
     # the time remaining is a value (rich's compact form, e.g. 0:01 or 0:00), not a blank
     assert re.search(rf"{steps}/{steps} .*ETA\s+\d+:\d\d", text), text
+
+
+def test_ingest_shows_the_total_on_a_terminal_and_in_a_pipe(tmp_path):
+    db = tmp_path / "x.db"
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "ingest", str(REPO / "examples" / "trajectories")]
+    code, out = _run_in_pty(argv, tmp_path)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
+    assert code == 0 and "4/4" in text, text
+    piped = subprocess.run(
+        [*argv[:4], str(tmp_path / "y.db"), *argv[5:]],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert piped.returncode == 0 and "ingest: 4/4 episodes" in piped.stderr, piped.stderr
+
+
+def test_tables_fit_the_terminal(tmp_path, ref, tiny_model_dir):
+    """Two scorers whose labels differ only in the context size: on an 80-column terminal each
+    line fits and the two labels still differ; piped, the labels are whole."""
+    db = tmp_path / "x.db"
+    with Store.open(str(db)) as store:
+        ingest(store, [REPO / "examples" / "trajectories"])
+    base = [sys.executable, "-m", "hcapo_store", "--db", str(db)]
+    for ctx in ("2048", "4096"):
+        argv = [*base, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--max-context", ctx]
+        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+    code, out = _run_in_pty([*base, "scorers", "list"], tmp_path, columns=80)
+    lines = [line for line in out.replace("\r", "").splitlines() if line]
+    assert code == 0 and all(len(line) <= 80 for line in lines), out
+    labels = [line.split("  ")[1].strip() for line in lines[2:4]]
+    assert labels[0] != labels[1] and "ctx=2048" in labels[0] + labels[1] and "ctx=4096" in labels[0] + labels[1], out
+    piped = subprocess.run(
+        [*base, "scorers", "list"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert "…" not in piped.stdout.splitlines()[2], piped.stdout

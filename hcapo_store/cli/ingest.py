@@ -50,12 +50,14 @@ def ingest(
     stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
     """
     from hcapo_store.ingestion.pipeline import ingest as run_ingest
-    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.ingestion.sources import ConvertOptions, count_inputs
     from hcapo_store.progress import EpisodeProgress
 
     store = state.store()
     options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
     with EpisodeProgress("ingest", enabled=not as_json) as progress:
+        if progress.enabled:
+            progress.total = count_inputs(list(paths))  # for the rate's ETA; a pipe gets it in its log lines
         report = run_ingest(store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance)
     if as_json:
         echo_json(report.as_dict())

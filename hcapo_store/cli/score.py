@@ -309,5 +309,6 @@ def scorers_list(state: Ctx, as_json: bool) -> None:
         formatting.table(
             ["scorer", "label", "scored", "failed", "missing", "created"],
             [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"], r["created_at"]) for r in rows],
+            max_width=None,  # whole labels in a pipe; a terminal squeezes them to what tells them apart
         )
     )

@@ -134,6 +134,34 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
                 yield from _jsonl_sources(file, options, path)
 
 
+def count_inputs(paths: list[Path]) -> int:
+    """About how many sources ``iter_sources`` will yield (for a progress total): episode
+    directories plus non-empty JSONL lines, one for a path it cannot read. Reads JSONL files
+    as bytes only (no parsing)."""
+
+    def lines(file: Path) -> int:
+        n, last = 0, b"\n"
+        try:
+            with file.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    n += chunk.count(b"\n")
+                    last = chunk[-1:]
+        except OSError:
+            return 1
+        return n + (last != b"\n")
+
+    total = 0
+    for path in map(Path, paths):
+        if path.is_file():
+            total += lines(path)
+        elif path.is_dir() and not ((path / RESULT_FILE).exists() or (path / SESSION_FILE).exists()):
+            total += sum(1 for p in path.glob("episode_*") if p.is_dir())
+            total += sum(lines(p) for p in path.glob("*.jsonl") if p.is_file())
+        else:
+            total += 1
+    return total
+
+
 def _hash(options: ConvertOptions, *parts: bytes) -> str:
     h = hashlib.sha256(json.dumps(options.as_dict(), sort_keys=True).encode())
     for part in parts:
