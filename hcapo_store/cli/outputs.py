@@ -93,23 +93,31 @@ def export_dataset_cmd(
 ) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
     from hcapo_store.outputs.export import export_dataset
+    from hcapo_store.progress import Progress
 
     if tokenized and weights_in_messages:
         raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
     layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
-    summary = export_dataset(
-        state.store(create=False),
-        out,
-        run,
-        omega=omega,
-        min_reward=min_reward,
-        group_by=group_by,
-        fmt=fmt,
-        use_smoothed=False if no_smooth else None,
-        layout=layout,
-        tokenizer=tokenizer,
-        rendering=rendering,
-    )
+    with Progress("export", enabled=not as_json, unit="episodes") as progress:
+
+        def on_progress(done: int, total: int) -> None:
+            progress.total = total
+            progress.advance(n=done - progress.done)
+
+        summary = export_dataset(
+            state.store(create=False),
+            out,
+            run,
+            omega=omega,
+            min_reward=min_reward,
+            group_by=group_by,
+            fmt=fmt,
+            use_smoothed=False if no_smooth else None,
+            layout=layout,
+            tokenizer=tokenizer,
+            rendering=rendering,
+            on_progress=on_progress,
+        )
     warn(summary["warnings"])
     if as_json:
         echo_json(summary)

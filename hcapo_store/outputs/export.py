@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,13 +168,21 @@ ORDER BY e.name, e.id, m.message_index
 """
 
 
-def _rows(conn: Connection, run: RunInfo, rw: RunWeights, stats: _Stats) -> Iterator[dict[str, Any]]:
+def _rows(
+    conn: Connection,
+    run: RunInfo,
+    rw: RunWeights,
+    stats: _Stats,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[dict[str, Any]]:
     episodes, weights, grpo = rw.episodes, rw.weights, rw.grpo
     ids = episode_ids(episodes)
     by_id = {e["id"]: i for i, e in enumerate(episodes)}
     bound = NO_MIN_REWARD if rw.min_reward is None else rw.min_reward
     msgs = stream(conn, MESSAGES_SQL, {"run": run.id, "min_reward": bound})
-    for ep_id, group in itertools.groupby(msgs, key=lambda r: r[0]):
+    for done, (ep_id, group) in enumerate(itertools.groupby(msgs, key=lambda r: r[0]), 1):
+        if on_progress is not None:
+            on_progress(done, len(episodes))
         i = by_id[ep_id]
         w = weights[i]
         if not rw.signed and not (w > 0).any():  # the original drops rows whose weights are all 0
@@ -252,6 +260,7 @@ def export_dataset(
     layout: str = "steps",
     tokenizer: str | Path | None = None,
     rendering: str = "turns",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns the summary.
 
@@ -261,7 +270,7 @@ def export_dataset(
     ``omega``, ``min_reward``, ``group_by``, ``use_smoothed``: None = the credit run's own,
     whose stored advantages are then written as they are (``rows.run_weights``).
     ``summary["warnings"]`` says what the caller should know: a stale run, a ``group_by``
-    tag the episodes lack, an empty dataset.
+    tag the episodes lack, an empty dataset. ``on_progress(done, total)``: after each episode.
     """
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
@@ -283,6 +292,7 @@ def export_dataset(
             fmt=fmt,
             use_smoothed=use_smoothed,
             rendering=rendering,
+            on_progress=on_progress,
         )
     run = get_run(store, run_name)
     out = Path(out_path)
@@ -297,7 +307,7 @@ def export_dataset(
             conn, run, warnings, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
         )
         episodes = rw.episodes
-        rows: Iterator[dict[str, Any]] = (stats.add(r) for r in _rows(conn, run, rw, stats))
+        rows: Iterator[dict[str, Any]] = (stats.add(r) for r in _rows(conn, run, rw, stats, on_progress))
         if layout == "weights-in-messages":
             from hcapo_store.outputs.rows import with_message_weights
 

@@ -12,7 +12,7 @@ template inserts). Where the spans come from and how they are checked:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,7 @@ def export_tokenized(
     fmt: str = "jsonl",
     use_smoothed: bool | None = None,
     rendering: str = "turns",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
 
@@ -211,6 +212,8 @@ def export_tokenized(
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
+                if on_progress is not None:
+                    on_progress(i + 1, len(episodes))
                 if not rw.signed and not (rw.weights[i] > 0).any():
                     stats.no_weight += 1  # the original leaves all-zero episodes out
                     continue
