@@ -106,3 +106,7 @@ class ExportError(HcapoError):
 
 class TrainingDataError(HcapoError, ValueError):
     """Training rows that a trainer must not use as they are (another tokenizer, wrong columns)."""
+
+
+class HandoffError(HcapoError, ValueError):
+    """A credit run's advantages cannot be placed on a trainer's token ids (names the step)."""

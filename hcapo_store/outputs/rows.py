@@ -162,6 +162,22 @@ def run_weights(
     return RunWeights(episodes, eq8.grpo, eq8.weights, False, "computed", omega, min_reward, group_by, use_smoothed)
 
 
+def add_step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
+    """Adds each episode's credited step indices (in the order of ``indices``)."""
+    rows = conn.execute(
+        text(
+            "SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
+            "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"
+        ),
+        {"run": run.id},
+    )
+    by_ep: dict[int, list[int]] = {}
+    for ep_id, index in rows:
+        by_ep.setdefault(ep_id, []).append(index)
+    for ep in episodes:
+        ep["step_indices"] = by_ep[ep["id"]]
+
+
 def episode_groups(
     conn: Connection, episodes: list[dict[str, Any]], group_by: str | None, warnings: list[str]
 ) -> list[Any] | None:

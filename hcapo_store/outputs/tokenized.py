@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, text
 
-from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.credits.runs import get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
+    add_step_indices,
     episode_ids,
     run_provenance,
     run_warnings,
@@ -97,22 +97,6 @@ def _row(
         "_grpo_advantage": round(float(grpo), 6),
         "provenance": {**provenance, "flattened": al.flattened},
     }
-
-
-def _step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
-    """Adds each episode's credited step indices (in the order of ``indices``)."""
-    rows = conn.execute(
-        text(
-            "SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
-            "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"
-        ),
-        {"run": run.id},
-    )
-    by_ep: dict[int, list[int]] = {}
-    for ep_id, index in rows:
-        by_ep.setdefault(ep_id, []).append(index)
-    for ep in episodes:
-        ep["step_indices"] = by_ep[ep["id"]]
 
 
 class _Stats:
@@ -207,7 +191,7 @@ def export_tokenized(
             "rendering": rendering,
             "variant": run.variant,
         }
-        _step_indices(conn, episodes, run)
+        add_step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
 
         def rows() -> Iterator[dict[str, Any]]:

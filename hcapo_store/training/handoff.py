@@ -1,0 +1,208 @@
+"""A credit run's per-step advantages placed on the token ids a trainer holds.
+
+    from hcapo_store.training.handoff import Handoff
+    handoff = Handoff(store, "default", tokenizer="/models/Qwen3-8B")
+    credit = handoff.advantages("pg-01/episode_001", token_ids)   # one float per trainer token
+
+The trainer tokenized the conversation its own way; the store knows, per step, the policy's
+own tokens (``outputs/alignment.py``: its reasoning, text, tool calls and end-of-turn token,
+never a header or a wrapper the template inserts). If the trainer's ids are one of the two
+renderings the tokenized export writes (``turns`` or ``whole``), the spans are those. Otherwise
+each step's own tokens are looked up in order in the trainer's ids, right after the same
+header tokens the rendering puts before them; a step whose tokens are not there exactly is
+refused with a ``HandoffError`` naming it — never moved to a near match.
+
+Which advantage: the run's stored one (``step_credits.advantage``): the Eq. 8 weight for an
+``original`` run over its training selection (episodes under its ``min_reward`` get zeros and
+``selected=False``), the signed advantage for a ``paper`` run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import text
+
+from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.errors import EpisodeLookupError, HandoffError
+from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
+from hcapo_store.outputs.rows import add_step_indices, run_weights
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import load_messages
+from hcapo_store.storage.store import Store
+
+CONTEXT_TOKENS = 3  # header tokens that must precede a step's tokens in the trainer's ids
+
+RUN_EPISODES_SQL = """
+SELECT DISTINCT e.id, e.name FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
+WHERE c.run_id = :run ORDER BY e.name
+"""
+
+
+@dataclass
+class TokenCredit:
+    """One episode's advantages on a trainer's ids."""
+
+    episode: str
+    advantages: np.ndarray  # float32, len(token_ids); 0 outside the steps' own tokens
+    mask: np.ndarray  # bool: the steps' own tokens (what a trainer should train on)
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # step_index -> [start, end)
+    step_advantages: dict[int, float] = field(default_factory=dict)
+    selected: bool = True  # False: the run leaves the episode out of training (zeros)
+    how: str = "turns"  # "turns" / "whole" (the ids are that rendering) or "search"
+    refused: dict[int, str] = field(default_factory=dict)  # strict=False: steps left at 0, and why
+
+
+class Handoff:
+    """Per-token advantages of one credit run, on the token ids of a trainer.
+
+    ``tokenizer``: the directory of the tokenizer the run's scorer used (checked against the
+    scorer's fingerprint, as the tokenized export does)."""
+
+    def __init__(self, store: Store, run: str | None = None, *, tokenizer: str | Path) -> None:
+        self.store = store
+        self.run: RunInfo = get_run(store, run)
+        self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
+        self.renderer = EpisodeRenderer(self.tokenizer)
+        self.warnings: list[str] = [self.run.stale] if self.run.stale else []
+        with db.read(store.engine) as conn:
+            rw = run_weights(conn, self.run, self.warnings)
+            add_step_indices(conn, rw.episodes, self.run)
+            self._names = {int(i): n for i, n in conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id})}
+        self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
+        self._steps: dict[int, list[tuple[int, int]]] = {}
+        self._cache: dict[int, tuple[list[dict[str, Any]], dict[str, Alignment]]] = {}
+
+    # ---- lookup --------------------------------------------------------------------------------
+    def episode_id(self, episode: str | int) -> int:
+        """The run's episode meant by ``episode``: its name, its id, or a unique name ending."""
+        if isinstance(episode, (int, np.integer)) and int(episode) in self._names:
+            return int(episode)
+        value = str(episode)
+        exact = [i for i, n in self._names.items() if n == value]
+        if not exact and value.isdigit() and int(value) in self._names:
+            exact = [int(value)]
+        if not exact:
+            exact = [i for i, n in self._names.items() if n.endswith("/" + value)]
+        if len(exact) == 1:
+            return exact[0]
+        if exact:
+            names = ", ".join(sorted(self._names[i] for i in exact)[:5])
+            raise EpisodeLookupError(f"episode {value!r} is ambiguous in credit run {self.run.name!r}: {names}")
+        raise EpisodeLookupError(
+            f"credit run {self.run.name!r} has no episode {value!r} ({len(self._names)} credited episode(s); "
+            "`hcapo-store credits show RUN` lists them)"
+        )
+
+    def _episode(self, ep_id: int) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
+        if ep_id not in self._steps:
+            with db.read(self.store.engine) as conn:
+                messages = load_messages(conn, ep_id)
+                steps = conn.execute(
+                    text(
+                        "SELECT s.step_index, s.message_index FROM credits c JOIN steps s ON s.id = c.step_id "
+                        "WHERE c.run_id = :run AND s.episode_id = :ep ORDER BY s.step_index"
+                    ),
+                    {"run": self.run.id, "ep": ep_id},
+                ).all()
+            self._steps[ep_id] = [(int(a), int(b)) for a, b in steps]
+            self._cache[ep_id] = (messages, {})
+        return self._cache[ep_id][0], self._steps[ep_id]
+
+    def _alignment(self, ep_id: int, rendering: str) -> Alignment:
+        messages, steps = self._episode(ep_id)
+        done = self._cache[ep_id][1]
+        if rendering not in done:
+            done[rendering] = self.renderer.align(messages, steps, rendering)
+        return done[rendering]
+
+    # ---- placing -------------------------------------------------------------------------------
+    def spans(
+        self, episode: str | int, token_ids: Sequence[int], *, strict: bool = True
+    ) -> tuple[dict[int, tuple[int, int]], str, dict[int, str]]:
+        """Where each credited step's own tokens are in ``token_ids``, how they were found, and
+        (``strict=False``) the steps that are not there with the reason; ``strict`` raises."""
+        ep_id = self.episode_id(episode)
+        ids = [int(t) for t in token_ids]
+        for rendering in ("turns", "whole"):
+            al = self._alignment(ep_id, rendering)
+            if al.input_ids == ids:
+                if al.refused and strict:
+                    index, why = sorted(al.refused.items())[0]
+                    raise HandoffError(f"episode {self._names[ep_id]}: step {index} cannot be placed: {why}")
+                return dict(al.spans), rendering, dict(al.refused)
+        refused: dict[int, str] = {}
+        return self._search(ep_id, ids, None if strict else refused), "search", refused
+
+    def _search(self, ep_id: int, ids: list[int], refused: dict[int, str] | None) -> dict[int, tuple[int, int]]:
+        name = self._names[ep_id]
+        turns, whole = self._alignment(ep_id, "turns"), self._alignment(ep_id, "whole")
+        spans: dict[int, tuple[int, int]] = {}
+        pos = 0
+        for index, _ in self._steps[ep_id]:
+            found = None
+            for al in (turns, whole):
+                if index not in al.spans:
+                    continue
+                a, b = al.spans[index]
+                own = al.input_ids[a:b]
+                before = al.input_ids[max(0, a - CONTEXT_TOKENS) : a]
+                found = _find_after(ids, own, before, pos)
+                if found is not None:
+                    break
+            if found is None:
+                why = turns.refused.get(index) or whole.refused.get(index)
+                text_ = (
+                    self.tokenizer.decode(turns.input_ids[slice(*turns.spans[index])]) if index in turns.spans else ""
+                )
+                shown = repr(text_[:60] + ("…" if len(text_) > 60 else "")) if text_ else ""
+                raise HandoffError(
+                    f"episode {name}: step {index}'s own tokens {shown} are not in the given ids "
+                    f"after position {pos}"
+                    + (f" ({why})" if why else "")
+                    + ": tokenize the conversation with the scorer's tokenizer and chat template"
+                )
+            spans[index] = found
+            pos = found[1]
+        return spans
+
+    def advantages(self, episode: str | int, token_ids: Sequence[int], *, strict: bool = True) -> TokenCredit:
+        """One float per token of ``token_ids``: each step's advantage on its own tokens.
+
+        ``strict`` (default): a step whose own tokens are not in the ids raises a
+        ``HandoffError`` naming it. ``strict=False``: that step stays at 0 and is listed in
+        ``refused`` with the reason (e.g. Qwen3's whole-conversation rendering drops the
+        reasoning of earlier turns: those steps' own tokens are not in it)."""
+        ep_id = self.episode_id(episode)
+        spans, how, refused = self.spans(ep_id, token_ids, strict=strict)
+        adv = np.zeros(len(token_ids), dtype=np.float32)
+        mask = np.zeros(len(token_ids), dtype=bool)
+        selected = ep_id in self._weights
+        step_adv: dict[int, float] = {}
+        if selected:
+            ep, weights = self._weights[ep_id]
+            step_adv = {int(i): float(w) for i, w in zip(ep["step_indices"], weights)}
+        for index, (a, b) in spans.items():
+            adv[a:b] = step_adv.get(index, 0.0)
+            mask[a:b] = True
+        return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
+
+
+def _find_after(ids: list[int], own: list[int], before: list[int], pos: int) -> tuple[int, int] | None:
+    """The first occurrence of ``own`` at or after ``pos`` that ``before`` precedes (as much of
+    it as fits before the start of ``ids``)."""
+    if not own:
+        return None
+    n, first = len(own), own[0]
+    for start in range(pos, len(ids) - n + 1):
+        if ids[start] != first or ids[start : start + n] != own:
+            continue
+        k = min(len(before), start)
+        if k and ids[start - k : start] != before[len(before) - k :]:
+            continue
+        return start, start + n
+    return None
