@@ -132,6 +132,13 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, i
     help="Score the same prompts without the outcome block: the policy's π(a|s), a baseline scorer of its "
     "own for `diagnose --baseline` (never an estimator).",
 )
+@click.option(
+    "--weight-version",
+    metavar="V",
+    help="The policy's weight version the scores come from (online RL: e.g. the training step). Part of "
+    "the scorer, so one credit run never mixes versions; refused when the server reports another "
+    "(SGLang's weight_version). Default: the version the server reports, if any.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(
@@ -161,6 +168,7 @@ def score(
     truncation,
     action_span,
     no_hindsight,
+    weight_version,
     as_json,
 ) -> None:
     """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
@@ -191,6 +199,7 @@ def score(
         truncation=truncation,
         action_span=action_span,
         hindsight=not no_hindsight,
+        weight_version=weight_version,
     )
     if hindsight_template and no_hindsight:
         raise click.UsageError("--hindsight-template and --no-hindsight contradict each other: pick one")

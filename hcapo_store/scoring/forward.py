@@ -49,7 +49,9 @@ class LogprobModel:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         chunk_size: int = 512,
+        loaded: Any = None,
     ) -> None:
+        """``loaded``: an already loaded causal LM (``model_dir`` then only names it)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -61,13 +63,18 @@ class LogprobModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.chunk_size = chunk_size
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise ScoringError(f"cannot load a causal LM from {self.model_dir}: {exc}") from exc
+        if loaded is None:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+            except (OSError, ValueError) as exc:
+                raise ScoringError(f"cannot load a causal LM from {self.model_dir}: {exc}") from exc
+            # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
+            model = model.to(self.device).eval()  # type: ignore[arg-type]
+        else:  # a live model (the policy being trained): used where it is, as it is
+            model = loaded
+            self.device = next(model.parameters()).device
         _reject_logit_transforms(model.config)
-        # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.model = model
         self._body = self.model.get_decoder()
         self._head = self.model.get_output_embeddings()
         self.vocab_size: int = self._head.out_features

@@ -64,6 +64,9 @@ class ScoreConfig:
     truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
     action_span: ActionSpan = "rendered"  # or "policy": only the policy's own tokens are scored
     hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
+    # The policy's weights (online RL): part of the scorer, so one credit run never mixes versions.
+    # None: the version the server reports (SGLang's weight_version), if any besides "default".
+    weight_version: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -144,15 +147,17 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return pool.submit(lambda: asyncio.run(make())).result()
 
 
-def prepare(store: Store, cfg: ScoreConfig) -> Prepared:
+def prepare(store: Store, cfg: ScoreConfig, backend: Backend | None = None) -> Prepared:
     """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
     ``run_scoring`` registers the scorer, so a dry run leaves the database as it was).
+    ``backend``: one built by the caller (e.g. ``LiveModelBackend`` over the policy being
+    trained) instead of the one ``cfg`` names.
 
     Works inside a running event loop too (it then runs in a worker thread); from async
     code, ``await prepare_async(store, cfg)`` instead.
     """
     _check_template(cfg)
-    backend = make_backend(cfg)
+    backend = backend or make_backend(cfg)
     run_sync(lambda: _start(cfg, backend, close=cfg.backend != "transformers"))
     return _prepared(store, cfg, backend)
 
@@ -221,7 +226,28 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     if not cfg.hindsight:  # a baseline: no outcome, so the hindsight template plays no part
         spec["hindsight"] = False
         del spec["hindsight_template_sha256"]
+    version = weight_version(cfg.weight_version, backend)
+    if version is not None:  # only when there is one: other scorers keep their ids
+        spec["weight_version"] = version
     return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
+
+
+UNVERSIONED = (None, "default")  # SGLang reports "default" until weights are updated with a version
+
+
+def weight_version(asked: str | None, backend: Backend) -> str | None:
+    """The weight version the scores will come from: the one asked for, checked against what
+    the backend reports (refused before anything is sent when they differ), else the reported one."""
+    report = getattr(backend, "weight_version", None)
+    reported = report() if callable(report) else None
+    if asked is not None and reported not in UNVERSIONED and str(reported) != asked:
+        raise ScoringError(
+            f"--weight-version {asked} is not what the {backend.kind} backend serves (weight version "
+            f"{reported!r}): score with --weight-version {reported} or update the server's weights first"
+        )
+    if asked is not None:
+        return asked
+    return None if reported in UNVERSIONED else str(reported)
 
 
 @dataclass

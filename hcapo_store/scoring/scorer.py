@@ -58,6 +58,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
         parts.append("no-hindsight")
     if spec.get("action_span"):
         parts.append(f"span={spec['action_span']}")
+    if spec.get("weight_version") is not None:
+        parts.append(f"wv={spec['weight_version']}")
     return " ".join(parts)
 
 

@@ -7,6 +7,7 @@ scheduler's event loop keeps committing results while the model computes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -93,3 +94,48 @@ class InProcessBackend:
             )
             for v in values
         ]
+
+
+class LiveModelBackend(InProcessBackend):
+    """The policy being trained, scoring its own rollouts in process (HCAPO online).
+
+    Its weights change between iterations and are not fingerprinted (hashing a large model
+    at every step would cost more than the scoring): the caller names them with
+    ``weight_version``, which is part of the scorer, so scores of two versions never meet in
+    one credit run. The model is put in eval mode for each forward pass and given back in the
+    mode it was in (dropout must not touch the scores)."""
+
+    kind = "transformers-live"
+
+    def __init__(self, model: Any, *, weight_version: str, chunk_size: int = 512, name: str | None = None) -> None:
+        if not weight_version:
+            raise ValueError("a live model needs its weight_version (e.g. the training step)")
+        config_name = str(getattr(model.config, "_name_or_path", "") or "live-model")
+        super().__init__(Path(name or Path(config_name).name or "live-model"), chunk_size=chunk_size)
+        self.model_name = name or Path(config_name).name or "live-model"
+        self.live = model
+        self.version = str(weight_version)
+
+    async def start(self) -> None:
+        from hcapo_store.scoring.forward import LogprobModel
+
+        if self.scorer is None:
+            self.scorer = LogprobModel(self.model_name, chunk_size=self.chunk_size, loaded=self.live)
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model_name, "weight_version": self.version}
+
+    def weight_version(self) -> str:
+        return self.version
+
+    def tokenizer_path(self) -> str:
+        return ""  # a live model has no directory of its own: the caller passes the tokenizer
+
+    async def _score_spans(self, ids: list[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
+        was_training = self.live.training
+        self.live.eval()
+        try:
+            scores = await super()._score_spans(ids, spans)
+        finally:
+            self.live.train(was_training)
+        return [dataclasses.replace(s, model_id=f"{self.model_name}@{self.version}") for s in scores]

@@ -224,6 +224,11 @@ class SGLangBackend(HttpBackend):
             model_id=self.server_model_id(),
         )
 
+    def weight_version(self) -> str | None:
+        """The weight version the server reports (``/model_info``), read at start."""
+        value = (self.served or {}).get("weight_version")
+        return None if value is None else str(value)
+
     def _check_weight_version(self, body: Any) -> None:
         """Every response reports the weights it came from (``meta_info.weight_version``)."""
         items = body if isinstance(body, list) else [body]

@@ -1,0 +1,71 @@
+"""HCAPO's own setting: the policy being trained scores its own rollouts, in process.
+
+    from hcapo_store.scoring.live import score_live
+    report = score_live(store, model, tokenizer="/models/Qwen3-8B", weight_version="step-12",
+                        episodes=names_of_this_batch)
+
+The scores go to the scorer of (this model name, this weight version, the prompt options), so
+a credit run over it (``compute_credits(store, scorer=report.scorer_id)``) holds one version
+only. Nothing is sent anywhere; the model is used where it is (its device, its dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hcapo_store.scoring.backends.inprocess import LiveModelBackend
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
+from hcapo_store.scoring.scorer import scorer_label
+from hcapo_store.scoring.work_queue import Filters
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import resolve_episodes
+from hcapo_store.storage.store import Store
+
+
+@dataclass
+class LiveReport:
+    scorer_id: str
+    label: str
+    weight_version: str
+    report: ScoreReport
+
+
+def score_live(
+    store: Store,
+    model: Any,
+    *,
+    tokenizer: str,
+    weight_version: str,
+    episodes: Sequence[str] | None = None,
+    max_context: int | None = None,
+    max_logprob_tokens: int | None = None,
+    action_span: str = "rendered",
+    name: str | None = None,
+) -> LiveReport:
+    """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
+    ``weight_version``. ``tokenizer``: the model's tokenizer directory."""
+    if episodes is not None and not episodes:
+        raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
+    backend = LiveModelBackend(model, weight_version=weight_version, name=name)
+    extra: dict[str, Any] = {}
+    if max_logprob_tokens is not None:
+        extra["max_logprob_tokens"] = max_logprob_tokens
+    cfg = ScoreConfig(
+        backend=LiveModelBackend.kind,
+        tokenizer=tokenizer,
+        max_context=max_context,
+        action_span=action_span,  # type: ignore[arg-type]
+        weight_version=str(weight_version),
+        **extra,
+    )
+    prep = prepare(store, cfg, backend)
+    keys: tuple[str, ...] = ()
+    if episodes is not None:
+        with db.read(store.engine) as conn:
+            keys = resolve_episodes(conn, list(episodes))
+    options = RunOptions(concurrency=1, filters=Filters(episodes=keys) if episodes is not None else Filters())
+    report = run_scoring(store, prep, options)
+    return LiveReport(prep.scorer_id, scorer_label(prep.spec), str(weight_version), report)
