@@ -102,8 +102,9 @@ def _generator():
     return module
 
 
-# Columns later revisions add (0003: credit variants); the rows' other values must survive.
-ADDED_COLUMNS = {"credit_runs": {"variant"}, "credits": {"a_macro", "micro", "advantage"}}
+# Columns later revisions add (0003: credit variants; 0004: batch scope); the rows' other values must survive.
+ADDED_COLUMNS = {"credit_runs": {"variant", "episode_scope"}, "credits": {"a_macro", "micro", "advantage"}}
+ADDED_TABLES = {"batches", "batch_episodes"}  # 0004: empty after an upgrade
 
 
 def _snapshot(engine) -> dict[str, list[tuple]]:
@@ -113,7 +114,7 @@ def _snapshot(engine) -> dict[str, list[tuple]]:
     out = {}
     with engine.connect() as conn:
         for table in meta.sorted_tables:
-            if table.name == "alembic_version":
+            if table.name == "alembic_version" or table.name in ADDED_TABLES:
                 continue
             cols = [
                 c
@@ -174,7 +175,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0003" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0004" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

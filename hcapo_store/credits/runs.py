@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.canonical import canonical_json
+from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, hcapo_weights, run_hash
 from hcapo_store.errors import CreditError
@@ -38,7 +38,7 @@ SELECT e.id, e.reward, s.id, s.phase, s.subtask_id, s.subtask_reward,
 FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
-WHERE e.is_current IS TRUE
+WHERE e.is_current IS TRUE{scope}
 ORDER BY e.id, s.step_index
 """
 
@@ -75,6 +75,7 @@ class RunInfo:
     created_at: str
     variant: str = "original"
     stored_advantages: bool = False  # False: a run from before revision 0003 (exports compute them)
+    episode_scope: list[int] | None = None  # a batch's run (follow): only these episode ids
     # Staleness, filled by get_run / list_runs (see ``run_staleness``).
     superseded_episodes: int = 0  # credited episodes that have a newer version since
     uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
@@ -129,8 +130,8 @@ class ComputeResult:
 
 
 RUN_SQL = """
-SELECT r.id, r.name, r.scorer_id, sc.label, r.params, r.run_hash, r.episodes, r.steps,
-       r.incomplete_episodes, r.incomplete, r.created_at, r.variant,
+SELECT r.id, r.name, r.scorer_id, sc.label AS scorer_label, r.params, r.run_hash, r.episodes, r.steps,
+       r.incomplete_episodes, r.incomplete, r.created_at, r.variant, r.episode_scope,
        CASE WHEN EXISTS (SELECT 1 FROM credits c WHERE c.run_id = r.id AND c.advantage IS NOT NULL)
             THEN 1 ELSE 0 END AS stored
 FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
@@ -138,20 +139,22 @@ FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
 
 
 def _run_from_row(row: Any) -> RunInfo:
+    r = row._mapping  # by name: a column added to RUN_SQL never shifts the others
     return RunInfo(
-        id=row[0],
-        name=row[1],
-        scorer_id=row[2],
-        scorer_label=row[3],
-        params=json.loads(row[4]),
-        run_hash=row[5],
-        episodes=row[6],
-        steps=row[7],
-        incomplete_episodes=row[8],
-        incomplete=json.loads(row[9]) if row[9] else [],
-        created_at=row[10],
-        variant=row[11],
-        stored_advantages=bool(row[12]),
+        id=r["id"],
+        name=r["name"],
+        scorer_id=r["scorer_id"],
+        scorer_label=r["scorer_label"],
+        params=json.loads(r["params"]),
+        run_hash=r["run_hash"],
+        episodes=r["episodes"],
+        steps=r["steps"],
+        incomplete_episodes=r["incomplete_episodes"],
+        incomplete=json.loads(r["incomplete"]) if r["incomplete"] else [],
+        created_at=r["created_at"],
+        variant=r["variant"],
+        stored_advantages=bool(r["stored"]),
+        episode_scope=json.loads(r["episode_scope"]) if r["episode_scope"] else None,
     )
 
 
@@ -187,12 +190,20 @@ WHERE e.is_current IS TRUE
 """
 
 
+def _scope_sql(scope: Sequence[int] | None) -> str:
+    if scope is None:
+        return ""
+    ids = ", ".join(str(int(i)) for i in scope)  # integers we stored ourselves
+    return f" AND e.id IN ({ids})" if ids else " AND 1 = 0"
+
+
 def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
     """Fill in what changed since the run was computed: credited episodes superseded by a
     new version, and episodes completely scored (e.g. after the run) that it lacks."""
     bind = {"run": run.id, "scorer": run.scorer_id}
     run.superseded_episodes = int(conn.execute(text(STALE_SUPERSEDED_SQL), bind).scalar() or 0)
-    run.uncredited_complete_episodes = int(conn.execute(text(STALE_UNCREDITED_SQL), bind).scalar() or 0)
+    uncredited = STALE_UNCREDITED_SQL + _scope_sql(run.episode_scope)  # a batch's run: its own episodes only
+    run.uncredited_complete_episodes = int(conn.execute(text(uncredited), bind).scalar() or 0)
     if run.superseded_episodes:
         run.unscored_new_versions = int(conn.execute(text(STALE_UNSCORED_SQL), bind).scalar() or 0)
     return run
@@ -232,17 +243,20 @@ def compute_credits(
     scorer: str | None = None,
     replace: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    episodes: Sequence[int] | None = None,
 ) -> ComputeResult:
     """Compute (or find) the credit run of (scorer, params).
 
     Same scorer + params → the existing run is returned (``created=False``) unless
     ``replace`` recomputes it (e.g. after more steps were scored). ``on_progress(episodes,
-    steps)`` is called after each batch.
+    steps)`` is called after each batch. ``episodes``: the run covers only these episode ids
+    (a batch of ``follow``: its group statistics are the batch's own); part of the run's identity.
     """
     started = time.perf_counter()
+    scope = None if episodes is None else sorted({int(i) for i in episodes})
     with db.write(store.engine) as conn:
         scorer_id, _ = resolve_scorer(conn, scorer)
-        h = run_hash(scorer_id, params)
+        h = run_hash(scorer_id, params) if scope is None else scoped_run_hash(scorer_id, params, scope)
         existing = _find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
@@ -253,8 +267,8 @@ def compute_credits(
         if existing is not None:
             conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-        run_id = _insert_run(conn, run_name, scorer_id, params, h)
-        totals = _fill_run(conn, run_id, scorer_id, params, on_progress)
+        run_id = _insert_run(conn, run_name, scorer_id, params, h, scope)
+        totals = _fill_run(conn, run_id, scorer_id, params, on_progress, scope)
         if totals.episodes == 0:  # raising here rolls the run back: an empty run is never listed
             raise CreditError(
                 f"no episode is completely scored under scorer {scorer_id[:12]} "
@@ -316,13 +330,20 @@ def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: st
     return f"run-{h[:8]}"
 
 
-def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str) -> int:
+def scoped_run_hash(scorer_id: str, params: CreditParams, scope: Sequence[int]) -> str:
+    """A run over a set of episodes (a batch): the set is part of its identity."""
+    return content_hash({"scorer_id": scorer_id, "params": params.as_dict(), "episodes": list(scope)}, ascii_only=True)
+
+
+def _insert_run(
+    conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str, scope: Sequence[int] | None = None
+) -> int:
     return int(
         conn.execute(
             text(
                 "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-                "incomplete_episodes, incomplete, created_at, variant) "
-                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant) RETURNING id"
+                "incomplete_episodes, incomplete, created_at, variant, episode_scope) "
+                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant, :scope) RETURNING id"
             ),
             {
                 "name": name,
@@ -331,6 +352,7 @@ def _insert_run(conn: Connection, name: str, scorer_id: str, params: CreditParam
                 "h": h,
                 "at": utcnow().isoformat(timespec="seconds"),
                 "variant": params.variant,
+                "scope": None if scope is None else json.dumps(list(scope)),
             },
         ).scalar_one()
     )
@@ -348,14 +370,19 @@ class _Totals:
 
 
 def _fill_run(
-    conn: Connection, run_id: int, scorer_id: str, params: CreditParams, on_progress: Callable[[int, int], None] | None
+    conn: Connection,
+    run_id: int,
+    scorer_id: str,
+    params: CreditParams,
+    on_progress: Callable[[int, int], None] | None,
+    scope: Sequence[int] | None = None,
 ) -> _Totals:
     """Streams the scored steps, keeps the complete episodes' columns, then computes every
     credit at once: advantages need statistics over all episodes of a group."""
     n = params.max_logprob_tokens
     # The blob is fetched only for scores the suffix re-aggregation actually changes.
     blob = "CASE WHEN sc.token_count > :n THEN sc.token_logprobs END" if n else "NULL"
-    sql = text(STREAM_SQL.format(blob=blob))
+    sql = text(STREAM_SQL.format(blob=blob, scope=_scope_sql(scope)))
     bind: dict[str, Any] = {"scorer": scorer_id, **({"n": n} if n else {})}
     totals = _Totals()
     parts: list[_Columns] = []

@@ -250,6 +250,8 @@ class CreditRun(Base):
     created_at: Mapped[str] = mapped_column(String(40))
     # original | paper (docs/CREDITS.md); runs from before revision 0003 read as original
     variant: Mapped[str] = mapped_column(String(16), server_default="original")
+    # JSON list of the episode ids a batch's run covers (follow); NULL: every complete episode
+    episode_scope: Mapped[str | None] = mapped_column(Text)
 
 
 class Credit(Base):
@@ -274,3 +276,35 @@ class Credit(Base):
     a_macro: Mapped[float | None] = mapped_column(Float)
     micro: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float | None] = mapped_column(Float)
+
+
+class Batch(Base):
+    """A batch `follow` published: the episodes sharing a key, credited together (a change feed)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (UniqueConstraint("batch_hash", name="uq_batches_batch_hash"), Index("ix_batches_key", "key"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(500))
+    batch_hash: Mapped[str] = mapped_column(String(64))  # scorer + parameters + episode versions
+    status: Mapped[str] = mapped_column(String(16))  # ready | superseded
+    episodes: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer)
+    scored: Mapped[int] = mapped_column(Integer)
+    failed: Mapped[int] = mapped_column(Integer)
+    failed_episodes: Mapped[str | None] = mapped_column(Text)  # JSON list of names
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"))
+    credit_run_id: Mapped[int | None] = mapped_column(ForeignKey("credit_runs.id", ondelete="SET NULL"))
+    credit_run: Mapped[str | None] = mapped_column(String(200))
+    weight_version: Mapped[str | None] = mapped_column(String(200))
+    complete_at: Mapped[str] = mapped_column(String(40))
+    ready_at: Mapped[str] = mapped_column(String(40))
+    lag_s: Mapped[float | None] = mapped_column(Float)
+    superseded_by: Mapped[int | None] = mapped_column(Integer)
+
+
+class BatchEpisode(Base):
+    __tablename__ = "batch_episodes"
+
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
