@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
 from hcapo_store import formatting
@@ -18,83 +21,89 @@ def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 
 
-@credits.command("compute")
-@click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
-@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
-@click.option(
-    "--t-temp",
-    type=FiniteFloat(),
-    default=5.0,
-    show_default=True,
-    help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
-)
-@click.option(
-    "--gamma",
-    type=FiniteFloat(),
-    default=0.95,
-    show_default=True,
-    help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
-)
-@click.option(
-    "--c-min",
-    type=FiniteFloat(),
-    default=0.8,
-    show_default=True,
-    help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
-)
-@click.option("--c-max", type=FiniteFloat(), default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ.")
-@click.option(
-    "--alpha",
-    type=FiniteFloat(),
-    default=0.5,
-    show_default=True,
-    help="Backward smoothing weight α of q_h into q_h_smoothed.",
-)
-@click.option("--no-smooth", is_flag=True, help="No smoothing (q_h_smoothed = q_h).")
-@click.option(
-    "--variant",
-    type=click.Choice(["original", "paper"]),
-    default="original",
-    show_default=True,
-    help="original: the scripts' estimator (recursive smoothing, global statistics, Eq. 8 weights >= 0 for "
-    "weighted SFT); paper: Algorithm 1 (one-step smoothing, per-group statistics, signed advantages for "
-    "PPO/GRPO). docs/CREDITS.md lists the differences.",
-)
-@click.option(
-    "--dense-rewards/--no-dense-rewards",
-    default=None,
-    help="Dense: a step's return is its subtask's score discounted to the subtask's end; sparse: the episode "
-    "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper.",
-)
-@click.option("--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight ω of the micro (step) term.")
-@click.option(
-    "--group-by",
-    metavar="TAG",
-    help="Macro advantage (and, for paper, μ_H/σ_H) per value of this tag, e.g. a GRPO group id; "
-    "episodes without it form one group.",
-)
-@click.option(
-    "--min-reward",
-    type=FiniteFloat(),
-    default=0.2,
-    show_default=True,
-    help="original: advantages over the episodes with reward >= X (those the export keeps).",
-)
-@click.option(
-    "--success-threshold",
-    type=FiniteFloat(),
-    default=1.0,
-    show_default=True,
-    help="paper: a trajectory with reward >= X is successful; do-no-harm clears its negative micro terms.",
-)
-@click.option("--max-logprob-tokens", type=int_range(1), help="Re-aggregate only the last N stored token logprobs.")
-@click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@pass_ctx
-def credits_compute(
-    state: Ctx,
-    name,
-    scorer,
+# The estimator's hyperparameters: shared by ``credits compute`` and ``follow``.
+CREDIT_OPTIONS = [
+    click.option(
+        "--t-temp",
+        type=FiniteFloat(),
+        default=5.0,
+        show_default=True,
+        help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
+    ),
+    click.option(
+        "--gamma",
+        type=FiniteFloat(),
+        default=0.95,
+        show_default=True,
+        help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
+    ),
+    click.option(
+        "--c-min",
+        type=FiniteFloat(),
+        default=0.8,
+        show_default=True,
+        help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
+    ),
+    click.option(
+        "--c-max", type=FiniteFloat(), default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ."
+    ),
+    click.option(
+        "--alpha",
+        type=FiniteFloat(),
+        default=0.5,
+        show_default=True,
+        help="Backward smoothing weight α of q_h into q_h_smoothed.",
+    ),
+    click.option("--no-smooth", is_flag=True, help="No smoothing (q_h_smoothed = q_h)."),
+    click.option(
+        "--variant",
+        type=click.Choice(["original", "paper"]),
+        default="original",
+        show_default=True,
+        help="original: the scripts' estimator (recursive smoothing, global statistics, Eq. 8 weights >= 0 for "
+        "weighted SFT); paper: Algorithm 1 (one-step smoothing, per-group statistics, signed advantages for "
+        "PPO/GRPO). docs/CREDITS.md lists the differences.",
+    ),
+    click.option(
+        "--dense-rewards/--no-dense-rewards",
+        default=None,
+        help="Dense: a step's return is its subtask's score discounted to the subtask's end; sparse: the episode "
+        "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper.",
+    ),
+    click.option(
+        "--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight ω of the micro (step) term."
+    ),
+    click.option(
+        "--group-by",
+        metavar="TAG",
+        help="Macro advantage (and, for paper, μ_H/σ_H) per value of this tag, e.g. a GRPO group id; "
+        "episodes without it form one group.",
+    ),
+    click.option(
+        "--min-reward",
+        type=FiniteFloat(),
+        default=0.2,
+        show_default=True,
+        help="original: advantages over the episodes with reward >= X (those the export keeps).",
+    ),
+    click.option(
+        "--success-threshold",
+        type=FiniteFloat(),
+        default=1.0,
+        show_default=True,
+        help="paper: a trajectory with reward >= X is successful; do-no-harm clears its negative micro terms.",
+    ),
+]
+
+
+def credit_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(CREDIT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def credit_params(
+    *,
     t_temp,
     gamma,
     c_min,
@@ -107,17 +116,10 @@ def credits_compute(
     group_by,
     min_reward,
     success_threshold,
-    max_logprob_tokens,
-    recompute,
-    as_json,
-) -> None:
-    """Compute pi_hind, rho, q_h, q_h_smoothed and the advantage for every completely scored episode.
-
-    Same scorer + same hyperparameters is the same run (returned, not recomputed).
-    Episodes with missing or failed steps are listed as incomplete and get no credits.
-    """
+    max_logprob_tokens=None,
+) -> Any:
+    """``CreditParams`` of the credit options; an option of the other variant is refused."""
     from hcapo_store.credits.equations import CreditParams
-    from hcapo_store.credits.runs import compute_credits
 
     given = click.get_current_context().get_parameter_source
     for option, only in (("success_threshold", "paper"), ("min_reward", "original")):
@@ -125,7 +127,7 @@ def credits_compute(
             flag = "--" + option.replace("_", "-")
             raise click.UsageError(f"{flag} applies to --variant {only} only (this run is --variant {variant})")
     # Invalid values are refused by CreditParams itself (one line, with the valid range).
-    params = CreditParams(
+    return CreditParams(
         t_temp=t_temp,
         gamma=gamma,
         c_min=c_min,
@@ -140,6 +142,33 @@ def credits_compute(
         min_reward=min_reward,
         success_threshold=success_threshold,
     )
+
+
+@credits.command("compute")
+@click.option("--name", help="A label for the run (default: 'default' for the default parameters).")
+@click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
+@credit_options
+@click.option("--max-logprob-tokens", type=int_range(1), help="Re-aggregate only the last N stored token logprobs.")
+@click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def credits_compute(
+    state: Ctx,
+    name,
+    scorer,
+    max_logprob_tokens,
+    recompute,
+    as_json,
+    **credit_kw,
+) -> None:
+    """Compute pi_hind, rho, q_h, q_h_smoothed and the advantage for every completely scored episode.
+
+    Same scorer + same hyperparameters is the same run (returned, not recomputed).
+    Episodes with missing or failed steps are listed as incomplete and get no credits.
+    """
+    from hcapo_store.credits.runs import compute_credits
+
+    params = credit_params(max_logprob_tokens=max_logprob_tokens, **credit_kw)
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
     echo_json(result.as_dict()) if as_json else click.echo(result.message)
 

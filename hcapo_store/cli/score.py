@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -12,137 +14,133 @@ from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, int_range
 
+# What makes a scorer and how one process scores: shared by ``score`` and ``follow``.
+SCORER_OPTIONS = [
+    click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm)."),
+    click.option(
+        "--backend",
+        type=click.Choice(["sglang", "vllm", "transformers"]),
+        default=None,
+        help="Default: sglang with --server, transformers with --model and no --server.",
+    ),
+    click.option(
+        "--model",
+        metavar="NAME_OR_DIR",
+        help="Model directory (transformers backend) or served model name (HTTP backends).",
+    ),
+    click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's / the server's)."),
+    click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY)."),
+    click.option(
+        "--concurrency",
+        type=int_range(1, 1024),
+        default=4,
+        show_default=True,
+        help="Episodes in flight at once (each sends its steps in order).",
+    ),
+    click.option(
+        "--max-context",
+        type=int_range(2, 2**24),
+        default=None,
+        help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
+        "truncation marker and the most recent history before the action. Default: 32768, or the "
+        "server's input limit when that is smaller; a larger value than the server takes is refused.",
+    ),
+    click.option(
+        "--max-logprob-tokens",
+        type=int_range(-INT32_MAX),
+        default=2048,
+        show_default=True,
+        help="Score only the last N action tokens (<= 0: all).",
+    ),
+    click.option(
+        "--hindsight-template",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).",
+    ),
+    conversion_options(
+        thinking_help="Score episodes ingested with these conversion options.",
+        cut_help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
+    ),
+    click.option(
+        "--max-attempts",
+        type=int_range(1, 1000),
+        default=4,
+        show_default=True,
+        help="Attempts per step before it is marked failed.",
+    ),
+    click.option(
+        "--lease-seconds",
+        type=FiniteFloat(1, 7 * 86400),
+        default=120.0,
+        show_default=True,
+        help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
+    ),
+    click.option("--worker-id", help="Name of this worker in the queue (default host:pid)."),
+    click.option(
+        "--max-new-tokens",
+        type=click.IntRange(0, 1),
+        default=0,
+        show_default=True,
+        help="1 for old SGLang servers that mishandle prefill-only requests.",
+    ),
+    click.option(
+        "--request-timeout",
+        type=FiniteFloat(0.1, 86400),
+        default=300.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="Give up on one HTTP request after this long (retried as a timeout).",
+    ),
+    click.option(
+        "--grouping",
+        type=click.Choice(["grouped", "per-step"]),
+        default="grouped",
+        show_default=True,
+        help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
+        "one request; per-step: one request per step. Same results either way.",
+    ),
+    click.option(
+        "--truncation",
+        type=click.Choice(["sliding", "window"]),
+        default="sliding",
+        show_default=True,
+        help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
+        "window starts the tail at block boundaries so a window's steps share one request "
+        "(a different scorer).",
+    ),
+    click.option(
+        "--action-span",
+        type=click.Choice(["rendered", "policy"]),
+        default="rendered",
+        show_default=True,
+        help="Tokens whose logprobs make a step's mean: rendered = everything the chat template renders "
+        "for the turn (the original's); policy = only the policy's own tokens and its end-of-turn token, "
+        "never a header or a wrapper the template inserts (Qwen3's empty think block). A different scorer.",
+    ),
+    click.option(
+        "--no-hindsight",
+        is_flag=True,
+        help="Score the same prompts without the outcome block: the policy's π(a|s), a baseline scorer of its "
+        "own for `diagnose --baseline` (never an estimator).",
+    ),
+    click.option(
+        "--weight-version",
+        metavar="V",
+        help="The policy's weight version the scores come from (online RL: e.g. the training step). Part of "
+        "the scorer, so one credit run never mixes versions; refused when the server reports another "
+        "(SGLang's weight_version). Default: the version the server reports, if any.",
+    ),
+]
 
-@cli.command(epilog="Reference: docs/SCORING.md in the hcapo-store repository.")
-@click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm).")
-@click.option(
-    "--backend",
-    type=click.Choice(["sglang", "vllm", "transformers"]),
-    default=None,
-    help="Default: sglang with --server, transformers with --model and no --server.",
-)
-@click.option(
-    "--model",
-    metavar="NAME_OR_DIR",
-    help="Model directory (transformers backend) or served model name (HTTP backends).",
-)
-@click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's / the server's).")
-@click.option("--api-key", envvar="HCAPO_API_KEY", help="Sent as a Bearer token (env HCAPO_API_KEY).")
-@click.option(
-    "--concurrency",
-    type=int_range(1, 1024),
-    default=4,
-    show_default=True,
-    help="Episodes in flight at once (each sends its steps in order).",
-)
-@click.option(
-    "--max-context",
-    type=int_range(2, 2**24),
-    default=None,
-    help="Most tokens per request: a longer prompt keeps its start (with the hindsight block), a "
-    "truncation marker and the most recent history before the action. Default: 32768, or the "
-    "server's input limit when that is smaller; a larger value than the server takes is refused.",
-)
-@click.option(
-    "--max-logprob-tokens",
-    type=int_range(-INT32_MAX),
-    default=2048,
-    show_default=True,
-    help="Score only the last N action tokens (<= 0: all).",
-)
-@click.option(
-    "--hindsight-template",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="File with the hindsight block template (default: the original HINDSIGHT_TEMPLATE).",
-)
-@conversion_options(
-    thinking_help="Score episodes ingested with these conversion options.",
-    cut_help="Score episodes ingested with this tool-result cut (the ingest option of the same name).",
-)
-@click.option(
-    "--episode",
-    "episodes",
-    multiple=True,
-    metavar="NAME",
-    help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.",
-)
-@click.option("--min-reward", type=FiniteFloat(), help="Only episodes with reward >= X.")
-@click.option("--limit", type=int_range(1), help="Score at most N steps in this run.")
-@click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
-@click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
-@click.option(
-    "--max-attempts",
-    type=int_range(1, 1000),
-    default=4,
-    show_default=True,
-    help="Attempts per step before it is marked failed.",
-)
-@click.option(
-    "--lease-seconds",
-    type=FiniteFloat(1, 7 * 86400),
-    default=120.0,
-    show_default=True,
-    help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
-)
-@click.option("--worker-id", help="Name of this worker in the queue (default host:pid).")
-@click.option(
-    "--max-new-tokens",
-    type=click.IntRange(0, 1),
-    default=0,
-    show_default=True,
-    help="1 for old SGLang servers that mishandle prefill-only requests.",
-)
-@click.option(
-    "--request-timeout",
-    type=FiniteFloat(0.1, 86400),
-    default=300.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Give up on one HTTP request after this long (retried as a timeout).",
-)
-@click.option(
-    "--grouping",
-    type=click.Choice(["grouped", "per-step"]),
-    default="grouped",
-    show_default=True,
-    help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
-    "one request; per-step: one request per step. Same results either way.",
-)
-@click.option(
-    "--truncation",
-    type=click.Choice(["sliding", "window"]),
-    default="sliding",
-    show_default=True,
-    help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
-    "window starts the tail at block boundaries so a window's steps share one request "
-    "(a different scorer).",
-)
-@click.option(
-    "--action-span",
-    type=click.Choice(["rendered", "policy"]),
-    default="rendered",
-    show_default=True,
-    help="Tokens whose logprobs make a step's mean: rendered = everything the chat template renders "
-    "for the turn (the original's); policy = only the policy's own tokens and its end-of-turn token, "
-    "never a header or a wrapper the template inserts (Qwen3's empty think block). A different scorer.",
-)
-@click.option(
-    "--no-hindsight",
-    is_flag=True,
-    help="Score the same prompts without the outcome block: the policy's π(a|s), a baseline scorer of its "
-    "own for `diagnose --baseline` (never an estimator).",
-)
-@click.option(
-    "--weight-version",
-    metavar="V",
-    help="The policy's weight version the scores come from (online RL: e.g. the training step). Part of "
-    "the scorer, so one credit run never mixes versions; refused when the server reports another "
-    "(SGLang's weight_version). Default: the version the server reports, if any.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@pass_ctx
-def score(
-    state: Ctx,
+
+def scorer_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(SCORER_OPTIONS):
+        command = option(command)
+    return command
+
+
+def scorer_setup(
+    *,
     server,
     backend,
     model,
@@ -154,11 +152,6 @@ def score(
     hindsight_template,
     include_thinking,
     max_tool_result_chars,
-    episodes,
-    min_reward,
-    limit,
-    retry_failed,
-    dry_run,
     max_attempts,
     lease_seconds,
     worker_id,
@@ -169,21 +162,12 @@ def score(
     action_span,
     no_hindsight,
     weight_version,
-    as_json,
-) -> None:
-    """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
-
-    The scorer is everything that determines the logprobs (model, tokenizer, templates,
-    limits): the same options resume, different ones start a new scorer.
-    """
+    limit=None,
+) -> tuple[Any, Any]:
+    """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
     from hcapo_store.ingestion.sources import ConvertOptions
-    from hcapo_store.progress import Progress
-    from hcapo_store.scoring.explain import why_nothing_to_score
-    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-    from hcapo_store.scoring.job import dry_run as run_dry
+    from hcapo_store.scoring.job import ScoreConfig
     from hcapo_store.scoring.scheduler import RunOptions
-    from hcapo_store.scoring.work_queue import Filters
-    from hcapo_store.storage.episodes import resolve_episodes
 
     cfg = ScoreConfig(
         backend=backend,
@@ -211,7 +195,6 @@ def score(
                 f"{hindsight_template} is not UTF-8 text (byte {exc.start}): save the template as UTF-8",
                 param_hint="--hindsight-template",
             ) from exc
-    # Options are checked (e.g. --worker-id) before anything touches the database.
     options = RunOptions(
         concurrency=concurrency,
         max_attempts=max_attempts,
@@ -220,6 +203,49 @@ def score(
         worker_id=worker_id,
         grouping=grouping,
     )
+    return cfg, options
+
+
+@cli.command(epilog="Reference: docs/SCORING.md in the hcapo-store repository.")
+@scorer_options
+@click.option(
+    "--episode",
+    "episodes",
+    multiple=True,
+    metavar="NAME",
+    help="Only these episodes (repeatable): a name (pg-01/episode_001), its unambiguous end, or an id.",
+)
+@click.option("--min-reward", type=FiniteFloat(), help="Only episodes with reward >= X.")
+@click.option("--limit", type=int_range(1), help="Score at most N steps in this run.")
+@click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
+@click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def score(
+    state: Ctx,
+    episodes,
+    min_reward,
+    limit,
+    retry_failed,
+    dry_run,
+    as_json,
+    **scorer_kw,
+) -> None:
+    """Score every step that has no score yet under this scorer; safe to interrupt and rerun.
+
+    The scorer is everything that determines the logprobs (model, tokenizer, templates,
+    limits): the same options resume, different ones start a new scorer.
+    """
+    from hcapo_store.progress import Progress
+    from hcapo_store.scoring.explain import why_nothing_to_score
+    from hcapo_store.scoring.job import dry_run as run_dry
+    from hcapo_store.scoring.job import prepare, run_scoring
+    from hcapo_store.scoring.work_queue import Filters
+    from hcapo_store.storage.episodes import resolve_episodes
+
+    # Options are checked (e.g. --worker-id) before anything touches the database.
+    cfg, options = scorer_setup(**scorer_kw, limit=limit)
+    grouping = options.grouping
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     from hcapo_store.storage.db import read as db_read
 

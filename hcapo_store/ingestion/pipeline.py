@@ -128,15 +128,17 @@ def ingest(
     options: ConvertOptions = ConvertOptions(),
     tags: dict[str, str] | None = None,
     on_episode: Callable[[str, str], None] | None = None,
+    name_root: Path | str | None = None,
 ) -> IngestReport:
     """Ingest every episode under ``paths``; one bad source never stops the others.
 
     ``on_episode(source, outcome)`` is called after each source (for progress display).
+    ``name_root``: name episodes relative to this directory when they are inside it.
     """
     tags = dict(tags or {})
     check_tags(tags)
     report = IngestReport()
-    sources = iter_sources([Path(p) for p in paths], options)
+    sources = iter_sources([Path(p) for p in paths], options, None if name_root is None else Path(name_root))
     seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
     try:
         while True:

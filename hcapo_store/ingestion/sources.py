@@ -96,8 +96,13 @@ class Source:
 # discovery
 
 
-def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source | IngestError]:
-    """Yield sources in a stable order; an unreadable path yields its error instead."""
+def iter_sources(
+    paths: list[Path], options: ConvertOptions, name_root: Path | None = None
+) -> Iterator[Source | IngestError]:
+    """Yield sources in a stable order; an unreadable path yields its error instead.
+
+    Names are relative to each path, or to ``name_root`` for paths inside it (``follow``
+    ingests one changed episode at a time and names it as if its whole tree was given)."""
     for path in paths:
         path = Path(path)
         if not path.exists():
@@ -107,10 +112,13 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
         if why := _not_regular(path):
             yield IngestError(why, path=str(path))
             continue
+        root = path
+        if name_root is not None and name_root.resolve() in path.parents:
+            root = name_root.resolve()
         if path.is_file():
-            yield from _jsonl_sources(path, options, path)
+            yield from _jsonl_sources(path, options, root)
         elif (path / RESULT_FILE).exists() or (path / SESSION_FILE).exists():
-            yield _safe_dir_source(path, options, path)
+            yield _safe_dir_source(path, options, root)
         else:
             children = sorted(p for p in path.glob("episode_*") if p.is_dir())
             jsonl = sorted(p for p in path.glob("*.jsonl") if p.is_file())
@@ -129,9 +137,9 @@ def iter_sources(paths: list[Path], options: ConvertOptions) -> Iterator[Source 
                     path=str(path),
                 )
             for child in children:
-                yield _safe_dir_source(child, options, path)
+                yield _safe_dir_source(child, options, root)
             for file in jsonl:
-                yield from _jsonl_sources(file, options, path)
+                yield from _jsonl_sources(file, options, root)
 
 
 def count_inputs(paths: list[Path]) -> int:

@@ -1,0 +1,214 @@
+"""``follow`` and ``batches``: the store inside the training loop."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from hcapo_store import formatting
+from hcapo_store.cli.credits import credit_options, credit_params
+from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
+from hcapo_store.cli.params import FiniteFloat, int_range
+from hcapo_store.cli.score import scorer_options, scorer_setup
+
+REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the hcapo-store repository."
+
+
+@cli.command(epilog=REFERENCE)
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@scorer_options
+@credit_options
+@click.option(
+    "--batch-by",
+    default="parent",
+    show_default=True,
+    metavar="parent|tag:KEY",
+    help="What makes a batch (a GRPO group): parent = the directory that holds the episodes "
+    "(e.g. rollouts/step_0007/); tag:KEY = the value of an ingest tag.",
+)
+@click.option("--group-size", type=int_range(1), required=True, help="Episodes in a complete batch.")
+@click.option(
+    "--batch-timeout",
+    type=FiniteFloat(0),
+    metavar="SECONDS",
+    help="Publish a batch with fewer episodes once this long has passed since its last one arrived.",
+)
+@click.option(
+    "--until-idle",
+    type=FiniteFloat(0),
+    metavar="SECONDS",
+    help="Exit 0 once everything seen is done and nothing new arrived for this long.",
+)
+@click.option("--once", is_flag=True, help="Process what is there now, publish what is complete, and exit.")
+@click.option(
+    "--poll",
+    "poll_seconds",
+    type=FiniteFloat(0.05, 3600),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How often the paths are looked at (a stat of each entry: works on network file systems).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print each published batch as one JSON line.")
+@pass_ctx
+def follow(
+    state: Ctx,
+    paths,
+    batch_by,
+    group_size,
+    batch_timeout,
+    until_idle,
+    once,
+    poll_seconds,
+    as_json,
+    t_temp,
+    gamma,
+    c_min,
+    c_max,
+    alpha,
+    no_smooth,
+    variant,
+    dense_rewards,
+    omega,
+    group_by,
+    min_reward,
+    success_threshold,
+    **scorer_kw,
+) -> None:
+    """Follow a collection as it is written: ingest new and changed episodes, score their
+    steps, and publish each complete batch's credits (`hcapo-store batches` lists them).
+
+    Safe to kill and restart (nothing is scored or published twice); SIGTERM or Ctrl-C stops
+    after the request in flight. Several `follow` processes on one PostgreSQL database share the work.
+    """
+    import json
+
+    from hcapo_store.online.follow import FollowConfig, Follower
+    from hcapo_store.online.follow import follow as run_follow
+    from hcapo_store.scoring.job import prepare
+
+    params = credit_params(
+        t_temp=t_temp,
+        gamma=gamma,
+        c_min=c_min,
+        c_max=c_max,
+        alpha=alpha,
+        no_smooth=no_smooth,
+        variant=variant,
+        dense_rewards=dense_rewards,
+        omega=omega,
+        group_by=group_by,
+        min_reward=min_reward,
+        success_threshold=success_threshold,
+    )
+    cfg, options = scorer_setup(**scorer_kw)
+    follow_cfg = FollowConfig(
+        paths=list(paths),
+        group_size=group_size,
+        batch_by=batch_by,
+        batch_timeout=batch_timeout,
+        params=params,
+        conversion=cfg.conversion,
+    )
+    store = state.store()
+    prep = prepare(store, cfg)
+    follower = Follower(store, prep, follow_cfg, options)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    tty = sys.stderr.isatty()
+    last_line = [""]
+
+    def on_cycle(report, status) -> None:
+        for info in report.published:
+            if as_json:
+                click.echo(json.dumps(info.as_dict()))
+            else:
+                failed = f", failed: {', '.join(info.failed_episodes)}" if info.failed_episodes else ""
+                click.echo(
+                    f"batch {info.id} {info.key}: {info.episodes} episode(s), credit run "
+                    f"{info.credit_run or '(none: every episode failed)'}, lag {info.lag_s:.2f} s{failed}"
+                )
+        for failure in status.failures:
+            click.echo(f"failed: {failure}", err=True)
+        status.failures.clear()
+        line = status.line()
+        if tty:
+            click.echo("\r\x1b[2K" + line, nl=False, err=True)
+        elif line != last_line[0]:
+            click.echo(line, err=True)
+        last_line[0] = line
+
+    try:
+        result = run_follow(
+            follower, once=once, until_idle=until_idle, poll_seconds=poll_seconds, stop=stop, on_cycle=on_cycle
+        )
+    except KeyboardInterrupt:
+        stop.set()
+        result = None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if tty:
+            click.echo("", err=True)
+    if result is None or result.stopped == "signal":
+        click.echo("follow: stopped; rerun the same command to go on", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if follower.status.failed or follower.status.ingest_failed:
+        sys.exit(1)
+
+
+@cli.command(epilog=REFERENCE)
+@click.option("--since", type=int_range(0), metavar="ID", help="Only batches published after this id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the batches as a JSON list.")
+@pass_ctx
+def batches(state: Ctx, since: int | None, as_json: bool) -> None:
+    """List the batches `follow` published (the change feed): key, episodes, status, credit run."""
+    from hcapo_store.online.follow import list_batches
+
+    rows = list_batches(state.store(create=False), since)
+    if as_json:
+        echo_json([b.as_dict() for b in rows])
+        return
+    if not rows:
+        click.echo("no batches yet: run `hcapo-store follow`")
+        return
+    click.echo(
+        formatting.table(
+            [
+                "id",
+                "key",
+                "episodes",
+                "scored",
+                "failed",
+                "status",
+                "credit_run",
+                "weight_version",
+                "ready_at",
+                "lag_s",
+            ],
+            [
+                (
+                    b.id,
+                    b.key,
+                    b.episodes,
+                    b.scored,
+                    b.failed,
+                    b.status,
+                    b.credit_run,
+                    b.weight_version,
+                    b.ready_at,
+                    b.lag_s,
+                )
+                for b in rows
+            ],
+            max_width=None,
+        )
+    )

@@ -1,0 +1,1 @@
+"""The store inside the training loop: follow a collection as it is written."""

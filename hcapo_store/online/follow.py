@@ -1,0 +1,564 @@
+"""Follow a collection as it is written: ingest, score, and publish each batch's credits.
+
+One ``cycle``:
+
+1. **scan** the paths (``stat`` only): episode directories (a ``result.json`` or a session
+   file) and JSONL files, each with a signature of sizes and modification times; only the
+   new and changed ones go to ingest. An episode whose ``result.json`` has no reward yet is
+   *waiting* (ingest skips it; it is read again when it changes), as is a JSONL file's last
+   line before its newline.
+2. **ingest** those (the normal pipeline: versions, identity, one bad file never the batch).
+3. **score** the missing steps of the episodes under the paths with the follower's scorer
+   (the normal leased queue: several followers on one PostgreSQL database share it; a
+   killed one's leases come back).
+4. **publish** every complete batch: the current episodes under the paths sharing a key
+   (``parent``: the directory that holds them; ``tag:KEY``: a tag's value), at least
+   ``group_size`` of them, every step scored or failed for good (or, after
+   ``batch_timeout`` seconds, whatever is there). Its credits are a credit run over exactly
+   those episode versions (``compute_credits(episodes=...)``: the batch's own group
+   statistics); its row in ``batches`` is the change feed. The batch's identity is its run's
+   hash (scorer + parameters + episode versions), unique in the table: nothing is
+   published twice, by a restarted follower or by two at once. When an episode changes
+   after publication its batch is published again under a new id and the old row is
+   marked ``superseded``.
+
+Everything a cycle did is in the database before it returns, so ``kill -9`` loses at most
+the cycle in flight, which the next start redoes from the database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+
+from hcapo_store.canonical import canonical_json
+from hcapo_store.clock import utcnow
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.runs import compute_credits, scoped_run_hash
+from hcapo_store.errors import CreditError, StoreError, UsageError
+from hcapo_store.ingestion.pipeline import IngestReport, ingest
+from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions
+from hcapo_store.scoring.job import Prepared, run_scoring
+from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
+from hcapo_store.scoring.work_queue import Filters
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
+
+Signature = tuple[tuple[int, int], ...]
+
+
+@dataclass
+class FollowConfig:
+    paths: Sequence[Path]
+    group_size: int
+    batch_by: str = "parent"  # parent | tag:KEY
+    batch_timeout: float | None = None  # seconds after a batch's last arrival: publish what is there
+    params: CreditParams = field(default_factory=CreditParams)
+    conversion: ConvertOptions = field(default_factory=ConvertOptions)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise UsageError(f"--group-size must be at least 1, not {self.group_size}")
+        if self.batch_by != "parent" and not (self.batch_by.startswith("tag:") and len(self.batch_by) > 4):
+            raise UsageError(f"--batch-by {self.batch_by!r}: use parent or tag:KEY")
+        self.paths = [Path(p).resolve() for p in self.paths]
+
+
+@dataclass
+class BatchInfo:
+    id: int
+    key: str
+    episodes: int
+    steps: int
+    scored: int
+    failed: int
+    failed_episodes: list[str]
+    status: str
+    credit_run: str | None
+    weight_version: str | None
+    complete_at: str
+    ready_at: str
+    lag_s: float | None
+    superseded_by: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class FollowStatus:
+    """What the live line shows."""
+
+    seen: int = 0
+    waiting: int = 0
+    ingested: int = 0
+    scored: int = 0
+    failed: int = 0
+    ingest_failed: int = 0
+    batches: int = 0
+    last_lag: float | None = None
+    failures: list[str] = field(default_factory=list)  # named, never dropped in silence
+
+    def line(self) -> str:
+        lag = "—" if self.last_lag is None else f"{self.last_lag:.1f} s"
+        return (
+            f"follow: {self.seen} seen · {self.waiting} waiting · {self.ingested} ingested · "
+            f"{self.scored} scored · {self.failed + self.ingest_failed} failed · {self.batches} batch(es) ready · "
+            f"lag {lag}"
+        )
+
+
+@dataclass
+class CycleReport:
+    changed: int = 0  # sources sent to ingest
+    ingest: IngestReport | None = None
+    score: ScoreReport | None = None
+    published: list[BatchInfo] = field(default_factory=list)
+    pending_batches: int = 0  # keys seen that are not complete yet
+    busy: bool = False  # something was ingested, scored or published
+
+
+# ---- scanning ----------------------------------------------------------------------------
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_size)
+
+
+def scan(paths: Sequence[Path]) -> dict[Path, Signature]:
+    """Episode directories and JSONL files under ``paths``, with their signatures."""
+    out: dict[Path, Signature] = {}
+
+    def visit(path: Path) -> None:
+        if path.is_file():
+            if path.suffix == ".jsonl" and path.name != SESSION_FILE:
+                out[path] = (_stat(path),)
+            return
+        if (path / RESULT_FILE).exists() or (path / SESSION_FILE).exists():
+            out[path] = (_stat(path / RESULT_FILE), _stat(path / SESSION_FILE))
+            return
+        try:
+            children = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            return
+        for child in children:
+            if child.is_dir(follow_symlinks=False) or child.name.endswith(".jsonl"):
+                visit(Path(child.path))
+
+    for p in paths:
+        visit(Path(p))
+    return out
+
+
+def _has_reward(directory: Path) -> bool:
+    try:
+        result = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and result.get("episode_reward") is not None
+
+
+def _unterminated_last_line(path: Path) -> int | None:
+    """The number of a JSONL file's last line when it has no newline yet (still being written)."""
+    try:
+        with path.open("rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if not data or data.endswith(b"\n"):
+        return None
+    return data.count(b"\n") + 1
+
+
+# ---- the follower ----------------------------------------------------------------------------
+
+
+EPISODES_SQL = """
+SELECT e.id, e.name, e.source_path, e.ingested_at, e.num_steps,
+       (SELECT COUNT(*) FROM steps s JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
+        WHERE s.episode_id = e.id) AS scored,
+       (SELECT COUNT(*) FROM steps s JOIN attempts a ON a.step_id = s.id AND a.scorer_id = :scorer
+        WHERE s.episode_id = e.id AND a.status = 'failed') AS failed{tag}
+FROM episodes e
+WHERE e.is_current IS TRUE AND e.include_thinking = :thinking AND e.max_tool_result_chars = :tool_chars
+"""
+
+
+class Follower:
+    """Follows ``cfg.paths`` for one scorer (``prep``); ``cycle()`` does one round of work."""
+
+    def __init__(
+        self,
+        store: Store,
+        prep: Prepared,
+        cfg: FollowConfig,
+        options: RunOptions,
+        *,
+        weight_version: str | None = None,
+        now: Callable[[], dt.datetime] = utcnow,
+    ) -> None:
+        self.store, self.prep, self.cfg, self.options = store, prep, cfg, options
+        self.weight_version = weight_version or prep.spec.get("weight_version")
+        self.now = now
+        self.seen: dict[Path, Signature] = {}
+        self.waiting: set[Path] = set()
+        self.status = FollowStatus()
+
+    # -- 1, 2: scan and ingest ----------------------------------------------------------------
+    def _ingest_changes(self, report: CycleReport) -> None:
+        found = scan(self.cfg.paths)
+        changed = [p for p, sig in found.items() if self.seen.get(p) != sig]
+        self.status.seen = len(found)
+        ready, waiting = [], set()
+        for path in changed:
+            if path.is_dir() and not _has_reward(path):
+                waiting.add(path)  # read again when it changes
+            else:
+                ready.append(path)
+        self.waiting = (self.waiting - set(changed)) | waiting
+        for path in changed:
+            if path not in waiting:
+                self.seen[path] = found[path]
+        for path in waiting:
+            self.seen[path] = found[path]
+        self.status.waiting = len(self.waiting)
+        report.changed = len(ready)
+        if not ready:
+            return
+        result = IngestReport()
+        for root in self.cfg.paths:  # named as if each root was ingested whole
+            mine = [p for p in ready if p == root or root in p.parents]
+            if mine:
+                _merge(result, ingest(self.store, mine, options=self.cfg.conversion, name_root=root))
+        report.ingest = result
+        partial = {str(p): n for p in ready if p.is_file() and (n := _unterminated_last_line(p)) is not None}
+        failed = []
+        for source, error in result.failures:
+            line = partial.get(source.split(":")[0]) if ":" in source else None
+            if line is not None and f":{line}" in source:
+                continue  # the line being written: read again when the file changes
+            failed.append(f"{source}: {error}" if source not in error else error)
+        for p in ready:
+            if str(p) in partial:
+                self.seen.pop(p, None)  # until the line is whole
+        self.status.ingest_failed += len(failed)
+        self.status.failures += failed
+        self.status.ingested += result.new + result.changed
+        report.busy |= bool(result.new or result.changed)
+
+    # -- 3: score -------------------------------------------------------------------------------
+    def _candidates(self) -> list[dict[str, Any]]:
+        conv = self.prep.spec["conversion"]
+        tag = self.cfg.batch_by[4:] if self.cfg.batch_by.startswith("tag:") else None
+        sql = EPISODES_SQL.format(
+            tag=", (SELECT value FROM tags t WHERE t.episode_id = e.id AND t.key = :tag) AS tag" if tag else ""
+        )
+        bind: dict[str, Any] = {
+            "scorer": self.prep.scorer_id,
+            "thinking": conv["include_thinking"],
+            "tool_chars": conv["max_tool_result_chars"],
+        }
+        if tag:
+            bind["tag"] = tag
+        roots = [str(p) for p in self.cfg.paths]
+        with db.read(self.store.engine) as conn:
+            rows = [dict(r) for r in conn.execute(text(sql), bind).mappings()]
+        inside = []
+        for r in rows:
+            source = r["source_path"] or ""
+            if any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
+                inside.append(r)
+        return inside
+
+    def _score(self, candidates: list[dict[str, Any]], report: CycleReport) -> None:
+        todo = [c for c in candidates if c["scored"] + c["failed"] < c["num_steps"]]
+        if not todo:
+            return
+        names = tuple(str(c["id"]) for c in todo)
+        options = dataclasses.replace(self.options, filters=Filters(episodes=names))
+        result = run_scoring(self.store, self.prep, options)
+        report.score = result
+        self.status.scored += result.scored
+        self.status.failed += result.failed
+        report.busy |= bool(result.scored or result.failed)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        if result.server_down:
+            raise ServerDown(result.server_down)
+
+    # -- 4: publish -----------------------------------------------------------------------------
+    def _key(self, c: dict[str, Any]) -> str | None:
+        if self.cfg.batch_by.startswith("tag:"):
+            return c.get("tag")
+        source = Path(c["source_path"] or "")
+        parent = source.parent
+        for root in self.cfg.paths:
+            if parent == root or root in parent.parents:
+                return str(Path(root.name) / parent.relative_to(root)) if parent != root else root.name
+        return str(parent)
+
+    def _publish(self, candidates: list[dict[str, Any]], report: CycleReport) -> None:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for c in candidates:
+            key = self._key(c)
+            if key is not None:
+                groups.setdefault(key, []).append(c)
+        now = self.now()
+        for key, members in sorted(groups.items()):
+            done = all(m["scored"] + m["failed"] >= m["num_steps"] for m in members)
+            arrived = max(_parse_time(m["ingested_at"]) for m in members)
+            timed_out = self.cfg.batch_timeout is not None and (now - arrived).total_seconds() >= self.cfg.batch_timeout
+            if not done or (len(members) < self.cfg.group_size and not timed_out):
+                report.pending_batches += 1
+                continue
+            info = self._publish_one(key, members, arrived, now)
+            if info is not None:
+                report.published.append(info)
+                report.busy = True
+                self.status.batches += 1
+                self.status.last_lag = info.lag_s
+                if info.failed_episodes:
+                    self.status.failures.append(
+                        f"batch {info.id} ({key}): failed episode(s) {', '.join(info.failed_episodes)}"
+                    )
+
+    def _publish_one(
+        self, key: str, members: list[dict[str, Any]], arrived: dt.datetime, complete: dt.datetime
+    ) -> BatchInfo | None:
+        ids = sorted(int(m["id"]) for m in members)
+        batch_hash = scoped_run_hash(self.prep.scorer_id, self.cfg.params, ids)
+        with db.read(self.store.engine) as conn:
+            if conn.execute(text("SELECT 1 FROM batches WHERE batch_hash = :h"), {"h": batch_hash}).first():
+                return None  # published already (by us before a restart, or by another follower)
+        failed = sorted(m["name"] for m in members if m["failed"])
+        run_name: str | None = None
+        run_id: int | None = None
+        try:
+            result = _compute(self.store, self.cfg.params, f"batch-{batch_hash[:12]}", self.prep.scorer_id, ids)
+            run_id, run_name = result.run.id, result.run.name
+        except CreditError:  # every episode of the batch failed: the row says so, no run
+            pass
+        ready = self.now()
+        row: dict[str, Any] = {
+            "key": key,
+            "h": batch_hash,
+            "status": "ready" if run_id is not None else "failed",
+            "episodes": len(members),
+            "steps": sum(int(m["num_steps"]) for m in members),
+            "scored": sum(int(m["scored"]) for m in members),
+            "failed": sum(int(m["failed"]) for m in members),
+            "failed_episodes": canonical_json(failed) if failed else None,
+            "scorer": self.prep.scorer_id,
+            "run_id": run_id,
+            "run": run_name,
+            "wv": self.weight_version,
+            "complete_at": complete.isoformat(timespec="milliseconds"),
+            "ready_at": ready.isoformat(timespec="milliseconds"),
+            "lag": round((ready - arrived).total_seconds(), 3),
+        }
+        try:
+            with db.write(self.store.engine) as conn:
+                new_id = conn.execute(
+                    text(
+                        "INSERT INTO batches (key, batch_hash, status, episodes, steps, scored, failed, "
+                        "failed_episodes, scorer_id, credit_run_id, credit_run, weight_version, complete_at, "
+                        "ready_at, lag_s) VALUES (:key, :h, :status, :episodes, :steps, :scored, :failed, "
+                        ":failed_episodes, :scorer, :run_id, :run, :wv, :complete_at, :ready_at, :lag) RETURNING id"
+                    ),
+                    row,
+                ).scalar_one()
+                conn.execute(
+                    text("INSERT INTO batch_episodes (batch_id, episode_id) VALUES (:b, :e)"),
+                    [{"b": new_id, "e": i} for i in ids],
+                )
+                conn.execute(
+                    text(
+                        "UPDATE batches SET status = 'superseded', superseded_by = :new "
+                        "WHERE key = :key AND scorer_id = :scorer AND id <> :new AND status <> 'superseded'"
+                    ),
+                    {"new": new_id, "key": key, "scorer": self.prep.scorer_id},
+                )
+        except (IntegrityError, StoreError) as exc:
+            if _already_there(self.store, batch_hash):
+                return None  # another follower published it between our check and our insert
+            raise exc
+        return BatchInfo(
+            int(new_id),
+            key,
+            row["episodes"],
+            row["steps"],
+            row["scored"],
+            row["failed"],
+            failed,
+            row["status"],
+            run_name,
+            self.weight_version,
+            row["complete_at"],
+            row["ready_at"],
+            row["lag"],
+        )
+
+    # -- one round ------------------------------------------------------------------------------
+    def cycle(self) -> CycleReport:
+        report = CycleReport()
+        self._ingest_changes(report)
+        candidates = self._candidates()
+        self._score(candidates, report)
+        if report.score is not None and (report.score.scored or report.score.failed):
+            candidates = self._candidates()
+        self._publish(candidates, report)
+        return report
+
+
+def _merge(total: IngestReport, part: IngestReport) -> None:
+    total.new += part.new
+    total.changed += part.changed
+    total.unchanged += part.unchanged
+    total.failed += part.failed
+    total.failures += part.failures
+    total.skipped.update(part.skipped)
+    total.steps += part.steps
+
+
+class ServerDown(Exception):
+    """The scoring server stopped answering; ``follow`` waits and tries again."""
+
+
+def _compute(store: Store, params: CreditParams, name: str, scorer: str, ids: list[int]) -> Any:
+    try:
+        return compute_credits(store, params, name=name, scorer=scorer, episodes=ids)
+    except (IntegrityError, StoreError):
+        # two followers computed the same run at once: the other one's is the same run
+        return compute_credits(store, params, name=name, scorer=scorer, episodes=ids)
+
+
+def _already_there(store: Store, batch_hash: str) -> bool:
+    with db.read(store.engine) as conn:
+        return conn.execute(text("SELECT 1 FROM batches WHERE batch_hash = :h"), {"h": batch_hash}).first() is not None
+
+
+def _parse_time(value: str) -> dt.datetime:
+    t = dt.datetime.fromisoformat(value)
+    return t if t.tzinfo is not None else t.replace(tzinfo=dt.timezone.utc)
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FollowResult:
+    cycles: int
+    batches: int
+    status: FollowStatus
+    stopped: str  # "once" | "idle" | "signal"
+
+
+def follow(
+    follower: Follower,
+    *,
+    once: bool = False,
+    until_idle: float | None = None,
+    poll_seconds: float = 1.0,
+    stop: Any = None,
+    on_cycle: Callable[[CycleReport, FollowStatus], None] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> FollowResult:
+    """Cycle until stopped: ``once`` (one cycle, then every batch it can complete), ``until_idle``
+    (seconds with nothing new and nothing left to do), or ``stop`` (a ``threading.Event``, set
+    by a signal handler). A server that stops answering pauses the loop with a growing wait
+    (up to a minute) instead of ending it; the steps stay queued."""
+    import threading
+    import time
+
+    clock = clock or time.monotonic
+    stop = stop or threading.Event()
+    cycles = batches = 0
+    idle_since = clock()
+    backoff = poll_seconds
+    while not stop.is_set():
+        try:
+            report = follower.cycle()
+            backoff = poll_seconds
+        except ServerDown as exc:
+            follower.status.failures.append(f"the scoring server stopped answering: {exc}; waiting {backoff:.0f} s")
+            report = CycleReport(busy=True)
+            if on_cycle is not None:
+                on_cycle(report, follower.status)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 60.0)
+            continue
+        cycles += 1
+        batches += len(report.published)
+        if on_cycle is not None:
+            on_cycle(report, follower.status)
+        if once:
+            return FollowResult(cycles, batches, follower.status, "once")
+        if report.busy or report.changed:
+            idle_since = clock()
+        elif until_idle is not None and not follower.waiting and clock() - idle_since >= until_idle:
+            return FollowResult(cycles, batches, follower.status, "idle")
+        stop.wait(poll_seconds)
+    return FollowResult(cycles, batches, follower.status, "signal")
+
+
+# ---- the change feed --------------------------------------------------------------------------
+
+
+def list_batches(store: Store, since: int | None = None) -> list[BatchInfo]:
+    """Published batches in id order (``since``: only ids above it)."""
+    with db.read(store.engine) as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, key, episodes, steps, scored, failed, failed_episodes, status, credit_run, "
+                "weight_version, complete_at, ready_at, lag_s, superseded_by FROM batches "
+                "WHERE id > :since ORDER BY id"
+            ),
+            {"since": since if since is not None else -1},
+        ).mappings()
+        return [
+            BatchInfo(
+                id=r["id"],
+                key=r["key"],
+                episodes=r["episodes"],
+                steps=r["steps"],
+                scored=r["scored"],
+                failed=r["failed"],
+                failed_episodes=json.loads(r["failed_episodes"]) if r["failed_episodes"] else [],
+                status=r["status"],
+                credit_run=r["credit_run"],
+                weight_version=r["weight_version"],
+                complete_at=r["complete_at"],
+                ready_at=r["ready_at"],
+                lag_s=r["lag_s"],
+                superseded_by=r["superseded_by"],
+            )
+            for r in rows
+        ]
+
+
+def batch_episodes(store: Store, batch_id: int) -> list[str]:
+    """The names of a batch's episode versions."""
+    with db.read(store.engine) as conn:
+        return [
+            n
+            for (n,) in conn.execute(
+                text(
+                    "SELECT e.name FROM batch_episodes b JOIN episodes e ON e.id = b.episode_id "
+                    "WHERE b.batch_id = :b ORDER BY e.name"
+                ),
+                {"b": batch_id},
+            )
+        ]

@@ -1,0 +1,201 @@
+"""`follow` and `batches` (issue 17): a collection followed as it is written, each complete
+batch published once with its own credits — real files, a real server process, real kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
+from hcapo_store.storage.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
+
+
+def _write_group(root: Path, step: int, n: int, seed: int) -> list[Path]:
+    return write_standard_episodes(root / f"step_{step:04d}", n, seed=seed, steps_per_subtask=1, output_words=5)
+
+
+def _set_reward(episode: Path, reward: float | None) -> None:
+    result = episode / "result.json"
+    data = json.loads(result.read_text())
+    data["episode_reward"] = reward
+    result.write_text(json.dumps(data))
+
+
+def _follow(db: Path, ref: ReferenceServer, tiny: Path, *args: str):
+    base = ["--db", str(db), "follow", *args, "--server", ref.url, "--tokenizer", str(tiny), "--max-context", "2048"]
+    return CliRunner().invoke(cli, base, catch_exceptions=False)
+
+
+def _batches(db: Path) -> list[dict]:
+    r = CliRunner().invoke(cli, ["--db", str(db), "batches", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_complete_batches_are_published_once(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    root = tmp_path / "rollouts"
+    _write_group(root, 0, 3, seed=10)
+    second = _write_group(root, 1, 3, seed=20)
+    _set_reward(second[2], None)  # still running: waiting, not failed
+    db = tmp_path / "s.db"
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once", "--variant", "paper")
+    assert r.exit_code == 0, r.output
+    assert "1 waiting" in r.stderr and "failed: " not in r.stderr
+    (b,) = _batches(db)
+    assert {"id", "key", "episodes", "status", "credit_run", "ready_at"} <= set(b)
+    assert (b["key"], b["episodes"], b["status"], b["failed"]) == ("rollouts/step_0000", 3, "ready", 0)
+    with Store.open(str(db)) as store:
+        rows = store.query(
+            "SELECT episode, a_macro FROM step_credits WHERE run = :r", {"r": b["credit_run"]}, read_only=True
+        )[1]
+        names = {e for e, _ in rows}
+        assert len(names) == 3 and all("step_0000" in n for n in names)
+        # the batch's own group statistics: its macro advantages are normalised within it
+        macro = {e: a for e, a in rows}
+        assert abs(float(np.mean(list(macro.values())))) < 1e-9
+    # the third episode finishes: the second batch is published; nothing twice
+    _set_reward(second[2], 0.4)
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once", "--variant", "paper", "--json")
+    assert r.exit_code == 0, r.output
+    published = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [p["key"] for p in published] == ["rollouts/step_0001"]
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once", "--variant", "paper")
+    assert r.exit_code == 0 and len(_batches(db)) == 2
+    assert [
+        b["id"]
+        for b in json.loads(CliRunner().invoke(cli, ["--db", str(db), "batches", "--json", "--since", "1"]).output)
+    ] == [2]
+
+
+def test_a_changed_episode_republishes_its_batch(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    root = tmp_path / "rollouts"
+    group = _write_group(root, 0, 2, seed=30)
+    db = tmp_path / "s.db"
+    assert _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--once").exit_code == 0
+    _set_reward(group[0], 0.99)  # a corrected reward: a new version
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--once")
+    assert r.exit_code == 0, r.output
+    old, new = _batches(db)
+    assert (old["status"], old["superseded_by"], new["status"]) == ("superseded", new["id"], "ready")
+    assert old["credit_run"] != new["credit_run"]
+
+
+def test_a_jsonl_line_being_written_waits(tmp_path: Path, ref, tiny_model_dir: Path, samples: Path) -> None:
+    """Two whole lines and a third without its newline: two ingested, nothing failed; once the
+    line is whole it is read."""
+    lines = _jsonl_lines(samples)[:3]
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    f = root / "eps.jsonl"
+    f.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][: len(lines[2]) // 2])
+    db = tmp_path / "s.db"
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "2 ingested" in r.stderr and "0 failed" in r.stderr and _batches(db) == []
+    f.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2] + "\n")
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once")
+    assert r.exit_code == 0 and "1 ingested" in r.stderr
+    (b,) = _batches(db)
+    assert b["episodes"] == 3 and b["key"] == "jsonl"
+
+
+def _jsonl_lines(samples: Path) -> list[str]:
+    """OpenAI-style JSONL episodes (the format docs/INGEST.md accepts), built from the examples."""
+    out = []
+    for i in range(3):
+        out.append(
+            json.dumps(
+                {
+                    "episode_id": i,
+                    "reward": 0.25 * (i + 1),
+                    "messages": [
+                        {"role": "user", "content": f"task {i}: list the files"},
+                        {"role": "assistant", "content": f"I will look {i}."},
+                        {"role": "user", "content": "ok"},
+                        {"role": "assistant", "content": f"done {i}"},
+                    ],
+                }
+            )
+        )
+    return out
+
+
+def test_kill_9_and_restart(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """A follower killed mid-run; the restart scores the rest and publishes each batch once."""
+    root = tmp_path / "rollouts"
+    for step in range(3):
+        _write_group(root, step, 2, seed=40 + 10 * step)
+    db = tmp_path / "s.db"
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", ref.url]
+    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--concurrency", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([*argv, "--until-idle", "600"], env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        # wait for a state, not a time: some steps scored, not every batch published
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if db.exists() and _count(db, "SELECT count(*) FROM scores") >= 3:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    done = subprocess.run([*argv, "--until-idle", "1"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    batches = _batches(db)
+    assert sorted(b["key"] for b in batches) == [f"rollouts/step_{s:04d}" for s in range(3)]
+    assert all(b["status"] == "ready" and b["episodes"] == 2 for b in batches)
+    steps = _count(db, "SELECT count(*) FROM steps")
+    assert _count(db, "SELECT count(*) FROM scores") == steps  # every step once (a unique pair)
+
+
+def _count(db: Path, sql: str) -> int:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return int(con.execute(sql).fetchone()[0])
+    except sqlite3.OperationalError:  # the schema is not there yet
+        return 0
+    finally:
+        con.close()
+
+
+def test_until_idle_exits_zero_and_sigterm_stops(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    root = tmp_path / "rollouts"
+    _write_group(root, 0, 2, seed=70)
+    db = tmp_path / "s.db"
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--until-idle", "0.5", "--poll", "0.1")
+    assert r.exit_code == 0, r.output
+    assert len(_batches(db)) == 1
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", ref.url]
+    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--poll", "0.1"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    # wait until it is following (its live line), then stop it
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first.startswith("follow:"), first
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130 and "stopped; rerun" in err, err
