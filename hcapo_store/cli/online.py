@@ -51,7 +51,12 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
     default=1.0,
     show_default=True,
     metavar="SECONDS",
-    help="How often the paths are looked at (a stat of each entry: works on network file systems).",
+    help="Look at the paths at least this often (a stat of each entry); file-system events wake it sooner.",
+)
+@click.option(
+    "--poll-only",
+    is_flag=True,
+    help="No file-system events, only the periodic look (network file systems send none).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print each published batch as one JSON line.")
 @pass_ctx
@@ -64,6 +69,7 @@ def follow(
     until_idle,
     once,
     poll_seconds,
+    poll_only,
     as_json,
     t_temp,
     gamma,
@@ -148,7 +154,13 @@ def follow(
 
     try:
         result = run_follow(
-            follower, once=once, until_idle=until_idle, poll_seconds=poll_seconds, stop=stop, on_cycle=on_cycle
+            follower,
+            once=once,
+            until_idle=until_idle,
+            poll_seconds=poll_seconds,
+            stop=stop,
+            on_cycle=on_cycle,
+            poll_only=poll_only,
         )
     except KeyboardInterrupt:
         stop.set()

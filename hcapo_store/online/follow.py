@@ -466,6 +466,63 @@ class FollowResult:
     stopped: str  # "once" | "idle" | "signal"
 
 
+class _Waiter:
+    """Between cycles: wake on a file-system event under the paths (watchfiles, in a thread
+    started before the first scan, so no change falls between a scan and the watch) or after
+    ``poll_seconds``, whichever comes first. ``poll_only`` (network file systems, where no
+    event arrives) just waits; the scan finds the changes either way."""
+
+    def __init__(self, paths: Sequence[Path], poll_seconds: float, stop: Any, poll_only: bool) -> None:
+        import threading
+
+        self.poll_seconds, self.stop = poll_seconds, stop
+        self.changed = threading.Event()
+        self.watching = False
+        if poll_only:
+            return
+        try:
+            import watchfiles
+        except ImportError:  # the periodic scan alone still finds every change
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                for changes in watchfiles.watch(
+                    *[str(p) for p in paths],
+                    stop_event=stop,
+                    rust_timeout=100,
+                    yield_on_timeout=True,
+                    debounce=50,
+                    raise_interrupt=False,
+                ):
+                    ready.set()
+                    if changes:
+                        self.changed.set()
+            except Exception:  # noqa: BLE001 - a watcher that fails leaves the periodic scan
+                pass
+            finally:
+                self.watching = False
+                ready.set()
+
+        self.watching = True
+        threading.Thread(target=run, name="hcapo-follow-watch", daemon=True).start()
+        ready.wait(30)
+
+    def wait(self) -> None:
+        """Until a change, ``poll_seconds``, or the stop; the change flag is cleared before the
+        next scan, so a change during that scan wakes the wait after it."""
+        import time
+
+        end = time.monotonic() + self.poll_seconds
+        while not self.stop.is_set() and not self.changed.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self.changed.wait(min(left, 0.2))
+        self.changed.clear()
+
+
 def follow(
     follower: Follower,
     *,
@@ -475,6 +532,7 @@ def follow(
     stop: Any = None,
     on_cycle: Callable[[CycleReport, FollowStatus], None] | None = None,
     clock: Callable[[], float] | None = None,
+    poll_only: bool = False,
 ) -> FollowResult:
     """Cycle until stopped: ``once`` (one cycle, then every batch it can complete), ``until_idle``
     (seconds with nothing new and nothing left to do), or ``stop`` (a ``threading.Event``, set
@@ -485,6 +543,7 @@ def follow(
 
     clock = clock or time.monotonic
     stop = stop or threading.Event()
+    waiter = None if once else _Waiter(follower.cfg.paths, poll_seconds, stop, poll_only)
     cycles = batches = 0
     idle_since = clock()
     backoff = poll_seconds
@@ -510,7 +569,8 @@ def follow(
             idle_since = clock()
         elif until_idle is not None and not follower.waiting and clock() - idle_since >= until_idle:
             return FollowResult(cycles, batches, follower.status, "idle")
-        stop.wait(poll_seconds)
+        assert waiter is not None
+        waiter.wait()
     return FollowResult(cycles, batches, follower.status, "signal")
 
 
