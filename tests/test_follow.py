@@ -222,3 +222,37 @@ def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_mo
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     assert published == 1, proc.stderr.read()
+
+
+@pytest.mark.postgres
+def test_two_followers_on_one_postgresql_database_share_the_work(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    from pg import fresh_database
+
+    root = tmp_path / "rollouts"
+    for step in range(4):
+        _write_group(root, step, 2, seed=100 + 10 * step)
+    with fresh_database("follow") as url:
+        assert CliRunner().invoke(cli, ["--db", url, "db", "upgrade"]).exit_code == 0
+        argv = [sys.executable, "-m", "hcapo_store", "--db", url, "follow", str(root), "--server", ref.url]
+        argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2"]
+        argv += ["--concurrency", "1", "--until-idle", "2", "--poll", "0.2"]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        procs = [
+            subprocess.Popen([*argv, "--worker-id", f"w{i}"], env=env, stderr=subprocess.PIPE, text=True)
+            for i in range(2)
+        ]
+        errors = [p.communicate(timeout=600)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errors
+        batches = _batches_at(url)
+        assert sorted(b["key"] for b in batches) == [f"rollouts/step_{s:04d}" for s in range(4)]  # each once
+        with Store.open(url) as store:
+            steps = store.query("SELECT count(*) FROM steps", read_only=True)[1][0][0]
+            scores = store.query("SELECT count(*) FROM scores", read_only=True)[1][0][0]
+            workers = store.query("SELECT count(DISTINCT worker_id) FROM scores", read_only=True)[1][0][0]
+        assert scores == steps and workers >= 1
+
+
+def _batches_at(url: str) -> list[dict]:
+    r = CliRunner().invoke(cli, ["--db", url, "batches", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)

@@ -241,8 +241,15 @@ class Follower:
         result = IngestReport()
         for root in self.cfg.paths:  # named as if each root was ingested whole
             mine = [p for p in ready if p == root or root in p.parents]
-            if mine:
-                _merge(result, ingest(self.store, mine, options=self.cfg.conversion, name_root=root))
+            if not mine:
+                continue
+            part = ingest(self.store, mine, options=self.cfg.conversion, name_root=root)
+            raced = {Path(src) for src, error in part.failures if _lost_a_race(error)}
+            if raced:  # another follower stored the same version first: read again, now unchanged
+                part.failures = [(src, error) for src, error in part.failures if Path(src) not in raced]
+                part.failed -= len(raced)
+                _merge(part, ingest(self.store, sorted(raced), options=self.cfg.conversion, name_root=root))
+            _merge(result, part)
         report.ingest = result
         partial = {str(p): n for p in ready if p.is_file() and (n := _unterminated_last_line(p)) is not None}
         failed = []
@@ -421,6 +428,11 @@ class Follower:
             candidates = self._candidates()
         self._publish(candidates, report)
         return report
+
+
+def _lost_a_race(error: str) -> bool:
+    """An insert refused because the same episode version was just stored by someone else."""
+    return "refused this episode" in error and ("duplicate key" in error or "UNIQUE constraint failed" in error)
 
 
 def _merge(total: IngestReport, part: IngestReport) -> None:
