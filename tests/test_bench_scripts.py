@@ -37,3 +37,13 @@ def test_diagnose_bench_small(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
     assert out["steps"] == 240 and out["abs_diff_std_vs_numpy"] < 1e-12
+
+
+def test_follow_bench_small() -> None:
+    samples = BENCH.parent.parent / "shared" / "samples" / "long"
+    if not samples.is_dir():
+        pytest.skip(f"{samples} is not here (../shared absent)")
+    r = _run(str(BENCH / "follow.py"), "--groups", "1", "--group-size", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    assert out["batches"] == 1 and out["steps"] > 0 and out["lag_p50_s"] > 0 and out["by_hand_first_group_s"] > 0

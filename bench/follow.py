@@ -1,0 +1,164 @@
+"""Benchmark: `follow` while a writer drops real-size episodes in groups (issue 17).
+
+    python bench/follow.py --groups 3 --group-size 8 --every 5
+    python bench/follow.py --json
+
+A writer moves groups of copies of the long real-format samples (~100 steps each) into
+``rollouts/step_NNNN/`` every ``--every`` seconds (a rename per episode directory: each
+appears whole) while ``hcapo-store follow`` runs in its own process against the zero-latency
+``/generate`` server of bench/bookkeeping.py (so the server's own scoring time is ~0 and
+everything measured is the store: scan, ingest, prompt building, bookkeeping, credits).
+
+Reported: per batch, the lag from its last episode landing on disk to its credits being
+ready (p50 / p95 / max), and the steps/s sustained from the first drop to the last batch.
+Beside it, in the same run, the same work for the first group done by hand in one process
+(ingest, score, credits over the group; start-up not counted): the part of the lag that is
+the scoring itself (the client's prompt building and bookkeeping) rather than following.
+Budget (issue 17): lag <= 2 s beyond the server's own scoring time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH))
+
+from bookkeeping import QWEN3, _serve  # noqa: E402
+from ingest import SAMPLES, write_real_episodes  # noqa: E402
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) -> float:
+    """ingest + score + credits of one group in this process, on a fresh database (start-up excluded)."""
+    from hcapo_store.credits.runs import compute_credits
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.scheduler import RunOptions
+    from hcapo_store.storage.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp, Store.open(str(Path(tmp) / "by_hand.db")) as store:
+        prep = prepare(store, ScoreConfig(server=url, tokenizer=tokenizer, max_context=args.max_context))
+        t = time.perf_counter()
+        ingest(store, [group], name_root=group.parent)
+        report = run_scoring(store, prep, RunOptions(concurrency=args.concurrency))
+        ids = [i for (i,) in store.query("SELECT id FROM episodes", read_only=True)[1]]
+        compute_credits(store, episodes=ids)
+        seconds = time.perf_counter() - t
+    if report.failed:
+        raise SystemExit(f"by hand: {report.failed} step(s) failed")
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=3, help="batches the writer drops")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--every", type=float, default=5.0, help="seconds between two drops")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-context", type=int, default=32768)
+    ap.add_argument(
+        "--tokenizer",
+        default=str(QWEN3) if QWEN3.is_dir() else None,
+        help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)",
+    )
+    ap.add_argument("--samples", type=Path, default=SAMPLES, help="real-format episodes to copy")
+    ap.add_argument("--json", action="store_true", help="print the measurement as one JSON object")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-follow-"))
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from hcapo_store.devkit.tiny_model import build_demo_tokenizer
+
+        tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
+    server.start()
+    sock.close()
+
+    staging, root, db = tmp / "staging", tmp / "rollouts", tmp / "follow.db"
+    n = args.groups * args.group_size
+    write_real_episodes(staging, n, args.samples)
+    root.mkdir()
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", url]
+    argv += ["--tokenizer", tokenizer, "--max-context", str(args.max_context), "--group-size", str(args.group_size)]
+    argv += ["--concurrency", str(args.concurrency), "--until-idle", str(max(10.0, 2 * args.every)), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    follower = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert follower.stderr is not None
+    started = follower.stderr.readline()  # its first look is done: start-up is not lag
+    if not started.startswith("follow:"):
+        raise SystemExit(f"follow did not start: {started}{follower.stderr.read()[-3000:]}")
+    landed: dict[str, float] = {}
+    episodes = sorted(staging.iterdir())
+    first = time.time()
+    for g in range(args.groups):
+        step = root / f"step_{g:04d}"
+        step.mkdir()
+        for ep in episodes[g * args.group_size : (g + 1) * args.group_size]:
+            os.rename(ep, step / ep.name)
+        landed[f"rollouts/step_{g:04d}"] = time.time()
+        if g + 1 < args.groups:
+            time.sleep(args.every)
+    out, err = follower.communicate(timeout=3600)
+    by_hand = _by_hand(root / "step_0000", url, tokenizer, args)
+    server.terminate()
+    if follower.returncode != 0:
+        raise SystemExit(f"follow exited {follower.returncode}:\n{err[-3000:]}")
+    batches = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lags, ready = [], []
+    for b in batches:
+        at = dt.datetime.fromisoformat(b["ready_at"]).timestamp()
+        ready.append(at)
+        lags.append(at - landed[b["key"]])
+    steps = sum(b["steps"] for b in batches)
+    result = {
+        "groups": args.groups,
+        "group_size": args.group_size,
+        "every_s": args.every,
+        "batches": len(batches),
+        "steps": steps,
+        "lag_p50_s": round(statistics.median(lags), 2),
+        "lag_p95_s": round(_percentile(lags, 0.95), 2),
+        "lag_max_s": round(max(lags), 2),
+        "steps_per_s": round(steps / (max(ready) - first), 1),
+        "by_hand_first_group_s": round(by_hand, 2),
+        "lag_p50_over_by_hand": round(statistics.median(lags) / by_hand, 2),
+        "tokenizer": Path(tokenizer).name,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"follow: {result['batches']} batches of {args.group_size} real-size episodes ({steps} steps), one "
+            f"every {args.every} s: lag p50 {result['lag_p50_s']} s, p95 {result['lag_p95_s']} s, max "
+            f"{result['lag_max_s']} s; {result['steps_per_s']} steps/s sustained; the same group by hand "
+            f"(ingest + score + credits, one process): {result['by_hand_first_group_s']} s "
+            f"(lag p50 / by hand = {result['lag_p50_over_by_hand']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
