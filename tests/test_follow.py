@@ -256,3 +256,40 @@ def _batches_at(url: str) -> list[dict]:
     r = CliRunner().invoke(cli, ["--db", url, "batches", "--json"])
     assert r.exit_code == 0, r.output
     return json.loads(r.output)
+
+
+def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    from faultserver import FaultServer
+
+    root = tmp_path / "rollouts"
+    root.mkdir()
+    db = tmp_path / "s.db"
+    proxy = FaultServer(ref)
+    proxy.start()
+    port = proxy.httpd.server_address[1]
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", proxy.url]
+    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--poll", "0.2"]
+    argv += ["--max-attempts", "2"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    back = None
+    try:
+        assert proc.stderr is not None and proc.stderr.readline().startswith("follow:")
+        proxy.die()
+        _write_group(root, 0, 2, seed=120)
+        for line in proc.stderr:  # a state: the follower says it waits for the server
+            if "stopped answering" in line:
+                break
+        assert proc.poll() is None  # paused, not exited
+        back = FaultServer(ref, port=port)
+        back.start()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and _count(db, "SELECT count(*) FROM batches") == 0:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        assert _count(db, "SELECT count(*) FROM batches") == 1
+        assert _count(db, "SELECT count(*) FROM scores") == _count(db, "SELECT count(*) FROM steps")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        if back is not None:
+            back.shutdown()

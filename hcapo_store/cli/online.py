@@ -144,7 +144,10 @@ def follow(
                 )
         for failure in status.failures:
             click.echo(f"failed: {failure}", err=True)
+        for notice in status.notices:
+            click.echo(f"waiting: {notice}", err=True)
         status.failures.clear()
+        status.notices.clear()
         line = status.line()
         if tty:
             click.echo("\r\x1b[2K" + line, nl=False, err=True)

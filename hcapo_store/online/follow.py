@@ -44,7 +44,7 @@ from hcapo_store.canonical import canonical_json
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits, scoped_run_hash
-from hcapo_store.errors import CreditError, StoreError, UsageError
+from hcapo_store.errors import CreditError, InferenceError, StoreError, UsageError
 from hcapo_store.ingestion.pipeline import IngestReport, ingest
 from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions
 from hcapo_store.scoring.job import Prepared, run_scoring
@@ -107,6 +107,7 @@ class FollowStatus:
     batches: int = 0
     last_lag: float | None = None
     failures: list[str] = field(default_factory=list)  # named, never dropped in silence
+    notices: list[str] = field(default_factory=list)  # e.g. waiting for the server
 
     def line(self) -> str:
         lag = "—" if self.last_lag is None else f"{self.last_lag:.1f} s"
@@ -296,7 +297,10 @@ class Follower:
             return
         names = tuple(str(c["id"]) for c in todo)
         options = dataclasses.replace(self.options, filters=Filters(episodes=names))
-        result = run_scoring(self.store, self.prep, options)
+        try:
+            result = run_scoring(self.store, self.prep, options)
+        except InferenceError as exc:  # the server is gone before the first request (its info)
+            raise ServerDown(str(exc)) from exc
         report.score = result
         self.status.scored += result.scored
         self.status.failed += result.failed
@@ -558,13 +562,15 @@ def follow(
     waiter = None if once else _Waiter(follower.cfg.paths, poll_seconds, stop, poll_only)
     cycles = batches = 0
     idle_since = clock()
-    backoff = poll_seconds
+    backoff = 1.0
     while not stop.is_set():
         try:
             report = follower.cycle()
-            backoff = poll_seconds
+            backoff = 1.0
         except ServerDown as exc:
-            follower.status.failures.append(f"the scoring server stopped answering: {exc}; waiting {backoff:.0f} s")
+            follower.status.notices.append(
+                f"the scoring server stopped answering ({exc}); trying again in {backoff:.0f} s, nothing is lost"
+            )
             report = CycleReport(busy=True)
             if on_cycle is not None:
                 on_cycle(report, follower.status)
