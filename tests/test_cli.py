@@ -124,3 +124,33 @@ def test_python_m_runs_the_packages_cli_whatever_cli_py_is_here(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "Usage: hcapo-store" in out.stdout
     assert "wrong cli.py" not in out.stdout + out.stderr
+
+
+def test_shared_option_sets_agree():
+    """follow takes the credit options and the scorer options of credits compute and score;
+    the keyword list that splits them must name exactly the credit options."""
+    from hcapo_store.cli.credits import CREDIT_KEYWORDS, credits_compute
+    from hcapo_store.cli.online import follow
+    from hcapo_store.cli.score import score
+
+    compute = {p.name for p in credits_compute.params} - {
+        "name",
+        "scorer",
+        "max_logprob_tokens",
+        "recompute",
+        "as_json",
+    }
+    assert compute == set(CREDIT_KEYWORDS)
+    scorer = {p.name for p in score.params} - {"episodes", "min_reward", "limit", "retry_failed", "dry_run", "as_json"}
+    own = {
+        "paths",
+        "batch_by",
+        "group_size",
+        "batch_timeout",
+        "until_idle",
+        "once",
+        "poll_seconds",
+        "poll_only",
+        "as_json",
+    }
+    assert {p.name for p in follow.params} == scorer | set(CREDIT_KEYWORDS) | own

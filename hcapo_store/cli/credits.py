@@ -96,6 +96,23 @@ CREDIT_OPTIONS = [
 ]
 
 
+# The keyword arguments CREDIT_OPTIONS give a command (credit_params takes them).
+CREDIT_KEYWORDS = (
+    "t_temp",
+    "gamma",
+    "c_min",
+    "c_max",
+    "alpha",
+    "no_smooth",
+    "variant",
+    "dense_rewards",
+    "omega",
+    "group_by",
+    "min_reward",
+    "success_threshold",
+)
+
+
 def credit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(CREDIT_OPTIONS):
         command = option(command)

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from hcapo_store import formatting
-from hcapo_store.cli.credits import credit_options, credit_params
+from hcapo_store.cli.credits import CREDIT_KEYWORDS, credit_options, credit_params
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import FiniteFloat, int_range
 from hcapo_store.cli.score import scorer_options, scorer_setup
@@ -71,19 +71,7 @@ def follow(
     poll_seconds,
     poll_only,
     as_json,
-    t_temp,
-    gamma,
-    c_min,
-    c_max,
-    alpha,
-    no_smooth,
-    variant,
-    dense_rewards,
-    omega,
-    group_by,
-    min_reward,
-    success_threshold,
-    **scorer_kw,
+    **kw,
 ) -> None:
     """Follow a collection as it is written: ingest new and changed episodes, score their
     steps, and publish each complete batch's credits (`hcapo-store batches` lists them).
@@ -97,21 +85,8 @@ def follow(
     from hcapo_store.online.follow import follow as run_follow
     from hcapo_store.scoring.job import prepare
 
-    params = credit_params(
-        t_temp=t_temp,
-        gamma=gamma,
-        c_min=c_min,
-        c_max=c_max,
-        alpha=alpha,
-        no_smooth=no_smooth,
-        variant=variant,
-        dense_rewards=dense_rewards,
-        omega=omega,
-        group_by=group_by,
-        min_reward=min_reward,
-        success_threshold=success_threshold,
-    )
-    cfg, options = scorer_setup(**scorer_kw)
+    params = credit_params(**{k: kw.pop(k) for k in CREDIT_KEYWORDS})
+    cfg, options = scorer_setup(**kw)  # what is left: the scorer options
     follow_cfg = FollowConfig(
         paths=list(paths),
         group_size=group_size,
