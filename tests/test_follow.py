@@ -293,3 +293,22 @@ def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_mo
         proc.wait(timeout=120)
         if back is not None:
             back.shutdown()
+
+
+def test_batches_by_a_result_field(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """--batch-by field:NAME: the value of a field of result.json makes the batch, wherever the
+    episodes sit; an episode without the field is named and in no batch."""
+    root = tmp_path / "rollouts"
+    episodes = write_standard_episodes(root, 5, seed=140, steps_per_subtask=1, output_words=5)
+    for i, ep in enumerate(episodes[:4]):
+        data = json.loads((ep / "result.json").read_text())
+        data["group_id"] = "g-even" if i % 2 == 0 else "g-odd"
+        (ep / "result.json").write_text(json.dumps(data))
+    db = tmp_path / "s.db"
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--once", "--batch-by", "field:group_id")
+    assert r.exit_code == 0, r.output
+    assert "has no field 'group_id': it is in no batch" in r.stderr
+    batches = _batches(db)
+    assert sorted((b["key"], b["episodes"]) for b in batches) == [("g-even", 2), ("g-odd", 2)]
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--once", "--batch-by", "nonsense")
+    assert r.exit_code == 2 and "--batch-by 'nonsense'" in r.output

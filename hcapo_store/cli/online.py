@@ -26,9 +26,10 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
     "--batch-by",
     default="parent",
     show_default=True,
-    metavar="parent|tag:KEY",
+    metavar="parent|tag:KEY|field:NAME",
     help="What makes a batch (a GRPO group): parent = the directory that holds the episodes "
-    "(e.g. rollouts/step_0007/); tag:KEY = the value of an ingest tag.",
+    "(e.g. rollouts/step_0007/); tag:KEY = the value of an ingest tag; field:NAME = the value of a "
+    "field of result.json (or of the JSONL line), e.g. field:group_id.",
 )
 @click.option("--group-size", type=int_range(1), required=True, help="Episodes in a complete batch.")
 @click.option(
@@ -87,14 +88,19 @@ def follow(
 
     params = credit_params(**{k: kw.pop(k) for k in CREDIT_KEYWORDS})
     cfg, options = scorer_setup(**kw)  # what is left: the scorer options
-    follow_cfg = FollowConfig(
-        paths=list(paths),
-        group_size=group_size,
-        batch_by=batch_by,
-        batch_timeout=batch_timeout,
-        params=params,
-        conversion=cfg.conversion,
-    )
+    from hcapo_store.errors import UsageError
+
+    try:
+        follow_cfg = FollowConfig(
+            paths=list(paths),
+            group_size=group_size,
+            batch_by=batch_by,
+            batch_timeout=batch_timeout,
+            params=params,
+            conversion=cfg.conversion,
+        )
+    except UsageError as exc:  # an option's value: refused like any other bad option, before any work
+        raise click.UsageError(str(exc)) from exc
     store = state.store()
     prep = prepare(store, cfg)
     follower = Follower(store, prep, follow_cfg, options)

@@ -60,7 +60,7 @@ Signature = tuple[tuple[int, int], ...]
 class FollowConfig:
     paths: Sequence[Path]
     group_size: int
-    batch_by: str = "parent"  # parent | tag:KEY
+    batch_by: str = "parent"  # parent | tag:KEY | field:NAME (of result.json, or of the JSONL line)
     batch_timeout: float | None = None  # seconds after a batch's last arrival: publish what is there
     params: CreditParams = field(default_factory=CreditParams)
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
@@ -68,8 +68,9 @@ class FollowConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise UsageError(f"--group-size must be at least 1, not {self.group_size}")
-        if self.batch_by != "parent" and not (self.batch_by.startswith("tag:") and len(self.batch_by) > 4):
-            raise UsageError(f"--batch-by {self.batch_by!r}: use parent or tag:KEY")
+        kind, _, name = self.batch_by.partition(":")
+        if self.batch_by != "parent" and not (kind in ("tag", "field") and name):
+            raise UsageError(f"--batch-by {self.batch_by!r}: use parent, tag:KEY or field:NAME")
         self.paths = [Path(p).resolve() for p in self.paths]
 
 
@@ -217,6 +218,7 @@ class Follower:
         self.seen: dict[Path, Signature] = {}
         self.waiting: set[Path] = set()
         self.status = FollowStatus()
+        self._fields: dict[int, str | None] = {}  # episode version id -> its --batch-by field value
 
     # -- 1, 2: scan and ingest ----------------------------------------------------------------
     def _ingest_changes(self, report: CycleReport) -> None:
@@ -311,9 +313,23 @@ class Follower:
             raise ServerDown(result.server_down)
 
     # -- 4: publish -----------------------------------------------------------------------------
+    def _field(self, episode_id: int, name: str) -> str | None:
+        """The value of ``name`` in the episode's result.json (or JSONL line), read once per version
+        from the stored source (lossless: what the file said)."""
+        if episode_id not in self._fields:
+            with db.read(self.store.engine) as conn:
+                raw = conn.execute(text("SELECT raw_source FROM episodes WHERE id = :i"), {"i": episode_id}).scalar()
+            value = _source_field(bytes(raw) if raw is not None else b"", name)
+            self._fields[episode_id] = value
+            if value is None:
+                self.status.notices.append(f"episode {episode_id} has no field {name!r}: it is in no batch")
+        return self._fields[episode_id]
+
     def _key(self, c: dict[str, Any]) -> str | None:
         if self.cfg.batch_by.startswith("tag:"):
             return c.get("tag")
+        if self.cfg.batch_by.startswith("field:"):
+            return self._field(int(c["id"]), self.cfg.batch_by[6:])
         source = Path(c["source_path"] or "")
         parent = source.parent
         for root in self.cfg.paths:
@@ -432,6 +448,22 @@ class Follower:
             candidates = self._candidates()
         self._publish(candidates, report)
         return report
+
+
+def _source_field(raw: bytes, name: str) -> str | None:
+    """A top-level field of an episode's result.json (episode directories) or JSONL line."""
+    import zlib
+
+    try:
+        doc = json.loads(zlib.decompress(raw))
+        if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
+            doc = json.loads(doc[RESULT_FILE])
+    except (zlib.error, ValueError):
+        return None
+    value = doc.get(name) if isinstance(doc, dict) else None
+    if value is None or isinstance(value, (dict, list)):
+        return None if value is None else canonical_json(value)
+    return str(value)
 
 
 def _lost_a_race(error: str) -> bool:
