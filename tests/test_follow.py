@@ -312,3 +312,34 @@ def test_batches_by_a_result_field(tmp_path: Path, ref, tiny_model_dir: Path) ->
     assert sorted((b["key"], b["episodes"]) for b in batches) == [("g-even", 2), ("g-odd", 2)]
     r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "2", "--once", "--batch-by", "nonsense")
     assert r.exit_code == 2 and "--batch-by 'nonsense'" in r.output
+
+
+def test_a_batch_timeout_publishes_a_short_batch(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    root = tmp_path / "rollouts"
+    _write_group(root, 0, 2, seed=160)
+    db = tmp_path / "s.db"
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once")
+    assert r.exit_code == 0 and _batches(db) == []  # 2 of 3: not complete
+    r = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "3", "--once", "--batch-timeout", "0")
+    assert r.exit_code == 0, r.output
+    (b,) = _batches(db)
+    assert (b["episodes"], b["status"]) == (2, "ready")
+
+
+def test_failed_episodes_are_named_in_their_batch(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """A server whose every answer is refused (a positive logprob): the steps fail for good, the
+    batch is recorded as failed with its episodes by name, and follow exits 1."""
+    from faultserver import FaultServer
+
+    root = tmp_path / "rollouts"
+    _write_group(root, 0, 2, seed=180)
+    db = tmp_path / "s.db"
+    with FaultServer(ref, lambda key, n: "positive_logprob") as bad:
+        base = ["--db", str(db), "follow", str(root), "--server", bad.url, "--tokenizer", str(tiny_model_dir)]
+        base += ["--max-context", "2048", "--group-size", "2", "--once", "--max-attempts", "1"]
+        r = CliRunner().invoke(cli, base, catch_exceptions=False)
+    assert r.exit_code == 1, r.output
+    (b,) = _batches(db)
+    assert b["status"] == "failed" and b["credit_run"] is None and b["failed"] == b["steps"] > 0
+    assert sorted(b["failed_episodes"]) == ["rollouts/step_0000/episode_001", "rollouts/step_0000/episode_002"]
+    assert "failed episode(s) rollouts/step_0000/episode_001" in r.stderr
