@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _shared import SHARED
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(BENCH.glob("*.py"))
@@ -40,10 +41,10 @@ def test_diagnose_bench_small(tmp_path: Path) -> None:
 
 
 def test_follow_bench_small() -> None:
-    samples = BENCH.parent.parent / "shared" / "samples" / "long"
+    samples = SHARED / "samples" / "long"
     if not samples.is_dir():
         pytest.skip(f"{samples} is not here (../shared absent)")
-    r = _run(str(BENCH / "follow.py"), "--groups", "1", "--group-size", "1", "--json")
+    r = _run(str(BENCH / "follow.py"), "--groups", "1", "--group-size", "1", "--samples", str(samples), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
     assert out["batches"] == 1 and out["steps"] > 0 and out["lag_p50_s"] > 0 and out["by_hand_first_group_s"] > 0
