@@ -38,22 +38,6 @@ from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
-ROW_KEYS = (
-    TOKEN_IDS,
-    "labels",
-    "advantages",
-    "episode",
-    "_episode_id",
-    "step_indices",
-    "step_message_indices",
-    "step_advantages",
-    "step_spans",
-    "unaligned_steps",
-    "_reward",
-    "_grpo_advantage",
-    "provenance",
-)
-
 
 def _row(
     ep: dict[str, Any],
