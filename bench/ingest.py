@@ -1,7 +1,7 @@
 """Ingest throughput and memory: N real-shaped 100-step episodes → episodes/s and peak RSS.
 
 Inputs (``--input``):
-  real       (default) copies of the long real-format samples (/work/shared/samples/long:
+  real       (default) copies of the long real-format samples (../shared/samples/long:
              Pi session v3, thinking blocks, long tool outputs, compaction; ~312 KB per
              episode on average), each copy with a new session id and episode id, so
              every content hash and source key is new;
@@ -9,10 +9,10 @@ Inputs (``--input``):
 
 Each run ingests into a new database in a fresh subprocess, so its peak RSS is its own.
 ``--baseline TREE`` pairs every run with the same inputs ingested by the code in another
-checkout (e.g. /work/main), alternating which goes first; ``--repeat`` sets the number of
+checkout (e.g. ../main), alternating which goes first; ``--repeat`` sets the number of
 pairs. Budget (BENCHMARKS.md budgets): >= 100 episodes/s, peak RSS flat from 1,000 to 5,000.
 
-    python bench/ingest.py --sizes 1000 --repeat 3 --baseline /work/main
+    python bench/ingest.py --sizes 1000 --repeat 3 --baseline ../main
     python bench/ingest.py --sizes 1000 5000
     python bench/ingest.py --sizes 300 --profile /tmp/ingest.prof
 """
@@ -33,9 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT.parent.parent / "shared" / "samples" / "long"
-if not SAMPLES.is_dir():
-    SAMPLES = Path("/work/shared/samples/long")
+SAMPLES = ROOT.parent / "shared" / "samples" / "long"  # ../shared beside the checkout
 
 
 def _split(session_text: str) -> tuple[dict, str]:
