@@ -83,6 +83,14 @@ def test_an_action_that_is_not_in_the_ids_is_refused_by_name(
     ids[(a + b) // 2] = ids[(a + b) // 2] + 1  # the trainer holds other tokens for step 1's action
     with pytest.raises(HandoffError, match=f"step {row['step_indices'][1]}'s own tokens"):
         handoff.advantages(row["episode"], ids)
+    # strict=False: that step stays at 0 and is named; the others are placed as before
+    credit = handoff.advantages(row["episode"], ids, strict=False)
+    assert (
+        set(credit.refused) == {row["step_indices"][1]}
+        and "not in the given ids" in credit.refused[row["step_indices"][1]]
+    )
+    others = {i: tuple(s) for i, s in zip(row["step_indices"], row["step_spans"]) if i != row["step_indices"][1]}
+    assert credit.spans == others and not credit.advantages[a:b].any()
     with pytest.raises(EpisodeLookupError, match="no episode"):
         handoff.advantages("no_such_episode", ids)
 

@@ -160,12 +160,16 @@ class Handoff:
                     self.tokenizer.decode(turns.input_ids[slice(*turns.spans[index])]) if index in turns.spans else ""
                 )
                 shown = repr(text_[:60] + ("…" if len(text_) > 60 else "")) if text_ else ""
-                raise HandoffError(
-                    f"episode {name}: step {index}'s own tokens {shown} are not in the given ids "
-                    f"after position {pos}"
-                    + (f" ({why})" if why else "")
-                    + ": tokenize the conversation with the scorer's tokenizer and chat template"
+                missing = f"own tokens {shown} are not in the given ids after position {pos}" + (
+                    f" ({why})" if why else ""
                 )
+                if refused is None:
+                    raise HandoffError(
+                        f"episode {name}: step {index}'s {missing}: tokenize the conversation with the "
+                        "scorer's tokenizer and chat template"
+                    )
+                refused[index] = f"its {missing}"
+                continue
             spans[index] = found
             pos = found[1]
         return spans
