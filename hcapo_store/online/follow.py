@@ -125,7 +125,6 @@ class CycleReport:
     ingest: IngestReport | None = None
     score: ScoreReport | None = None
     published: list[BatchInfo] = field(default_factory=list)
-    pending_batches: int = 0  # keys seen that are not complete yet
     busy: bool = False  # something was ingested, scored or published
 
 
@@ -209,11 +208,10 @@ class Follower:
         cfg: FollowConfig,
         options: RunOptions,
         *,
-        weight_version: str | None = None,
         now: Callable[[], dt.datetime] = utcnow,
     ) -> None:
         self.store, self.prep, self.cfg, self.options = store, prep, cfg, options
-        self.weight_version = weight_version or prep.spec.get("weight_version")
+        self.weight_version = prep.spec.get("weight_version")  # the scorer's
         self.now = now
         self.seen: dict[Path, Signature] = {}
         self.waiting: set[Path] = set()
@@ -233,9 +231,6 @@ class Follower:
                 ready.append(path)
         self.waiting = (self.waiting - set(changed)) | waiting
         for path in changed:
-            if path not in waiting:
-                self.seen[path] = found[path]
-        for path in waiting:
             self.seen[path] = found[path]
         self.status.waiting = len(self.waiting)
         report.changed = len(ready)
@@ -254,16 +249,14 @@ class Follower:
                 _merge(part, ingest(self.store, sorted(raced), options=self.cfg.conversion, name_root=root))
             _merge(result, part)
         report.ingest = result
-        partial = {str(p): n for p in ready if p.is_file() and (n := _unterminated_last_line(p)) is not None}
         failed = []
         for source, error in result.failures:
-            line = partial.get(source.split(":")[0]) if ":" in source else None
-            if line is not None and f":{line}" in source:
-                continue  # the line being written: read again when the file changes
+            file = Path(source.split(":")[0])
+            line = _unterminated_last_line(file) if ":" in source and file.is_file() else None
+            if line is not None and source.endswith(f":{line}"):
+                self.seen.pop(file, None)  # the line being written: read again until it is whole
+                continue
             failed.append(f"{source}: {error}" if source not in error else error)
-        for p in ready:
-            if str(p) in partial:
-                self.seen.pop(p, None)  # until the line is whole
         self.status.ingest_failed += len(failed)
         self.status.failures += failed
         self.status.ingested += result.new + result.changed
@@ -334,7 +327,7 @@ class Follower:
         parent = source.parent
         for root in self.cfg.paths:
             if parent == root or root in parent.parents:
-                return str(Path(root.name) / parent.relative_to(root)) if parent != root else root.name
+                return str(Path(root.name) / parent.relative_to(root))
         return str(parent)
 
     def _publish(self, candidates: list[dict[str, Any]], report: CycleReport) -> None:
@@ -349,7 +342,6 @@ class Follower:
             arrived = max(_parse_time(m["ingested_at"]) for m in members)
             timed_out = self.cfg.batch_timeout is not None and (now - arrived).total_seconds() >= self.cfg.batch_timeout
             if not done or (len(members) < self.cfg.group_size and not timed_out):
-                report.pending_batches += 1
                 continue
             info = self._publish_one(key, members, arrived, now)
             if info is not None:
@@ -367,9 +359,8 @@ class Follower:
     ) -> BatchInfo | None:
         ids = sorted(int(m["id"]) for m in members)
         batch_hash = scoped_run_hash(self.prep.scorer_id, self.cfg.params, ids)
-        with db.read(self.store.engine) as conn:
-            if conn.execute(text("SELECT 1 FROM batches WHERE batch_hash = :h"), {"h": batch_hash}).first():
-                return None  # published already (by us before a restart, or by another follower)
+        if _already_there(self.store, batch_hash):
+            return None  # published already (by us before a restart, or by another follower)
         failed = sorted(m["name"] for m in members if m["failed"])
         run_name: str | None = None
         run_id: int | None = None
@@ -525,7 +516,6 @@ class _Waiter:
 
         self.poll_seconds, self.stop = poll_seconds, stop
         self.changed = threading.Event()
-        self.watching = False
         if poll_only:
             return
         try:
@@ -550,10 +540,8 @@ class _Waiter:
             except Exception:  # noqa: BLE001 - a watcher that fails leaves the periodic scan
                 pass
             finally:
-                self.watching = False
                 ready.set()
 
-        self.watching = True
         threading.Thread(target=run, name="hcapo-follow-watch", daemon=True).start()
         ready.wait(30)
 
@@ -656,19 +644,4 @@ def list_batches(store: Store, since: int | None = None) -> list[BatchInfo]:
                 superseded_by=r["superseded_by"],
             )
             for r in rows
-        ]
-
-
-def batch_episodes(store: Store, batch_id: int) -> list[str]:
-    """The names of a batch's episode versions."""
-    with db.read(store.engine) as conn:
-        return [
-            n
-            for (n,) in conn.execute(
-                text(
-                    "SELECT e.name FROM batch_episodes b JOIN episodes e ON e.id = b.episode_id "
-                    "WHERE b.batch_id = :b ORDER BY e.name"
-                ),
-                {"b": batch_id},
-            )
         ]

@@ -74,8 +74,8 @@ class Handoff:
             add_step_indices(conn, rw.episodes, self.run)
             self._names = {int(i): n for i, n in conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id})}
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
-        self._steps: dict[int, list[tuple[int, int]]] = {}
-        self._cache: dict[int, tuple[list[dict[str, Any]], dict[str, Alignment]]] = {}
+        # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
+        self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
 
     # ---- lookup --------------------------------------------------------------------------------
     def episode_id(self, episode: str | int) -> int:
@@ -98,8 +98,8 @@ class Handoff:
             "`hcapo-store credits show RUN` lists them)"
         )
 
-    def _episode(self, ep_id: int) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
-        if ep_id not in self._steps:
+    def _episode(self, ep_id: int) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]:
+        if ep_id not in self._episodes:
             with db.read(self.store.engine) as conn:
                 messages = load_messages(conn, ep_id)
                 steps = conn.execute(
@@ -109,13 +109,11 @@ class Handoff:
                     ),
                     {"run": self.run.id, "ep": ep_id},
                 ).all()
-            self._steps[ep_id] = [(int(a), int(b)) for a, b in steps]
-            self._cache[ep_id] = (messages, {})
-        return self._cache[ep_id][0], self._steps[ep_id]
+            self._episodes[ep_id] = (messages, [(int(a), int(b)) for a, b in steps], {})
+        return self._episodes[ep_id]
 
     def _alignment(self, ep_id: int, rendering: str) -> Alignment:
-        messages, steps = self._episode(ep_id)
-        done = self._cache[ep_id][1]
+        messages, steps, done = self._episode(ep_id)
         if rendering not in done:
             done[rendering] = self.renderer.align(messages, steps, rendering)
         return done[rendering]
@@ -143,7 +141,7 @@ class Handoff:
         turns, whole = self._alignment(ep_id, "turns"), self._alignment(ep_id, "whole")
         spans: dict[int, tuple[int, int]] = {}
         pos = 0
-        for index, _ in self._steps[ep_id]:
+        for index, _ in self._episode(ep_id)[1]:
             found = None
             for al in (turns, whole):
                 if index not in al.spans:

@@ -111,8 +111,8 @@ class LiveModelBackend(InProcessBackend):
         if not weight_version:
             raise ValueError("a live model needs its weight_version (e.g. the training step)")
         config_name = str(getattr(model.config, "_name_or_path", "") or "live-model")
-        super().__init__(Path(name or Path(config_name).name or "live-model"), chunk_size=chunk_size)
         self.model_name = name or Path(config_name).name or "live-model"
+        super().__init__(Path(self.model_name), chunk_size=chunk_size)
         self.live = model
         self.version = str(weight_version)
 
