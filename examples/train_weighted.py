@@ -23,8 +23,8 @@ from pathlib import Path
 from trl import SFTConfig
 
 from hcapo_store.errors import TrainingDataError
-from hcapo_store.training.data import check_tokenizer, read_rows, rows_fingerprint
-from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset
+from hcapo_store.training.data import read_rows, rows_fingerprint
+from hcapo_store.training.trl_sft import WeightedSFTTrainer
 
 
 def main() -> None:
@@ -46,15 +46,10 @@ def main() -> None:
     if not rows:
         sys.exit(f"{args.data}: no rows")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    try:
-        check_tokenizer(rows, tokenizer, args.model)
-    except TrainingDataError as exc:
-        sys.exit(f"{args.data}: {exc}")
-    fp = rows_fingerprint(rows)
-    if not args.json:
-        print(f"rows: {len(rows)}, exported with tokenizer {fp['tokenizer']!r} = the model's ({args.model})")
 
     import tempfile
+
+    from datasets import Dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         config = SFTConfig(
@@ -71,13 +66,19 @@ def main() -> None:
             shuffle_dataset=False,
             disable_tqdm=args.json,
         )
-        trainer = WeightedSFTTrainer(
-            args.model,
-            args=config,
-            train_dataset=load_dataset(args.data).select(range(len(rows))),
-            processing_class=tokenizer,
-            normalize=args.normalize,
-        )
+        try:  # the trainer refuses rows of another tokenizer before it loads the model
+            trainer = WeightedSFTTrainer(
+                args.model,
+                args=config,
+                train_dataset=Dataset.from_list(rows),
+                processing_class=tokenizer,
+                normalize=args.normalize,
+            )
+        except TrainingDataError as exc:
+            sys.exit(f"{args.data}: {exc}")
+        if not args.json:
+            name = rows_fingerprint(rows)["tokenizer"]
+            print(f"rows: {len(rows)}, exported with tokenizer {name!r} = the model's ({args.model})")
         if args.json:  # stdout is the JSON alone
             from transformers import PrinterCallback
 
