@@ -102,9 +102,14 @@ def _generator():
     return module
 
 
-# Columns later revisions add (0003: credit variants; 0004: batch scope); the rows' other values must survive.
-ADDED_COLUMNS = {"credit_runs": {"variant", "episode_scope"}, "credits": {"a_macro", "micro", "advantage"}}
-ADDED_TABLES = {"batches", "batch_episodes"}  # 0004: empty after an upgrade
+# Columns later revisions add (0003: credit variants; 0004: batch scope; 0005: tokens sent); the
+# rows' other values must survive.
+ADDED_COLUMNS = {
+    "credit_runs": {"variant", "episode_scope"},
+    "credits": {"a_macro", "micro", "advantage"},
+    "scores": {"sent_tokens", "sent_cached_tokens"},
+}
+ADDED_TABLES = {"batches", "batch_episodes", "episode_floors"}  # 0004, 0005: empty after an upgrade
 
 
 def _snapshot(engine) -> dict[str, list[tuple]]:
@@ -175,7 +180,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0004" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0005" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

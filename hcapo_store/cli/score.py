@@ -118,6 +118,16 @@ SCORER_OPTIONS = [
         "never a header or a wrapper the template inserts (Qwen3's empty think block). A different scorer.",
     ),
     click.option(
+        "--prompt-layout",
+        type=click.Choice(["per-step", "episode"]),
+        default="per-step",
+        show_default=True,
+        help="per-step: a prompt per step, its hindsight block naming the step's subtask (the original). "
+        "episode: one hindsight block per episode (the outcome) and the conversation rendered once, every "
+        "step's own tokens scored where they stand in it, in windows when it exceeds --max-context: about "
+        "1-2x the conversation's tokens instead of 26-51x. A different scorer (docs/SCORING.md).",
+    ),
+    click.option(
         "--no-hindsight",
         is_flag=True,
         help="Score the same prompts without the outcome block: the policy's π(a|s), a baseline scorer of its "
@@ -160,11 +170,24 @@ def scorer_setup(
     grouping,
     truncation,
     action_span,
+    prompt_layout,
     no_hindsight,
     weight_version,
     limit=None,
 ) -> tuple[Any, Any]:
     """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
+    if prompt_layout == "episode":
+        context = click.get_current_context()
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("truncation", "action_span", "grouping")
+            if context.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+        ]
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)} do(es) not apply to --prompt-layout episode: it scores each step's own "
+                "tokens in one rendering of the conversation, in windows of --max-context; leave them out"
+            )
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.scoring.job import ScoreConfig
     from hcapo_store.scoring.scheduler import RunOptions
@@ -182,6 +205,7 @@ def scorer_setup(
         request_timeout=request_timeout,
         truncation=truncation,
         action_span=action_span,
+        prompt_layout=prompt_layout,
         hindsight=not no_hindsight,
         weight_version=weight_version,
     )

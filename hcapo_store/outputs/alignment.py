@@ -36,16 +36,18 @@ from typing import Any
 
 from hcapo_store.errors import ExportError
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
-from hcapo_store.scoring.prompts import SegmentEncoder, flatten_messages, normalize_messages
+from hcapo_store.scoring.prompts import (
+    SegmentEncoder,
+    TemplateRejected,
+    flatten_messages,
+    normalize_messages,
+    render_chat,
+)
 from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
 
 RENDERINGS = ("turns", "whole")
-
-
-class RenderRejected(Exception):
-    pass
 
 
 @dataclass
@@ -67,10 +69,7 @@ class EpisodeRenderer:
         self.locator = OwnTokenLocator(tokenizer)
 
     def _render(self, messages: list[dict], generation: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-        except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
-            raise RenderRejected(f"{type(exc).__name__}: {exc}") from exc
+        return render_chat(self.tokenizer, messages, generation=generation)
 
     def align(
         self, messages: list[dict[str, Any]], steps: list[tuple[int, int]], rendering: str = "whole"
@@ -85,11 +84,11 @@ class EpisodeRenderer:
             place = self._align_turns if rendering == "turns" else self._align_own
         try:
             return place(normalize_messages(messages), steps, flattened=False)
-        except RenderRejected:
+        except TemplateRejected:
             pass
         try:
             return place(flatten_messages(messages), steps, flattened=True)
-        except RenderRejected as exc:
+        except TemplateRejected as exc:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
     def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
@@ -102,7 +101,7 @@ class EpisodeRenderer:
                 continue
             try:
                 empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=False)
-            except RenderRejected as exc:
+            except TemplateRejected as exc:
                 out.refused[index] = f"template: the template cannot render this turn empty ({exc})"
                 continue
             try:
@@ -178,7 +177,7 @@ class EpisodeRenderer:
         """Where turn ``m`` (own text + end-of-turn token) ends in ``prompt`` (a render of ``msgs``)."""
         try:
             empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=True)
-        except RenderRejected:
+        except TemplateRejected:
             return None
         _, own_end = own_char_range(prompt, empty)
         return own_end + self.locator.end_of_turn_length(prompt, own_end)

@@ -179,7 +179,7 @@ class TokenRebuilder:
             p = prompts.get(step.step_index)
             if step.logprobs is None or not isinstance(p, StepPrompt):
                 continue
-            ids = p.input_ids[p.first_scored :]
+            ids = list(p.input_ids[p.first_scored :])
             if len(ids) != len(step.logprobs):
                 misaligned += 1
                 continue

@@ -12,11 +12,12 @@ request would give (up to float reduction order on the server).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
-from hcapo_store.scoring.prompts import PromptFailure, StepPrompt
+from hcapo_store.scoring.episode_layout import EpisodeLayout
+from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 
 Grouping = Literal["per-step", "grouped"]
 GROUPINGS: tuple[Grouping, ...] = ("per-step", "grouped")
@@ -57,6 +58,22 @@ def group_prompts(
     if current:
         out.append(GroupPrompt(tuple(current)))
     return out
+
+
+def plan_requests(
+    builder: PromptBuilder,
+    messages: Sequence[Mapping[str, Any]],
+    outcome: Any,
+    steps: Sequence[Any],
+    *,
+    grouping: Grouping = "grouped",
+) -> list[GroupPrompt | PromptFailure]:
+    """The requests that score ``steps`` of one episode, in the builder's layout: per step
+    (grouped as ``grouping`` says), or one rendering per episode (``episode_layout.py``)."""
+    if builder.layout == "episode":
+        return EpisodeLayout(builder).requests(messages, outcome, steps)
+    prompts = builder.build_episode(messages, outcome, steps)
+    return group_prompts(prompts, grouping=grouping, max_tokens=builder.max_context)
 
 
 def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:

@@ -17,15 +17,17 @@ from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.masking import mask_url
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend
-from hcapo_store.scoring.grouping import Grouping, group_prompts
+from hcapo_store.scoring.grouping import Grouping, plan_requests
 from hcapo_store.scoring.prompts import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_LOGPROB_TOKENS,
     HINDSIGHT_TEMPLATE,
     PROMPT_BUILDER_VERSION,
+    PROMPT_LAYOUTS,
     ActionSpan,
     PromptBuilder,
     PromptFailure,
+    PromptLayout,
     Truncation,
     check_hindsight_template,
     template_hash,
@@ -64,6 +66,9 @@ class ScoreConfig:
     truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
     action_span: ActionSpan = "rendered"  # or "policy": only the policy's own tokens are scored
     hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
+    # "episode": the conversation rendered once per episode, every step scored in place
+    # (scoring/episode_layout.py); its own scorer. truncation/action_span/grouping do not apply.
+    prompt_layout: PromptLayout = "per-step"
     # The policy's weights (online RL): part of the scorer, so one credit run never mixes versions.
     # None: the version the server reports (SGLang's weight_version), if any besides "default".
     weight_version: str | None = None
@@ -172,8 +177,10 @@ async def prepare_async(store: Store, cfg: ScoreConfig) -> Prepared:
 
 def _check_template(cfg: ScoreConfig) -> None:
     """A bad hindsight template is refused before any server is contacted."""
+    if cfg.prompt_layout not in PROMPT_LAYOUTS:
+        raise ScoringError(f"unknown prompt layout {cfg.prompt_layout!r}: use one of {', '.join(PROMPT_LAYOUTS)}")
     try:
-        check_hindsight_template(cfg.hindsight_template)
+        check_hindsight_template(cfg.hindsight_template, cfg.prompt_layout)
     except ValueError as exc:
         raise ScoringError(f"--hindsight-template: {exc}") from exc
 
@@ -205,13 +212,14 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         max_context=max_context,
         max_logprob_tokens=cfg.max_logprob_tokens,
         truncation=cfg.truncation,
-        action_span=cfg.action_span,
+        action_span=cfg.action_span if cfg.prompt_layout == "per-step" else "rendered",
         hindsight=cfg.hindsight,
+        layout=cfg.prompt_layout,
     )
     spec = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
-        "hindsight_template_sha256": template_hash(cfg.hindsight_template),
+        "hindsight_template_sha256": template_hash(builder.hindsight_template),
         "conversion": cfg.conversion.as_dict(),
         "max_context": max_context,
         "max_logprob_tokens": cfg.max_logprob_tokens,
@@ -219,9 +227,11 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "rendering_sha256": rendering_fingerprint(builder),
         "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
-    if cfg.truncation != "sliding":  # only when set: the default keeps existing scorer ids
+    if cfg.prompt_layout != "per-step":  # only when set: the default keeps existing scorer ids
+        spec["prompt_layout"] = cfg.prompt_layout
+    elif cfg.truncation != "sliding":
         spec["truncation"] = cfg.truncation
-    if cfg.action_span != "rendered":
+    if cfg.action_span != "rendered" and cfg.prompt_layout == "per-step":
         spec["action_span"] = cfg.action_span
     if not cfg.hindsight:  # a baseline: no outcome, so the hindsight template plays no part
         spec["hindsight"] = False
@@ -290,10 +300,8 @@ def dry_run(
         requests = tokens = scored = failures = 0
         for ep, wanted in by_episode.items():
             episode = load_episode(conn, ep)
-            prompts = prep.builder.build_episode(
-                episode.messages, episode.outcome, [s for s in episode.steps if s.step_index in wanted]
-            )
-            for r in group_prompts(prompts, grouping=grouping, max_tokens=prep.builder.max_context):
+            steps = [s for s in episode.steps if s.step_index in wanted]
+            for r in plan_requests(prep.builder, episode.messages, episode.outcome, steps, grouping=grouping):
                 if isinstance(r, PromptFailure):
                     failures += 1
                 else:

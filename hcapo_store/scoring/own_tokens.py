@@ -69,18 +69,20 @@ def own_char_range(text: str, empty: str) -> tuple[int, int]:
     return p, len(text) - s
 
 
-def own_pieces(message: Mapping[str, Any]) -> list[str]:
-    """The message's own text pieces a rendering must contain: reasoning, text, tool names."""
+def own_pieces(message: Mapping[str, Any], *, reasoning: bool = True) -> list[str]:
+    """The message's own text pieces a rendering must contain: reasoning (unless ``reasoning``
+    is False), text, tool names."""
     content = message.get("content") or ""
     if not isinstance(content, str):  # multimodal parts: the text parts are the pieces
         content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
     pieces: list[str] = []
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str):
-        pieces.append(reasoning.strip())
+    thought = message.get("reasoning_content")
+    if isinstance(thought, str) and reasoning:
+        pieces.append(thought.strip())
     if "</think>" in content:
         head, _, content = content.rpartition("</think>")
-        pieces.append(head.split("<think>")[-1].strip())
+        if reasoning:
+            pieces.append(head.split("<think>")[-1].strip())
     pieces.append(content.strip())
     for call in message.get("tool_calls") or []:
         name = (call.get("function") or {}).get("name") if isinstance(call, Mapping) else None
@@ -130,15 +132,28 @@ class OwnTokenLocator:
         ``ids``/``offsets``: the tokenization of ``text`` (offsets are character positions
         in ``text``). Raises :class:`NotOwn` when the own text misses a piece or is empty.
         """
-        cs, ce = own_char_range(text, empty)
-        if ce > cs and _has_reasoning(message):
-            head = text[:cs].rstrip()
-            if head.endswith(REASONING_OPEN):
-                cs = len(head) - len(REASONING_OPEN)
+        cs, ce = own_chars(text, empty, message)
+        return self.token_span(text, cs, ce, message, ids, offsets, search_from=search_from)
+
+    def token_span(
+        self,
+        text: str,
+        cs: int,
+        ce: int,
+        message: Mapping[str, Any],
+        ids: list[int],
+        offsets: list[tuple[int, int]],
+        *,
+        search_from: int = 0,
+        reasoning_required: bool = True,
+    ) -> OwnSpan:
+        """The tokens of the own characters ``text[cs:ce]`` (plus the end-of-turn token right
+        after them); :class:`NotOwn` when they miss a piece of the message (its reasoning only
+        when ``reasoning_required``) or are empty."""
         if ce <= cs:
             raise NotOwn("empty_action: the action renders to no tokens of its own")
         own = text[cs:ce]
-        missing = [p for p in own_pieces(message) if p not in own]
+        missing = [p for p in own_pieces(message, reasoning=reasoning_required) if p not in own]
         if missing:
             raise NotOwn(
                 "rendering: the whole conversation leaves out part of this step's own text "
@@ -155,6 +170,17 @@ class OwnTokenLocator:
             end += 1
             eot = True
         return OwnSpan(start, end, cs, ce, eot)
+
+
+def own_chars(text: str, empty: str, message: Mapping[str, Any]) -> tuple[int, int]:
+    """``[start, end)`` of the turn's own characters in ``text``: where it differs from ``empty``,
+    widened back over the opening ``<think>`` of a message with reasoning."""
+    cs, ce = own_char_range(text, empty)
+    if ce > cs and _has_reasoning(message):
+        head = text[:cs].rstrip()
+        if head.endswith(REASONING_OPEN):
+            cs = len(head) - len(REASONING_OPEN)
+    return cs, ce
 
 
 def _has_reasoning(message: Mapping[str, Any]) -> bool:

@@ -32,9 +32,10 @@ import hashlib
 import json
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from itertools import islice
+from typing import Any, Literal, overload
 
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.tool_arguments import arguments_text, as_mapping
@@ -52,6 +53,11 @@ Trajectory outcome:
 - Current subtask: {current_subtask}
 - Current subtask score: {current_subtask_score}"""
 
+# The episode layout (scoring/episode_layout.py) has one hindsight block per episode: the
+# outcome, without the per-step "current subtask" lines, which have no single value there.
+EPISODE_HINDSIGHT_TEMPLATE = HINDSIGHT_TEMPLATE.split("\n- Current subtask:")[0]
+PER_STEP_PLACEHOLDERS = ("current_subtask", "current_subtask_score")
+
 TRUNCATION_MARKER = "\n\n[... earlier trajectory context truncated; hindsight outcome preserved above ...]\n\n"
 
 DEFAULT_MAX_CONTEXT = 32768
@@ -64,6 +70,47 @@ Truncation = Literal["sliding", "window"]
 TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window")
 # --truncation window: the window start moves in blocks of this fraction of the tail budget.
 WINDOW_BLOCK_FRACTION = 4
+PromptLayout = Literal["per-step", "episode"]
+PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("per-step", "episode")
+
+
+class IdsPrefix(Sequence[int]):
+    """The first ``end`` ids of a shared list, without a copy: the steps of one episode-layout
+    window all end inside the window's ids, and copying them per step would be quadratic."""
+
+    __slots__ = ("_end", "_ids")
+
+    def __init__(self, ids: list[int], end: int) -> None:
+        if not 0 <= end <= len(ids):
+            raise ValueError(f"end {end} outside [0, {len(ids)}]")
+        self._ids, self._end = ids, end
+
+    def __len__(self) -> int:
+        return self._end
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._ids[slice(*index.indices(self._end))]
+        if not -self._end <= index < self._end:
+            raise IndexError("IdsPrefix index out of range")
+        return self._ids[index % self._end]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._ids, self._end)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, IdsPrefix)):
+            return NotImplemented
+        return len(other) == self._end and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"IdsPrefix({self._end} of {len(self._ids)} ids)"
 
 
 @dataclass(frozen=True)
@@ -71,7 +118,7 @@ class StepPrompt:
     """One scoring request: ``input_ids[first_scored:]`` are exactly the scored action tokens."""
 
     step_index: int
-    input_ids: list[int]
+    input_ids: Sequence[int]  # a list, or an IdsPrefix of a window's ids (episode layout)
     first_scored: int
     total_action_tokens: int
     skipped_action_tokens: int
@@ -142,16 +189,24 @@ HINDSIGHT_PLACEHOLDERS = (
 )
 
 
-def check_hindsight_template(template: str) -> None:
-    """Fail at configuration time, not at step 57, when a user template has unknown fields."""
-    allowed = "allowed placeholders: " + ", ".join(f"{{{name}}}" for name in HINDSIGHT_PLACEHOLDERS)
+def check_hindsight_template(template: str, layout: PromptLayout = "per-step") -> None:
+    """Fail at configuration time, not at step 57, when a user template has unknown fields
+    (or, for the episode layout, per-step fields that have no value there)."""
+    names = [n for n in HINDSIGHT_PLACEHOLDERS if layout == "per-step" or n not in PER_STEP_PLACEHOLDERS]
+    allowed = "allowed placeholders: " + ", ".join(f"{{{name}}}" for name in names)
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:  # e.g. a single "{" or "}"
         raise ValueError(
             f"hindsight template cannot be parsed ({exc}; write {{{{ and }}}} for literal braces); {allowed}"
         ) from exc
-    unknown = [f for f in fields if f.split(".")[0].split("[")[0] not in HINDSIGHT_PLACEHOLDERS]
+    unknown = [f for f in fields if f.split(".")[0].split("[")[0] not in names]
+    if layout == "episode" and any(f.split(".")[0].split("[")[0] in PER_STEP_PLACEHOLDERS for f in fields):
+        raise ValueError(
+            "the episode layout has one hindsight block per episode, so {current_subtask} and "
+            "{current_subtask_score} have no value there; leave them out of the template, or use "
+            f"--prompt-layout per-step; {allowed}"
+        )
     if unknown:
         raise ValueError(
             f"hindsight template has unknown placeholder(s) {', '.join('{' + f + '}' for f in unknown)}; {allowed}"
@@ -395,8 +450,16 @@ def _memoize_sandbox_checks(tokenizer: Any) -> None:
 # --------------------------------------------------------------------------- building
 
 
-class _TemplateRejected(Exception):
-    pass
+class TemplateRejected(Exception):
+    """The chat template refused these messages (the message says how)."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool) -> str:
+    """The chat template's text for ``messages``; :class:`TemplateRejected` when it refuses them."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
+        raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -421,6 +484,7 @@ class PromptBuilder:
         truncation: Truncation = "sliding",
         action_span: ActionSpan = "rendered",
         hindsight: bool = True,
+        layout: PromptLayout = "per-step",
     ) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
@@ -428,10 +492,17 @@ class PromptBuilder:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
         if action_span not in ACTION_SPANS:
             raise ValueError(f"action_span must be one of {ACTION_SPANS}, got {action_span!r}")
+        if layout not in PROMPT_LAYOUTS:
+            raise ValueError(f"layout must be one of {PROMPT_LAYOUTS}, got {layout!r}")
         self.truncation = truncation
         self.action_span = action_span
         self.hindsight = hindsight  # False: no outcome in the prompt (a baseline scorer)
-        check_hindsight_template(hindsight_template)
+        # "episode": requests come from scoring/episode_layout.py (one rendering per episode);
+        # build_episode below stays the per-step rule.
+        self.layout = layout
+        if layout == "episode" and hindsight_template == HINDSIGHT_TEMPLATE:
+            hindsight_template = EPISODE_HINDSIGHT_TEMPLATE
+        check_hindsight_template(hindsight_template, layout)
         self.tokenizer = tokenizer
         self.hindsight_template = hindsight_template
         self.max_context = max_context
@@ -442,14 +513,21 @@ class PromptBuilder:
         self._locator = OwnTokenLocator(tokenizer)
         if action_span == "policy" and not self._locator.available:
             raise ValueError("action_span 'policy' needs a fast tokenizer (character offsets)")
+        if layout == "episode" and not self._locator.available:
+            raise ValueError("the episode layout needs a fast tokenizer (character offsets)")
+
+    def anchor_ids(self, first: dict) -> list[int]:
+        """The first message (hindsight block included) alone: what a truncated prompt keeps."""
+        return self.encoder.encode_whole(self._render([first], generation=False))
+
+    @property
+    def marker_ids(self) -> list[int]:
+        return self._marker_ids
 
     # -- rendering, shared by both paths: only tokenization differs
 
     def _render(self, messages: list[dict], *, generation: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-        except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
-            raise _TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
+        return render_chat(self.tokenizer, messages, generation=generation)
 
     def _render_pair(
         self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
@@ -463,7 +541,7 @@ class PromptBuilder:
                 messages[0],
                 False,
             )
-        except _TemplateRejected:
+        except TemplateRejected:
             flat = flatten_messages(inject_hindsight(raw[: m + 1], hindsight))
             return (
                 self._render(flat[:m], generation=True),
@@ -486,7 +564,7 @@ class PromptBuilder:
             hindsight = self._hindsight(outcome, step)
             try:
                 prefix_text, full_text, first, flattened = self._render_step(messages, normalized, m, hindsight)
-            except _TemplateRejected as exc:
+            except TemplateRejected as exc:
                 results.append(PromptFailure(index, "template", str(exc)))
                 continue
             key = (hindsight, flattened)
@@ -516,7 +594,7 @@ class PromptBuilder:
             prefix_text, full_text, first, flattened = self._render_step(
                 messages, normalize_messages(messages), m, hindsight
             )
-        except _TemplateRejected as exc:
+        except TemplateRejected as exc:
             return PromptFailure(index, "template", str(exc))
         encode = self.encoder.encode_whole
         texts = _StepTexts(encode(prefix_text), encode(full_text), flattened)
@@ -545,7 +623,7 @@ class PromptBuilder:
         messages = source if source is not None else inject_hindsight(normalized[: m + 1], hindsight)
         try:
             empty = self._render([*messages[:m], EMPTY_TURN], generation=False)
-        except _TemplateRejected as exc:
+        except TemplateRejected as exc:
             return f"template: the template cannot render this turn empty ({exc})"
         if not (full_text.startswith(prefix_text) and empty.startswith(prefix_text)):
             return "the prompt with a generation prompt is not a prefix of the rendered turn"
@@ -563,12 +641,12 @@ class PromptBuilder:
         self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str | None
     ) -> tuple[str, str, dict, bool]:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
-            raise _TemplateRejected(f"message {m} is not an assistant message after the first message")
+            raise TemplateRejected(f"message {m} is not an assistant message after the first message")
         return self._render_pair(raw, normalized, m, hindsight)
 
     def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
         if key not in anchors:
-            anchors[key] = self.encoder.encode_whole(self._render([first], generation=False))
+            anchors[key] = self.anchor_ids(first)
         return anchors[key]
 
     def _finish(self, index: int, texts: _StepTexts, anchor: Any) -> StepPrompt | PromptFailure:
@@ -595,7 +673,7 @@ class PromptBuilder:
             action_ids = action_ids[:own_end]
         try:
             kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor)
-        except _TemplateRejected as exc:
+        except TemplateRejected as exc:
             return PromptFailure(index, "template", f"anchor: {exc}")
         input_ids = kept_prefix + kept_action
         own_tokens = own_end - own_start

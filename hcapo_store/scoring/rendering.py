@@ -17,7 +17,8 @@ from array import array
 from importlib import metadata
 from typing import Any
 
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure
+from hcapo_store.scoring.grouping import plan_requests
+from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 
 RENDERING_LIBRARIES = ("transformers", "tokenizers", "jinja2")
 
@@ -56,13 +57,25 @@ PROBE_STEPS = [
 def rendering_fingerprint(builder: PromptBuilder) -> str:
     """SHA-256 of the probe's prompts as the builder makes them (ids, spans, failures)."""
     digest = hashlib.sha256()
-    for prompt in builder.build_episode(PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS):
+    if builder.layout == "episode":
+        digest.update(b"layout:episode\n")
+        for request in plan_requests(builder, PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS):
+            members: list[StepPrompt | PromptFailure] = (
+                [request] if isinstance(request, PromptFailure) else list(request.members)
+            )
+            _digest(digest, members)
+        return digest.hexdigest()
+    _digest(digest, builder.build_episode(PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS))
+    return digest.hexdigest()
+
+
+def _digest(digest: Any, prompts: list[StepPrompt | PromptFailure]) -> None:
+    for prompt in prompts:
         if isinstance(prompt, PromptFailure):
             digest.update(f"failure:{prompt.step_index}:{prompt.reason}\n".encode())
             continue
         digest.update(f"step:{prompt.step_index}:{prompt.first_scored}:{prompt.flattened}:".encode())
         digest.update(array("q", prompt.input_ids).tobytes() + b"\n")
-    return digest.hexdigest()
 
 
 def library_versions() -> dict[str, str | None]:

@@ -40,7 +40,8 @@ from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageEr
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
-from hcapo_store.scoring.grouping import Grouping, GroupPrompt, group_prompts
+from hcapo_store.scoring.episode_layout import conversation_tokens
+from hcapo_store.scoring.grouping import Grouping, GroupPrompt, plan_requests
 from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
@@ -152,7 +153,10 @@ def routing_key(episode_id: int) -> str:
     return "ep-" + hashlib.sha256(f"hcapo-store episode {episode_id}".encode()).hexdigest()[:16]
 
 
-def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
+def score_row(
+    prompt: StepPrompt, result: BackendScore, *, sent_tokens: int | None = None, sent_cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """The stored row of one step's result; ``sent_*``: its share of its request's tokens."""
     values = np.asarray(result.logprobs, dtype="<f4")
     # The mean is taken over the stored float32 values, so it can be recomputed from the blob.
     return {
@@ -170,7 +174,21 @@ def score_row(prompt: StepPrompt, result: BackendScore) -> dict[str, Any]:
         "latency_s": result.latency_s,
         "server_model": result.model_id,
         "created_at": utcnow().isoformat(timespec="seconds"),
+        "sent_tokens": sent_tokens,
+        "sent_cached_tokens": sent_cached_tokens,
     }
+
+
+def request_shares(group: GroupPrompt, cached: int | None) -> list[tuple[int, int | None]]:
+    """Per member, (tokens sent, tokens cached) of the request it shared: each member counts the
+    ids after the previous member's end; the server's cached count goes to the first member."""
+    out: list[tuple[int, int | None]] = []
+    previous = 0
+    for i, member in enumerate(group.members):
+        end = len(member.input_ids)
+        out.append((end - previous, cached if i == 0 or cached is None else 0))
+        previous = end
+    return out
 
 
 class Scheduler:
@@ -189,6 +207,7 @@ class Scheduler:
         self.on_progress = on_progress
         self.report = ScoreReport(scorer_id=scorer_id, worker_id=self.worker)
         self._pending: list[work_queue.StepResult] = []
+        self._pending_floors: list[tuple[int, int]] = []  # (episode id, conversation tokens)
         self._pending_tokens = 0
         self._stopping = threading.Event()
         self._announced: dict[str, int] = {}  # other workers' lease counts already reported
@@ -387,13 +406,9 @@ class Scheduler:
                 await asyncio.sleep(backoff_delay(failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP))
 
     async def _score_episode(self, claim: work_queue.Claim) -> None:
-        prompts = await asyncio.to_thread(self._prompts_for, claim)
+        requests, floor = await asyncio.to_thread(self._requests_for, claim)
+        self._pending_floors.append((claim.episode_id, floor))
         leases = {lease.step_index: lease for lease in claim.leases}
-        requests = group_prompts(
-            [prompts[lease.step_index] for lease in claim.leases],
-            grouping=self.options.grouping,
-            max_tokens=self.builder.max_context,
-        )
         for request in requests:
             if self._stopping.is_set():
                 return  # unstarted leases are released at the end
@@ -407,15 +422,23 @@ class Scheduler:
                 continue
             await self._score_request([leases[m.step_index] for m in request.members], request)
 
-    def _prompts_for(self, claim: work_queue.Claim) -> dict[int, StepPrompt | PromptFailure]:
+    def _requests_for(self, claim: work_queue.Claim) -> tuple[list[GroupPrompt | PromptFailure], int]:
+        """The episode's requests for the claimed steps (every one carrying the episode's routing
+        key), and its conversation tokens (the prefill floor)."""
         with db.read(self.store.engine) as conn:
             episode = load_episode(conn, claim.episode_id)
         wanted = {lease.step_index for lease in claim.leases}
         steps = [s for s in episode.steps if s.step_index in wanted]
         with self._build_lock:
-            built = self.builder.build_episode(episode.messages, episode.outcome, steps)
+            requests = plan_requests(
+                self.builder, episode.messages, episode.outcome, steps, grouping=self.options.grouping
+            )
+            floor = conversation_tokens(self.builder, episode.messages, episode.outcome, episode.steps)
         key = routing_key(claim.episode_id)
-        return {p.step_index: p if isinstance(p, PromptFailure) else replace(p, routing_key=key) for p in built}
+        return [
+            r if isinstance(r, PromptFailure) else GroupPrompt(tuple(replace(m, routing_key=key) for m in r.members))
+            for r in requests
+        ], floor
 
     async def _request(self, group: GroupPrompt) -> list[BackendScore]:
         """One request for the group (a lone step goes through ``score`` exactly as before)."""
@@ -467,10 +490,10 @@ class Scheduler:
                     return  # stopped while waiting: the step goes back to the queue
                 continue
             self._transport_failures = 0
-            for lease, prompt, result in zip(leases, group.members, results):
-                self._record(
-                    work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=score_row(prompt, result))
-                )
+            shares = request_shares(group, results[0].cached_tokens)
+            for lease, prompt, result, (sent, cached) in zip(leases, group.members, results, shares):
+                row = score_row(prompt, result, sent_tokens=sent, sent_cached_tokens=cached)
+                self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=row))
             self._pending_tokens += len(group.input_ids)
             return
 
@@ -527,11 +550,12 @@ class Scheduler:
 
     def _flush(self) -> None:
         """Write the pending batch in one transaction; on failure it stays pending."""
-        if not self._pending:
+        if not self._pending and not self._pending_floors:
             return
         with db.write(self.store.engine) as conn:
             scored, failed, discarded = work_queue.write_results(conn, self.scorer_id, self.worker, self._pending)
-        self._pending = []
+            work_queue.write_floors(conn, self.scorer_id, self._pending_floors)
+        self._pending, self._pending_floors = [], []
         tokens, self._pending_tokens = self._pending_tokens, 0
         self.report.scored += scored
         self.report.failed += failed

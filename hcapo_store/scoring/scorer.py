@@ -52,6 +52,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
         parts.append("no-thinking")
     if conv.get("max_tool_result_chars", ConvertOptions.max_tool_result_chars) != ConvertOptions.max_tool_result_chars:
         parts.append(f"tool-chars={conv['max_tool_result_chars']}")
+    if spec.get("prompt_layout"):
+        parts.append(f"layout={spec['prompt_layout']}")
     if spec.get("truncation"):
         parts.append(f"trunc={spec['truncation']}")
     if spec.get("hindsight") is False:

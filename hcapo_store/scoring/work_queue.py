@@ -385,6 +385,18 @@ def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[
     return scored, failed, discarded
 
 
+def write_floors(conn: Connection, scorer_id: str, floors: list[tuple[int, int]]) -> None:
+    """Record (episode id, conversation tokens) for the scorer; an episode's floor is written once."""
+    if floors:
+        conn.execute(
+            text(
+                "INSERT INTO episode_floors (scorer_id, episode_id, conversation_tokens) "
+                "VALUES (:scorer, :episode, :tokens) ON CONFLICT (scorer_id, episode_id) DO NOTHING"
+            ),
+            [{"scorer": scorer_id, "episode": e, "tokens": t} for e, t in floors],
+        )
+
+
 SCORE_COLUMNS = (
     "step_id",
     "scorer_id",
@@ -403,6 +415,8 @@ SCORE_COLUMNS = (
     "server_model",
     "worker_id",
     "created_at",
+    "sent_tokens",
+    "sent_cached_tokens",
 )
 SCORE_INSERT_SQL = (
     f"INSERT INTO scores ({', '.join(SCORE_COLUMNS)}) VALUES ({', '.join(':' + c for c in SCORE_COLUMNS)})"

@@ -175,6 +175,19 @@ class Score(Base):
     server_model: Mapped[str | None] = mapped_column(Text)
     worker_id: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[str] = mapped_column(String(40))
+    # This step's share of its request's tokens sent / reported cached (they add up per request).
+    sent_tokens: Mapped[int | None] = mapped_column(Integer)
+    sent_cached_tokens: Mapped[int | None] = mapped_column(Integer)
+
+
+class EpisodeFloor(Base):
+    """Per scorer and episode: the conversation's tokens (the prefill floor of scoring it)."""
+
+    __tablename__ = "episode_floors"
+
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"), primary_key=True)
+    episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    conversation_tokens: Mapped[int] = mapped_column(Integer)
 
 
 class Attempt(Base):

@@ -55,7 +55,7 @@ class GroupPrompt:
     members: tuple[StepPrompt, ...]
 
     @property
-    def input_ids(self) -> list[int]:
+    def input_ids(self) -> Sequence[int]:
         return self.members[-1].input_ids
 
     @property

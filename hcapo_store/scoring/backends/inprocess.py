@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import hashlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ class InProcessBackend:
         """One decoder pass over the group's ids; the LM head only on the members' spans."""
         return await self._score_spans(group.input_ids, group.spans)
 
-    async def _score_spans(self, ids: list[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
+    async def _score_spans(self, ids: Sequence[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
         started = time.monotonic()
         try:
             values = await asyncio.to_thread(self.scorer.score_spans, ids, spans)
@@ -131,7 +132,7 @@ class LiveModelBackend(InProcessBackend):
     def tokenizer_path(self) -> str:
         return ""  # a live model has no directory of its own: the caller passes the tokenizer
 
-    async def _score_spans(self, ids: list[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
+    async def _score_spans(self, ids: Sequence[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
         was_training = self.live.training
         self.live.eval()
         try:

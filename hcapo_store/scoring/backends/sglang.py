@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -91,7 +92,7 @@ _NUMBER_TYPES = frozenset((int, float))  # exact types: bool (a subclass of int)
 _ENTRY_TYPES = frozenset((list, tuple))
 
 
-def _fast_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float] | None:
+def _fast_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[float] | None:
     """The whole check in a few C-level passes; None when anything is off (the slow path
     then finds the first bad entry and raises with its position)."""
     if not entries or not set(map(type, entries)) <= _ENTRY_TYPES or min(map(len, entries)) < 2:
@@ -107,7 +108,7 @@ def _fast_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float
     return np.minimum(array, 0.0).tolist()
 
 
-def _checked_logprobs(entries: list[Any], ids: list[int], start: int) -> list[float]:
+def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[float]:
     """Entry by entry; raises InferenceError at the first entry that is not as sent."""
     logprobs: list[float] = []
     for j, entry in enumerate(entries):

@@ -1,0 +1,170 @@
+"""``--prompt-layout episode``: the conversation rendered once per episode, every step scored in place.
+
+The per-step layout sends, for every step, the conversation up to it with a hindsight block
+that names the step's own subtask: 26–51× the conversation's tokens on real-size episodes,
+and a template that rewrites earlier turns (Qwen3) defeats any prefix cache. Here:
+
+* one hindsight block per episode (``EPISODE_HINDSIGHT_TEMPLATE``: the outcome, without the
+  per-step "current subtask" lines) in the first message, as in the per-step layout;
+* the whole conversation rendered once with it, exactly as a trainer renders the episode;
+  each step's own tokens (its reasoning, text, tool calls and end-of-turn token: what
+  ``--action-span policy`` scores) located in that rendering by ``placement.py`` and
+  verified on the ids;
+* one request per window: when the conversation (up to its last step) fits ``max_context``
+  the whole of it is one request; otherwise windows of ``anchor + marker + recent ids`` (the
+  per-step truncation's shape) start half a budget before their first step, so every step
+  sees at least half a budget of the conversation before it, and consecutive windows overlap
+  by about that half: about 2× the conversation's tokens, however long the episode.
+
+What the model sees differs from the per-step layout: the subtask lines are gone, the
+conversation after a step is not in its request only when the request ends there (logprobs
+are causal, so nothing after a scored token changes it), and every turn is rendered as the
+whole conversation renders it (Qwen3 writes no empty think block on turns before the last).
+Qwen3 renders the turns before the last user message without their reasoning: there, as in
+a trainer's whole-conversation row, such a turn's text and tool calls are scored, not its
+reasoning (``--prompt-layout per-step --action-span policy`` scores the reasoning too). It
+is a different scorer (``prompt_layout`` in the spec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hcapo_store.scoring.backends.base import GroupPrompt
+from hcapo_store.scoring.placement import Placement, Placer, place_with_fallback
+from hcapo_store.scoring.prompts import (
+    EPISODE_HINDSIGHT_TEMPLATE,
+    HINDSIGHT_TEMPLATE,
+    FailureReason,
+    IdsPrefix,
+    PromptBuilder,
+    PromptFailure,
+    StepPrompt,
+    TemplateRejected,
+    flatten_messages,
+    hindsight_text,
+    inject_hindsight,
+    normalize_messages,
+    render_chat,
+)
+
+# A window after the first starts this fraction of the budget before its first step.
+CONTEXT_FRACTION = 2
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name)
+
+
+class EpisodeLayout:
+    """Builds the episode layout's requests with a :class:`PromptBuilder`'s settings."""
+
+    def __init__(self, builder: PromptBuilder) -> None:
+        self.builder = builder
+        # A turn the template renders without its reasoning is scored as rendered (module docstring).
+        self.placer = Placer(builder.tokenizer, reasoning_required=False)
+
+    def _messages(self, messages: Sequence[Mapping[str, Any]], outcome: Any) -> tuple[list[dict], Any]:
+        block = hindsight_text(outcome, {}, self.builder.hindsight_template) if self.builder.hindsight else None
+        return inject_hindsight(normalize_messages(messages), block), (
+            lambda: flatten_messages(inject_hindsight(messages, block))
+        )
+
+    def requests(
+        self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
+    ) -> list[GroupPrompt | PromptFailure]:
+        """One request per window, in order; a step that cannot be placed is a failure."""
+        order = sorted(steps, key=lambda s: _field(s, "message_index"))
+        wanted = [(_field(s, "step_index"), _field(s, "message_index")) for s in order]
+        msgs, flatten = self._messages(messages, outcome)
+        try:
+            placement, flattened = place_with_fallback(self.placer, msgs, wanted, flatten)
+        except TemplateRejected as exc:
+            return [
+                PromptFailure(i, "template", f"the chat template cannot render this episode: {exc}") for i, _ in wanted
+            ]
+        first = flatten()[0] if flattened else msgs[0]
+        return self._requests(placement, wanted, flattened, first)
+
+    def _requests(
+        self, placement: Placement, wanted: list[tuple[int, int]], flattened: bool, first: dict
+    ) -> list[GroupPrompt | PromptFailure]:
+        out: list[GroupPrompt | PromptFailure] = []
+        for index, reason in placement.refused.items():
+            kind: FailureReason = "empty_action" if reason.startswith("empty_action") else "alignment"
+            if reason.startswith("template"):
+                kind = "template"
+            out.append(PromptFailure(index, kind, f"episode layout: {reason}"))
+        placed = [(i, placement.spans[i]) for i, _ in wanted if i in placement.spans]
+        if not placed:
+            return out
+        ids, budget = placement.ids, self.builder.max_context
+        head: list[int] | None = None
+        j = 0
+        window_start = 0  # where the current window starts in the conversation's ids
+        while j < len(placed):
+            start, end = placed[j][1].start, placed[j][1].end
+            if j > 0 or end > budget:  # not the first window: anchor + marker + recent ids
+                if head is None:
+                    head = self._head(first, budget)
+                room = budget - len(head)
+                window_start = max(start - room // CONTEXT_FRACTION, end - room, 0)
+                base = head + ids[window_start : window_start + room]
+                offset = len(head) - window_start
+            else:
+                window_start, base, offset = 0, ids[: min(budget, len(ids))], 0
+            members: list[StepPrompt] = []
+            while j < len(placed) and placed[j][1].end + offset <= len(base):
+                index, span = placed[j]
+                members.append(self._member(index, span.start, span.end, base, offset, window_start, flattened))
+                j += 1
+            out.append(GroupPrompt(tuple(members)))
+        return out
+
+    def _head(self, first: dict, budget: int) -> list[int]:
+        """The anchor (the first message, hindsight block included) and the truncation marker;
+        a first message longer than half the budget keeps its start, as the per-step layout does."""
+        anchor, marker = self.builder.anchor_ids(first), self.builder.marker_ids
+        keep = budget // 2 - len(marker)
+        return anchor[:keep] + marker if keep > 0 else []
+
+    def _member(
+        self, index: int, start: int, end: int, base: list[int], offset: int, window_start: int, flattened: bool
+    ) -> StepPrompt:
+        own = end - start
+        kept = end - max(start, window_start)  # a step longer than the window keeps its tail
+        scored = min(kept, self.builder.max_logprob_tokens) if self.builder.max_logprob_tokens > 0 else kept
+        stop = end + offset
+        first_scored = max(stop - scored, 1)
+        return StepPrompt(
+            step_index=index,
+            input_ids=IdsPrefix(base, stop),
+            first_scored=first_scored,
+            total_action_tokens=own,
+            skipped_action_tokens=own - (stop - first_scored),
+            truncated_prefix_tokens=window_start,
+            flattened=flattened,
+        )
+
+
+def conversation_tokens(
+    builder: PromptBuilder, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
+) -> int:
+    """The prefill floor of an episode for any layout: its conversation rendered once with the
+    episode's hindsight block, up to the end of its last step (each token prefilled once)."""
+    if not steps:
+        return 0
+    last = max(_field(s, "message_index") for s in steps)
+    template = builder.hindsight_template
+    template = EPISODE_HINDSIGHT_TEMPLATE if template == HINDSIGHT_TEMPLATE else template
+    block = hindsight_text(outcome, {}, template) if builder.hindsight else None
+    for msgs in (normalize_messages(messages[: last + 1]), None):
+        if msgs is None:
+            msgs = flatten_messages(messages[: last + 1])
+        try:
+            text = render_chat(builder.tokenizer, inject_hindsight(msgs, block), generation=False)
+        except TemplateRejected:
+            continue
+        return len(builder.encoder.encode_whole(text))
+    return 0

@@ -1,0 +1,214 @@
+"""Where each step's own tokens sit in one rendering of the whole conversation, in linear time.
+
+The rule is the one of ``own_tokens.py``: a step's own text is where the conversation's
+rendering differs from the same rendering with that assistant turn replaced by an empty one.
+Applied step by step (:func:`place_exact`) that renders the whole conversation once per
+step, which is quadratic in the episode's length (a 2,000-step session renders 2,000 times
+4,000 messages). :func:`place` gets the same spans from three renderings in all:
+
+* ``W``: the whole conversation;
+* ``K``: the whole conversation with *every* step's turn empty (the skeleton);
+* per step, a small local rendering (the first message, the last user message before the
+  step, the step, the next user message after it; and the same with the turn empty) that
+  gives the step's own text.
+
+Walking ``W`` and ``K`` together, each step's own text is found in ``W`` after the previous
+one, and everything between two own texts must be identical in ``W`` and ``K`` (the
+template's text, tool results, user messages), up to the short wrapper the template writes
+for an empty turn. So the located texts are exactly where ``W`` and ``K`` differ, one per
+step, in order: the same characters the step-by-step rule finds. Whenever this check fails
+(a template whose rendering of one turn depends on other turns in a way the local rendering
+does not reproduce) the episode is placed with :func:`place_exact` instead: slower, never
+different.
+
+Characters become tokens through the fast tokenizer's offsets (one tokenization of ``W``);
+every span's tokens must decode to exactly the text they cover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars
+from hcapo_store.scoring.prompts import TemplateRejected, render_chat
+
+# How many characters after a step's own text must agree in W and K to resume the walk there.
+RESYNC_CHARS = 64
+
+Steps = list[tuple[int, int]]  # (step_index, message_index), in message order
+
+
+@dataclass
+class Placement:
+    """One rendering of the whole conversation and each step's own tokens in it (or why not)."""
+
+    text: str
+    ids: list[int]
+    spans: dict[int, OwnSpan] = field(default_factory=dict)  # step_index -> span
+    refused: dict[int, str] = field(default_factory=dict)  # step_index -> reason
+    linear: bool = True  # False: placed step by step (place_exact)
+
+
+class _Mismatch(Exception):
+    """The linear walk cannot vouch for a span: place the episode step by step."""
+
+
+def _check_step(msgs: list[dict], m: int) -> str | None:
+    if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
+        return f"message {m} is not an assistant message after the first message"
+    return None
+
+
+def _local_context(msgs: list[dict], m: int) -> tuple[list[dict], list[dict]]:
+    """What to render turn ``m`` between, so that a template renders it as in the whole
+    conversation: the first message and the last user message before it, and the next user
+    message after it if there is one (Qwen3 renders a turn's reasoning only after the last)."""
+    before = [msgs[0]]
+    for u in range(m - 1, 0, -1):
+        if msgs[u].get("role") == "user":
+            before.append(msgs[u])
+            break
+    after = next(([msg] for msg in msgs[m + 1 :] if msg.get("role") == "user"), [])
+    return before, after
+
+
+class Placer:
+    """Places the steps of one conversation in its whole rendering (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, *, reasoning_required: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.locator = OwnTokenLocator(tokenizer)
+        # False: a turn the template renders without its reasoning (Qwen3, before the last user
+        # message) is placed as rendered, its text and tool calls, instead of refused.
+        self.reasoning_required = reasoning_required
+
+    def _render(self, msgs: list[dict], generation: bool = False) -> str:
+        return render_chat(self.tokenizer, msgs, generation=generation)
+
+    def place(self, msgs: list[dict], steps: Steps) -> Placement:
+        """Raises :class:`TemplateRejected` when the template cannot render the conversation."""
+        whole = self._render(msgs)
+        ids, offsets = self.locator.offsets(whole)
+        try:
+            chars = self._walk(msgs, steps, whole)
+        except (_Mismatch, TemplateRejected):
+            return self._exact(msgs, steps, whole, ids, offsets)
+        return self._tokens(msgs, steps, whole, ids, offsets, chars, linear=True)
+
+    def place_exact(self, msgs: list[dict], steps: Steps) -> Placement:
+        """Step by step: the whole conversation rendered again with each step's turn empty."""
+        whole = self._render(msgs)
+        ids, offsets = self.locator.offsets(whole)
+        return self._exact(msgs, steps, whole, ids, offsets)
+
+    # -- the linear walk
+
+    def _walk(self, msgs: list[dict], steps: Steps, whole: str) -> dict[int, tuple[int, int] | str]:
+        emptied = set()
+        chars: dict[int, tuple[int, int] | str] = {}
+        for index, m in steps:
+            problem = _check_step(msgs, m)
+            if problem:
+                chars[index] = problem
+            else:
+                emptied.add(m)
+        skeleton = self._render([EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)])
+        pw = pk = 0  # positions in whole / skeleton; everything before them is accounted for
+        for index, m in steps:
+            if index in chars:
+                continue
+            before, after = _local_context(msgs, m)
+            local = self._render([*before, msgs[m], *after])
+            local_empty = self._render([*before, EMPTY_TURN, *after])
+            cs, ce = own_chars(local, local_empty, msgs[m])
+            own = local[cs:ce]
+            if not own:
+                raise _Mismatch(f"step {index}: the local rendering has no own text")
+            a = whole.find(own, pw)
+            if a < 0:
+                raise _Mismatch(f"step {index}: its own text is not in the whole rendering")
+            ka = pk + (a - pw)
+            if whole[pw:a] != skeleton[pk:ka]:
+                raise _Mismatch(f"step {index}: the text before it differs from the skeleton")
+            end = a + len(own)
+            follow = whole[end : end + RESYNC_CHARS]
+            budget = len(local_empty) + len(follow)
+            kend = skeleton.find(follow, ka, ka + budget) if follow else ka
+            if kend < 0:
+                raise _Mismatch(f"step {index}: the text after it is not in the skeleton")
+            chars[index] = (a, end)
+            pw, pk = end, kend
+        if whole[pw:] != skeleton[pk:]:
+            raise _Mismatch("the text after the last step differs from the skeleton")
+        return chars
+
+    # -- step by step (the reference rule; the fallback)
+
+    def _exact(
+        self, msgs: list[dict], steps: Steps, whole: str, ids: list[int], offsets: list[tuple[int, int]]
+    ) -> Placement:
+        chars: dict[int, tuple[int, int] | str] = {}
+        for index, m in steps:
+            problem = _check_step(msgs, m)
+            if problem:
+                chars[index] = problem
+                continue
+            try:
+                empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]])
+            except TemplateRejected as exc:
+                chars[index] = f"template: the template cannot render this turn empty ({exc})"
+                continue
+            chars[index] = own_chars(whole, empty, msgs[m])
+        return self._tokens(msgs, steps, whole, ids, offsets, chars, linear=False)
+
+    def _tokens(
+        self,
+        msgs: list[dict],
+        steps: Steps,
+        whole: str,
+        ids: list[int],
+        offsets: list[tuple[int, int]],
+        chars: dict[int, tuple[int, int] | str],
+        *,
+        linear: bool,
+    ) -> Placement:
+        out = Placement(whole, ids, linear=linear)
+        search_from = 0
+        for index, m in steps:
+            where = chars[index]
+            if isinstance(where, str):
+                out.refused[index] = where
+                continue
+            try:
+                span = self.locator.token_span(
+                    whole,
+                    *where,
+                    msgs[m],
+                    ids,
+                    offsets,
+                    search_from=search_from,
+                    reasoning_required=self.reasoning_required,
+                )
+            except NotOwn as exc:
+                out.refused[index] = exc.reason
+                continue
+            covered = whole[offsets[span.start][0] : offsets[span.end - 1][1]]
+            if self.tokenizer.decode(ids[span.start : span.end]) != covered:
+                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
+                continue
+            out.spans[index] = span
+            search_from = span.start
+        return out
+
+
+def place_with_fallback(
+    placer: Placer, msgs: list[dict], steps: Steps, flatten: Callable[[], list[dict]]
+) -> tuple[Placement, bool]:
+    """``placer.place`` on the messages, else on ``flatten()`` (tool traffic as text) when the
+    template rejects them; (placement, flattened). Raises TemplateRejected when both fail."""
+    try:
+        return placer.place(msgs, steps), False
+    except TemplateRejected:
+        return placer.place(flatten(), steps), True
