@@ -366,8 +366,30 @@ def scorers_list(state: Ctx, as_json: bool) -> None:
         return
     click.echo(
         formatting.table(
-            ["scorer", "label", "scored", "failed", "missing", "created"],
-            [(r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"], r["created_at"]) for r in rows],
+            ["scorer", "label", "scored", "failed", "missing", "floor", "sent", "prefilled", "created"],
+            [
+                (
+                    r["scorer_id"][:12],
+                    r["label"],
+                    r["scored"],
+                    r["failed"],
+                    r["missing"],
+                    r["conversation_tokens"] or "",
+                    _ratio(r["sent_per_floor"]),
+                    _ratio(r["prefilled_per_floor"]),
+                    r["created_at"],
+                )
+                for r in rows
+            ],
             max_width=None,  # whole labels in a pipe; a terminal squeezes them to what tells them apart
         )
     )
+    if any(r["conversation_tokens"] for r in rows):
+        click.echo(
+            "floor: conversation tokens of the fully scored episodes (each token once); sent / prefilled: "
+            "tokens sent / sent minus the server's cached tokens, as multiples of the floor"
+        )
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"

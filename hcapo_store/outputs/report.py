@@ -463,6 +463,24 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
             ["scorer", "label", "scored", "failed", "leased", "missing"],
             [[c["scorer_id"][:16], c["label"], c["scored"], c["failed"], c["leased"], c["missing"]] for c in coverage],
         ),
+        '<h3 id="floor">Tokens against the prefill floor</h3>',
+        "<p>Over each scorer's fully scored episodes: the floor is the conversation's tokens (each token "
+        "of each episode's conversation prefilled once); sent and prefilled (sent minus the tokens the "
+        "server reported cached) as multiples of it.</p>",
+        _table(
+            ["scorer", "episodes", "floor tokens", "sent tokens", "sent / floor", "prefilled / floor"],
+            [
+                [
+                    c["scorer_id"][:16],
+                    c["floor_episodes"],
+                    c["conversation_tokens"],
+                    c["sent_tokens"],
+                    "" if c["sent_per_floor"] is None else f"{c['sent_per_floor']:.2f}×",
+                    "" if c["prefilled_per_floor"] is None else f"{c['prefilled_per_floor']:.2f}×",
+                ]
+                for c in coverage
+            ],
+        ),
         '<h2 id="failures">Failure reasons</h2>',
         (
             f'<div class="grid">{_figure(fail_svg, "Every failed attempt, by kind (all scorers).")}</div>'

@@ -34,8 +34,6 @@ from typing import Any
 from hcapo_store.scoring.backends.base import GroupPrompt
 from hcapo_store.scoring.placement import Placement, Placer, place_with_fallback
 from hcapo_store.scoring.prompts import (
-    EPISODE_HINDSIGHT_TEMPLATE,
-    HINDSIGHT_TEMPLATE,
     FailureReason,
     IdsPrefix,
     PromptBuilder,
@@ -45,6 +43,7 @@ from hcapo_store.scoring.prompts import (
     flatten_messages,
     hindsight_text,
     inject_hindsight,
+    layout_template,
     normalize_messages,
     render_chat,
 )
@@ -156,8 +155,7 @@ def conversation_tokens(
     if not steps:
         return 0
     last = max(_field(s, "message_index") for s in steps)
-    template = builder.hindsight_template
-    template = EPISODE_HINDSIGHT_TEMPLATE if template == HINDSIGHT_TEMPLATE else template
+    template = layout_template(builder.hindsight_template, "episode")
     block = hindsight_text(outcome, {}, template) if builder.hindsight else None
     for msgs in (normalize_messages(messages[: last + 1]), None):
         if msgs is None:

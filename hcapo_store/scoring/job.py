@@ -30,6 +30,7 @@ from hcapo_store.scoring.prompts import (
     PromptLayout,
     Truncation,
     check_hindsight_template,
+    layout_template,
     template_hash,
 )
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
@@ -180,7 +181,7 @@ def _check_template(cfg: ScoreConfig) -> None:
     if cfg.prompt_layout not in PROMPT_LAYOUTS:
         raise ScoringError(f"unknown prompt layout {cfg.prompt_layout!r}: use one of {', '.join(PROMPT_LAYOUTS)}")
     try:
-        check_hindsight_template(cfg.hindsight_template, cfg.prompt_layout)
+        check_hindsight_template(layout_template(cfg.hindsight_template, cfg.prompt_layout), cfg.prompt_layout)
     except ValueError as exc:
         raise ScoringError(f"--hindsight-template: {exc}") from exc
 

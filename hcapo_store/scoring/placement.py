@@ -55,6 +55,31 @@ class _Mismatch(Exception):
     """The linear walk cannot vouch for a span: place the episode step by step."""
 
 
+def _agreement(a: str, i: int, b: str, j: int, cap: int) -> int:
+    n = 0
+    while n < cap and i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
+        n += 1
+    return n
+
+
+def _resync(whole: str, end: int, skeleton: str, ka: int, most: int) -> int | None:
+    """Where the skeleton goes on as ``whole`` does after a step's own text: past the short text
+    the template writes for an empty turn (at most ``most`` characters). Of the places where the
+    next characters agree, the one agreeing longest (up to RESYNC_CHARS; the next step may begin
+    sooner), the nearest on a tie. The next segment's full comparison then vouches for it."""
+    if end == len(whole):
+        return len(skeleton) if len(skeleton) - ka <= most else None
+    probe = whole[end : end + 8]
+    best, best_len = None, 0
+    j = skeleton.find(probe, ka, ka + most + len(probe))
+    while j >= 0:
+        n = _agreement(whole, end, skeleton, j, RESYNC_CHARS)
+        if n > best_len:
+            best, best_len = j, n
+        j = skeleton.find(probe, j + 1, ka + most + len(probe))
+    return best
+
+
 def _check_step(msgs: list[dict], m: int) -> str | None:
     if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
         return f"message {m} is not an assistant message after the first message"
@@ -124,8 +149,9 @@ class Placer:
             local_empty = self._render([*before, EMPTY_TURN, *after])
             cs, ce = own_chars(local, local_empty, msgs[m])
             own = local[cs:ce]
-            if not own:
-                raise _Mismatch(f"step {index}: the local rendering has no own text")
+            if not own:  # renders as an empty turn does: W and K agree over it (checked next)
+                chars[index] = (cs, cs)  # the same refusal as step by step: no own tokens
+                continue
             a = whole.find(own, pw)
             if a < 0:
                 raise _Mismatch(f"step {index}: its own text is not in the whole rendering")
@@ -133,10 +159,8 @@ class Placer:
             if whole[pw:a] != skeleton[pk:ka]:
                 raise _Mismatch(f"step {index}: the text before it differs from the skeleton")
             end = a + len(own)
-            follow = whole[end : end + RESYNC_CHARS]
-            budget = len(local_empty) + len(follow)
-            kend = skeleton.find(follow, ka, ka + budget) if follow else ka
-            if kend < 0:
+            kend = _resync(whole, end, skeleton, ka, len(local_empty))
+            if kend is None:
                 raise _Mismatch(f"step {index}: the text after it is not in the skeleton")
             chars[index] = (a, end)
             pw, pk = end, kend

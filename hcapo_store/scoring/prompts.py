@@ -189,6 +189,11 @@ HINDSIGHT_PLACEHOLDERS = (
 )
 
 
+def layout_template(template: str, layout: PromptLayout) -> str:
+    """The hindsight template a layout uses: the episode layout's default drops the per-step lines."""
+    return EPISODE_HINDSIGHT_TEMPLATE if layout == "episode" and template == HINDSIGHT_TEMPLATE else template
+
+
 def check_hindsight_template(template: str, layout: PromptLayout = "per-step") -> None:
     """Fail at configuration time, not at step 57, when a user template has unknown fields
     (or, for the episode layout, per-step fields that have no value there)."""
@@ -500,8 +505,7 @@ class PromptBuilder:
         # "episode": requests come from scoring/episode_layout.py (one rendering per episode);
         # build_episode below stays the per-step rule.
         self.layout = layout
-        if layout == "episode" and hindsight_template == HINDSIGHT_TEMPLATE:
-            hindsight_template = EPISODE_HINDSIGHT_TEMPLATE
+        hindsight_template = layout_template(hindsight_template, layout)
         check_hindsight_template(hindsight_template, layout)
         self.tokenizer = tokenizer
         self.hindsight_template = hindsight_template

@@ -122,7 +122,47 @@ ORDER BY sc.created_at
 """
 
 
+# Per scorer, over the current episodes whose every step it scored (and whose floor it recorded):
+# the conversation tokens (the floor), the tokens its requests sent and those the server cached.
+FLOOR_SQL = """
+WITH per_episode AS (
+    SELECT st.episode_id, COUNT(*) AS scored, SUM(s.sent_tokens) AS sent,
+           SUM(s.sent_cached_tokens) AS cached, COUNT(s.sent_cached_tokens) AS reported
+    FROM scores s JOIN steps st ON st.id = s.step_id
+    WHERE s.scorer_id = :scorer
+    GROUP BY st.episode_id
+)
+SELECT COUNT(*) AS episodes, SUM(f.conversation_tokens) AS conversation, SUM(p.sent) AS sent,
+       SUM(p.cached) AS cached, SUM(p.reported) AS reported, SUM(p.scored) AS steps
+FROM episode_floors f
+JOIN per_episode p ON p.episode_id = f.episode_id
+JOIN episodes e ON e.id = f.episode_id
+WHERE f.scorer_id = :scorer AND e.is_current
+  AND p.scored = (SELECT COUNT(*) FROM steps x WHERE x.episode_id = f.episode_id)
+"""
+
+
+def floor_accounting(conn: Connection, scorer_id: str) -> dict[str, Any]:
+    """The scorer's tokens against the prefill floor, over its fully scored current episodes:
+    ``conversation_tokens`` (each token of each episode's conversation once), ``sent_tokens``,
+    ``cached_tokens`` (None unless the server reported it for every request), their ratios
+    ``sent_per_floor`` and ``prefilled_per_floor`` (sent minus cached), None when nothing counts."""
+    r = conn.execute(text(FLOOR_SQL), {"scorer": scorer_id}).mappings().one()
+    floor, sent = int(r["conversation"] or 0), int(r["sent"] or 0)
+    cached = int(r["cached"] or 0) if r["steps"] and r["reported"] == r["steps"] else None
+    return {
+        "floor_episodes": int(r["episodes"] or 0),
+        "conversation_tokens": floor,
+        "sent_tokens": sent,
+        "cached_tokens": cached,
+        "sent_per_floor": round(sent / floor, 3) if floor else None,
+        "prefilled_per_floor": round((sent - cached) / floor, 3) if floor and cached is not None else None,
+    }
+
+
 def scorer_counts(store: Store) -> list[dict[str, Any]]:
+    """Per scorer: scored / failed / leased / missing steps of current episodes, and its tokens
+    against the prefill floor (:func:`floor_accounting`)."""
     with db.read(store.engine) as conn:
         total = int(
             conn.execute(
@@ -130,11 +170,12 @@ def scorer_counts(store: Store) -> list[dict[str, Any]]:
             ).scalar_one()
         )
         rows = conn.execute(text(SCORER_COUNTS_SQL), {"now": sql_now(conn)}).mappings().all()
-    out = []
-    for r in rows:
-        d = dict(r)
-        d["missing"] = total - d["scored"] - d["failed"]
-        out.append(d)
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["missing"] = total - d["scored"] - d["failed"]
+            d.update(floor_accounting(conn, d["scorer_id"]))
+            out.append(d)
     return out
 
 

@@ -1,0 +1,279 @@
+"""``score --prompt-layout episode`` (issue 19): the conversation rendered once per episode, every
+step's own tokens scored where they stand, windows over --max-context, and the tokens it sends
+against the prefill floor. Placement is checked against the step-by-step rule, spans against
+the whole rendering's ids, stored values against a plain transformers forward pass."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _shared import SHARED
+from _tokenizers import episode, real_tokenizer
+from click.testing import CliRunner
+
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import write_standard_episodes
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.backends.base import GroupPrompt
+from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
+from hcapo_store.scoring.placement import Placer
+from hcapo_store.scoring.prompts import (
+    EPISODE_HINDSIGHT_TEMPLATE,
+    PromptBuilder,
+    PromptFailure,
+    hindsight_text,
+    inject_hindsight,
+    normalize_messages,
+)
+from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.store import Store
+
+LONG = SHARED / "samples" / "long"
+
+
+def _long_episodes(tmp_path: Path) -> list:
+    if not LONG.is_dir():
+        pytest.skip(f"real-size samples {LONG} are absent")
+    with Store.open(str(tmp_path / "long.db")) as store:
+        ingest(store, sorted(LONG.iterdir()))
+        with store.engine.connect() as conn:
+            ids = [r[0] for r in store.query("SELECT id FROM episodes WHERE is_current ORDER BY id")[1]]
+            return [load_episode(conn, i) for i in ids]
+
+
+def _steps(steps) -> list[tuple[int, int]]:
+    pairs = [
+        (s["step_index"], s["message_index"]) if isinstance(s, dict) else (s.step_index, s.message_index) for s in steps
+    ]
+    return sorted(pairs, key=lambda p: p[1])
+
+
+def _spans(placement) -> dict[int, tuple[int, int]]:
+    return {i: (s.start, s.end) for i, s in placement.spans.items()}
+
+
+# --- placement: the linear walk finds what the step-by-step rule finds ---------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+@pytest.mark.parametrize("required", [True, False])
+def test_linear_placement_equals_the_step_by_step_rule(name, required, tmp_path):
+    tok = real_tokenizer(name)
+    placer = Placer(tok, reasoning_required=required)
+    cases = [episode(seed, steps=14, tool_chars=200) for seed in range(4)]
+    cases += [(e.messages, None, e.steps) for e in _long_episodes(tmp_path)] if LONG.is_dir() else []
+    for messages, _, steps in cases:
+        msgs = inject_hindsight(normalize_messages(messages), "HINDSIGHT")
+        fast, exact = placer.place(msgs, _steps(steps)), placer.place_exact(msgs, _steps(steps))
+        assert fast.linear, "the real templates are placed without the step-by-step fallback"
+        assert _spans(fast) == _spans(exact) and fast.refused == exact.refused
+        assert fast.ids == exact.ids
+    if required and name == "qwen3":  # turns before the last user message lose their reasoning
+        assert exact.refused and all("leaves out part" in r for r in exact.refused.values())
+    if not required:
+        assert not exact.refused  # scored as rendered instead
+
+
+def test_a_template_that_renders_a_turn_by_its_place_is_placed_step_by_step(demo_tokenizer_dir):
+    tok = load_tokenizer(demo_tokenizer_dir)
+    # Early turns say their text twice: a turn renders differently alone than in the whole conversation.
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if m.role == 'assistant' and loop.index0 < messages|length - 3 %}{{ m.content }}{% endif %}"
+        "{% for c in m.tool_calls or [] %} <call>{{ c.function.name }}{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages, _, steps = episode(3, steps=8, thinking=False)
+    msgs = normalize_messages(messages)
+    placer = Placer(tok)
+    fast, exact = placer.place(msgs, _steps(steps)), placer.place_exact(msgs, _steps(steps))
+    assert not fast.linear and _spans(fast) == _spans(exact) and fast.refused == exact.refused
+    assert len(fast.spans) >= 6
+
+
+# --- requests: every step once, within budget, its own tokens, near the floor -------------------
+
+
+def _check_requests(builder: PromptBuilder, ep, requests) -> tuple[int, int]:
+    layout = EpisodeLayout(builder)
+    block = hindsight_text(ep.outcome, {}, EPISODE_HINDSIGHT_TEMPLATE)
+    placement = layout.placer.place(inject_hindsight(normalize_messages(ep.messages), block), _steps(ep.steps))
+    groups = [r for r in requests if isinstance(r, GroupPrompt)]
+    seen = [m.step_index for g in groups for m in g.members]
+    failed = [r.step_index for r in requests if isinstance(r, PromptFailure)]
+    assert sorted(seen + failed) == sorted(s.step_index for s in ep.steps) and not failed
+    sent = 0
+    for g in groups:
+        assert len(g.input_ids) <= builder.max_context
+        ends = [len(m.input_ids) for m in g.members]
+        assert ends == sorted(ends) and all(m.first_scored >= 1 for m in g.members)
+        for m in g.members:
+            start, end = placement.spans[m.step_index].start, placement.spans[m.step_index].end
+            scored = m.scored_tokens
+            # the scored ids are the step's own tokens of the whole rendering (its last ones when capped)
+            assert list(m.input_ids[m.first_scored :]) == placement.ids[end - scored : end]
+            assert m.total_action_tokens == end - start and scored == min(end - start, builder.max_logprob_tokens)
+            if m.truncated_prefix_tokens:  # a later window: half its room of context before the step,
+                # or what the step leaves of the room when it is longer than half
+                head = len(m.input_ids) - end + m.truncated_prefix_tokens  # anchor + marker
+                room = builder.max_context - head
+                assert start - m.truncated_prefix_tokens >= min(room // 2, room - (end - start))
+        sent += len(g.input_ids)
+    return sent, conversation_tokens(builder, ep.messages, ep.outcome, ep.steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_real_size_episodes_reach_the_floor_goal(name, tmp_path):
+    """The issue's goal: tokens sent <= 1.5x the conversation at 131072 and <= 4x at 32768."""
+    tok = real_tokenizer(name)
+    episodes = _long_episodes(tmp_path)
+    for context, goal in ((131072, 1.5), (32768, 4.0)):
+        builder = PromptBuilder(tok, layout="episode", max_context=context)
+        sent = floor = 0
+        for ep in episodes:
+            requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+            s, f = _check_requests(builder, ep, requests)
+            sent, floor = sent + s, floor + f
+            if context == 131072:
+                assert len(requests) == 1  # a real-size episode fits: the conversation is one request
+        assert floor > 50_000 and sent / floor <= goal, (context, sent, floor)
+
+
+def test_windows_stay_within_budget_and_score_every_step_once(demo_tokenizer_dir):
+    tok = load_tokenizer(demo_tokenizer_dir)
+    messages, outcome, steps = episode(7, steps=30, tool_chars=300)
+
+    class Ep:  # the stored episode's shape
+        pass
+
+    ep = Ep()
+    ep.messages, ep.outcome, ep.steps = messages, outcome, [type("S", (), s)() for s in steps]
+    for context in (4096, 1024, 300):
+        builder = PromptBuilder(tok, layout="episode", max_context=context, max_logprob_tokens=64)
+        requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+        assert len(requests) > 1
+        _check_requests(builder, ep, requests)
+
+
+# --- end to end through the CLI against a reference server --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
+
+
+def _reference_logprobs(model_dir: Path, ids: list[int], start: int, end: int) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i in [start, end) with a plain transformers forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:end]])).logits[0].double().log_softmax(-1)
+    return np.array([logits[i - 1, ids[i]].item() for i in range(start, end)])
+
+
+def test_score_with_the_episode_layout_end_to_end(tmp_path, ref, tiny_model_dir):
+    write_standard_episodes(tmp_path / "eps", 2, seed=9, steps_per_subtask=2, output_words=20)
+    db = tmp_path / "x.db"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", str(db), "ingest", str(tmp_path / "eps")]).exit_code == 0
+    base = ["--db", str(db), "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--json"]
+    before = ref.requests
+    r = runner.invoke(cli, [*base, "--prompt-layout", "episode", "--max-context", "4096"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    with Store.open(str(db)) as store:
+        steps = store.query("SELECT COUNT(*) FROM steps")[1][0][0]
+        episodes = store.query("SELECT COUNT(*) FROM episodes")[1][0][0]
+        assert report["scored"] == steps and report["failed"] == 0
+        assert ref.requests - before == episodes  # each conversation fits: one request per episode
+        label = store.query("SELECT label FROM scorers")[1][0][0]
+        assert "layout=episode" in label
+        # every stored value is the whole conversation's logprob at the step's own tokens
+        tok = load_tokenizer(tiny_model_dir)
+        builder = PromptBuilder(tok, layout="episode", max_context=4096)
+        with store.engine.connect() as conn:
+            ep = load_episode(conn, 1)
+        block = hindsight_text(ep.outcome, {}, EPISODE_HINDSIGHT_TEMPLATE)
+        placement = Placer(tok, reasoning_required=False).place(
+            inject_hindsight(normalize_messages(ep.messages), block), _steps(ep.steps)
+        )
+        rows = store.query(
+            "SELECT st.step_index, s.token_logprobs, s.sent_tokens, s.sent_cached_tokens FROM scores s "
+            "JOIN steps st ON st.id = s.step_id WHERE st.episode_id = 1 ORDER BY st.step_index"
+        )[1]
+        assert len(rows) == len(ep.steps)
+        for index, blob, _, _ in rows:
+            span = placement.spans[index]
+            scored = min(span.end - span.start, builder.max_logprob_tokens)
+            expected = _reference_logprobs(tiny_model_dir, placement.ids, span.end - scored, span.end)
+            np.testing.assert_allclose(np.frombuffer(blob, "<f4"), expected, atol=2e-5, rtol=0)
+        # tokens sent add up to the request (the conversation up to the last step's end)
+        last = max(placement.spans.values(), key=lambda s: s.end)
+        assert sum(r[2] for r in rows) == last.end
+        assert rows[0][3] == 0 and all(r[3] == 0 for r in rows)  # the reference server reports 0 cached
+
+    # the floor accounting, in `scorers list --json` and `status --json`
+    listing = json.loads(runner.invoke(cli, ["--db", str(db), "scorers", "list", "--json"]).output)[0]
+    assert listing["floor_episodes"] == episodes
+    assert listing["conversation_tokens"] > 0 and 0.99 <= listing["sent_per_floor"] <= 1.0
+    assert listing["prefilled_per_floor"] == listing["sent_per_floor"]  # nothing cached
+    assert listing["spec"]["prompt_layout"] == "episode"
+    status = json.loads(runner.invoke(cli, ["--db", str(db), "status", "--json"]).output)
+    assert status["scorers"][0]["sent_per_floor"] == listing["sent_per_floor"]
+    table = runner.invoke(cli, ["--db", str(db), "scorers", "list"]).output
+    assert "floor" in table and f"{listing['sent_per_floor']:.2f}x" in table
+
+    # a rerun finds nothing to do; the per-step layout is another scorer, many times the floor
+    again = runner.invoke(cli, [*base, "--prompt-layout", "episode", "--max-context", "4096"])
+    assert json.loads(again.output)["scored"] == 0
+    r = runner.invoke(cli, [*base, "--max-context", "4096", "--grouping", "per-step"])
+    assert r.exit_code == 0, r.output
+    listing = json.loads(runner.invoke(cli, ["--db", str(db), "scorers", "list", "--json"]).output)
+    assert len(listing) == 2
+    per_step = next(x for x in listing if "prompt_layout" not in x["spec"])
+    episode_layout = next(x for x in listing if "prompt_layout" in x["spec"])
+    assert per_step["conversation_tokens"] > 0
+    assert per_step["sent_per_floor"] > 3 * episode_layout["sent_per_floor"]
+
+
+def test_windows_end_to_end_score_every_step_within_the_budget(tmp_path, ref, tiny_model_dir):
+    write_standard_episodes(tmp_path / "eps", 1, seed=4, steps_per_subtask=3, output_words=30)
+    db = tmp_path / "x.db"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", str(db), "ingest", str(tmp_path / "eps")]).exit_code == 0
+    ref.sequences_seen.clear()
+    argv = ["--db", str(db), "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--json"]
+    r = runner.invoke(cli, [*argv, "--prompt-layout", "episode", "--max-context", "512"])
+    assert r.exit_code == 0, r.output
+    with Store.open(str(db)) as store:
+        steps = store.query("SELECT COUNT(*) FROM steps")[1][0][0]
+        sent = store.query("SELECT SUM(sent_tokens), MAX(truncated_prefix_tokens) FROM scores")[1][0]
+    assert json.loads(r.output)["scored"] == steps
+    seen = list(ref.sequences_seen)
+    assert len(seen) > 1 and all(len(ids) <= 512 for ids in seen)
+    assert sent[0] == sum(len(ids) for ids in seen) and sent[1] > 0
+
+
+def test_options_that_do_not_apply_are_refused(tmp_path, ref, tiny_model_dir):
+    db = tmp_path / "x.db"
+    runner = CliRunner()
+    base = ["--db", str(db), "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir)]
+    for extra in (["--truncation", "window"], ["--action-span", "policy"], ["--grouping", "per-step"]):
+        r = runner.invoke(cli, [*base, "--prompt-layout", "episode", *extra])
+        assert r.exit_code == 2 and "does not apply" not in r.output and "do(es) not apply" in r.output
+        assert extra[0] in r.output
+    template = tmp_path / "t.txt"
+    template.write_text("Outcome {reward} for {current_subtask}")
+    r = runner.invoke(cli, [*base, "--prompt-layout", "episode", "--hindsight-template", str(template)])
+    assert r.exit_code != 0 and "one hindsight block per episode" in r.output
