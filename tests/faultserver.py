@@ -335,7 +335,8 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                 time.sleep(server.delay)
             if server.hold_answers is not None:
                 server.hold_answers.wait(HOLD_LIMIT_S)
-            if self._stale():
+            if self._stale() or server.dead.is_set():  # a killed server answers nothing it held
+                self.close_connection = True
                 return
             if fault == "drop":
                 self.close_connection = True  # no status line, no headers: the socket just closes

@@ -16,7 +16,15 @@ from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, i
 
 # What makes a scorer and how one process scores: shared by ``score`` and ``follow``.
 SCORER_OPTIONS = [
-    click.option("--server", metavar="URL", help="Inference server (SGLang /generate, or vLLM with --backend vllm)."),
+    click.option(
+        "--server",
+        "servers",
+        multiple=True,
+        metavar="URL",
+        help="Inference server (SGLang /generate, or vLLM with --backend vllm). Repeat it for several servers of "
+        "one model: each episode goes to one server (consistent hashing), moved to the others if it dies. "
+        "Behind an SGLang router, give the router's URL once (its --policy manual keeps an episode on one worker).",
+    ),
     click.option(
         "--backend",
         type=click.Choice(["sglang", "vllm", "transformers"]),
@@ -151,7 +159,7 @@ def scorer_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def scorer_setup(
     *,
-    server,
+    servers,
     backend,
     model,
     tokenizer,
@@ -194,7 +202,8 @@ def scorer_setup(
 
     cfg = ScoreConfig(
         backend=backend,
-        server=server,
+        server=servers[0] if servers else None,
+        servers=tuple(servers) if len(servers) > 1 else (),
         model=model,
         tokenizer=tokenizer,
         api_key=api_key,

@@ -386,6 +386,9 @@ def make_server(
 _GET_ROUTES: dict[str, Callable[[ReferenceServer], JSON]] = {
     "/model_info": ReferenceServer.model_info,
     "/server_info": ReferenceServer.server_info,
+    # SGLang's older names, still served; the SGLang router forwards only these to a worker.
+    "/get_model_info": ReferenceServer.model_info,
+    "/get_server_info": ReferenceServer.server_info,
     "/v1/models": ReferenceServer.models,
 }
 _POST_ROUTES: dict[str, Callable[[ReferenceServer, JSON], JSON | list[JSON]]] = {

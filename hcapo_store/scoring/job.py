@@ -4,6 +4,7 @@ queue the missing steps, and run the scheduler (or count the work for ``--dry-ru
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,8 +74,15 @@ class ScoreConfig:
     # The policy's weights (online RL): part of the scorer, so one credit run never mixes versions.
     # None: the version the server reports (SGLang's weight_version), if any besides "default".
     weight_version: str | None = None
+    # Every server when there are several (``server`` is then the first): episodes spread over
+    # them by consistent hashing, moved when one dies (backends/multi.py).
+    servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.servers and self.server is None:
+            self.server = self.servers[0]
+        if self.server is not None and self.servers and self.server not in self.servers:
+            self.servers = (self.server, *self.servers)
         if self.backend is None:
             self.backend = default_backend(self.server, self.model)
 
@@ -86,6 +94,13 @@ def _http_timeout(cfg: ScoreConfig) -> httpx.Timeout | None:
 
 
 def make_backend(cfg: ScoreConfig) -> Backend:
+    if len(cfg.servers) > 1:
+        if cfg.backend == "transformers":
+            raise ScoringError("--backend transformers scores in this process: it takes no --server")
+        from hcapo_store.scoring.backends.multi import MultiServerBackend
+
+        backends = [make_backend(dataclasses.replace(cfg, server=url, servers=())) for url in cfg.servers]
+        return MultiServerBackend(backends, [mask_url(url) for url in cfg.servers])
     if cfg.backend == "transformers":
         if not cfg.model:
             raise ScoringError("--backend transformers needs --model DIR (a local transformers model)")
@@ -139,7 +154,7 @@ async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> 
         if close:  # prepare() only reads the server's facts; run_scoring() starts it again
             await backend.close()
     except InferenceError as exc:
-        where = mask_url(cfg.server or cfg.model or "")
+        where = ", ".join(mask_url(s) for s in cfg.servers) or mask_url(cfg.server or cfg.model or "")
         raise ScoringError(f"cannot reach the {cfg.backend} backend at {where}: {exc}; is the server up?") from exc
 
 

@@ -155,7 +155,8 @@ class SGLangBackend(HttpBackend):
 
     async def start(self) -> None:
         self.model_info = await self._read_model_info()
-        self.server_info = await self.get_optional("/server_info") or {}
+        # The SGLang router forwards only the older names (/get_*) to a worker.
+        self.server_info = await self.get_optional("/server_info") or await self.get_optional("/get_server_info") or {}
         self._check_requested_model()
         self.remember_served()
 
