@@ -61,8 +61,10 @@ class MultiServerBackend:
         results = await asyncio.gather(*(b.start() for b in self.backends), return_exceptions=True)
         for i, result in enumerate(results):
             if isinstance(result, BaseException):
-                if isinstance(result, InferenceError) and result.kind in TRANSPORT and len(self.down) + 1 < len(
-                    self.backends
+                if (
+                    isinstance(result, InferenceError)
+                    and result.kind in TRANSPORT
+                    and len(self.down) + 1 < len(self.backends)
                 ):
                     log.warning("server %s does not answer (%s): scoring goes on without it", self.names[i], result)
                     self.down.add(i)
