@@ -1,4 +1,4 @@
-"""Requests and prompt tokens per episode: per-step vs grouped vs grouped + windowed.
+"""Requests and prompt tokens per episode, against the prefill floor, for every prompt layout.
 
     python bench/tokens.py --episodes ../shared/samples/long \
         --tokenizer ../shared/tokenizers/qwen2.5 --tokenizer ../shared/tokenizers/qwen3
@@ -7,6 +7,9 @@ Ingests the episodes (real on-disk format, default conversion options) into a sc
 SQLite file, builds every step's prompt exactly as ``score`` does, forms the requests
 (``scoring/grouping.py``) and counts, per episode:
 
+* ``floor``: the conversation's tokens (rendered once with the episode's hindsight block, up
+  to its last step: what ``episode_floors`` records), and every layout's tokens as a multiple
+  of it (``xfloor``);
 * ``requests`` and ``prompt`` tokens sent;
 * ``prefill``: the tokens a server with a perfect, unbounded prefix cache would still
   compute (each request minus its longest common prefix with any earlier request of the
@@ -33,16 +36,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
-from hcapo_store.scoring.grouping import GroupPrompt, group_prompts  # noqa: E402
+from hcapo_store.scoring.episode_layout import conversation_tokens  # noqa: E402
+from hcapo_store.scoring.grouping import GroupPrompt, plan_requests  # noqa: E402
 from hcapo_store.scoring.prompts import PromptBuilder  # noqa: E402
 from hcapo_store.scoring.tokens import load_tokenizer  # noqa: E402
 from hcapo_store.storage.episodes import load_episode  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 
-MODES = (
-    ("per-step", "per-step", "sliding"),
-    ("grouped", "grouped", "sliding"),
-    ("grouped+window", "grouped", "window"),
+MODES = (  # label, layout, grouping, truncation
+    ("per-step", "per-step", "per-step", "sliding"),
+    ("grouped", "per-step", "grouped", "sliding"),
+    ("grouped+window", "per-step", "grouped", "window"),
+    ("episode-layout", "episode", "grouped", "sliding"),
 )
 
 
@@ -78,16 +83,19 @@ def load_episodes(root: Path, scratch: Path) -> list[Any]:
     return episodes
 
 
-def measure(tokenizer: Any, episode: Any, max_context: int, grouping: str, truncation: str) -> dict[str, Any]:
-    builder = PromptBuilder(tokenizer, max_context=max_context, truncation=truncation)
-    prompts = builder.build_episode(episode.messages, episode.outcome, episode.steps)
-    requests = [
-        r for r in group_prompts(prompts, grouping=grouping, max_tokens=max_context) if isinstance(r, GroupPrompt)
-    ]
-    ids = [r.input_ids for r in requests]
+def measure(
+    tokenizer: Any, episode: Any, max_context: int, layout: str, grouping: str, truncation: str
+) -> dict[str, Any]:
+    builder = PromptBuilder(tokenizer, max_context=max_context, truncation=truncation, layout=layout)
+    planned = plan_requests(builder, episode.messages, episode.outcome, episode.steps, grouping=grouping)
+    requests = [r for r in planned if isinstance(r, GroupPrompt)]
+    ids = [list(r.input_ids) for r in requests]
+    floor = conversation_tokens(builder, episode.messages, episode.outcome, episode.steps)
     return {
+        "floor": floor,
+        "xfloor": round(sum(map(len, ids)) / floor, 3),
         "steps": sum(len(r.members) for r in requests),
-        "failed": len(prompts) - sum(len(r.members) for r in requests),
+        "failed": len(planned) - len(requests),
         "requests": len(requests),
         "prompt": sum(map(len, ids)),
         "prefill": prefill_with_cache(ids),
@@ -112,8 +120,8 @@ def main() -> None:
         for episode in episodes:
             for ctx in contexts:
                 row = {"tokenizer": tok_path.name, "episode": episode.name, "max_context": ctx}
-                for label, grouping, truncation in MODES:
-                    row[label] = measure(tokenizer, episode, ctx, grouping, truncation)
+                for label, layout, grouping, truncation in MODES:
+                    row[label] = measure(tokenizer, episode, ctx, layout, grouping, truncation)
                 rows.append(row)
                 if not args.json:
                     print_row(row)
@@ -123,12 +131,15 @@ def main() -> None:
 
 def print_row(row: dict[str, Any]) -> None:
     base = row["per-step"]
-    head = f"{row['tokenizer']:8} {row['episode']:12} ctx {row['max_context']:6}  {base['steps']} steps"
+    head = (
+        f"{row['tokenizer']:8} {row['episode']:12} ctx {row['max_context']:6}  {base['steps']} steps, "
+        f"floor {base['floor']} conversation tokens"
+    )
     parts = []
-    for label, _, _ in MODES:
+    for label, _, _, _ in MODES:
         m = row[label]
         parts.append(
-            f"{label}: {m['requests']} req, {m['prompt'] / 1e6:.3f}M prompt "
+            f"{label}: {m['requests']} req, {m['prompt'] / 1e6:.3f}M prompt = {m['xfloor']:.2f}x floor "
             f"(x{base['prompt'] / max(m['prompt'], 1):.1f}), {m['prefill'] / 1e6:.3f}M prefill-cached "
             f"(x{base['prefill'] / max(m['prefill'], 1):.1f})"
         )

@@ -86,17 +86,33 @@ def _check_step(msgs: list[dict], m: int) -> str | None:
     return None
 
 
-def _local_context(msgs: list[dict], m: int) -> tuple[list[dict], list[dict]]:
-    """What to render turn ``m`` between, so that a template renders it as in the whole
-    conversation: the first message and the last user message before it, and the next user
-    message after it if there is one (Qwen3 renders a turn's reasoning only after the last)."""
-    before = [msgs[0]]
-    for u in range(m - 1, 0, -1):
-        if msgs[u].get("role") == "user":
-            before.append(msgs[u])
-            break
-    after = next(([msg] for msg in msgs[m + 1 :] if msg.get("role") == "user"), [])
-    return before, after
+class _UserTurns:
+    """Per message index, the last user message before it and the next one after it (one pass
+    each way, so finding them for every step stays linear)."""
+
+    def __init__(self, msgs: list[dict]) -> None:
+        n = len(msgs)
+        self.msgs = msgs
+        self.before: list[int | None] = [None] * n
+        self.after: list[int | None] = [None] * n
+        last: int | None = None
+        for i in range(n):
+            self.before[i] = last
+            if i > 0 and msgs[i].get("role") == "user":
+                last = i
+        nxt: int | None = None
+        for i in range(n - 1, -1, -1):
+            self.after[i] = nxt
+            if msgs[i].get("role") == "user":
+                nxt = i
+
+    def context(self, m: int) -> tuple[list[dict], list[dict]]:
+        """What to render turn ``m`` between, so that a template renders it as in the whole
+        conversation: the first message and the last user message before it, and the next user
+        message after it if there is one (Qwen3 renders a turn's reasoning only after the last)."""
+        u, q = self.before[m], self.after[m]
+        before = [self.msgs[0]] + ([self.msgs[u]] if u is not None else [])
+        return before, [self.msgs[q]] if q is not None else []
 
 
 class Placer:
@@ -140,11 +156,12 @@ class Placer:
             else:
                 emptied.add(m)
         skeleton = self._render([EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)])
+        users = _UserTurns(msgs)
         pw = pk = 0  # positions in whole / skeleton; everything before them is accounted for
         for index, m in steps:
             if index in chars:
                 continue
-            before, after = _local_context(msgs, m)
+            before, after = users.context(m)
             local = self._render([*before, msgs[m], *after])
             local_empty = self._render([*before, EMPTY_TURN, *after])
             cs, ce = own_chars(local, local_empty, msgs[m])
