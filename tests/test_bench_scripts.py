@@ -48,3 +48,14 @@ def test_follow_bench_small() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
     assert out["batches"] == 1 and out["steps"] > 0 and out["lag_p50_s"] > 0 and out["by_hand_first_group_s"] > 0
+
+
+def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
+    args = ["--tokenizer", str(demo_tokenizer_dir), "--steps", "40", "120", "--max-context", "2048", "--json"]
+    r = _run(str(BENCH / "long_episode.py"), *args)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout[r.stdout.index("{") :])["rows"]
+    assert [row["steps"] > 0 for row in rows] == [True, True]
+    for row in rows:  # every step scored by both layouts; the episode layout near the floor
+        assert row["episode"]["scored_steps"] == row["per-step"]["scored_steps"] == row["steps"]
+        assert row["episode"]["xfloor"] <= 2.5 < row["per-step"]["xfloor"]
