@@ -56,7 +56,10 @@ def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) ->
     from hcapo_store.storage.store import Store
 
     with tempfile.TemporaryDirectory() as tmp, Store.open(str(Path(tmp) / "by_hand.db")) as store:
-        prep = prepare(store, ScoreConfig(server=url, tokenizer=tokenizer, max_context=args.max_context))
+        cfg = ScoreConfig(
+            server=url, tokenizer=tokenizer, max_context=args.max_context, prompt_layout=args.prompt_layout
+        )
+        prep = prepare(store, cfg)
         t = time.perf_counter()
         ingest(store, [group], name_root=group.parent)
         report = run_scoring(store, prep, RunOptions(concurrency=args.concurrency))
@@ -75,6 +78,7 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=5.0, help="seconds between two drops")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=32768)
+    ap.add_argument("--prompt-layout", choices=["per-step", "episode"], default="per-step")
     ap.add_argument(
         "--tokenizer",
         default=str(QWEN3) if QWEN3.is_dir() else None,
@@ -105,6 +109,7 @@ def main() -> None:
     argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", url]
     argv += ["--tokenizer", tokenizer, "--max-context", str(args.max_context), "--group-size", str(args.group_size)]
     argv += ["--concurrency", str(args.concurrency), "--until-idle", str(max(10.0, 2 * args.every)), "--json"]
+    argv += ["--prompt-layout", args.prompt_layout]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     follower = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert follower.stderr is not None
@@ -147,6 +152,7 @@ def main() -> None:
         "by_hand_first_group_s": round(by_hand, 2),
         "lag_p50_over_by_hand": round(statistics.median(lags) / by_hand, 2),
         "tokenizer": Path(tokenizer).name,
+        "prompt_layout": args.prompt_layout,
     }
     if args.json:
         print(json.dumps(result))
