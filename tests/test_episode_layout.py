@@ -19,6 +19,7 @@ from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.outputs.episode_view import episode_view
 from hcapo_store.scoring.backends.base import GroupPrompt
 from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
 from hcapo_store.scoring.placement import Placer
@@ -222,6 +223,13 @@ def test_score_with_the_episode_layout_end_to_end(tmp_path, ref, tiny_model_dir)
         last = max(placement.spans.values(), key=lambda s: s.end)
         assert sum(r[2] for r in rows) == last.end
         assert rows[0][3] == 0 and all(r[3] == 0 for r in rows)  # the reference server reports 0 cached
+
+    # the report's heat maps rebuild exactly the scored tokens of this layout
+    assert runner.invoke(cli, ["--db", str(db), "credits", "compute", "--name", "lay"]).exit_code == 0
+    with Store.open(str(db)) as store:
+        name = store.query("SELECT name FROM episodes WHERE id = 1")[1][0][0]
+        view = episode_view(store, name, "lay", tokenizer=tiny_model_dir)
+    assert not view.notes and all(s.tokens and len(s.tokens) == len(s.logprobs) for s in view.steps)
 
     # the floor accounting, in `scorers list --json` and `status --json`
     listing = json.loads(runner.invoke(cli, ["--db", str(db), "scorers", "list", "--json"]).output)[0]

@@ -141,6 +141,8 @@ class TokenRebuilder:
         from hcapo_store.scoring.prompts import (
             HINDSIGHT_TEMPLATE,
             PromptBuilder,
+            PromptLayout,
+            layout_template,
             template_hash,
         )
 
@@ -149,7 +151,9 @@ class TokenRebuilder:
         self.builder = None
         spec = scorer_spec(store, scorer_id)
         baseline = spec.get("hindsight") is False
-        if not baseline and spec.get("hindsight_template_sha256") != template_hash(HINDSIGHT_TEMPLATE):
+        layout: PromptLayout = "episode" if spec.get("prompt_layout") == "episode" else "per-step"
+        default = template_hash(layout_template(HINDSIGHT_TEMPLATE, layout))
+        if not baseline and spec.get("hindsight_template_sha256") != default:
             self.note = "no token heat maps: the scorer used a custom hindsight template"
             return
         self.tokenizer, _ = scorer_tokenizer(store, scorer_id, tokenizer_dir)
@@ -161,10 +165,12 @@ class TokenRebuilder:
             truncation=spec.get("truncation") or "sliding",
             action_span=spec.get("action_span") or "rendered",
             hindsight=not baseline,
+            layout=layout,
         )
 
     def add_tokens(self, view: EpisodeView) -> None:
-        from hcapo_store.scoring.prompts import StepPrompt
+        from hcapo_store.scoring.grouping import plan_requests
+        from hcapo_store.scoring.prompts import PromptFailure, StepPrompt
 
         if view.scorer_id != self.scorer_id:
             view.notes.append("no token heat maps: the tokenizer was checked for another scorer")
@@ -173,7 +179,10 @@ class TokenRebuilder:
             view.notes.append(self.note or "no token heat maps")
             return
         ep = view.episode
-        prompts = {p.step_index: p for p in self.builder.build_episode(ep.messages, ep.outcome, ep.steps)}
+        prompts: dict[int, Any] = {}
+        for request in plan_requests(self.builder, ep.messages, ep.outcome, ep.steps):
+            for built in [request] if isinstance(request, PromptFailure) else request.members:
+                prompts[built.step_index] = built
         misaligned = 0
         for step in view.steps:
             p = prompts.get(step.step_index)
