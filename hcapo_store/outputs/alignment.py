@@ -7,7 +7,9 @@ the characters that differ are the step's own (reasoning, text, tool calls), plu
 end-of-turn token; role headers and inserted wrappers (Qwen3's empty think block on the last
 turn) are the template's and never weighted. The characters become token positions through
 the tokenizer's offsets, and every span is checked: its tokens decode to exactly the text
-they cover, and that text holds each piece of the message. A step whose own text is not in
+they cover, and that text holds each piece of the message. (``whole``: placed in time linear
+in the episode by ``scoring/placement.py``, the rule applied step by step only where a
+template needs it.) A step whose own text is not in
 the rendering (Qwen3 leaves out the reasoning of turns before the last user message) is
 refused with a reason, never moved or weighted in part.
 
@@ -36,6 +38,7 @@ from typing import Any
 
 from hcapo_store.errors import ExportError
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
+from hcapo_store.scoring.placement import Placer
 from hcapo_store.scoring.prompts import (
     SegmentEncoder,
     TemplateRejected,
@@ -67,6 +70,7 @@ class EpisodeRenderer:
         self.tokenizer = tokenizer
         self.encoder = SegmentEncoder(tokenizer)
         self.locator = OwnTokenLocator(tokenizer)
+        self.placer = Placer(tokenizer)
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return render_chat(self.tokenizer, messages, generation=generation)
@@ -92,29 +96,9 @@ class EpisodeRenderer:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
     def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
-        whole = self._render(msgs, generation=False)
-        ids, offsets = self.locator.offsets(whole)
-        out = Alignment(ids, flattened=flattened)
-        for index, m in steps:
-            if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant":
-                out.refused[index] = f"message {m} is not an assistant message after the first message"
-                continue
-            try:
-                empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=False)
-            except TemplateRejected as exc:
-                out.refused[index] = f"template: the template cannot render this turn empty ({exc})"
-                continue
-            try:
-                span = self.locator.span(whole, empty, msgs[m], ids, offsets)
-            except NotOwn as exc:
-                out.refused[index] = exc.reason
-                continue
-            covered = whole[offsets[span.start][0] : offsets[span.end - 1][1]]
-            if self.tokenizer.decode(ids[span.start : span.end]) != covered:
-                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
-                continue
-            out.spans[index] = (span.start, span.end)
-        return out
+        placement = self.placer.place(msgs, sorted(steps, key=lambda s: s[1]))  # linear; scoring/placement.py
+        spans = {index: (span.start, span.end) for index, span in placement.spans.items()}
+        return Alignment(placement.ids, spans, dict(placement.refused), flattened=flattened)
 
     def _align_turns(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
         ids: list[int] = []
