@@ -1,6 +1,6 @@
 """Client-side preparation benchmark: the original `_build_prompt_pair` loop vs PromptBuilder.
 
-    python bench/prep.py --tokenizer ../shared/tokenizers/qwen3 --episodes 2 --repeat 3 [--grouped]
+    python bench/prep.py --tokenizer ../shared/tokenizers/qwen3 --episodes 2 --repeat 3 [--grouped] [--episode-layout]
 
 Inputs (``--input``): ``real`` (default) copies of the long real-format samples
 (bench/ingest.py; ~100 steps, ~90k tokens each), ingested into a temporary store and loaded
@@ -15,6 +15,9 @@ alternating order, ``--repeat`` times. Checks that the original and ours produce
 token ids and span on the same inputs wherever the original is correct (no truncation,
 aligned prefix). ``--grouped`` also times prompt building plus request grouping
 (``scoring.grouping``) where this branch has it, and says so where it does not.
+``--episode-layout`` also times the requests of ``--prompt-layout episode`` (the conversation
+rendered once per episode, its steps placed in it: other prompts than the original's, so no
+identity check; what preparation costs when each context is rendered once).
 """
 
 from __future__ import annotations
@@ -406,6 +409,21 @@ def time_ours(
     return (time.perf_counter() - start) * 1000 / steps, built
 
 
+def time_episode_layout(
+    builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]]
+) -> tuple[float, list[list[Any]]]:
+    """ms per step of the episode layout's requests (one rendering per episode) and its floor."""
+    from hcapo_store.scoring.episode_layout import conversation_tokens
+    from hcapo_store.scoring.grouping import plan_requests
+
+    built, steps, start = [], 0, time.perf_counter()
+    for episode, ep_steps in inputs:
+        built.append(plan_requests(builder, episode["messages"], episode, ep_steps))
+        conversation_tokens(builder, episode["messages"], episode, ep_steps)
+        steps += len(ep_steps)
+    return (time.perf_counter() - start) * 1000 / steps, built
+
+
 def time_original(
     tokenizer: Any, inputs: list[tuple[dict[str, Any], list[Any]]], max_context: int, max_logprob_tokens: int
 ) -> tuple[float, list[list[dict]]]:
@@ -428,6 +446,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="synthetic episodes only")
     parser.add_argument("--repeat", type=int, default=3, help="paired rounds (alternating order)")
     parser.add_argument("--grouped", action="store_true", help="also time prompts + request grouping")
+    parser.add_argument(
+        "--episode-layout", action="store_true", help="also time --prompt-layout episode (one rendering per episode)"
+    )
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--max-logprob-tokens", type=int, default=2048)
     args = parser.parse_args()
@@ -466,6 +487,11 @@ def main() -> None:
             print("--grouped: skipped, this branch has no hcapo_store.scoring.grouping")
         else:
             cases["ours_deployed_grouped"] = lambda: time_ours(builder, deployed, grouped=True)
+    if args.episode_layout:
+        layout = PromptBuilder(
+            tokenizer, max_context=args.max_context, max_logprob_tokens=args.max_logprob_tokens, layout="episode"
+        )
+        cases["ours_deployed_episode_layout"] = lambda: time_episode_layout(layout, deployed)
     results = {name: case() for name, case in cases.items()}  # warm-up (template compile, caches)
     _report_identity(tokenizer, results["original"][1], results["ours_original_inputs"][1])
     if "ours_deployed_grouped" in results:
