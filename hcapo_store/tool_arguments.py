@@ -7,12 +7,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# What json.dumps(x, ensure_ascii=False) does, without building an encoder per call (ingest
+# dumps every tool call's arguments: the construction was half the cost). Same text.
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def dumps_text(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)``, the same text, faster on many small values."""
+    return _ENCODE(value)
+
 
 def arguments_text(arguments: Any) -> str:
     """Arguments as JSON text: a string stays as it is, None is ``{}``, anything else is dumped."""
     if isinstance(arguments, str):
         return arguments
-    return json.dumps({} if arguments is None else arguments, ensure_ascii=False)
+    return _ENCODE({} if arguments is None else arguments)
 
 
 def as_mapping(value: Any) -> dict[str, Any] | None:

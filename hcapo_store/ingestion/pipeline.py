@@ -32,6 +32,7 @@ from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source,
 from hcapo_store.storage import db
 from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
 from hcapo_store.storage.store import Store
+from hcapo_store.tool_arguments import dumps_text
 
 BATCH_EPISODES = 64
 BATCH_SECONDS = 1.0
@@ -403,7 +404,7 @@ def _insert_episode(
                 "message_index": i,
                 "role": m["role"],
                 "content": m.get("content") or "",
-                "tool_calls": json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else None,
+                "tool_calls": dumps_text(m["tool_calls"]) if m.get("tool_calls") else None,
                 "name": m.get("name"),
                 "tool_call_id": m.get("tool_call_id"),
             }
@@ -445,4 +446,4 @@ def _insert_episode(
 def _text_or_none(value: Any) -> str | None:
     if value is None:
         return None
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else dumps_text(value)
