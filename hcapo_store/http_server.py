@@ -28,7 +28,9 @@ class BackgroundHTTPServer:
         return f"http://{host}:{port}"
 
     def start(self: _S) -> _S:
-        """Serve from a background thread; returns self."""
+        """Serve from a background thread (once: a started server stays as it is); returns self."""
+        if self._thread is not None:  # already serving: a second loop on one socket would race
+            return self
         self._thread = threading.Thread(target=self.httpd.serve_forever, name=self.thread_name, daemon=True)
         self._thread.start()
         return self

@@ -112,7 +112,7 @@ def test_repeated_server_keeps_each_episode_on_one_server(tmp_path, refs, tiny_m
 def test_a_server_that_dies_mid_run_has_its_episodes_moved(tmp_path, refs, tiny_model_dir, episodes_dir):
     a_ref, _ = refs
     db = _store(tmp_path, "dies", episodes_dir)
-    with FaultServer(a_ref).start() as a, FaultServer(a_ref).start() as b:
+    with FaultServer(a_ref) as a, FaultServer(a_ref) as b:
         b.hold_answers = threading.Event()  # B's first request waits: B dies while it holds it
         cfg = ScoreConfig(servers=(a.url, b.url), tokenizer=str(tiny_model_dir), max_context=2048)
         with Store.open(str(db)) as store:
