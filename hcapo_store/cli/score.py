@@ -373,31 +373,29 @@ def scorers_list(state: Ctx, as_json: bool) -> None:
     if not rows:
         click.echo("no scorers yet: run `hcapo-store score`")
         return
-    click.echo(
-        formatting.table(
-            ["scorer", "label", "scored", "failed", "missing", "floor", "sent", "prefilled", "created"],
-            [
-                (
-                    r["scorer_id"][:12],
-                    r["label"],
-                    r["scored"],
-                    r["failed"],
-                    r["missing"],
-                    r["conversation_tokens"] or "",
-                    _ratio(r["sent_per_floor"]),
-                    _ratio(r["prefilled_per_floor"]),
-                    r["created_at"],
-                )
-                for r in rows
-            ],
-            max_width=None,  # whole labels in a pipe; a terminal squeezes them to what tells them apart
+    # The floor columns when some scorer has them; prefilled only when a server reported a cache
+    # hit (otherwise it equals sent). --json always has every figure.
+    floor = any(r["conversation_tokens"] for r in rows)
+    cached = any(r["cached_tokens"] for r in rows)
+    columns = ["scorer", "label", "scored", "failed", "missing"]
+    columns += (["floor", "sent"] if floor else []) + (["prefilled"] if cached else []) + ["created"]
+    table = []
+    for r in rows:
+        line = [r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"]]
+        if floor:
+            line += [r["conversation_tokens"] or "", _ratio(r["sent_per_floor"])]
+        if cached:
+            line.append(_ratio(r["prefilled_per_floor"]))
+        table.append([*line, r["created_at"]])
+    # whole labels in a pipe; a terminal squeezes them to what tells them apart
+    click.echo(formatting.table(columns, table, max_width=None))
+    if floor:
+        note = "floor: conversation tokens of the fully scored episodes (each token once); sent: tokens sent, " + (
+            "prefilled: sent minus the server's cached tokens, " if cached else ""
         )
-    )
-    if any(r["conversation_tokens"] for r in rows):
-        click.echo(
-            "floor: conversation tokens of the fully scored episodes (each token once); sent / prefilled: "
-            "tokens sent / sent minus the server's cached tokens, as multiples of the floor"
-        )
+        note += "as multiples of the floor"
+        width = formatting.terminal_width()
+        click.echo(click.wrap_text(note, width) if width else note)
 
 
 def _ratio(value: float | None) -> str:

@@ -360,7 +360,13 @@ def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[
             if won:
                 conn.execute(
                     text(SCORE_INSERT_SQL),
-                    {**o.score_row, "step_id": o.step_id, "scorer_id": scorer_id, "worker_id": worker},
+                    {
+                        **OPTIONAL_SCORE_COLUMNS,
+                        **o.score_row,
+                        "step_id": o.step_id,
+                        "scorer_id": scorer_id,
+                        "worker_id": worker,
+                    },
                 )
                 scored += 1
             else:
@@ -396,6 +402,9 @@ def write_floors(conn: Connection, scorer_id: str, floors: list[tuple[int, int]]
             [{"scorer": scorer_id, "episode": e, "tokens": t} for e, t in floors],
         )
 
+
+# Columns a result may leave out (NULL): the token shares, unknown to a row built elsewhere.
+OPTIONAL_SCORE_COLUMNS: dict[str, Any] = {"sent_tokens": None, "sent_cached_tokens": None}
 
 SCORE_COLUMNS = (
     "step_id",
