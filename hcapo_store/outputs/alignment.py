@@ -125,12 +125,9 @@ class EpisodeRenderer:
             turn_ids, turn_offsets = self.locator.offsets(turn_text)
             try:
                 span = self.locator.span(turn_text, turn_empty, msgs[m], turn_ids, turn_offsets)
+                self.locator.check_decodes(turn_text, turn_ids, turn_offsets, span)
             except NotOwn as exc:
                 out.refused[index] = exc.reason
-                continue
-            covered = turn_text[turn_offsets[span.start][0] : turn_offsets[span.end - 1][1]]
-            if self.tokenizer.decode(turn_ids[span.start : span.end]) != covered:
-                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
                 continue
             context_ids, _ = self.locator.offsets(context)
             ids.extend(context_ids)

@@ -45,15 +45,12 @@ from hcapo_store.scoring.prompts import (
     inject_hindsight,
     layout_template,
     normalize_messages,
+    read_field,
     render_chat,
 )
 
 # A window after the first starts this fraction of the budget before its first step.
 CONTEXT_FRACTION = 2
-
-
-def _field(obj: Any, name: str) -> Any:
-    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name)
 
 
 class EpisodeLayout:
@@ -64,27 +61,25 @@ class EpisodeLayout:
         # A turn the template renders without its reasoning is scored as rendered (module docstring).
         self.placer = Placer(builder.tokenizer, reasoning_required=False)
 
-    def _messages(self, messages: Sequence[Mapping[str, Any]], outcome: Any) -> tuple[list[dict], Any]:
-        block = hindsight_text(outcome, {}, self.builder.hindsight_template) if self.builder.hindsight else None
-        return inject_hindsight(normalize_messages(messages), block), (
-            lambda: flatten_messages(inject_hindsight(messages, block))
-        )
-
     def requests(
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[GroupPrompt | PromptFailure]:
         """One request per window, in order; a step that cannot be placed is a failure."""
-        order = sorted(steps, key=lambda s: _field(s, "message_index"))
-        wanted = [(_field(s, "step_index"), _field(s, "message_index")) for s in order]
-        msgs, flatten = self._messages(messages, outcome)
+        order = sorted(steps, key=lambda s: read_field(s, "message_index"))
+        wanted = [(read_field(s, "step_index"), read_field(s, "message_index")) for s in order]
+        block = hindsight_text(outcome, {}, self.builder.hindsight_template) if self.builder.hindsight else None
         try:
-            placement, flattened = place_with_fallback(self.placer, msgs, wanted, flatten)
+            placement, placed, flattened = place_with_fallback(
+                self.placer,
+                inject_hindsight(normalize_messages(messages), block),
+                wanted,
+                lambda: flatten_messages(inject_hindsight(messages, block)),
+            )
         except TemplateRejected as exc:
             return [
                 PromptFailure(i, "template", f"the chat template cannot render this episode: {exc}") for i, _ in wanted
             ]
-        first = flatten()[0] if flattened else msgs[0]
-        return self._requests(placement, wanted, flattened, first)
+        return self._requests(placement, wanted, flattened, placed[0])
 
     def _requests(
         self, placement: Placement, wanted: list[tuple[int, int]], flattened: bool, first: dict
@@ -154,12 +149,12 @@ def conversation_tokens(
     episode's hindsight block, up to the end of its last step (each token prefilled once)."""
     if not steps:
         return 0
-    last = max(_field(s, "message_index") for s in steps)
+    last = max(read_field(s, "message_index") for s in steps)
     template = layout_template(builder.hindsight_template, "episode")
     block = hindsight_text(outcome, {}, template) if builder.hindsight else None
-    for msgs in (normalize_messages(messages[: last + 1]), None):
-        if msgs is None:
-            msgs = flatten_messages(messages[: last + 1])
+    shown = messages[: last + 1]
+    for convert in (normalize_messages, flatten_messages):  # flattened only when the template rejects
+        msgs = convert(shown)
         try:
             text = render_chat(builder.tokenizer, inject_hindsight(msgs, block), generation=False)
         except TemplateRejected:

@@ -171,6 +171,12 @@ class OwnTokenLocator:
             eot = True
         return OwnSpan(start, end, cs, ce, eot)
 
+    def check_decodes(self, text: str, ids: list[int], offsets: list[tuple[int, int]], span: OwnSpan) -> None:
+        """:class:`NotOwn` unless the span's tokens decode to exactly the text they cover."""
+        covered = text[offsets[span.start][0] : offsets[span.end - 1][1]]
+        if self.tokenizer.decode(ids[span.start : span.end]) != covered:
+            raise NotOwn("alignment: the span's tokens do not decode to the text they cover")
+
 
 def own_chars(text: str, empty: str, message: Mapping[str, Any]) -> tuple[int, int]:
     """``[start, end)`` of the turn's own characters in ``text``: where it differs from ``empty``,

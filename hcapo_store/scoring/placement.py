@@ -232,12 +232,9 @@ class Placer:
                     search_from=search_from,
                     reasoning_required=self.reasoning_required,
                 )
+                self.locator.check_decodes(whole, ids, offsets, span)
             except NotOwn as exc:
                 out.refused[index] = exc.reason
-                continue
-            covered = whole[offsets[span.start][0] : offsets[span.end - 1][1]]
-            if self.tokenizer.decode(ids[span.start : span.end]) != covered:
-                out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
                 continue
             out.spans[index] = span
             search_from = span.start
@@ -246,10 +243,12 @@ class Placer:
 
 def place_with_fallback(
     placer: Placer, msgs: list[dict], steps: Steps, flatten: Callable[[], list[dict]]
-) -> tuple[Placement, bool]:
+) -> tuple[Placement, list[dict], bool]:
     """``placer.place`` on the messages, else on ``flatten()`` (tool traffic as text) when the
-    template rejects them; (placement, flattened). Raises TemplateRejected when both fail."""
+    template rejects them; (placement, the messages placed, flattened). Raises
+    TemplateRejected when both fail."""
     try:
-        return placer.place(msgs, steps), False
+        return placer.place(msgs, steps), msgs, False
     except TemplateRejected:
-        return placer.place(flatten(), steps), True
+        flat = flatten()
+        return placer.place(flat, steps), flat, True

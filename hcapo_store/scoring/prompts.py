@@ -148,7 +148,7 @@ def template_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _field(obj: Any, name: str, default: Any = None) -> Any:
+def read_field(obj: Any, name: str, default: Any = None) -> Any:
     """Outcomes and steps arrive as dicts or as dataclasses/ORM rows."""
     if isinstance(obj, Mapping):
         return obj.get(name, default)
@@ -160,18 +160,18 @@ def hindsight_text(outcome: Any, step: Any, template: str = HINDSIGHT_TEMPLATE) 
 
     A null ``plan_score`` prints as ``0`` (the store's rule: null counts as 0 where a number is needed; docs/ORIGINAL.md Q11).
     """
-    frozen: Mapping[str, float] = _field(outcome, "frozen_scores") or {}
-    plan = _field(outcome, "plan") or frozen
-    plan_score = _field(outcome, "plan_score")
-    score = _field(step, "subtask_reward")
+    frozen: Mapping[str, float] = read_field(outcome, "frozen_scores") or {}
+    plan = read_field(outcome, "plan") or frozen
+    plan_score = read_field(outcome, "plan_score")
+    score = read_field(step, "subtask_reward")
     return template.format(
-        reward=float(_field(outcome, "reward")),
-        phase=_field(outcome, "phase") or "?",
+        reward=float(read_field(outcome, "reward")),
+        phase=read_field(outcome, "phase") or "?",
         plan_score=0 if plan_score is None else plan_score,
         scores_summary=", ".join(f"{k}={v:.3f}" for k, v in frozen.items()) or "none",
         scored_count=len(frozen),
         plan_count=max(len(plan), 1),
-        current_subtask=_field(step, "subtask_id") or _field(step, "phase"),
+        current_subtask=read_field(step, "subtask_id") or read_field(step, "phase"),
         current_subtask_score=f"{score:.3f}" if score is not None and score >= 0 else "n/a",
     )
 
@@ -564,7 +564,7 @@ class PromptBuilder:
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
         for step in steps:
-            index, m = _field(step, "step_index"), _field(step, "message_index")
+            index, m = read_field(step, "step_index"), read_field(step, "message_index")
             hindsight = self._hindsight(outcome, step)
             try:
                 prefix_text, full_text, first, flattened = self._render_step(messages, normalized, m, hindsight)
@@ -592,7 +592,7 @@ class PromptBuilder:
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any
     ) -> StepPrompt | PromptFailure:
         """The straightforward render + tokenize of everything, for tests and benchmarks."""
-        index, m = _field(step, "step_index"), _field(step, "message_index")
+        index, m = read_field(step, "step_index"), read_field(step, "message_index")
         hindsight = self._hindsight(outcome, step)
         try:
             prefix_text, full_text, first, flattened = self._render_step(

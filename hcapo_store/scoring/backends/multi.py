@@ -51,7 +51,6 @@ class MultiServerBackend:
         self.names = list(names)  # for messages (credentials masked) and for hashing
         self.kind = backends[0].kind
         self.down: set[int] = set()
-        self.requests = [0] * len(backends)  # per server, for the run's summary and tests
         self._probe_lock: asyncio.Lock | None = None
 
     # -- start: every server answers, and serves the same
@@ -131,7 +130,6 @@ class MultiServerBackend:
             if not live:
                 raise InferenceError("connect", "every server of --server is down", retryable=True)
             i = live[0]
-            self.requests[i] += 1
             try:
                 return await call(self.backends[i])
             except InferenceError as exc:
