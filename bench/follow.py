@@ -14,6 +14,8 @@ ready (p50 / p95 / max), and the steps/s sustained from the first drop to the la
 Beside it, in the same run, the same work for the first group done by hand in one process
 (ingest, score, credits over the group; start-up not counted): the part of the lag that is
 the scoring itself (the client's prompt building and bookkeeping) rather than following.
+The server's own time is the CPU time its process used while follow ran, per batch (it
+builds and serialises every logprob of every response): the lag beyond it is the store's.
 Budget (issue 17): lag <= 2 s beyond the server's own scoring time.
 """
 
@@ -71,6 +73,12 @@ def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) ->
     return seconds
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=3, help="batches the writer drops")
@@ -117,6 +125,7 @@ def main() -> None:
     if not started.startswith("follow:"):
         raise SystemExit(f"follow did not start: {started}{follower.stderr.read()[-3000:]}")
     landed: dict[str, float] = {}
+    server_cpu = _cpu_seconds(server.pid)
     episodes = sorted(staging.iterdir())
     first = time.time()
     for g in range(args.groups):
@@ -128,6 +137,7 @@ def main() -> None:
         if g + 1 < args.groups:
             time.sleep(args.every)
     out, err = follower.communicate(timeout=3600)
+    server_cpu = _cpu_seconds(server.pid) - server_cpu  # the server's own work for every batch
     by_hand = _by_hand(root / "step_0000", url, tokenizer, args)
     server.terminate()
     if follower.returncode != 0:
@@ -139,6 +149,7 @@ def main() -> None:
         ready.append(at)
         lags.append(at - landed[b["key"]])
     steps = sum(b["steps"] for b in batches)
+    server_per_batch = server_cpu / len(batches)
     result = {
         "groups": args.groups,
         "group_size": args.group_size,
@@ -149,6 +160,8 @@ def main() -> None:
         "lag_p95_s": round(_percentile(lags, 0.95), 2),
         "lag_max_s": round(max(lags), 2),
         "steps_per_s": round(steps / (max(ready) - first), 1),
+        "server_cpu_per_batch_s": round(server_per_batch, 2),
+        "lag_p50_beyond_server_s": round(statistics.median(lags) - server_per_batch, 2),
         "by_hand_first_group_s": round(by_hand, 2),
         "lag_p50_over_by_hand": round(statistics.median(lags) / by_hand, 2),
         "tokenizer": Path(tokenizer).name,
@@ -160,7 +173,8 @@ def main() -> None:
         print(
             f"follow: {result['batches']} batches of {args.group_size} real-size episodes ({steps} steps), one "
             f"every {args.every} s: lag p50 {result['lag_p50_s']} s, p95 {result['lag_p95_s']} s, max "
-            f"{result['lag_max_s']} s; {result['steps_per_s']} steps/s sustained; the same group by hand "
+            f"{result['lag_max_s']} s ({result['lag_p50_beyond_server_s']} s beyond the server's own "
+            f"{result['server_cpu_per_batch_s']} CPU-s per batch); {result['steps_per_s']} steps/s sustained; the same group by hand "
             f"(ingest + score + credits, one process): {result['by_hand_first_group_s']} s "
             f"(lag p50 / by hand = {result['lag_p50_over_by_hand']})"
         )

@@ -22,6 +22,7 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.episode_view import episode_view
 from hcapo_store.scoring.backends.base import GroupPrompt
 from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
+from hcapo_store.scoring.grouping import plan_requests_and_floor
 from hcapo_store.scoring.placement import Placer
 from hcapo_store.scoring.prompts import (
     EPISODE_HINDSIGHT_TEMPLATE,
@@ -139,12 +140,33 @@ def test_real_size_episodes_reach_the_floor_goal(name, tmp_path):
         builder = PromptBuilder(tok, layout="episode", max_context=context)
         sent = floor = 0
         for ep in episodes:
-            requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+            through = max(s.message_index for s in ep.steps)
+            requests, counted = EpisodeLayout(builder).requests_and_floor(ep.messages, ep.outcome, ep.steps, through)
             s, f = _check_requests(builder, ep, requests)
+            assert counted == f  # counted on the placed rendering (Qwen3 renders a last turn its own way)
+            assert plan_requests_and_floor(builder, ep.messages, ep.outcome, ep.steps, ep.steps)[1] == f
             sent, floor = sent + s, floor + f
             if context == 131072:
                 assert len(requests) == 1  # a real-size episode fits: the conversation is one request
         assert floor > 50_000 and sent / floor <= goal, (context, sent, floor)
+
+
+@pytest.mark.parametrize("trailing", [False, True])
+def test_the_floor_counted_on_the_placed_rendering_equals_its_own_rendering(trailing, demo_tokenizer_dir):
+    builder = PromptBuilder(load_tokenizer(demo_tokenizer_dir), layout="episode", max_context=1 << 20)
+    messages, outcome, steps = episode(2, steps=8, thinking=False)
+    last = max(s["message_index"] for s in steps)
+    messages = list(messages[: last + 1]) + ([{"role": "user", "content": "one more thing"}] if trailing else [])
+    own = conversation_tokens(builder, messages, outcome, steps)
+    requests, counted = EpisodeLayout(builder).requests_and_floor(messages, outcome, steps, last)
+    assert counted == own > 0
+    for k in (1, 4):  # the floor through an earlier step, counted on the whole rendering's prefix
+        through = steps[k - 1]["message_index"]
+        earlier = EpisodeLayout(builder).requests_and_floor(messages, outcome, steps, through)[1]
+        assert earlier == conversation_tokens(builder, messages, outcome, steps[:k]) < own
+    # a claim that ends before the episode's last step still counts the whole episode's floor
+    assert plan_requests_and_floor(builder, messages, outcome, steps[:3], steps)[1] == own
+    assert plan_requests_and_floor(builder, messages, outcome, steps, steps)[1] == own
 
 
 def test_windows_stay_within_budget_and_score_every_step_once(demo_tokenizer_dir):

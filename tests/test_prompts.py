@@ -16,8 +16,10 @@ from hcapo_store.scoring.prompts import (
     flatten_messages,
     hindsight_text,
     normalize_messages,
+    render_chat,
     template_hash,
 )
+from hcapo_store.scoring.segments import SegmentEncoder
 from hcapo_store.scoring.tokens import tokenizer_fingerprint
 
 OUTCOME = {
@@ -114,6 +116,40 @@ def test_fast_path_equals_reference_on_real_tokenizers(name, max_context):
         assert p.scored_tokens + p.skipped_action_tokens == p.total_action_tokens
     if max_context < 1000:
         assert any(p.truncated_prefix_tokens for p in prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_segment_offsets_equal_the_tokenizer_offsets(name, tmp_path):
+    """Long renderings are tokenized piece by piece: ids and offsets equal the tokenizer's own."""
+    tok = real_tokenizer(name)
+    encoder = SegmentEncoder(tok)
+    assert encoder.fast_path_off_reason is None
+    texts = ["", "plain text, no added token", "<|im_end|>", "<|im_start|><|im_end|>x"]
+    for seed in range(3):
+        messages, _, _ = episode(seed, steps=10, tool_chars=600)
+        texts.append(render_chat(tok, normalize_messages(messages), generation=False))
+    texts.append(texts[-1] + " caf\u00e9 \U0001f600 \u4e2d\u6587 <|im_start|>\n\n  trailing ")
+    for text in texts:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoder.offsets(text)
+        expected = [tuple(o) for o in enc["offset_mapping"]]
+        assert ids == enc["input_ids"] and len(offsets) == len(expected), text[:80]
+        # read as the placement does (scattered, backwards, sliced), then whole
+        assert [offsets[i] for i in range(len(expected) - 1, -1, -7)] == expected[::-7]
+        assert offsets[-1:] == expected[-1:] and offsets[3:40:5] == expected[3:40:5]
+        assert list(offsets) == expected, text[:80]
+        with pytest.raises(IndexError):
+            offsets[len(expected)]
+        assert encoder.encode_once(text) == tok.encode(text, add_special_tokens=False)
+
+    bos = bos_tokenizer(tmp_path)  # a tokenizer whose fast path is off answers through the tokenizer
+    from tokenizers import pre_tokenizers
+
+    bos.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    slow = SegmentEncoder(bos)
+    assert slow.fast_path_off_reason is not None
+    enc = bos("a b <|im_end|> c", add_special_tokens=False, return_offsets_mapping=True)
+    assert slow.offsets("a b <|im_end|> c") == (enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]])
 
 
 def test_qwen3_history_rewrite_is_an_alignment_failure():

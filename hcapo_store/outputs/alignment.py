@@ -40,13 +40,13 @@ from hcapo_store.errors import ExportError
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
 from hcapo_store.scoring.placement import Placer
 from hcapo_store.scoring.prompts import (
-    SegmentEncoder,
     TemplateRejected,
     flatten_messages,
     normalize_messages,
     render_chat,
 )
 from hcapo_store.scoring.scorer import scorer_spec
+from hcapo_store.scoring.segments import SegmentEncoder
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
 
@@ -69,8 +69,8 @@ class EpisodeRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.encoder = SegmentEncoder(tokenizer)
-        self.locator = OwnTokenLocator(tokenizer)
-        self.placer = Placer(tokenizer)
+        self.locator = OwnTokenLocator(tokenizer, self.encoder)
+        self.placer = Placer(tokenizer, encoder=self.encoder)
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return render_chat(self.tokenizer, messages, generation=generation)

@@ -59,12 +59,21 @@ class EpisodeLayout:
     def __init__(self, builder: PromptBuilder) -> None:
         self.builder = builder
         # A turn the template renders without its reasoning is scored as rendered (module docstring).
-        self.placer = Placer(builder.tokenizer, reasoning_required=False)
+        self.placer = Placer(builder.tokenizer, reasoning_required=False, encoder=builder.encoder)
 
     def requests(
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[GroupPrompt | PromptFailure]:
         """One request per window, in order; a step that cannot be placed is a failure."""
+        through = max((read_field(s, "message_index") for s in steps), default=-1)
+        return self.requests_and_floor(messages, outcome, steps, through)[0]
+
+    def requests_and_floor(
+        self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any], through: int
+    ) -> tuple[list[GroupPrompt | PromptFailure], int | None]:
+        """:meth:`requests`, and the episode's conversation tokens through message ``through``
+        (its last step: :func:`conversation_tokens`) counted on the rendering placed, without
+        tokenizing the episode a second time; None when they cannot be counted there."""
         order = sorted(steps, key=lambda s: read_field(s, "message_index"))
         wanted = [(read_field(s, "step_index"), read_field(s, "message_index")) for s in order]
         block = hindsight_text(outcome, {}, self.builder.hindsight_template) if self.builder.hindsight else None
@@ -76,10 +85,31 @@ class EpisodeLayout:
                 lambda: flatten_messages(inject_hindsight(messages, block)),
             )
         except TemplateRejected as exc:
-            return [
+            failures: list[GroupPrompt | PromptFailure] = [
                 PromptFailure(i, "template", f"the chat template cannot render this episode: {exc}") for i, _ in wanted
             ]
-        return self._requests(placement, wanted, flattened, placed[0])
+            return failures, None
+        floor = None if flattened else self._floor(placement, placed, through)
+        return self._requests(placement, wanted, flattened, placed[0]), floor
+
+    def _floor(self, placement: Placement, placed: list[dict], through: int) -> int | None:
+        """The floor's rendering (the messages through ``through``, normalized, the hindsight
+        block in the first) shares most of the whole rendering: the whole rendering's ids
+        before the last clean cut where the two still agree, plus the rest of the floor's
+        text encoded alone. None when the tokenizer cannot vouch for a cut (counted on its own)."""
+        if through == len(placed) - 1:
+            return len(placement.ids)
+        try:
+            text = render_chat(self.builder.tokenizer, placed[: through + 1], generation=False)
+        except TemplateRejected:
+            return None
+        cut = self.builder.encoder.clean_cut(placement.text, _common_prefix(text, placement.text))
+        if cut is None:
+            return None
+        n = len(placement.offsets)
+        while n and placement.offsets[n - 1][0] >= cut:
+            n -= 1
+        return n + len(self.builder.encoder.encode_once(text[cut:]))
 
     def _requests(
         self, placement: Placement, wanted: list[tuple[int, int]], flattened: bool, first: dict
@@ -159,5 +189,15 @@ def conversation_tokens(
             text = render_chat(builder.tokenizer, inject_hindsight(msgs, block), generation=False)
         except TemplateRejected:
             continue
-        return len(builder.encoder.encode_whole(text))
+        return len(builder.encoder.encode_once(text))
     return 0
+
+
+def _common_prefix(a: str, b: str, block: int = 4096) -> int:
+    """How many characters ``a`` and ``b`` share at their start (compared a block at a time)."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)

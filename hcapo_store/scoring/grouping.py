@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
-from hcapo_store.scoring.episode_layout import EpisodeLayout
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
+from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
+from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt, read_field
 
 Grouping = Literal["per-step", "grouped"]
 GROUPINGS: tuple[Grouping, ...] = ("per-step", "grouped")
@@ -74,6 +74,29 @@ def plan_requests(
         return EpisodeLayout(builder).requests(messages, outcome, steps)
     prompts = builder.build_episode(messages, outcome, steps)
     return group_prompts(prompts, grouping=grouping, max_tokens=builder.max_context)
+
+
+def plan_requests_and_floor(
+    builder: PromptBuilder,
+    messages: Sequence[Mapping[str, Any]],
+    outcome: Any,
+    steps: Sequence[Any],
+    all_steps: Sequence[Any],
+    *,
+    grouping: Grouping = "grouped",
+) -> tuple[list[GroupPrompt | PromptFailure], int]:
+    """:func:`plan_requests` and the episode's conversation tokens (its prefill floor, over
+    ``all_steps``); the episode layout counts them on the rendering it placed when that is
+    the floor's own."""
+    floor: int | None = None
+    if builder.layout == "episode":
+        through = max((read_field(s, "message_index") for s in all_steps), default=-1)
+        requests, floor = EpisodeLayout(builder).requests_and_floor(messages, outcome, steps, through)
+    else:
+        requests = plan_requests(builder, messages, outcome, steps, grouping=grouping)
+    if floor is None:
+        floor = conversation_tokens(builder, messages, outcome, all_steps)
+    return requests, floor
 
 
 def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:

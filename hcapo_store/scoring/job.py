@@ -336,7 +336,7 @@ async def check_vocabulary(prep: Prepared) -> None:
     if check is None:  # a backend that cannot tell
         return
     tokenizer = prep.builder.tokenizer
-    top = max(tokenizer.get_vocab().values())
+    top = prep.builder.top_token_id
     try:
         reason = await check(top)
     except InferenceError as exc:

@@ -22,9 +22,11 @@ reason, rather than a span over part of the action.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hcapo_store.scoring.segments import SegmentEncoder
 
 EMPTY_TURN: dict[str, Any] = {"role": "assistant", "content": ""}
 
@@ -94,8 +96,9 @@ def own_pieces(message: Mapping[str, Any], *, reasoning: bool = True) -> list[st
 class OwnTokenLocator:
     """Maps the own characters of a turn to token positions with a fast tokenizer's offsets."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, encoder: SegmentEncoder | None = None) -> None:
         self.tokenizer = tokenizer
+        self.encoder = encoder  # when given, long renderings are tokenized piece by piece
         self.end_of_turn_ids = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
         # Longest first, so a token that starts like a shorter one is matched whole.
         self._end_of_turn_texts = sorted(
@@ -113,7 +116,9 @@ class OwnTokenLocator:
                 return len(token)
         return 0
 
-    def offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def offsets(self, text: str) -> tuple[list[int], Sequence[tuple[int, int]]]:
+        if self.encoder is not None:
+            return self.encoder.offsets(text)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
@@ -123,7 +128,7 @@ class OwnTokenLocator:
         empty: str,
         message: Mapping[str, Any],
         ids: list[int],
-        offsets: list[tuple[int, int]],
+        offsets: Sequence[tuple[int, int]],
         *,
         search_from: int = 0,
     ) -> OwnSpan:
@@ -142,7 +147,7 @@ class OwnTokenLocator:
         ce: int,
         message: Mapping[str, Any],
         ids: list[int],
-        offsets: list[tuple[int, int]],
+        offsets: Sequence[tuple[int, int]],
         *,
         search_from: int = 0,
         reasoning_required: bool = True,
@@ -171,10 +176,11 @@ class OwnTokenLocator:
             eot = True
         return OwnSpan(start, end, cs, ce, eot)
 
-    def check_decodes(self, text: str, ids: list[int], offsets: list[tuple[int, int]], span: OwnSpan) -> None:
+    def check_decodes(self, text: str, ids: list[int], offsets: Sequence[tuple[int, int]], span: OwnSpan) -> None:
         """:class:`NotOwn` unless the span's tokens decode to exactly the text they cover."""
         covered = text[offsets[span.start][0] : offsets[span.end - 1][1]]
-        if self.tokenizer.decode(ids[span.start : span.end]) != covered:
+        decode = self.encoder.decode if self.encoder is not None else self.tokenizer.decode
+        if decode(ids[span.start : span.end]) != covered:
             raise NotOwn("alignment: the span's tokens do not decode to the text they cover")
 
 
@@ -196,7 +202,7 @@ def _has_reasoning(message: Mapping[str, Any]) -> bool:
     )
 
 
-def _first_overlapping(offsets: list[tuple[int, int]], char: int, lo: int) -> int:
+def _first_overlapping(offsets: Sequence[tuple[int, int]], char: int, lo: int) -> int:
     """The first token (from ``lo``) whose characters end after ``char``; offsets ascend."""
     hi = len(offsets)
     while lo < hi:

@@ -27,12 +27,13 @@ every span's tokens must decode to exactly the text they cover.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars
 from hcapo_store.scoring.prompts import TemplateRejected, render_chat
+from hcapo_store.scoring.segments import SegmentEncoder
 
 # How many characters after a step's own text must agree in W and K to resume the walk there.
 RESYNC_CHARS = 64
@@ -46,6 +47,7 @@ class Placement:
 
     text: str
     ids: list[int]
+    offsets: Sequence[tuple[int, int]]  # each id's characters in text
     spans: dict[int, OwnSpan] = field(default_factory=dict)  # step_index -> span
     refused: dict[int, str] = field(default_factory=dict)  # step_index -> reason
     linear: bool = True  # False: placed step by step (place_exact)
@@ -56,6 +58,9 @@ class _Mismatch(Exception):
 
 
 def _agreement(a: str, i: int, b: str, j: int, cap: int) -> int:
+    x, y = a[i : i + cap], b[j : j + cap]
+    if x == y:
+        return len(x)
     n = 0
     while n < cap and i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
         n += 1
@@ -106,6 +111,10 @@ class _UserTurns:
             if msgs[i].get("role") == "user":
                 nxt = i
 
+    def key(self, m: int) -> tuple[int | None, int | None]:
+        """The user messages that :meth:`context` renders turn ``m`` between."""
+        return self.before[m], self.after[m]
+
     def context(self, m: int) -> tuple[list[dict], list[dict]]:
         """What to render turn ``m`` between, so that a template renders it as in the whole
         conversation: the first message and the last user message before it, and the next user
@@ -118,9 +127,11 @@ class _UserTurns:
 class Placer:
     """Places the steps of one conversation in its whole rendering (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, *, reasoning_required: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, *, reasoning_required: bool = True, encoder: SegmentEncoder | None = None
+    ) -> None:
         self.tokenizer = tokenizer
-        self.locator = OwnTokenLocator(tokenizer)
+        self.locator = OwnTokenLocator(tokenizer, encoder)
         # False: a turn the template renders without its reasoning (Qwen3, before the last user
         # message) is placed as rendered, its text and tool calls, instead of refused.
         self.reasoning_required = reasoning_required
@@ -157,13 +168,17 @@ class Placer:
                 emptied.add(m)
         skeleton = self._render([EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)])
         users = _UserTurns(msgs)
+        empties: dict[tuple[int | None, int | None], str] = {}
         pw = pk = 0  # positions in whole / skeleton; everything before them is accounted for
         for index, m in steps:
             if index in chars:
                 continue
             before, after = users.context(m)
             local = self._render([*before, msgs[m], *after])
-            local_empty = self._render([*before, EMPTY_TURN, *after])
+            key = users.key(m)  # turns between the same user messages share their empty rendering
+            if key not in empties:
+                empties[key] = self._render([*before, EMPTY_TURN, *after])
+            local_empty = empties[key]
             cs, ce = own_chars(local, local_empty, msgs[m])
             own = local[cs:ce]
             if not own:  # renders as an empty turn does: W and K agree over it (checked next)
@@ -188,7 +203,7 @@ class Placer:
     # -- step by step (the reference rule; the fallback)
 
     def _exact(
-        self, msgs: list[dict], steps: Steps, whole: str, ids: list[int], offsets: list[tuple[int, int]]
+        self, msgs: list[dict], steps: Steps, whole: str, ids: list[int], offsets: Sequence[tuple[int, int]]
     ) -> Placement:
         chars: dict[int, tuple[int, int] | str] = {}
         for index, m in steps:
@@ -210,12 +225,12 @@ class Placer:
         steps: Steps,
         whole: str,
         ids: list[int],
-        offsets: list[tuple[int, int]],
+        offsets: Sequence[tuple[int, int]],
         chars: dict[int, tuple[int, int] | str],
         *,
         linear: bool,
     ) -> Placement:
-        out = Placement(whole, ids, linear=linear)
+        out = Placement(whole, ids, offsets, linear=linear)
         search_from = 0
         for index, m in steps:
             where = chars[index]

@@ -28,9 +28,8 @@ Differences from the original, on purpose:
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
-import re
 import string
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from itertools import islice
 from typing import Any, Literal, overload
 
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
+from hcapo_store.scoring.segments import RenderState, SegmentEncoder
 from hcapo_store.tool_arguments import arguments_text, as_mapping
 
 PROMPT_BUILDER_VERSION = 1
@@ -289,124 +289,6 @@ def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 # --------------------------------------------------------------------------- tokenization
 
 
-def _walk_json(node: Any) -> list[dict]:
-    if isinstance(node, dict):
-        return [node] + [d for v in node.values() for d in _walk_json(v)]
-    if isinstance(node, list):
-        return [d for v in node for d in _walk_json(v)]
-    return []
-
-
-class SegmentEncoder:
-    """Tokenizes rendered chat text segment by segment, bit-identical to ``tokenizer.encode``.
-
-    Why it is exact: a ``tokenizers`` backend first cuts the text at added tokens
-    (leftmost-longest match on the raw text when the tokens are not ``normalized``) and then
-    normalizes, pre-tokenizes and runs the model on every other piece on its own. So the ids
-    of a text are the concatenation of the ids of its pieces, and a piece's ids can be cached.
-    The preconditions for that are checked in :meth:`_fast_path_reason`; when one fails,
-    every text is encoded whole.
-
-    Consecutive renders of one episode share long prefixes: a ``_State`` remembers the last
-    text as (piece, added token) pairs and reuses the ids of the pairs the new text starts
-    with. A reused pair must be followed by the same added token in the new text, and no
-    added token contains another, so no match can start inside a reused piece and end in
-    the changed part.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self.fast_path_off_reason = self._fast_path_reason(tokenizer)
-        self._token_ids: dict[str, int] = {}
-        self._splitter: re.Pattern[str] | None = None
-        if self.fast_path_off_reason is None:
-            backend = tokenizer.backend_tokenizer
-            self._backend = backend
-            self._token_ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
-            tokens = sorted(self._token_ids, key=len, reverse=True)
-            self._splitter = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
-        self.pieces: dict[str, list[int]] = {}
-
-    @staticmethod
-    def _fast_path_reason(tokenizer: Any) -> str | None:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return "tokenizer has no `tokenizers` backend"
-        if getattr(backend, "encode_special_tokens", False) or getattr(tokenizer, "split_special_tokens", False):
-            return "special tokens are split as text"
-        added = list(backend.get_added_tokens_decoder().values())
-        if any(t.normalized or t.lstrip or t.rstrip or t.single_word for t in added):
-            return "an added token is normalized or strips/single-word matched"
-        contents = [t.content for t in added]
-        if any(a != b and a in b for a in contents for b in contents):
-            return "an added token contains another"
-        spec = json.loads(backend.to_str())
-        for node in _walk_json(spec.get("pre_tokenizer")) + _walk_json(spec.get("normalizer")):
-            # Metaspace(prepend_scheme="first") only prefixes the piece at offset 0 of the
-            # whole text, so a piece encoded alone would differ.
-            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
-                return "Metaspace pre-tokenizer prepends only at the start of the text"
-        return None
-
-    def encode_whole(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def new_state(self) -> _State:
-        return _State()
-
-    def encode(self, text: str, state: _State) -> list[int]:
-        if self._splitter is None:
-            return self.encode_whole(text) if self.fast_path_off_reason else self._encode_pieces([text])
-        reused_pairs, pos = state.match(text)
-        pairs: list[tuple[str, str]] = []
-        start = pos
-        for match in self._splitter.finditer(text, pos):
-            pairs.append((text[start : match.start()], match.group()))
-            start = match.end()
-        tail = text[start:]
-        self._encode_pieces([p for p, _ in pairs] + [tail])
-        ids = state.ids[: state.counts[reused_pairs - 1]] if reused_pairs else []
-        state.truncate(reused_pairs)
-        for piece, token in pairs:
-            ids.extend(self.pieces[piece])
-            ids.append(self._token_ids[token])
-            state.push(piece, token, len(ids))
-        ids.extend(self.pieces[tail])
-        state.ids = ids
-        return ids
-
-    def _encode_pieces(self, pieces: list[str]) -> list[int]:
-        missing = list({p for p in pieces if p not in self.pieces})
-        if missing:
-            for piece, enc in zip(missing, self._backend.encode_batch(missing, add_special_tokens=False)):
-                self.pieces[piece] = enc.ids
-        return [i for p in pieces for i in self.pieces[p]]
-
-
-class _State:
-    """The previous text of one render sequence, as (piece, added token) pairs."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.pairs: list[str] = []  # piece + token, to compare without slicing
-        self.counts: list[int] = []  # ids after each pair
-
-    def match(self, text: str) -> tuple[int, int]:
-        pos = 0
-        for n, pair in enumerate(self.pairs):
-            if not text.startswith(pair, pos):
-                return n, pos
-            pos += len(pair)
-        return len(self.pairs), pos
-
-    def truncate(self, n: int) -> None:
-        del self.pairs[n:], self.counts[n:]
-
-    def push(self, piece: str, token: str, count: int) -> None:
-        self.pairs.append(piece + token)
-        self.counts.append(count)
-
-
 # --------------------------------------------------------------------------- rendering speed
 
 
@@ -514,7 +396,7 @@ class PromptBuilder:
         self.encoder = SegmentEncoder(tokenizer)
         _memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
-        self._locator = OwnTokenLocator(tokenizer)
+        self._locator = OwnTokenLocator(tokenizer, self.encoder)
         if action_span == "policy" and not self._locator.available:
             raise ValueError("action_span 'policy' needs a fast tokenizer (character offsets)")
         if layout == "episode" and not self._locator.available:
@@ -523,6 +405,11 @@ class PromptBuilder:
     def anchor_ids(self, first: dict) -> list[int]:
         """The first message (hindsight block included) alone: what a truncated prompt keeps."""
         return self.encoder.encode_whole(self._render([first], generation=False))
+
+    @functools.cached_property
+    def top_token_id(self) -> int:
+        """The tokenizer's largest id (its vocabulary is a 150k-entry dict: read once)."""
+        return int(max(self.tokenizer.get_vocab().values()))
 
     @property
     def marker_ids(self) -> list[int]:
@@ -560,7 +447,7 @@ class PromptBuilder:
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
         normalized = normalize_messages(messages)
-        states: dict[tuple[str | None, bool], tuple[_State, _State]] = {}
+        states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
         for step in steps:

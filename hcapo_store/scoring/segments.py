@@ -1,0 +1,193 @@
+"""Tokenizing rendered chat text piece by piece between added tokens, bit-identical to the
+tokenizer: cached pieces for the per-step renders of one episode, and ids with character
+offsets for one long rendering (its pieces encoded in one batch, in parallel by the backend)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+
+def _walk_json(node: Any) -> list[dict]:
+    if isinstance(node, dict):
+        return [node] + [d for v in node.values() for d in _walk_json(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _walk_json(v)]
+    return []
+
+
+class SegmentEncoder:
+    """Tokenizes rendered chat text segment by segment, bit-identical to ``tokenizer.encode``.
+
+    Why it is exact: a ``tokenizers`` backend first cuts the text at added tokens
+    (leftmost-longest match on the raw text when the tokens are not ``normalized``) and then
+    normalizes, pre-tokenizes and runs the model on every other piece on its own. So the ids
+    of a text are the concatenation of the ids of its pieces, and a piece's ids can be cached.
+    The preconditions for that are checked in :meth:`_fast_path_reason`; when one fails,
+    every text is encoded whole.
+
+    Consecutive renders of one episode share long prefixes: a ``RenderState`` remembers the last
+    text as (piece, added token) pairs and reuses the ids of the pairs the new text starts
+    with. A reused pair must be followed by the same added token in the new text, and no
+    added token contains another, so no match can start inside a reused piece and end in
+    the changed part.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.fast_path_off_reason = self._fast_path_reason(tokenizer)
+        self._token_ids: dict[str, int] = {}
+        self._splitter: re.Pattern[str] | None = None
+        if self.fast_path_off_reason is None:
+            backend = tokenizer.backend_tokenizer
+            self._backend = backend
+            self._token_ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+            tokens = sorted(self._token_ids, key=len, reverse=True)
+            self._splitter = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+        self.pieces: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _fast_path_reason(tokenizer: Any) -> str | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return "tokenizer has no `tokenizers` backend"
+        if getattr(backend, "encode_special_tokens", False) or getattr(tokenizer, "split_special_tokens", False):
+            return "special tokens are split as text"
+        added = list(backend.get_added_tokens_decoder().values())
+        if any(t.normalized or t.lstrip or t.rstrip or t.single_word for t in added):
+            return "an added token is normalized or strips/single-word matched"
+        contents = [t.content for t in added]
+        if any(a != b and a in b for a in contents for b in contents):
+            return "an added token contains another"
+        spec = json.loads(backend.to_str())
+        for node in _walk_json(spec.get("pre_tokenizer")) + _walk_json(spec.get("normalizer")):
+            # Metaspace(prepend_scheme="first") only prefixes the piece at offset 0 of the
+            # whole text, so a piece encoded alone would differ.
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                return "Metaspace pre-tokenizer prepends only at the start of the text"
+        return None
+
+    def encode_whole(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def new_state(self) -> RenderState:
+        return RenderState()
+
+    def encode(self, text: str, state: RenderState) -> list[int]:
+        if self._splitter is None:
+            return self.encode_whole(text) if self.fast_path_off_reason else self._encode_pieces([text])
+        reused_pairs, pos = state.match(text)
+        pairs: list[tuple[str, str]] = []
+        start = pos
+        for match in self._splitter.finditer(text, pos):
+            pairs.append((text[start : match.start()], match.group()))
+            start = match.end()
+        tail = text[start:]
+        self._encode_pieces([p for p, _ in pairs] + [tail])
+        ids = state.ids[: state.counts[reused_pairs - 1]] if reused_pairs else []
+        state.truncate(reused_pairs)
+        for piece, token in pairs:
+            ids.extend(self.pieces[piece])
+            ids.append(self._token_ids[token])
+            state.push(piece, token, len(ids))
+        ids.extend(self.pieces[tail])
+        state.ids = ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` as the tokenizer's own decoder writes it (special tokens kept)."""
+        if self.fast_path_off_reason is None:
+            return str(self._backend.decode(ids, skip_special_tokens=False))
+        return str(self._tokenizer.decode(ids))
+
+    def encode_once(self, text: str) -> list[int]:
+        """The ids of ``text`` (as ``tokenizer.encode``), its pieces encoded in one batch and
+        not cached: for a text rendered once (a whole conversation)."""
+        if self._splitter is None:
+            return self.encode_whole(text)
+        pieces, tokens, start = [], [], 0
+        for match in self._splitter.finditer(text):
+            pieces.append(text[start : match.start()])
+            tokens.append(self._token_ids[match.group()])
+            start = match.end()
+        pieces.append(text[start:])
+        ids: list[int] = []
+        for n, enc in enumerate(self._backend.encode_batch(pieces, add_special_tokens=False)):
+            ids.extend(enc.ids)
+            if n < len(tokens):
+                ids.append(tokens[n])
+        return ids
+
+    def clean_cut(self, text: str, limit: int) -> int | None:
+        """The last place at or before ``limit`` where ``text`` can be cut so that the ids of
+        ``text[:cut]`` are the ids of ``text`` that start before it, whatever follows the cut in
+        another text that shares ``text[:limit]``: the end of an added token (pieces are encoded
+        alone; no added token contains another). 0 when none; None without the fast path."""
+        if self._splitter is None:
+            return None
+        cut = 0
+        for match in self._splitter.finditer(text):  # from the start: the segmentation the tokenizer sees
+            if match.end() > limit:
+                break
+            cut = match.end()
+        return cut
+
+    def offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each one's character range, equal to the tokenizer's
+        ``return_offsets_mapping``: the pieces between added tokens are encoded in one batch
+        (the backend spreads a batch over its threads) and shifted to where they stand."""
+        if self._splitter is None:
+            enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        starts, pieces, tokens = [], [], []
+        start = 0
+        for match in self._splitter.finditer(text):
+            starts.append(start)
+            pieces.append(text[start : match.start()])
+            tokens.append((match.start(), match.end(), self._token_ids[match.group()]))
+            start = match.end()
+        starts.append(start)
+        pieces.append(text[start:])
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for n, enc in enumerate(self._backend.encode_batch(pieces, add_special_tokens=False)):
+            at = starts[n]
+            ids.extend(enc.ids)
+            offsets += [(a + at, b + at) for a, b in enc.offsets]
+            if n < len(tokens):
+                a, b, token = tokens[n]
+                ids.append(token)
+                offsets.append((a, b))
+        return ids, offsets
+
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+        missing = list({p for p in pieces if p not in self.pieces})
+        if missing:
+            for piece, enc in zip(missing, self._backend.encode_batch(missing, add_special_tokens=False)):
+                self.pieces[piece] = enc.ids
+        return [i for p in pieces for i in self.pieces[p]]
+
+
+class RenderState:
+    """The previous text of one render sequence, as (piece, added token) pairs."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pairs: list[str] = []  # piece + token, to compare without slicing
+        self.counts: list[int] = []  # ids after each pair
+
+    def match(self, text: str) -> tuple[int, int]:
+        pos = 0
+        for n, pair in enumerate(self.pairs):
+            if not text.startswith(pair, pos):
+                return n, pos
+            pos += len(pair)
+        return len(self.pairs), pos
+
+    def truncate(self, n: int) -> None:
+        del self.pairs[n:], self.counts[n:]
+
+    def push(self, piece: str, token: str, count: int) -> None:
+        self.pairs.append(piece + token)
+        self.counts.append(count)
