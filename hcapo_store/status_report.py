@@ -7,8 +7,8 @@ from typing import Any
 
 from sqlalchemy import text
 
+from hcapo_store.processes import pid_alive
 from hcapo_store.scoring.scorer import scorer_counts
-from hcapo_store.scoring.work_queue import pid_alive
 from hcapo_store.storage import db
 from hcapo_store.storage.db import sql_now
 from hcapo_store.storage.store import Store

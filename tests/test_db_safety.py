@@ -48,7 +48,7 @@ def unversioned(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("kind", ["foreign", "unversioned"])
 def test_commands_refuse_a_database_that_is_not_ours(kind, args, request, runner):
     path = request.getfixturevalue(kind)
-    before = _tables(path)
+    before, raw = _tables(path), path.read_bytes()
     result = runner.invoke(cli, ["--db", str(path), *args])
     assert result.exit_code == 1, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
@@ -56,6 +56,47 @@ def test_commands_refuse_a_database_that_is_not_ours(kind, args, request, runner
     assert len(result.output.strip().splitlines()) == 1
     assert _tables(path) == before
     assert not list(path.parent.glob(f"{path.name}.bak*"))
+    if kind == "foreign":  # left byte for byte: not switched to WAL, no side files
+        assert path.read_bytes() == raw
+        assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("args", [["init"], ["status"], ["ingest", "."], ["db", "upgrade"], ["db", "current"]])
+def test_another_applications_empty_database_is_left_alone(tmp_path, runner, args):
+    path = tmp_path / "app.db"
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("PRAGMA application_id = 1234")
+    raw = path.read_bytes()
+    result = runner.invoke(cli, ["--db", str(path), *args])
+    assert result.exit_code == 1 and "another application's empty SQLite database" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert path.read_bytes() == raw and sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+
+
+def test_a_zero_byte_file_becomes_a_store(tmp_path, runner):
+    path = tmp_path / "empty.db"
+    path.touch()
+    assert runner.invoke(cli, ["--db", str(path), "init"]).exit_code == 0
+    assert "episodes" in _tables(path)
+
+
+def test_db_current_on_a_missing_path_creates_nothing(tmp_path, runner):
+    path = tmp_path / "no" / "such" / "dir" / "x.db"
+    result = runner.invoke(cli, ["--db", str(path), "db", "current"])
+    assert result.exit_code == 1 and "no database at" in result.output, result.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_upgrade_of_a_future_revision_is_one_line(tmp_path, runner):
+    path = tmp_path / "future.db"
+    Store.open(str(path)).close()
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999_from_the_future'")
+    for args in (["db", "upgrade"], ["status"]):
+        result = runner.invoke(cli, ["--db", str(path), *args])
+        assert result.exit_code == 1, result.output
+        assert "unknown to this hcapo-store" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("future.db.bak*"))
 
 
 def test_not_a_sqlite_file_is_one_line(tmp_path, runner):
@@ -117,5 +158,6 @@ def test_killed_backup_leaves_no_file_named_like_a_backup(tmp_path):
     finally:
         engine.dispose()
     assert copy is not None and copy.name.startswith("store.db.bak-")
+    assert not list(tmp_path.glob(".store.db.bak-*.partial-*"))  # the killed copy's partial file is cleaned
     with sqlite3.connect(str(copy)) as conn:
         assert conn.execute("SELECT label FROM scorers").fetchall() == [("l",)]

@@ -231,7 +231,8 @@ def _copy_rows(src, dst) -> None:
 def test_db_current_and_upgrade_commands(tmp_path):
     runner = CliRunner()
     p = str(tmp_path / "c.db")
-    assert "empty" in runner.invoke(cli, ["--db", p, "db", "current"]).output
+    missing = runner.invoke(cli, ["--db", p, "db", "current"])  # reads only: creates nothing
+    assert missing.exit_code == 1 and "no database at" in missing.output and not Path(p).exists()
     r = runner.invoke(cli, ["--db", p, "db", "upgrade"])
     assert r.exit_code == 0 and db.head_revision() in r.output
     assert "already at head" in runner.invoke(cli, ["--db", p, "db", "upgrade"]).output

@@ -31,8 +31,10 @@ def db_current(state: Ctx) -> None:
     from hcapo_store.storage import db as dbmod
 
     url = dbmod.resolve_url(state.db)
+    dbmod.preflight(url, create=False)
     engine = dbmod.make_engine(url)
     try:
+        dbmod.refuse_foreign(engine)
         current = dbmod.current_revision(engine)
     finally:
         engine.dispose()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, text
 
 from hcapo_store.masking import mask_credentials
+from hcapo_store.processes import pid_alive
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
@@ -289,22 +289,6 @@ def reap_dead_local_workers(store: Store) -> int:
     for wid in dead:
         released += finish_worker(store, wid, "dead")
     return released
-
-
-def pid_alive(pid: int) -> bool:
-    """Is a process with this pid running? A zombie (killed, not yet reaped by its
-    parent) answers signal 0 but will never renew a lease: it counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs (or the pid just went): signal 0 is all we know
-    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 @dataclass(frozen=True)

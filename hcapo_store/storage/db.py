@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
+from urllib.parse import quote
 
 from alembic import command
 from alembic.config import Config
@@ -28,6 +31,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, NotAStore, SchemaOutOfDate, SchemaTooNew, StoreError
+from hcapo_store.processes import pid_alive
 from hcapo_store.storage.location import DEFAULT_DB, ENV_DB, display_url, resolve_url  # noqa: F401 - re-exported
 
 ENV_BUSY_TIMEOUT = "HCAPO_STORE_BUSY_TIMEOUT"  # seconds a writer waits for SQLite's write lock
@@ -67,6 +71,67 @@ def _sqlite_hooks(engine: Engine) -> None:
     def _on_begin(conn: Connection) -> None:
         mode = "IMMEDIATE" if conn.get_execution_options().get("immediate") else "DEFERRED"
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file behind a SQLite URL (None: another engine, or in memory)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///") :]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def preflight(url: str, *, create: bool) -> None:
+    """Look at a SQLite file before any connection touches it (a connection switches the file
+    to WAL): a file that is not a hcapo-store database is refused and left as it was, byte for
+    byte; a missing file is an error unless ``create``. Only a new path, a zero-byte file or a
+    SQLite file with no tables and no application id or user version may become a store."""
+    path = sqlite_file(url)
+    if path is None:
+        return
+    shown = display_url(url)
+    if not path.exists():
+        if create:
+            return
+        raise StoreError(
+            f"no database at {shown}: check --db (or {ENV_DB}); `hcapo-store --db {shown} init` creates one"
+        )
+    if not path.is_file():
+        raise NotAStore(f"{shown} is not a regular file: pass a database file with --db")
+    try:
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except OSError as exc:
+        raise StoreError(f"cannot read {shown}: {exc.strerror or exc}") from exc
+    if not header:
+        return  # a zero-byte file: SQLite treats it as a new database
+    if not header.startswith(SQLITE_MAGIC):
+        raise NotAStore(f"{shown} is not a SQLite database; it was left untouched: pass another path with --db")
+    user_version, application_id = int.from_bytes(header[60:64], "big"), int.from_bytes(header[68:72], "big")
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot read {shown}: {exc}") from exc
+    if tables and CORE_TABLES | {"alembic_version"} <= tables:
+        return
+    if tables:
+        listed = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
+        raise NotAStore(
+            f"{shown} is not an hcapo-store database (its tables: {listed}); it was left untouched: "
+            "pass another path with --db"
+        )
+    if application_id or user_version:
+        raise NotAStore(
+            f"{shown} is another application's empty SQLite database (application id {application_id}, "
+            f"user version {user_version}); it was left untouched: pass another path with --db"
+        )
 
 
 def make_engine(url: str) -> Engine:
@@ -260,6 +325,7 @@ def backup(engine: Engine) -> Path | None:
     while target.exists():
         target = path.with_name(f"{path.name}.bak-{rev}.{n}")
         n += 1
+    _remove_dead_partials(path)
     partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
     partial.unlink(missing_ok=True)  # left by an earlier process with our pid
     try:
@@ -272,6 +338,14 @@ def backup(engine: Engine) -> Path | None:
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def _remove_dead_partials(path: Path) -> None:
+    """Partial backups left by upgrades killed before their rename (their process is gone)."""
+    for partial in path.parent.glob(f".{glob_escape(path.name)}.bak-*.partial-*"):
+        owner = re.search(r"\.partial-(\d+)(-journal|-wal|-shm)?$", partial.name)  # the copy or its side file
+        if owner and not pid_alive(int(owner.group(1))):
+            partial.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -289,11 +363,13 @@ class UpgradeResult:
 def upgrade_database(db: str | os.PathLike[str] | None, *, take_backup: bool = True) -> UpgradeResult:
     """``db upgrade``: bring a database to head; a SQLite file is copied first unless told not to."""
     url = resolve_url(db)
+    preflight(url, create=True)  # a new path is created at head, as `init` would
     engine = make_engine(url)
     try:
         refuse_foreign(engine)
         before = current_revision(engine)
         head = head_revision()
+        refuse_unknown_revision(before, display_url(url), head)
         copy = None
         if before != head:
             if before is not None and take_backup:
@@ -317,14 +393,20 @@ def check_schema(engine: Engine, *, create: bool = True) -> None:
             upgrade(engine)
             return
         raise StoreError(f"{url} is not a hcapo-store database yet: run `hcapo-store --db {url} init`")
+    refuse_unknown_revision(current, url, head)
+    raise SchemaOutOfDate(url, current, head)
+
+
+def refuse_unknown_revision(current: str | None, url: str, head: str) -> None:
+    """``SchemaTooNew`` for a revision this version's migrations do not know."""
+    if current is None:
+        return
     script = ScriptDirectory.from_config(alembic_config())
-    known = {rev.revision for rev in script.walk_revisions()}
-    if current not in known:
+    if current not in {rev.revision for rev in script.walk_revisions()}:
         raise SchemaTooNew(
             f"Database {url} is at revision {current}, unknown to this hcapo-store "
             f"(head {head}); it was written by a newer version: upgrade hcapo-store."
         )
-    raise SchemaOutOfDate(url, current, head)
 
 
 def sql_now(conn: Connection) -> float:

@@ -25,8 +25,7 @@ class Store:
         A database behind the code's schema is refused with the command that upgrades it.
         """
         url = db.resolve_url(location)
-        if not create:
-            _require_existing(url)
+        db.preflight(url, create=create)
         engine = db.make_engine(url)
         try:
             db.check_schema(engine, create=create)
@@ -107,15 +106,6 @@ def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> t
 
 def _read_only_error(guard, orig: BaseException) -> StoreError | None:  # noqa: ANN001
     return readonly.sqlite_error(guard, orig) if guard is not None else None
-
-
-def _require_existing(url: str) -> None:
-    """Read-only commands never create a database (nor its directory) by accident."""
-    path = db.display_url(url)
-    if url.startswith("sqlite:///") and path != ":memory:" and not Path(path).is_file():
-        raise StoreError(
-            f"no database at {path}: check --db (or {db.ENV_DB}); `hcapo-store --db {path} init` creates one"
-        )
 
 
 def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
