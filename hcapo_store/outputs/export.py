@@ -11,6 +11,7 @@ stores ``messages`` as a list of structs {role, content, tool_calls, name, tool_
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import re
@@ -46,9 +47,21 @@ from hcapo_store.storage.store import Store
 LAYOUTS = ("steps", "weights-in-messages", "tokenized")
 
 
+HINDSIGHT_FILE = "hindsight_scores.json"
+NAME_BYTES = 200  # below every common file system's 255-byte name limit, room for a ~idN suffix
+
+
 def _safe_part(part: str) -> str:
     cleaned = re.sub(r"[\\\x00]", "_", part).strip()
-    return "_" if cleaned in ("", ".", "..") else cleaned
+    if cleaned in ("", ".", ".."):
+        return "_"
+    if cleaned == HINDSIGHT_FILE:  # a directory named like the file another episode writes
+        return cleaned + "~"
+    raw = cleaned.encode("utf-8", "surrogatepass")
+    if len(raw) > NAME_BYTES:  # too long for a file name: cut, kept unique by a digest of the whole
+        digest = hashlib.sha256(raw).hexdigest()[:12]
+        cleaned = raw[: NAME_BYTES - 13].decode("utf-8", "ignore") + "~" + digest
+    return cleaned
 
 
 def _episode_dir(out: Path, name: str, episode_id: int, used: set[Path]) -> Path:
@@ -140,7 +153,7 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
     run = get_run(store, run_name)
     hyper = _hyperparams(run, store)
     out = Path(out_dir)
-    check_output(out, store.files)
+    check_output(out, store.files, directory=True)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file, not a directory: pick another output directory")
     written = 0
@@ -150,7 +163,7 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
         for ep_id, group in itertools.groupby(rows, key=lambda r: r[0]):
             ep_rows = list(group)
             target = _episode_dir(out, ep_rows[0][1], ep_id, used)
-            write_json(target / "hindsight_scores.json", _hindsight_doc(ep_rows, hyper), store.files)
+            write_json(target / HINDSIGHT_FILE, _hindsight_doc(ep_rows, hyper), store.files)
             written += 1
     return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": run_warnings(run)}
 
