@@ -6,8 +6,20 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
+
+
+# Control characters (ESC starts terminal escape sequences; C1 controls; bidi overrides and
+# isolates reorder what a terminal shows) and line breaks, which would split a table row.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def for_terminal(text: str) -> str:
+    """``text`` with every control, line-break or bidi character written as its escape
+    (``\\x1b``, ``\\n``, ``\\u202e``): what trajectory text holds is shown, never acted on."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def cell(value: Any) -> str:
@@ -17,7 +29,7 @@ def cell(value: Any) -> str:
         return f"{value:.6g}" if math.isfinite(value) else str(value)
     if isinstance(value, (bytes, memoryview)):
         return f"<{len(bytes(value))} bytes>"
-    return str(value)
+    return for_terminal(str(value))
 
 
 CUT_MARK = "…"
@@ -126,7 +138,10 @@ def records_table(records: Sequence[dict[str, Any]], *, full: str = "--json") ->
     return table(cols, [[r[c] for c in cols] for r in records], full=full)
 
 
-def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, terminal: bool = False) -> str:
+    """CSV as written; on a ``terminal``, control characters escaped (:func:`for_terminal`)."""
+    if terminal:
+        rows = [[for_terminal(v) if isinstance(v, str) else v for v in row] for row in rows]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)

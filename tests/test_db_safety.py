@@ -161,3 +161,13 @@ def test_killed_backup_leaves_no_file_named_like_a_backup(tmp_path):
     assert not list(tmp_path.glob(".store.db.bak-*.partial-*"))  # the killed copy's partial file is cleaned
     with sqlite3.connect(str(copy)) as conn:
         assert conn.execute("SELECT label FROM scorers").fetchall() == [("l",)]
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://user:s3cret@host:notaport/db", "postgresql://[::1", "postgres://u:s3cret@h:99999999999/x"]
+)
+def test_a_malformed_postgresql_url_is_one_line_with_its_password_masked(url, runner):
+    result = runner.invoke(cli, ["--db", url, "status"])
+    assert result.exit_code == 1 and (result.exception is None or isinstance(result.exception, SystemExit))
+    assert "Error: " in result.output and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "s3cret" not in result.output

@@ -163,6 +163,43 @@ def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
     assert len([e for e in els if "step" in _cls(e)]) == 2
 
 
+def test_show_and_sql_never_send_terminal_escapes(store: Store, runner, tmp_path: Path) -> None:
+    """Trajectory text is shown, never acted on: escape sequences, bells, bidi overrides."""
+    nasty = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202eevil\x9b"
+    episode = {
+        "episode_id": "e\x1b[1m1",
+        "reward": 0.7,
+        "messages": [
+            {"role": "user", "content": f"task {nasty}"},
+            {"role": "assistant", "content": f"I will {nasty}"},
+            {"role": "tool", "name": "bash", "tool_call_id": "c1", "content": f"out {nasty}"},
+            {"role": "assistant", "content": f"done {nasty}"},
+        ],
+    }
+    (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
+    ingest(store, [tmp_path / "eps.jsonl"])
+    add_scorer(store, "sc")
+    add_scores(store, "sc", seed=1)
+    compute_credits(store)
+    name = store.query("SELECT name FROM episodes")[1][0][0]
+    db = store.display
+    unsafe = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
+    outputs = [
+        runner.invoke(cli, ["--db", db, "show", name]),
+        runner.invoke(
+            cli, ["--db", db, "sql", "SELECT e.name, m.content FROM messages m JOIN episodes e ON e.id = m.episode_id"]
+        ),
+    ]
+    for r in outputs:
+        assert r.exit_code == 0, r.output
+        assert not unsafe.search(r.output), repr(r.output)
+        assert "\\x1b" in r.output  # shown as its escape
+    assert "\\x1b]0;pwned\\x07" in outputs[1].output and "\\u202eevil" in outputs[1].output
+    # --json keeps the text exactly (JSON escapes it), for scripts
+    data = json.loads(runner.invoke(cli, ["--db", db, "sql", "SELECT content FROM messages", "--json"]).output)
+    assert any(nasty in row["content"] for row in data)
+
+
 def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_model_dir: Path) -> None:
     db = scored.display
     r = runner.invoke(cli, ["--db", db, "show", "episode_002", "--credits", "r"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from hcapo_store import formatting
@@ -121,7 +123,7 @@ def sql(state: Ctx, query: str, fmt: str, as_json: bool, write: bool, timeout: f
     if not columns:
         click.echo("ok")
     elif fmt == "csv":
-        click.echo(formatting.to_csv(columns, rows), nl=False)
+        click.echo(formatting.to_csv(columns, rows, terminal=sys.stdout.isatty()), nl=False)
     elif fmt == "json":
         click.echo(formatting.to_json(columns, rows))
     else:

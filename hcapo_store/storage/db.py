@@ -146,6 +146,11 @@ def make_engine(url: str) -> Engine:
             engine = create_engine(url, pool_pre_ping=True)
     except (SQLAlchemyError, ImportError) as exc:
         raise StoreError(f"cannot open database {display_url(url)}: {exc}") from exc
+    except ValueError as exc:  # a URL SQLAlchemy cannot parse (a port that is not a number, ...)
+        raise StoreError(
+            f"cannot open database {display_url(url)}: the URL is malformed ({exc}); "
+            "write it as postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
+        ) from exc
     return engine
 
 

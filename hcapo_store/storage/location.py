@@ -29,4 +29,9 @@ def display_url(url: str) -> str:
         return url[len("sqlite:///") :]
     from sqlalchemy.engine import make_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL is still shown, its password masked
+        from hcapo_store.masking import mask_url
+
+        return mask_url(url)
