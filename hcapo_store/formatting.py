@@ -10,7 +10,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-
 # Control characters (ESC starts terminal escape sequences; C1 controls; bidi overrides and
 # isolates reorder what a terminal shows) and line breaks, which would split a table row.
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")

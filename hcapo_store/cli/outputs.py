@@ -227,7 +227,9 @@ def show(
         echo_json({"episode": view.episode.name, "run": view.run.name if view.run else None, "steps": rows})
     else:
         where = f"credit run {view.run.name!r}" if view.run else "no credit run"
-        click.echo(f"episode {formatting.for_terminal(view.episode.name)}: reward {view.episode.outcome.reward}, {len(rows)} step(s), {where}")
+        click.echo(
+            f"episode {formatting.for_terminal(view.episode.name)}: reward {view.episode.outcome.reward}, {len(rows)} step(s), {where}"
+        )
         if rows:
             click.echo(formatting.records_table(rows))
     if out_html:
