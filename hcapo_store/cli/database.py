@@ -47,6 +47,43 @@ def db_current(state: Ctx) -> None:
     )
 
 
+@db.command("reader-role", epilog="Reference: docs/PROMISES.md in the hcapo-store repository.")
+@click.option("--name", default="hcapo_store_reader", show_default=True, help="The role's name.")
+@click.option(
+    "--password-env",
+    metavar="VAR",
+    help="Give the role the password in this environment variable (else it logs in as the server allows: "
+    "trust, peer or .pgpass).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def db_reader_role(state: Ctx, name: str, password_env: str | None, as_json: bool) -> None:
+    """PostgreSQL: create a login role that can only read the store; `sql` then runs as it.
+
+    The role gets SELECT on the store's tables (and on the tables later upgrades add), read-only
+    transactions and a statement time limit; nothing else. `sql` connects as it by itself when it
+    is named hcapo_store_reader (with HCAPO_STORE_READER_PASSWORD as its password when the server
+    asks for one), or through HCAPO_STORE_READER_URL.
+    """
+    import os
+
+    from hcapo_store.storage.reader import create_reader_role
+
+    password = None
+    if password_env is not None:
+        password = os.environ.get(password_env)
+        if not password:
+            raise click.UsageError(f"--password-env {password_env}: that environment variable is not set")
+    role = create_reader_role(state.store(create=False), name, password)
+    if as_json:
+        echo_json({"name": role.name, "created": role.created, "tables": role.tables, "url": role.url})
+        return
+    click.echo(
+        f"{'created' if role.created else 'updated'} role {role.name}: SELECT on the store's {role.tables} "
+        f"tables and nothing else; `hcapo-store sql` runs as it ({role.url})"
+    )
+
+
 @db.command("upgrade")
 @click.option("--no-backup", is_flag=True, help="Skip the SQLite backup copy taken before upgrading.")
 @pass_ctx
@@ -119,7 +156,7 @@ def sql(state: Ctx, query: str, fmt: str, as_json: bool, write: bool, timeout: f
     if as_json and fmt not in ("table", "json"):
         raise click.UsageError(f"--json and --format {fmt} ask for two formats: pick one")
     fmt = "json" if as_json else fmt
-    columns, rows = state.store(create=False).query(query, read_only=not write, timeout=timeout)
+    columns, rows = state.store(create=False).query(query, read_only=not write, timeout=timeout, as_reader=True)
     if not columns:
         click.echo("ok")
     elif fmt == "csv":

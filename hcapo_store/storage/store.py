@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from hcapo_store.errors import StoreError
@@ -17,6 +19,9 @@ from hcapo_store.storage import db, readonly
 class Store:
     url: str
     engine: Engine
+    # User SQL's own connection on PostgreSQL (``reader.py``): opened at the first such query.
+    _reader: Engine | None = field(default=None, repr=False)
+    _reader_checked: bool = field(default=False, repr=False)
 
     @classmethod
     def open(cls, location: str | None = None, *, create: bool = True) -> Store:
@@ -47,6 +52,8 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._reader is not None:
+            self._reader.dispose()
 
     def __enter__(self) -> Store:
         return self
@@ -55,18 +62,29 @@ class Store:
         self.close()
 
     def query(
-        self, sql: str, params: dict[str, Any] | None = None, *, read_only: bool = True, timeout: float | None = None
+        self,
+        sql: str,
+        params: dict[str, Any] | None = None,
+        *,
+        read_only: bool = True,
+        timeout: float | None = None,
+        as_reader: bool = False,
     ) -> tuple[list[str], list[tuple]]:
         """Run one SQL statement; read-only unless asked (``storage/readonly.py``: SQLite's
         authorizer; PostgreSQL: a rolled-back ``READ ONLY`` transaction without server
         functions that have side effects). ``params`` are named (``:name``). ``timeout``:
         seconds the statement may run (then it is stopped, on the server for PostgreSQL);
-        Ctrl-C stops it too (``KeyboardInterrupt``)."""
+        Ctrl-C stops it too (``KeyboardInterrupt``). ``as_reader`` (SQL a user wrote): on
+        PostgreSQL, run it as the role that can only read the store when there is one
+        (``storage/reader.py``)."""
+        engine = self.engine
         if read_only and self.dialect == "postgresql":
             readonly.pg_check(sql)
+            if as_reader:
+                engine = self._reader_engine() or self.engine
         guard = None
         try:
-            with self.engine.connect() as conn, readonly.stoppable(conn, timeout) as stop:
+            with _connect(engine, self) as conn, readonly.stoppable(conn, timeout) as stop:
                 if read_only:
                     guard = _enter_read_only(conn)
                 try:
@@ -86,10 +104,39 @@ class Store:
                 raise StoreError(f"SQL error: {exc}") from exc
             raise
 
+    def _reader_engine(self) -> Engine | None:
+        if not self._reader_checked:
+            from hcapo_store.storage.reader import reader_url
+
+            url = reader_url(self)
+            self._reader = None if url is None else db.make_engine(url)
+            self._reader_checked = True
+        return self._reader
+
     @property
     def files(self) -> list[Path]:
         """The database's file (SQLite), to keep outputs from overwriting it."""
         return [Path(self.display)] if self.dialect == "sqlite" else []
+
+
+@contextmanager
+def _connect(engine: Engine, store: Store) -> Iterator[Connection]:
+    """A connection; one as the reader role that cannot be made says how to fix it."""
+    try:
+        conn = engine.connect()
+    except SQLAlchemyError as exc:
+        if engine is store.engine:
+            raise
+        from hcapo_store.storage.reader import ENV_READER_PASSWORD, ENV_READER_URL
+
+        user = engine.url.username
+        orig = getattr(exc, "orig", None) or exc
+        raise StoreError(
+            f"read-only SQL runs as the reader role {user!r}, which cannot connect: {str(orig).strip()}; "
+            f"set {ENV_READER_PASSWORD} (or {ENV_READER_URL}), or recreate it with `hcapo-store db reader-role`"
+        ) from exc
+    with conn:
+        yield conn
 
 
 def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
