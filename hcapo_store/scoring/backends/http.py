@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -100,14 +101,29 @@ class HttpClient:
     async def get_json(self, path: str) -> Any:
         return await self._request("GET", path, None)
 
-    async def post_json(self, path: str, payload: Any, headers: dict[str, str] | None = None) -> Any:
-        return await self._request("POST", path, payload, headers)
+    async def post_json(
+        self,
+        path: str,
+        payload: Any,
+        headers: dict[str, str] | None = None,
+        *,
+        decode: Callable[[bytes], Any] = orjson.loads,
+    ) -> Any:
+        """POST ``payload`` as JSON; the answer decoded by ``decode`` (JSON by default)."""
+        return await self._request("POST", path, payload, headers, decode)
 
     async def _trace(self, name: str, info: dict[str, Any]) -> None:
         if name.endswith((".connect_tcp.complete", ".connect_unix_socket.complete")):
             self.connections_opened += 1
 
-    async def _request(self, method: str, path: str, payload: Any, extra: dict[str, str] | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: Any,
+        extra: dict[str, str] | None = None,
+        decode: Callable[[bytes], Any] = orjson.loads,
+    ) -> Any:
         where = f"{method} {self.display_url}{path}"
         try:
             status, headers, body = await asyncio.wait_for(self._exchange(method, path, payload, extra), self.deadline)
@@ -130,7 +146,7 @@ class HttpClient:
                 f"http_{status}", f"{method} {path}: {text}", retryable=retryable, retry_after=_retry_after(headers)
             )
         try:
-            return orjson.loads(body)
+            return decode(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # orjson's error is a JSONDecodeError
             raise InferenceError(
                 "bad_response",

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens, routing_headers
@@ -62,7 +63,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
             retryable=status is None or status in (408, 429) or (isinstance(status, int) and status >= 500),
         )
     entries = meta.get("input_token_logprobs")
-    if not isinstance(entries, list):
+    if not isinstance(entries, (list, FlatEntries)):
         raise _bad("response has no input_token_logprobs (was return_logprob honoured?)")
     ids = prompt.input_ids
     start = prompt.first_scored - 1
@@ -78,9 +79,11 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
             f"server counted {prompt_tokens} prompt tokens, we sent {len(ids)} (truncated by the server?)",
             retryable=False,
         )
-    logprobs = _fast_logprobs(entries, ids, start)
+    logprobs = (
+        _fast_flat(entries, ids, start) if isinstance(entries, FlatEntries) else _fast_logprobs(entries, ids, start)
+    )
     if logprobs is None:
-        logprobs = _checked_logprobs(entries, ids, start)
+        logprobs = _checked_logprobs(entries.as_list() if isinstance(entries, FlatEntries) else entries, ids, start)
     return BackendScore(
         logprobs=logprobs,
         prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
@@ -101,6 +104,68 @@ def _fast_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[f
         return None
     values = [e[0] for e in entries[1:]]
     if not set(map(type, values)) <= _NUMBER_TYPES:
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
+        return None
+    return np.minimum(array, 0.0).tolist()
+
+
+class FlatEntries:
+    """``input_token_logprobs`` decoded flat (``[lp, id, null, lp, id, null, …]``): one list of
+    numbers instead of one small list per position (``decode_generate``)."""
+
+    __slots__ = ("flat", "raw")
+
+    def __init__(self, flat: list[Any], raw: bytes) -> None:
+        self.flat, self.raw = flat, raw
+
+    def __len__(self) -> int:
+        return len(self.flat) // 3
+
+    def as_list(self) -> list[Any]:
+        """The entries as the server wrote them (for the entry-by-entry check and its message)."""
+        return list(orjson.loads(self.raw))
+
+
+_LOGPROBS_KEY = b'"input_token_logprobs":['
+
+
+def decode_generate(body: bytes) -> Any:
+    """A ``/generate`` response: its ``input_token_logprobs`` decoded as :class:`FlatEntries`
+    when it is exactly ``[[lp, id, null], …]`` (the shape SGLang writes without text), every
+    other part as JSON. Anything else, or a body with several of them, is decoded whole:
+    the checks of ``parse_response`` then see it as sent."""
+    at = body.find(_LOGPROBS_KEY)
+    if at < 0 or body.find(_LOGPROBS_KEY, at + 1) >= 0:
+        return orjson.loads(body)
+    a = at + len(_LOGPROBS_KEY) - 1  # the array's "["
+    end = body.find(b"]]", a)
+    if end < 0 or body[a + 1 : a + 2] != b"[":
+        return orjson.loads(body)
+    inner = body[a + 1 : end + 1]  # "[lp,id,null],…,[lp,id,null]"
+    k = inner.count(b"[")
+    if not (inner.count(b"]") == k and inner.count(b"],[") == k - 1 and inner.count(b",null]") == k):
+        return orjson.loads(body)
+    try:
+        flat = orjson.loads(b"[" + inner.translate(None, b"[]") + b"]")
+        rest = orjson.loads(body[:a] + b"[]" + body[end + 2 :])
+    except orjson.JSONDecodeError:
+        return orjson.loads(body)
+    meta = rest.get("meta_info") if isinstance(rest, dict) else None
+    if len(flat) != 3 * k or not isinstance(meta, dict) or meta.get("input_token_logprobs") != []:
+        return orjson.loads(body)
+    meta["input_token_logprobs"] = FlatEntries(flat, body[a : end + 2])
+    return rest
+
+
+def _fast_flat(entries: FlatEntries, ids: Sequence[int], start: int) -> list[float] | None:
+    """:func:`_fast_logprobs` on flat entries; None when anything is off (then entry by entry)."""
+    flat = entries.flat
+    if not flat or flat[2::3].count(None) != len(entries) or flat[1::3] != ids[start:]:
+        return None
+    values = flat[3::3]
+    if not set(map(type, values)) <= _NUMBER_TYPES or not set(map(type, flat[1::3])) <= {int}:
         return None
     array = np.asarray(values, dtype=np.float64)
     if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
@@ -213,7 +278,10 @@ class SGLangBackend(HttpBackend):
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
         body = await self._started().post_json(
-            "/generate", build_payload(prompt, max_new_tokens=self.max_new_tokens), routing_headers(prompt)
+            "/generate",
+            build_payload(prompt, max_new_tokens=self.max_new_tokens),
+            routing_headers(prompt),
+            decode=decode_generate,
         )
         await self.verify_model()
         self._check_weight_version(body)
