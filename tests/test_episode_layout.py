@@ -169,6 +169,25 @@ def test_the_floor_counted_on_the_placed_rendering_equals_its_own_rendering(trai
     assert plan_requests_and_floor(builder, messages, outcome, steps, steps)[1] == own
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_episodes_prepared_side_by_side_equal_one_at_a_time(name):
+    """The scheduler prepares episode-layout episodes in several threads at once (no lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    builder = PromptBuilder(real_tokenizer(name), layout="episode", max_context=3000)
+    assert builder.thread_safe and not PromptBuilder(real_tokenizer(name)).thread_safe
+    cases = [episode(seed, steps=16, tool_chars=900) for seed in range(8)]
+
+    def plan(case):  # noqa: ANN001, ANN202
+        messages, outcome, steps = case
+        return plan_requests_and_floor(builder, messages, outcome, steps, steps)
+
+    alone = [plan(c) for c in cases]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            assert list(pool.map(plan, cases * 2)) == alone * 2
+
+
 def test_windows_stay_within_budget_and_score_every_step_once(demo_tokenizer_dir):
     tok = load_tokenizer(demo_tokenizer_dir)
     messages, outcome, steps = episode(7, steps=30, tool_chars=300)

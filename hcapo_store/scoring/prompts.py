@@ -404,7 +404,13 @@ class PromptBuilder:
 
     def anchor_ids(self, first: dict) -> list[int]:
         """The first message (hindsight block included) alone: what a truncated prompt keeps."""
-        return self.encoder.encode_whole(self._render([first], generation=False))
+        return self.encoder.encode_once(self._render([first], generation=False))
+
+    @property
+    def thread_safe(self) -> bool:
+        """Whether episodes may be prepared in several threads at once: the episode layout
+        keeps no token cache and, on the fast path, tokenizes through the backend only."""
+        return self.layout == "episode" and self.encoder.fast_path_off_reason is None
 
     @functools.cached_property
     def top_token_id(self) -> int:

@@ -219,7 +219,10 @@ class Scheduler:
         self._transport_failures = 0  # consecutive, across episodes
         self._probe_lock: asyncio.Lock | None = None
         self._claimed = 0
-        self._build_lock = threading.Lock()  # the PromptBuilder's token caches are not thread-safe
+        # The per-step layout's token caches are not thread-safe; the episode layout keeps none
+        # and tokenizes through the backend alone, so episodes are prepared side by side (the
+        # backend releases the GIL while it encodes).
+        self._build_lock = contextlib.nullcontext() if builder.thread_safe else threading.Lock()
 
     def stop(self) -> None:
         """Stop claiming; in-flight requests finish (within the grace period); the rest is released."""
