@@ -361,3 +361,44 @@ def test_no_hindsight_is_a_baseline_scorer_without_the_outcome(scored, ref, tiny
     hind, plain = stored_scores(store, prep.scorer_id), stored_scores(store, base.scorer_id)
     assert {k: v[2] for k, v in hind.items()} == {k: v[2] for k, v in plain.items()}
     assert any(abs(hind[k][0] - plain[k][0]) > 1e-4 for k in hind)
+
+
+def test_a_held_database_lock_does_not_stop_requests(tmp_path, ref, tiny_model_dir, monkeypatch):
+    """Results are written off the event loop: while another process holds the write lock
+    for a long time, requests go on (the results wait in memory) and every one is stored after."""
+    import sqlite3
+    import threading
+
+    from _waiting import wait_until
+
+    monkeypatch.setenv("HCAPO_STORE_BUSY_TIMEOUT", "3600")  # a writer would wait, not fail
+    root = tmp_path / "eps"
+    write_standard_episodes(root, 1, steps_per_subtask=8, output_words=10)
+    path = tmp_path / "locked.db"
+    store = Store.open(str(path))
+    ingest(store, [root])
+    total = _steps(store)
+    assert total >= 20
+    prep = prepare(store, _cfg(ref, tiny_model_dir))
+    reports: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: reports.append(run_scoring(store, prep, RunOptions(concurrency=1, grouping="none"))),
+        daemon=True,
+    )
+    runner.start()
+    wait_until(lambda: count(store, "SELECT COUNT(*) FROM scores") >= 1, "a first result is stored")
+    lock = sqlite3.connect(path, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")  # another writer holds the database from now on
+    try:
+        stored, served = count(store, "SELECT COUNT(*) FROM scores"), ref.requests
+        assert total - stored >= 8
+        wait_until(lambda: ref.requests >= served + 5, "requests go on while the lock is held", timeout=600)
+        assert count(store, "SELECT COUNT(*) FROM scores") == stored  # nothing written meanwhile
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    runner.join(timeout=600)
+    assert not runner.is_alive() and reports, "the run finishes once the lock is gone"
+    assert reports[0].scored == total and reports[0].failed == 0
+    assert count(store, "SELECT COUNT(*) FROM scores") == total
+    store.close()

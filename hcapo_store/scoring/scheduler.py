@@ -206,6 +206,8 @@ class Scheduler:
         self.on_progress = on_progress
         self.report = ScoreReport(scorer_id=scorer_id, worker_id=self.worker)
         self._pending: list[work_queue.StepResult] = []
+        self._inflight: tuple[asyncio.Future[tuple[int, int, int]], _Batch] | None = None  # a write off the loop
+        self._flush_now: asyncio.Event | None = None  # set when a full batch waits
         self._pending_floors: list[tuple[int, int]] = []  # (episode id, conversation tokens)
         self._pending_tokens = 0
         self._stopping = threading.Event()
@@ -256,6 +258,7 @@ class Scheduler:
         work_queue.register_worker(self.store, self.worker, self.scorer_id)
         loop = asyncio.get_running_loop()
         self._loop, self._stop_requested, self._probe_lock = loop, asyncio.Event(), asyncio.Lock()
+        self._flush_now = asyncio.Event()
         if self._stopping.is_set():
             self._stop_requested.set()
         installed = _install_sigint(loop, self.stop)
@@ -271,6 +274,7 @@ class Scheduler:
         finally:
             flusher.cancel()
             beats.cancel()
+            await self._settle()
             write_error = self._drain() or self._gave_up
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
@@ -547,38 +551,109 @@ class Scheduler:
             self.report.failure_kinds[outcome.error_kind] += 1
             self.report.note_error(outcome.error_kind, outcome.error or "")
         self._pending.append(outcome)
-        if len(self._pending) >= FLUSH_RESULTS and not self._flush_failures:
-            self._try_flush()
+        if len(self._pending) >= FLUSH_RESULTS and not self._flush_failures and self._flush_now is not None:
+            self._flush_now.set()  # the flush loop writes them (off this thread) at once
 
-    def _flush(self) -> None:
-        """Write the pending batch in one transaction; on failure it stays pending."""
-        if not self._pending and not self._pending_floors:
-            return
+    # The pending batch is taken on the event loop's thread and written in a worker thread:
+    # a database lock held for seconds (another writer, a checkpoint) never stops the loop
+    # from sending requests and reading answers. A batch whose write fails goes back in
+    # front of what arrived meanwhile.
+
+    def _take(self) -> _Batch:
+        batch = _Batch(self._pending, self._pending_floors, self._pending_tokens)
+        self._pending, self._pending_floors, self._pending_tokens = [], [], 0
+        return batch
+
+    def _write(self, batch: _Batch) -> tuple[int, int, int]:
+        """One transaction (any thread): (scored, failed, discarded)."""
         with db.write(self.store.engine) as conn:
-            scored, failed, discarded = work_queue.write_results(conn, self.scorer_id, self.worker, self._pending)
-            work_queue.write_floors(conn, self.scorer_id, self._pending_floors)
-        self._pending, self._pending_floors = [], []
-        tokens, self._pending_tokens = self._pending_tokens, 0
+            counts = work_queue.write_results(conn, self.scorer_id, self.worker, batch.results)
+            work_queue.write_floors(conn, self.scorer_id, batch.floors)
+        return counts
+
+    def _put_back(self, batch: _Batch) -> None:
+        self._pending[:0] = batch.results
+        self._pending_floors[:0] = batch.floors
+        self._pending_tokens += batch.tokens
+
+    def _landed(self, batch: _Batch, counts: tuple[int, int, int]) -> None:
+        scored, failed, discarded = counts
         self.report.scored += scored
         self.report.failed += failed
         self.report.discarded += discarded
-        self.report.prompt_tokens += tokens
+        self.report.prompt_tokens += batch.tokens
         if self.on_progress is not None:
             self.on_progress(self.report)
+
+    def _flush(self) -> None:
+        """Write the pending batch here, in one transaction; on failure it stays pending."""
+        if not self._pending and not self._pending_floors:
+            return
+        batch = self._take()
+        try:
+            counts = self._write(batch)
+        except BaseException:
+            self._put_back(batch)
+            raise
+        self._landed(batch, counts)
+
+    async def _flush_off_loop(self) -> None:
+        """:meth:`_flush` with the write in a worker thread. Cancelled while it writes, the
+        write goes on: :meth:`_settle` (before the last write) waits for its outcome."""
+        if not self._pending and not self._pending_floors:
+            return
+        batch = self._take()
+        future = asyncio.get_running_loop().run_in_executor(None, self._write, batch)
+        self._inflight = (future, batch)
+        try:
+            counts = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._inflight = None
+            self._put_back(batch)
+            raise
+        self._inflight = None
+        self._landed(batch, counts)
+
+    async def _settle(self) -> None:
+        """The outcome of a write the cancelled flush loop left running."""
+        if self._inflight is None:
+            return
+        future, batch = self._inflight
+        self._inflight = None
+        try:
+            counts = await future
+        except Exception:  # noqa: BLE001 - the batch is pending again; the last write retries it
+            self._put_back(batch)
+            return
+        self._landed(batch, counts)
+
+    def _failed_write(self, exc: StoreError) -> None:
+        self._flush_failures += 1
+        self._write_error = exc
+        log.warning(
+            "writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
+            len(self._pending),
+            self._flush_failures,
+            FLUSH_ATTEMPTS,
+            exc,
+        )
+
+    async def _try_flush_off_loop(self) -> bool:
+        try:
+            await self._flush_off_loop()
+        except StoreError as exc:
+            self._failed_write(exc)
+            return False
+        self._flush_failures, self._write_error = 0, None
+        return True
 
     def _try_flush(self) -> bool:
         try:
             self._flush()
         except StoreError as exc:
-            self._flush_failures += 1
-            self._write_error = exc
-            log.warning(
-                "writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
-                len(self._pending),
-                self._flush_failures,
-                FLUSH_ATTEMPTS,
-                exc,
-            )
+            self._failed_write(exc)
             return False
         self._flush_failures, self._write_error = 0, None
         return True
@@ -587,10 +662,13 @@ class Scheduler:
         return backoff_delay(self._flush_failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP)
 
     async def _flush_loop(self) -> None:
+        assert self._flush_now is not None
         delay = FLUSH_SECONDS
         while True:
-            await asyncio.sleep(delay)
-            if self._try_flush():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._flush_now.wait(), delay)
+            self._flush_now.clear()
+            if await self._try_flush_off_loop():
                 delay = FLUSH_SECONDS
             elif self._flush_failures >= FLUSH_ATTEMPTS:
                 self._gave_up = self._write_error
@@ -618,6 +696,15 @@ class Scheduler:
                 scored=self.report.scored,
                 failed=self.report.failed,
             )
+
+
+@dataclass
+class _Batch:
+    """Results taken from the pending list for one write."""
+
+    results: list[work_queue.StepResult]
+    floors: list[tuple[int, int]]
+    tokens: int
 
 
 def _install_sigint(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> bool:
