@@ -243,8 +243,14 @@ def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_
     assert r.exit_code == 1 and "no episode 'no_such_episode'" in r.output and "Traceback" not in r.output
 
 
-def test_report_links_episode_pages(scored: Store, tmp_path: Path) -> None:
+def test_report_links_episode_pages(scored: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hcapo_store.credits import runs
+
+    scans: list[str] = []
+    real = runs.run_staleness
+    monkeypatch.setattr(runs, "run_staleness", lambda conn, run: scans.append(run.name) or real(conn, run))
     out = write_report(scored, tmp_path / "rep.html", "r", episode_pages=True)
+    assert scans == ["r"]  # the run is resolved (and its staleness scanned) once, not once per page
     page = Path(out["path"]).read_text()
     links = re.findall(r'href="(rep_episodes/[^"]+)"', page)
     assert len(links) == 2 and 'id="episodes"' in page

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.credits.runs import RunInfo, get_run, resolve_run
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
@@ -204,14 +204,14 @@ def _warnings(s: dict[str, Any], c_min: float, c_max: float) -> list[dict[str, s
 
 def diagnose_run(
     store: Store,
-    run_name: str | None,
+    run_name: RunInfo | str | None,
     *,
     other_run: str | None = None,
     group_by: str | None = None,
     baseline_scorer: str | None = None,
 ) -> dict[str, Any]:
     """The numbers of the module doc for one credit run, as one JSON-ready dict."""
-    run = get_run(store, run_name)
+    run = resolve_run(store, run_name)
     params = run.credit_params
     with db.read(store.engine) as conn:
         steps = _load(conn, run, group_by)

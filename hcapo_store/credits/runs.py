@@ -225,6 +225,12 @@ def get_run(store: Store, name: str | None = None) -> RunInfo:
     raise CreditError(f"no credit run named {name!r} (runs: {known})")
 
 
+def resolve_run(store: Store, run: RunInfo | str | None) -> RunInfo:
+    """``run`` itself when it is already resolved, else :func:`get_run` (callers that show a
+    run in several places resolve it once and pass it down: each lookup scans for staleness)."""
+    return run if isinstance(run, RunInfo) else get_run(store, run)
+
+
 def list_runs(store: Store) -> list[RunInfo]:
     """Every credit run, oldest first."""
     with db.read(store.engine) as conn:

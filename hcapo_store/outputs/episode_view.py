@@ -26,7 +26,7 @@ from urllib.parse import quote
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.credits.runs import RunInfo, resolve_run
 from hcapo_store.outputs.colors import diverging, legend_gradient, tint
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_spec
@@ -89,28 +89,30 @@ def _find_episode(conn: Connection, name: str, run: RunInfo | None) -> int:
     return int(conn.execute(text(FIND_SQL), {"key": key, "run": run.id if run else -1}).scalar_one())
 
 
-def _runs_or_none(store: Store, run_name: str | None) -> RunInfo | None:
+def _runs_or_none(store: Store, run_name: RunInfo | str | None) -> RunInfo | None:
     if run_name is None and not store.query("SELECT 1 FROM credit_runs LIMIT 1")[1]:
         return None
-    return get_run(store, run_name)
+    return resolve_run(store, run_name)
 
 
 def episode_view(
     store: Store,
     name: str,
-    run_name: str | None = None,
+    run_name: RunInfo | str | None = None,
     *,
     tokenizer: str | Path | None = None,
     tokens: TokenRebuilder | None = None,
+    episode_id: int | None = None,
 ) -> EpisodeView:
     """One episode with its steps, the run's credits (default: the only run, or none when
-    there is no run) and the scorer's per-token logprobs; ``tokenizer`` (the scorer's
-    tokenizer directory) adds the decoded tokens for the heat map (``tokens``: a
-    ``TokenRebuilder`` reused across episodes instead)."""
+    there is no run; a resolved ``RunInfo`` is used as it is) and the scorer's per-token
+    logprobs; ``tokenizer`` (the scorer's tokenizer directory) adds the decoded tokens for the
+    heat map (``tokens``: a ``TokenRebuilder`` reused across episodes instead).
+    ``episode_id``: the version already found (a page of a run's episode list)."""
     run = _runs_or_none(store, run_name)
     scorer_id = run.scorer_id if run else None
     with db.read(store.engine) as conn:
-        episode = load_episode(conn, _find_episode(conn, name, run))
+        episode = load_episode(conn, episode_id if episode_id is not None else _find_episode(conn, name, run))
         rows = {
             r[0]: r
             for r in conn.execute(
@@ -484,7 +486,7 @@ def write_episode_page(
 
 
 EPISODES_SQL = """
-SELECT e.name, e.reward, COUNT(*) AS steps, MIN(c.rho_raw) AS rho_min, MAX(c.rho_raw) AS rho_max,
+SELECT e.id, e.name, e.reward, COUNT(*) AS steps, MIN(c.rho_raw) AS rho_min, MAX(c.rho_raw) AS rho_max,
        SUM(CASE WHEN c.rho <> c.rho_raw THEN 1 ELSE 0 END) AS clipped, AVG(c.q_h_smoothed) AS q_h_smoothed
 FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
 WHERE c.run_id = :run
@@ -496,19 +498,19 @@ ORDER BY e.name, e.id
 def write_episode_pages(
     store: Store,
     out_dir: Path | str,
-    run_name: str | None = None,
+    run_name: RunInfo | str | None = None,
     *,
     tokenizer: str | Path | None = None,
     back_link: str | None = None,
 ) -> list[dict[str, Any]]:
     """One page per episode the run credits, in ``out_dir``; returns the index rows (with ``file``)."""
-    run = get_run(store, run_name)
+    run = resolve_run(store, run_name)
     with db.read(store.engine) as conn:
         rows = [dict(r) for r in conn.execute(text(EPISODES_SQL), {"run": run.id}).mappings()]
     out = Path(out_dir)
     tokens = TokenRebuilder(store, run.scorer_id, tokenizer) if tokenizer is not None else None
     for row in rows:
-        view = episode_view(store, row["name"], run.name, tokens=tokens)
+        view = episode_view(store, row["name"], run, tokens=tokens, episode_id=row["id"])
         page = episode_page(view, back_link=back_link)
         row["file"] = page_filename(row["name"])
         _write_html(out / row["file"], page, store.files)

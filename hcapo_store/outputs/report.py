@@ -20,7 +20,7 @@ from sqlalchemy import text
 
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.diagnose import diagnose_run
-from hcapo_store.credits.runs import get_run
+from hcapo_store.credits.runs import RunInfo, get_run, resolve_run
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_counts
 from hcapo_store.storage import db
@@ -376,9 +376,9 @@ def _diagnostics_html(d: dict[str, Any]) -> str:
     )
 
 
-def build_report(store: Store, run_name: str | None = None, extra: str | None = None) -> str:
+def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str | None = None) -> str:
     """The report's HTML text (``extra``: HTML appended at the end, e.g. the episode index)."""
-    run = get_run(store, run_name)
+    run = resolve_run(store, run_name)
     p = run.params
     arrays = _credit_arrays(store, run.id)
     positions = _positions(store, run.id)
@@ -433,7 +433,7 @@ def build_report(store: Store, run_name: str | None = None, extra: str | None = 
         else ""
     )
 
-    diag = diagnose_run(store, run.name)
+    diag = diagnose_run(store, run)
     hyper = [(k, json.dumps(v)) for k, v in p.items()]
     sections = [
         f"<h1>hcapo-store credit report: {html.escape(run.name)}</h1>",
@@ -520,18 +520,16 @@ def write_report(
     """
     out = Path(out_html)
     check_output(out, store.files)
+    run = get_run(store, run_name)  # once: the pages and the report share it
     extra = None
     if episode_pages:
         from hcapo_store.outputs.episode_view import episode_index_html, write_episode_pages
 
         folder = f"{out.stem}_episodes"
-        rows = write_episode_pages(
-            store, out.parent / folder, run_name, tokenizer=tokenizer, back_link=f"../{out.name}"
-        )
+        rows = write_episode_pages(store, out.parent / folder, run, tokenizer=tokenizer, back_link=f"../{out.name}")
         extra = '<h2 id="episodes">Episodes</h2>' + episode_index_html(rows, folder)
-    page = build_report(store, run_name, extra)
+    page = build_report(store, run, extra)
     atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
-    run = get_run(store, run_name)
     return {
         "path": str(out),
         "run": run.name,
