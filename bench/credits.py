@@ -6,7 +6,7 @@
 Builds a database directly with bulk inserts (episodes, steps, scores; no ingest, no
 model), then measures `compute_credits` in a fresh child process so that its peak RSS
 (resource.getrusage) is the computation's own, and finally runs the plain-Python reference
-(`tests/reference_hcapo.py`) on the same data in memory in that process for the speed ratio
+(`hcapo_store/devkit/original_math.py`) on the same data in memory in that process for the speed ratio
 and a numeric cross-check.
 """
 
@@ -25,7 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 from hcapo_store.credits.equations import CreditParams  # noqa: E402
 from hcapo_store.credits.runs import compute_credits  # noqa: E402
@@ -112,7 +111,7 @@ def build(path: Path, episodes: int, steps: int, seed: int = 0) -> None:
 
 
 def measure(path: Path, params: CreditParams) -> dict:
-    from reference_hcapo import compute_ratios_and_qh
+    from hcapo_store.devkit.original_math import compute_ratios_and_qh
 
     store = Store.open(str(path))
     with db.write(store.engine) as conn:  # a reused database: time a fresh run, not a delete

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reference_hcapo import compute_ratios_and_qh
 from sqlalchemy import text
 
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, iter_step_deltas, list_runs, show_run
+from hcapo_store.devkit.original_math import compute_ratios_and_qh
 from hcapo_store.errors import CreditError
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.storage import db

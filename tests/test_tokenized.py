@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, real_tokenizer
-from reference_hcapo import build_hcapo_rows
 from test_credits import add_scorer, add_scores
 from test_export import _reference_inputs
 
 from hcapo_store.cli import cli
 from hcapo_store.credits.runs import compute_credits
+from hcapo_store.devkit.original_math import build_hcapo_rows
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.alignment import EpisodeRenderer
 from hcapo_store.outputs.export import export_dataset

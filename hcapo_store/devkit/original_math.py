@@ -2,7 +2,9 @@
 
 Written straight from docs/ORIGINAL.md §2 (``compute_ratios_and_qh``) and §3
 (``build_hcapo_dataset.py``): lists, dicts and loops, no numpy, no code shared with
-``hcapo_store.credits.equations``. Tests and ``bench/credits.py`` compare against it.
+``hcapo_store.credits.equations``. Tests and ``bench/credits.py`` compare against it; it
+ships in the toolkit so that a benchmark or a user can check the store's numbers against
+the original's math without a checkout's tests.
 """
 
 from __future__ import annotations
