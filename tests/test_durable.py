@@ -320,17 +320,9 @@ def test_locked_error_maps_at_the_boundary(ingested):
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MB tmpfs (needs root; skipped otherwise): a real full disk."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_disk(mount_tmpfs) -> Path:  # noqa: ANN001 - a conftest fixture
+    """A 2 MB tmpfs: a real full disk."""
+    return mount_tmpfs("2m")
 
 
 def test_ingest_on_a_full_disk_is_one_line_and_unchanged(small_disk, tmp_path):

@@ -125,6 +125,16 @@ def test_episode_page_structure_and_heat_maps(scored: Store, tiny_model_dir: Pat
     assert {e["attrs"]["id"] for e in els if e["tag"] == "input"} == {"m-rho", "m-q_h", "m-q_h_smoothed"}
 
 
+def _credited_jsonl_episode(store: Store, tmp_path: Path, episode: dict) -> str:
+    """One JSONL episode ingested, scored by a stored scorer and credited; its name."""
+    (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
+    ingest(store, [tmp_path / "eps.jsonl"])
+    add_scorer(store, "sc")
+    add_scores(store, "sc", seed=1)
+    compute_credits(store)
+    return store.query("SELECT name FROM episodes")[1][0][0]
+
+
 def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
     nasty = '<script>alert("x")</script> & <b>bold</b>'
     episode = {
@@ -147,12 +157,7 @@ def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
             {"role": "assistant", "content": "done </div></details>"},
         ],
     }
-    (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
-    ingest(store, [tmp_path / "eps.jsonl"])
-    add_scorer(store, "sc")
-    add_scores(store, "sc", seed=1)
-    compute_credits(store)
-    name = store.query("SELECT name FROM episodes")[1][0][0]
+    name = _credited_jsonl_episode(store, tmp_path, episode)
     out = write_episode_page(store, name, tmp_path / "e.html")
     page = Path(out["path"]).read_text()
     els = parse(page)  # would fail if "</div></details>" in content closed our tags
@@ -176,12 +181,7 @@ def test_show_and_sql_never_send_terminal_escapes(store: Store, runner, tmp_path
             {"role": "assistant", "content": f"done {nasty}"},
         ],
     }
-    (tmp_path / "eps.jsonl").write_text(json.dumps(episode) + "\n")
-    ingest(store, [tmp_path / "eps.jsonl"])
-    add_scorer(store, "sc")
-    add_scores(store, "sc", seed=1)
-    compute_credits(store)
-    name = store.query("SELECT name FROM episodes")[1][0][0]
+    name = _credited_jsonl_episode(store, tmp_path, episode)
     db = store.display
     unsafe = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
     outputs = [

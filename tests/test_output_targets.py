@@ -19,21 +19,12 @@ import pytest
 from click.testing import CliRunner
 from test_credits import add_scorer, add_scores
 from test_identity import jsonl_episode, write_jsonl
+from test_outputs_safety import credited  # noqa: F401 - the fixture
 
 from hcapo_store.cli import cli
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.storage.store import Store
-
-
-@pytest.fixture
-def credited(store: Store, samples: Path) -> Store:
-    ingest(store, [samples])
-    add_scorer(store, "sc", spec={"max_logprob_tokens": 2048})
-    add_scores(store, "sc", seed=5)
-    compute_credits(store, CreditParams(), name="r")
-    return store
 
 
 def _digest(path: Path) -> str:
@@ -62,8 +53,9 @@ def live_wal(tmp_path: Path) -> Iterator[Path]:
     conn.close()
 
 
+@pytest.mark.usefixtures("credited")
 @pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
-def test_outputs_never_go_onto_another_databases_side_files(credited, db_path, live_wal, suffix):
+def test_outputs_never_go_onto_another_databases_side_files(db_path, live_wal, suffix):
     target = live_wal.with_name(live_wal.name + suffix)
     before = _digest(target) if target.exists() else None
     for args in (
@@ -80,7 +72,8 @@ def test_outputs_never_go_onto_another_databases_side_files(credited, db_path, l
     check.close()
 
 
-def test_datasette_metadata_never_goes_onto_the_stores_own_wal(credited, db_path):
+@pytest.mark.usefixtures("credited")
+def test_datasette_metadata_never_goes_onto_the_stores_own_wal(db_path):
     target = Path(str(db_path) + "-wal")
     line = _one_line(CliRunner().invoke(cli, ["--db", str(db_path), "datasette-metadata", str(target)]))
     assert "refusing" in line
@@ -105,8 +98,9 @@ def _device(path: Path) -> Path:
     return path
 
 
+@pytest.mark.usefixtures("credited")
 @pytest.mark.parametrize("make", [_fifo, _socket, _device], ids=["fifo", "socket", "device"])
-def test_outputs_never_replace_a_fifo_socket_or_device(credited, db_path, tmp_path, make):
+def test_outputs_never_replace_a_fifo_socket_or_device(db_path, tmp_path, make):
     target = make(tmp_path / "target")
     kind = stat.S_IFMT(os.lstat(target).st_mode)
     for args in (["export", "dataset", str(target)], ["datasette-metadata", str(target)], ["report", str(target)]):
@@ -122,20 +116,13 @@ def test_outputs_never_replace_a_fifo_socket_or_device(credited, db_path, tmp_pa
 
 
 @pytest.fixture
-def full_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real file system with 64 KiB of room (tmpfs); skipped where mounting is not allowed."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+def full_disk(mount_tmpfs) -> Path:  # noqa: ANN001 - a conftest fixture
+    """64 KiB of room: less than an export needs."""
+    return mount_tmpfs("64k")
 
 
-def test_a_full_disk_while_exporting_is_one_line_and_leaves_nothing(credited, db_path, full_disk):
+@pytest.mark.usefixtures("credited")
+def test_a_full_disk_while_exporting_is_one_line_and_leaves_nothing(db_path, full_disk):
     (full_disk / "old.jsonl").write_bytes(b"the previous export\n")
     for target in ("new.jsonl", "old.jsonl"):
         r = CliRunner().invoke(
@@ -147,7 +134,8 @@ def test_a_full_disk_while_exporting_is_one_line_and_leaves_nothing(credited, db
     assert sorted(p.name for p in full_disk.iterdir()) == ["old.jsonl"]  # no temp file left
 
 
-def test_temp_files_of_a_killed_export_are_cleaned_by_the_next(credited, db_path, tmp_path):
+@pytest.mark.usefixtures("credited")
+def test_temp_files_of_a_killed_export_are_cleaned_by_the_next(db_path, tmp_path):
     out = tmp_path / "data.jsonl"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
