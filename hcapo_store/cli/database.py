@@ -74,7 +74,8 @@ def db_reader_role(state: Ctx, name: str, password_env: str | None, as_json: boo
         password = os.environ.get(password_env)
         if not password:
             raise click.UsageError(f"--password-env {password_env}: that environment variable is not set")
-    role = create_reader_role(state.store(create=False), name, password)
+    store = state.store(create=False)
+    role = create_reader_role(store.engine, store.url, name, password)
     if as_json:
         echo_json({"name": role.name, "created": role.created, "tables": role.tables, "url": role.url})
         return

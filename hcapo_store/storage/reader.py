@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from hcapo_store.errors import StoreError, UsageError
 from hcapo_store.storage import db
-
-if TYPE_CHECKING:
-    from hcapo_store.storage.store import Store
 
 READER_ROLE = "hcapo_store_reader"
 ENV_READER_URL = "HCAPO_STORE_READER_URL"
@@ -43,39 +39,40 @@ class ReaderRole:
     url: str  # how `sql` connects as it (password masked)
 
 
-def _role_exists(store: Store, name: str) -> bool:
-    with db.read(store.engine) as conn:
+def _role_exists(engine: Engine, name: str) -> bool:
+    with db.read(engine) as conn:
         return conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": name}).first() is not None
 
 
-def reader_url(store: Store) -> str | None:
-    """The URL user SQL runs under on PostgreSQL (see the module docstring), or None."""
-    if store.dialect != "postgresql":
+def reader_url(engine: Engine, url: str) -> str | None:
+    """The URL user SQL on the store at ``url`` runs under (see the module docstring), or None."""
+    if engine.dialect.name != "postgresql":
         return None
     explicit = os.environ.get(ENV_READER_URL)
     if explicit:
         return db.resolve_url(explicit)
-    if not _role_exists(store, READER_ROLE):
+    if not _role_exists(engine, READER_ROLE):
         return None
-    return _as_role(store.url, READER_ROLE, os.environ.get(ENV_READER_PASSWORD))
+    return _as_role(url, READER_ROLE, os.environ.get(ENV_READER_PASSWORD))
 
 
 def _as_role(url: str, name: str, password: str | None) -> str:
     return make_url(url).set(username=name, password=password).render_as_string(hide_password=False)
 
 
-def create_reader_role(store: Store, name: str = READER_ROLE, password: str | None = None) -> ReaderRole:
-    """Create (or bring up to date) a login role that may only read the store's tables."""
-    if store.dialect != "postgresql":
+def create_reader_role(engine: Engine, url: str, name: str = READER_ROLE, password: str | None = None) -> ReaderRole:
+    """Create (or bring up to date) a login role that may only read the tables of the store
+    at ``url`` (``engine``: its engine)."""
+    if engine.dialect.name != "postgresql":
         raise UsageError("a reader role is a PostgreSQL role; SQLite's read-only SQL needs none (its authorizer)")
     if not name or len(name.encode()) > 63:
         raise UsageError(f"role name {name!r}: 1 to 63 bytes")
     from psycopg import sql as pgsql
 
     role = pgsql.Identifier(name)
-    existed = _role_exists(store, name)
+    existed = _role_exists(engine, name)
     try:
-        with store.engine.connect() as conn:
+        with engine.connect() as conn:
             raw = conn.connection.driver_connection
             assert raw is not None
             with raw.cursor() as cur:
@@ -109,9 +106,9 @@ def create_reader_role(store: Store, name: str = READER_ROLE, password: str | No
     except Exception as exc:
         if type(exc).__module__.startswith("psycopg"):
             raise StoreError(
-                f"cannot create the reader role {name!r} on {store.display}: {exc}; "
+                f"cannot create the reader role {name!r} on {db.display_url(url)}: {exc}; "
                 "run this as the store's owner with the CREATEROLE privilege"
             ) from exc
         raise
-    shown = make_url(_as_role(store.url, name, password)).render_as_string(hide_password=True)
+    shown = make_url(_as_role(url, name, password)).render_as_string(hide_password=True)
     return ReaderRole(name, not existed, int(tables[0]) if tables else 0, shown)

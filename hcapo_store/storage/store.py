@@ -108,7 +108,7 @@ class Store:
         if not self._reader_checked:
             from hcapo_store.storage.reader import reader_url
 
-            url = reader_url(self)
+            url = reader_url(self.engine, self.url)
             self._reader = None if url is None else db.make_engine(url)
             self._reader_checked = True
         return self._reader
