@@ -51,3 +51,39 @@ def test_every_command_names_its_reference_page_and_export_dataset_reads_as_a_se
         help_text = CliRunner().invoke(cli, [*command, "--help"]).output
         page = next(p for p in ("INGEST", "SCORING", "CREDITS", "OUTPUTS", "DATABASE") if f"docs/{p}.md" in help_text)
         assert (REPO / "docs" / f"{page}.md").is_file()
+
+
+def test_option_defaults_are_the_librarys_own():
+    """One home for defaults: what `score`, `follow` and `credits compute` do unasked is what
+    ScoreConfig, RunOptions and CreditParams do."""
+    from hcapo_store.credits.params import CreditParams
+    from hcapo_store.scoring.job import ScoreConfig
+    from hcapo_store.scoring.scheduler import RunOptions
+
+    config, run, credit = ScoreConfig(), RunOptions(), CreditParams()
+    expected = {
+        "concurrency": run.concurrency,
+        "max_attempts": run.max_attempts,
+        "lease_seconds": run.lease_seconds,
+        "grouping": run.grouping,
+        "max_logprob_tokens": config.max_logprob_tokens,
+        "max_new_tokens": config.max_new_tokens,
+        "request_timeout": config.request_timeout,
+        "truncation": config.truncation,
+        "action_span": config.action_span,
+        "prompt_layout": config.prompt_layout,
+    }
+    credit_expected = {
+        k: getattr(credit, k)
+        for k in ("t_temp", "gamma", "c_min", "c_max", "alpha", "variant", "omega", "min_reward", "success_threshold")
+    }
+    commands = {"score": cli.commands["score"], "follow": cli.commands["follow"]}
+    compute = cli.commands["credits"].commands["compute"]  # type: ignore[attr-defined]
+    for name, command in commands.items():
+        defaults = {p.name: p.default for p in command.params}
+        for key, value in expected.items():
+            assert defaults[key] == value, (name, key, defaults[key], value)
+    for command in (compute, cli.commands["follow"]):
+        defaults = {p.name: p.default for p in command.params}
+        for key, value in credit_expected.items():
+            assert defaults[key] == value, (command.name, key, defaults[key], value)

@@ -10,6 +10,7 @@ import click
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
 from hcapo_store.cli.params import FiniteFloat, int_range
+from hcapo_store.credits.params import CreditParams
 
 
 @cli.group(
@@ -21,36 +22,42 @@ def credits() -> None:
     """Credit runs (Eq. 5-7) computed from stored logprobs, without the model."""
 
 
-# The estimator's hyperparameters: shared by ``credits compute`` and ``follow``.
+# The estimator's hyperparameters: shared by ``credits compute`` and ``follow``; their defaults
+# are CreditParams' own (one home: credits/params.py).
+_DEFAULTS = CreditParams()
 CREDIT_OPTIONS = [
     click.option(
         "--t-temp",
         type=FiniteFloat(),
-        default=5.0,
+        default=_DEFAULTS.t_temp,
         show_default=True,
         help="Temperature T of the hindsight ratio: pi_hind = exp(mean logprob / T).",
     ),
     click.option(
         "--gamma",
         type=FiniteFloat(),
-        default=0.95,
+        default=_DEFAULTS.gamma,
         show_default=True,
         help="Discount γ: a step's reward is discounted by γ per step to its subtask's end.",
     ),
     click.option(
         "--c-min",
         type=FiniteFloat(),
-        default=0.8,
+        default=_DEFAULTS.c_min,
         show_default=True,
         help="Lower clip c_min of the ratio ρ = pi_hind / episode mean.",
     ),
     click.option(
-        "--c-max", type=FiniteFloat(), default=1.2, show_default=True, help="Upper clip c_max of the ratio ρ."
+        "--c-max",
+        type=FiniteFloat(),
+        default=_DEFAULTS.c_max,
+        show_default=True,
+        help="Upper clip c_max of the ratio ρ.",
     ),
     click.option(
         "--alpha",
         type=FiniteFloat(),
-        default=0.5,
+        default=_DEFAULTS.alpha,
         show_default=True,
         help="Backward smoothing weight α of q_h into q_h_smoothed.",
     ),
@@ -58,7 +65,7 @@ CREDIT_OPTIONS = [
     click.option(
         "--variant",
         type=click.Choice(["original", "paper"]),
-        default="original",
+        default=_DEFAULTS.variant,
         show_default=True,
         help="original: the scripts' estimator (recursive smoothing, global statistics, Eq. 8 weights >= 0 for "
         "weighted SFT); paper: Algorithm 1 (one-step smoothing, per-group statistics, signed advantages for "
@@ -71,7 +78,11 @@ CREDIT_OPTIONS = [
         "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper.",
     ),
     click.option(
-        "--omega", type=FiniteFloat(), default=1.0, show_default=True, help="Weight ω of the micro (step) term."
+        "--omega",
+        type=FiniteFloat(),
+        default=_DEFAULTS.omega,
+        show_default=True,
+        help="Weight ω of the micro (step) term.",
     ),
     click.option(
         "--group-by",
@@ -82,14 +93,14 @@ CREDIT_OPTIONS = [
     click.option(
         "--min-reward",
         type=FiniteFloat(),
-        default=0.2,
+        default=_DEFAULTS.min_reward,
         show_default=True,
         help="original: advantages over the episodes with reward >= X (those the export keeps).",
     ),
     click.option(
         "--success-threshold",
         type=FiniteFloat(),
-        default=1.0,
+        default=_DEFAULTS.success_threshold,
         show_default=True,
         help="paper: a trajectory with reward >= X is successful; do-no-harm clears its negative micro terms.",
     ),

@@ -13,6 +13,8 @@ import click
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, int_range
+from hcapo_store.scoring import defaults
+from hcapo_store.scoring.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 
 # What makes a scorer and how one process scores: shared by ``score`` and ``follow``.
 SCORER_OPTIONS = [
@@ -41,7 +43,7 @@ SCORER_OPTIONS = [
     click.option(
         "--concurrency",
         type=int_range(1, 1024),
-        default=4,
+        default=defaults.CONCURRENCY,
         show_default=True,
         help="Episodes in flight at once (each sends its steps in order).",
     ),
@@ -56,7 +58,7 @@ SCORER_OPTIONS = [
     click.option(
         "--max-logprob-tokens",
         type=int_range(-INT32_MAX),
-        default=2048,
+        default=DEFAULT_MAX_LOGPROB_TOKENS,
         show_default=True,
         help="Score only the last N action tokens (<= 0: all).",
     ),
@@ -72,14 +74,14 @@ SCORER_OPTIONS = [
     click.option(
         "--max-attempts",
         type=int_range(1, 1000),
-        default=4,
+        default=defaults.MAX_ATTEMPTS,
         show_default=True,
         help="Attempts per step before it is marked failed.",
     ),
     click.option(
         "--lease-seconds",
         type=FiniteFloat(1, 7 * 86400),
-        default=120.0,
+        default=defaults.LEASE_SECONDS,
         show_default=True,
         help="How long a claimed step stays reserved without a heartbeat; then other workers may take it.",
     ),
@@ -87,14 +89,14 @@ SCORER_OPTIONS = [
     click.option(
         "--max-new-tokens",
         type=click.IntRange(0, 1),
-        default=0,
+        default=defaults.MAX_NEW_TOKENS,
         show_default=True,
         help="1 for old SGLang servers that mishandle prefill-only requests.",
     ),
     click.option(
         "--request-timeout",
         type=FiniteFloat(0.1, 86400),
-        default=300.0,
+        default=defaults.REQUEST_TIMEOUT_S,
         show_default=True,
         metavar="SECONDS",
         help="Give up on one HTTP request after this long (retried as a timeout).",
@@ -102,7 +104,7 @@ SCORER_OPTIONS = [
     click.option(
         "--grouping",
         type=click.Choice(["grouped", "per-step"]),
-        default="grouped",
+        default=defaults.GROUPING,
         show_default=True,
         help="grouped: steps whose prompts are exact prefixes of one another (checked on the ids) share "
         "one request; per-step: one request per step. Same results either way.",
@@ -110,7 +112,7 @@ SCORER_OPTIONS = [
     click.option(
         "--truncation",
         type=click.Choice(["sliding", "window"]),
-        default="sliding",
+        default=defaults.TRUNCATION,
         show_default=True,
         help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
         "window starts the tail at block boundaries so a window's steps share one request "
@@ -119,7 +121,7 @@ SCORER_OPTIONS = [
     click.option(
         "--action-span",
         type=click.Choice(["rendered", "policy"]),
-        default="rendered",
+        default=defaults.ACTION_SPAN,
         show_default=True,
         help="Tokens whose logprobs make a step's mean: rendered = everything the chat template renders "
         "for the turn (the original's); policy = only the policy's own tokens and its end-of-turn token, "
@@ -128,7 +130,7 @@ SCORER_OPTIONS = [
     click.option(
         "--prompt-layout",
         type=click.Choice(["per-step", "episode"]),
-        default="per-step",
+        default=defaults.PROMPT_LAYOUT,
         show_default=True,
         help="per-step: a prompt per step, its hindsight block naming the step's subtask (the original). "
         "episode: one hindsight block per episode (the outcome) and the conversation rendered once, every "

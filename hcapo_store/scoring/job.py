@@ -16,7 +16,7 @@ import httpx
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.masking import mask_url
-from hcapo_store.scoring import work_queue
+from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.grouping import Grouping, plan_requests
 from hcapo_store.scoring.prompts import (
@@ -62,15 +62,15 @@ class ScoreConfig:
     max_logprob_tokens: int = DEFAULT_MAX_LOGPROB_TOKENS
     hindsight_template: str = HINDSIGHT_TEMPLATE
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
-    max_new_tokens: int = 0
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
     device: str = "cpu"
-    request_timeout: float | None = None  # seconds per HTTP request; None: the client default (300 s)
-    truncation: Truncation = "sliding"  # or "window" (changes the prompts: part of the scorer)
-    action_span: ActionSpan = "rendered"  # or "policy": only the policy's own tokens are scored
+    request_timeout: float | None = defaults.REQUEST_TIMEOUT_S  # seconds per HTTP request; None: the same
+    truncation: Truncation = defaults.TRUNCATION  # or "window" (changes the prompts: part of the scorer)
+    action_span: ActionSpan = defaults.ACTION_SPAN  # or "policy": only the policy's own tokens are scored
     hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
     # "episode": the conversation rendered once per episode, every step scored in place
     # (scoring/episode_layout.py); its own scorer. truncation/action_span/grouping do not apply.
-    prompt_layout: PromptLayout = "per-step"
+    prompt_layout: PromptLayout = defaults.PROMPT_LAYOUT
     # The policy's weights (online RL): part of the scorer, so one credit run never mixes versions.
     # None: the version the server reports (SGLang's weight_version), if any besides "default".
     weight_version: str | None = None

@@ -37,7 +37,7 @@ import numpy as np
 
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
-from hcapo_store.scoring import work_queue
+from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
 from hcapo_store.scoring.grouping import Grouping, GroupPrompt, plan_requests_and_floor
@@ -68,15 +68,15 @@ def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_a
 class RunOptions:
     """How one ``score`` process runs: concurrency, retries, leases, filters, limit."""
 
-    concurrency: int = 4
-    max_attempts: int = 4
-    lease_seconds: float = 120.0
+    concurrency: int = defaults.CONCURRENCY
+    max_attempts: int = defaults.MAX_ATTEMPTS
+    lease_seconds: float = defaults.LEASE_SECONDS
     filters: work_queue.Filters = work_queue.Filters()
     limit: int | None = None
     worker_id: str | None = None
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
-    grouping: Grouping = "grouped"  # steps whose prompts are exact prefixes share one request
+    grouping: Grouping = defaults.GROUPING  # steps whose prompts are exact prefixes share one request
     stop_grace_seconds: float = 10.0  # after a stop, in-flight requests get this long, then are cancelled
     down_after: int = 8  # consecutive transport failures (any episodes) before the server is probed
 

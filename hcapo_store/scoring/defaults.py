@@ -1,0 +1,17 @@
+"""How a scorer and a scoring process run when nobody says otherwise: the one home of these
+values. ``ScoreConfig`` and ``RunOptions`` take their field defaults from here, and so do the
+``score``/``follow`` options (this module loads nothing, so ``--help`` stays fast)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+CONCURRENCY: Final = 4  # episodes in flight at once
+MAX_ATTEMPTS: Final = 4  # attempts per step before it is marked failed
+LEASE_SECONDS: Final = 120.0  # a claim without a heartbeat this long is free for other workers
+MAX_NEW_TOKENS: Final = 0  # 1 for old SGLang servers that mishandle prefill-only requests
+REQUEST_TIMEOUT_S: Final = 300.0  # one HTTP request, as a whole
+GROUPING: Final = "grouped"  # steps whose prompts are exact prefixes of one another share a request
+TRUNCATION: Final = "sliding"  # the original's tail per step
+ACTION_SPAN: Final = "rendered"  # the original's: everything the template renders for the turn
+PROMPT_LAYOUT: Final = "per-step"  # the original's: a prompt per step
