@@ -109,7 +109,12 @@ ADDED_COLUMNS = {
     "credits": {"a_macro", "micro", "advantage"},
     "scores": {"sent_tokens", "sent_cached_tokens"},
 }
-ADDED_TABLES = {"batches", "batch_episodes", "episode_floors"}  # 0004, 0005: empty after an upgrade
+ADDED_TABLES = {
+    "batches",
+    "batch_episodes",
+    "episode_floors",
+    "tokenizer_locations",
+}  # 0004-0006: empty after an upgrade
 
 
 def _snapshot(engine) -> dict[str, list[tuple]]:
@@ -180,7 +185,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0005" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0006" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

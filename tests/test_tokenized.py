@@ -313,3 +313,40 @@ def test_cli_tokenized_needs_tokenizer(
     assert "weighted step(s)" in r.output and (tmp_path / "t.jsonl").exists()
     n = store.query("SELECT count(DISTINCT episode) FROM step_credits WHERE run = 'r'", read_only=True)[1][0][0]
     assert f"export: {n}/{n} episodes" in r.stderr  # progress with its total (a pipe: one log line at the end)
+
+
+def test_the_scorers_tokenizer_is_found_where_it_was_given_before(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, runner, db_path: Path
+) -> None:
+    import shutil
+
+    copy = tmp_path / "tok-copy"
+    shutil.copytree(demo_tokenizer_dir, copy)
+    scored_with(store, samples, copy)
+    export = ["--db", str(db_path), "export", "dataset", "--tokenized", "--min-reward", "0"]
+    first = runner.invoke(cli, [*export, str(tmp_path / "a.jsonl"), "--tokenizer", str(copy)])
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(cli, [*export, str(tmp_path / "b.jsonl")])  # no --tokenizer: the one given before
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    summary = json.loads((tmp_path / "b.jsonl.summary.json").read_text())
+    assert summary["config"]["tokenizer"] == str(copy)
+    # the directory changed since: never used unasked, the message names where it looked
+    config = copy / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"added_by_someone": 1, ', 1))
+    changed = runner.invoke(cli, [*export, str(tmp_path / "c.jsonl")])
+    assert changed.exit_code == 1 and str(copy.resolve()) in changed.output and "--tokenizer" in changed.output
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_score_remembers_where_its_tokenizer_was(tmp_path: Path, tiny_model_dir: Path, samples: Path) -> None:
+    from hcapo_store.devkit.refserver import make_server
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.scheduler import RunOptions
+    from hcapo_store.scoring.scorer import known_tokenizer_dirs
+
+    with Store.open(str(tmp_path / "s.db")) as store, make_server(tiny_model_dir) as server:
+        ingest(store, [samples])
+        prep = prepare(store, ScoreConfig(server=server.url, tokenizer=str(tiny_model_dir), max_context=2048))
+        assert run_scoring(store, prep, RunOptions(concurrency=2)).failed == 0
+        assert known_tokenizer_dirs(store, prep.spec["tokenizer"]["files_sha256"]) == [tiny_model_dir.resolve()]

@@ -57,13 +57,16 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
 @click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task). Default: the run's.")
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
 @click.option(
-    "--tokenized", is_flag=True, help="Token-level rows: input_ids, labels, per-token advantages (needs --tokenizer)."
+    "--tokenized",
+    is_flag=True,
+    help="Token-level rows: input_ids, labels, per-token advantages (with the scorer's tokenizer).",
 )
 @click.option(
     "--tokenizer",
     type=click.Path(exists=True, file_okay=False),
     metavar="DIR",
-    help="With --tokenized: the scorer's tokenizer directory.",
+    help="With --tokenized: the scorer's tokenizer directory (default: where `score` or an earlier export "
+    "loaded it, when its files still match).",
 )
 @click.option(
     "--rendering",

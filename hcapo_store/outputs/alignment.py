@@ -45,7 +45,7 @@ from hcapo_store.scoring.prompts import (
     normalize_messages,
     render_chat,
 )
-from hcapo_store.scoring.scorer import scorer_spec
+from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
 from hcapo_store.scoring.segments import SegmentEncoder
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
@@ -191,18 +191,39 @@ def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | N
     return None
 
 
-def scorer_tokenizer(store: Store, scorer_id: str, tokenizer_dir: str | Path) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the scorer's."""
+def scorer_tokenizer(
+    store: Store, scorer_id: str, tokenizer_dir: str | Path | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the
+    scorer's. Without a directory: the first of those the scorer's tokenizer was loaded from
+    before (``score``, an earlier export) whose files still hash the same."""
+    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
+    if tokenizer_dir is None:
+        tried = []
+        for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
+            tried.append(str(candidate))
+            if not candidate.is_dir():
+                continue
+            try:
+                return scorer_tokenizer(store, scorer_id, candidate)
+            except ExportError:
+                continue  # changed since: try the next one
+        where = f" (not found, or changed, where it was before: {', '.join(tried)})" if tried else ""
+        raise ExportError(
+            f"this needs the tokenizer scorer {scorer_id[:12]} used ({theirs.get('name', '?')!r}){where}: "
+            "pass its directory with --tokenizer DIR"
+        )
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
     for key in ("files_sha256", "chat_template_sha256"):
         if theirs.get(key) != mine[key]:
             raise ExportError(
                 f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
                 f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory"
             )
+    if Path(tokenizer_dir).expanduser().is_dir():
+        remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
     return tokenizer, mine

@@ -292,8 +292,6 @@ def export_dataset(
     if layout == "tokenized":
         from hcapo_store.outputs.tokenized import export_tokenized
 
-        if tokenizer is None:
-            raise ExportError("the tokenized export needs the scorer's tokenizer directory (--tokenizer DIR)")
         return export_tokenized(
             store,
             out_path,

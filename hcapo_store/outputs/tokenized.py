@@ -129,7 +129,7 @@ def export_tokenized(
     out_path: Path | str,
     run_name: str | None = None,
     *,
-    tokenizer: str | Path,
+    tokenizer: str | Path | None,
     omega: float | None = None,
     min_reward: float | None = None,
     group_by: str | None = None,
@@ -141,7 +141,7 @@ def export_tokenized(
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
 
     ``tokenizer`` is the directory of the tokenizer the run's scorer used (checked against
-    the scorer's fingerprint). Episodes with no weighted token are left out, as in the
+    the scorer's fingerprint); None: where it was loaded before, if its files still match. Episodes with no weighted token are left out, as in the
     default export. ``rendering``: ``turns`` (the conversation as the policy produced it, turn
     by turn) or ``whole`` (one chat-template rendering); see ``outputs/alignment.py``.
     """
@@ -221,7 +221,7 @@ def export_tokenized(
             "format": fmt,
             "layout": "tokenized",
             "rendering": rendering,
-            "tokenizer": str(tokenizer),
+            "tokenizer": str(getattr(tok, "name_or_path", None) or tokenizer),
         },
         "provenance": run_provenance(run),
         "warnings": warnings,

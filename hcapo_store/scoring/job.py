@@ -36,7 +36,7 @@ from hcapo_store.scoring.prompts import (
 )
 from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
-from hcapo_store.scoring.scorer import register, scorer_id, scorer_label
+from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
 from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
@@ -146,6 +146,7 @@ class Prepared:
     spec: dict[str, Any]
     backend: Backend
     builder: PromptBuilder
+    tokenizer_dir: str | None = None  # where the tokenizer was loaded from (remembered at registration)
 
 
 async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> None:
@@ -255,7 +256,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     version = weight_version(cfg.weight_version, backend)
     if version is not None:  # only when there is one: other scorers keep their ids
         spec["weight_version"] = version
-    return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder)
+    return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder, tokenizer_dir=str(location))
 
 
 UNVERSIONED = (None, "default")  # SGLang reports "default" until weights are updated with a version
@@ -383,6 +384,8 @@ async def run_scoring_async(
         if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=1):
             await check_vocabulary(prep)  # before anything is written
         register(store, prep.spec)
+        if prep.tokenizer_dir is not None and Path(prep.tokenizer_dir).expanduser().is_dir():
+            remember_tokenizer(store, prep.spec["tokenizer"]["files_sha256"], prep.tokenizer_dir)
         work_queue.enqueue(store, prep.scorer_id, **conv)
         if retry_failed:
             work_queue.requeue_failed(store, prep.scorer_id, options.filters)

@@ -9,6 +9,7 @@ the same model and tokenizer are the same scorer.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, insert, select, text
@@ -19,7 +20,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.errors import CreditError
 from hcapo_store.storage import db
 from hcapo_store.storage.db import sql_now
-from hcapo_store.storage.models import Scorer
+from hcapo_store.storage.models import Scorer, TokenizerLocation
 from hcapo_store.storage.store import Store
 
 # Spec keys stored with the scorer but not part of its id (e.g. library versions: the
@@ -183,3 +184,28 @@ def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
     with db.read(store.engine) as conn:
         spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
     return json.loads(spec) if spec else {}
+
+
+def remember_tokenizer(store: Store, files_sha256: str, directory: str | Path) -> None:
+    """Record that a tokenizer with these files was loaded from ``directory`` (absolute)."""
+    path = str(Path(directory).expanduser().resolve())
+    if not files_sha256 or len(path) > 4096:
+        return
+    now = utcnow().isoformat(timespec="seconds")
+    with db.write(store.engine) as conn:
+        updated = conn.execute(
+            text("UPDATE tokenizer_locations SET seen_at = :t WHERE files_sha256 = :h AND path = :p"),
+            {"t": now, "h": files_sha256, "p": path},
+        ).rowcount
+        if not updated:
+            conn.execute(insert(TokenizerLocation), {"files_sha256": files_sha256, "path": path, "seen_at": now})
+
+
+def known_tokenizer_dirs(store: Store, files_sha256: str) -> list[Path]:
+    """Directories a tokenizer with these files was loaded from, most recently seen first."""
+    with db.read(store.engine) as conn:
+        rows = conn.execute(
+            text("SELECT path FROM tokenizer_locations WHERE files_sha256 = :h ORDER BY seen_at DESC, path"),
+            {"h": files_sha256},
+        ).all()
+    return [Path(r[0]) for r in rows]

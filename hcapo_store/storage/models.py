@@ -190,6 +190,16 @@ class EpisodeFloor(Base):
     conversation_tokens: Mapped[int] = mapped_column(Integer)
 
 
+class TokenizerLocation(Base):
+    """A directory a tokenizer with these files was loaded from (to find it again unasked)."""
+
+    __tablename__ = "tokenizer_locations"
+
+    files_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    path: Mapped[str] = mapped_column(String(4096), primary_key=True)
+    seen_at: Mapped[str] = mapped_column(String(40))
+
+
 class Attempt(Base):
     """The queue row of (step, scorer): state, lease and the last error.
 
