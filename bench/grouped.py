@@ -36,15 +36,15 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from hcapo_store.devkit.tiny_model import build_tiny_model  # noqa: E402
-from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
-from hcapo_store.scoring.forward import LogprobModel  # noqa: E402
-from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring  # noqa: E402
-from hcapo_store.scoring.scheduler import RunOptions  # noqa: E402
-from hcapo_store.scoring.work_queue import Filters  # noqa: E402
-from hcapo_store.storage.store import Store  # noqa: E402
+from hcapo_store.devkit.tiny_model import build_tiny_model
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.forward import LogprobModel
+from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.scoring.work_queue import Filters
+from hcapo_store.storage.store import Store
 
 # (label, grouping, truncation); grouped+window is another scorer (other prompts over the budget)
 MODES = (

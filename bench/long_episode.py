@@ -31,14 +31,14 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hcapo_store.devkit.synth import EpisodeBuilder  # noqa: E402
-from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
-from hcapo_store.scoring.episode_layout import conversation_tokens  # noqa: E402
-from hcapo_store.scoring.grouping import GroupPrompt, plan_requests  # noqa: E402
-from hcapo_store.scoring.prompts import PromptBuilder  # noqa: E402
-from hcapo_store.scoring.tokens import load_tokenizer  # noqa: E402
-from hcapo_store.storage.episodes import load_episode  # noqa: E402
-from hcapo_store.storage.store import Store  # noqa: E402
+from hcapo_store.devkit.synth import EpisodeBuilder
+from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.episode_layout import conversation_tokens
+from hcapo_store.scoring.grouping import GroupPrompt, plan_requests
+from hcapo_store.scoring.prompts import PromptBuilder
+from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.store import Store
 
 
 def long_episode(scratch: Path, steps: int) -> Any:

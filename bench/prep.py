@@ -38,8 +38,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, PromptFailure, StepPrompt  # noqa: E402
-from hcapo_store.scoring.tokens import load_tokenizer  # noqa: E402
+from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, PromptFailure, StepPrompt
+from hcapo_store.scoring.tokens import load_tokenizer
 
 # --------------------------------------------------------------------------- synthetic data
 

@@ -29,7 +29,8 @@ _EXPORTS: dict[str, str] = {
     "DatabaseFull": "hcapo_store.errors",
     "NotAStore": "hcapo_store.errors",
     "IngestError": "hcapo_store.errors",
-    "SkipEpisode": "hcapo_store.errors",
+    "EpisodeLookupError": "hcapo_store.errors",
+    "InvalidCreditParams": "hcapo_store.errors",
     "ScoringError": "hcapo_store.errors",
     "InferenceError": "hcapo_store.errors",
     "CreditError": "hcapo_store.errors",
@@ -43,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     "ingest": "hcapo_store.ingestion.pipeline",
     # scoring
     "ScoreConfig": "hcapo_store.scoring.job",
+    "Prepared": "hcapo_store.scoring.job",
+    "DryRun": "hcapo_store.scoring.job",
     "prepare": "hcapo_store.scoring.job",
     "dry_run": "hcapo_store.scoring.job",
     "run_scoring": "hcapo_store.scoring.job",
@@ -51,7 +54,9 @@ _EXPORTS: dict[str, str] = {
     "RunOptions": "hcapo_store.scoring.scheduler",
     "ScoreReport": "hcapo_store.scoring.scheduler",
     # credits
-    "CreditParams": "hcapo_store.credits.equations",
+    "CreditParams": "hcapo_store.credits.params",
+    "RunInfo": "hcapo_store.credits.runs",
+    "ComputeResult": "hcapo_store.credits.runs",
     "compute_credits": "hcapo_store.credits.runs",
     "list_runs": "hcapo_store.credits.runs",
     "get_run": "hcapo_store.credits.runs",
@@ -90,22 +95,31 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.analysis.datasette import datasette_metadata
     from hcapo_store.analysis.frames import credits_frame, steps_frame
-    from hcapo_store.credits.equations import CreditParams
-    from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, list_runs, show_run
+    from hcapo_store.credits.params import CreditParams
+    from hcapo_store.credits.runs import (
+        ComputeResult,
+        RunInfo,
+        compute_credits,
+        diff_runs,
+        get_run,
+        list_runs,
+        show_run,
+    )
     from hcapo_store.errors import (
         CreditError,
         DatabaseFull,
         DatabaseLocked,
+        EpisodeLookupError,
         ExportError,
         HcapoError,
         InferenceError,
         IngestError,
+        InvalidCreditParams,
         MissingExtra,
         NotAStore,
         SchemaOutOfDate,
         SchemaTooNew,
         ScoringError,
-        SkipEpisode,
         StoreError,
         UsageError,
     )
@@ -116,7 +130,16 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.outputs.report import write_report
     from hcapo_store.outputs.scores import export_scores
     from hcapo_store.outputs.tokenized import export_tokenized
-    from hcapo_store.scoring.job import ScoreConfig, dry_run, prepare, prepare_async, run_scoring, run_scoring_async
+    from hcapo_store.scoring.job import (
+        DryRun,
+        Prepared,
+        ScoreConfig,
+        dry_run,
+        prepare,
+        prepare_async,
+        run_scoring,
+        run_scoring_async,
+    )
     from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
     from hcapo_store.status_report import status
     from hcapo_store.storage.store import Store

@@ -27,7 +27,7 @@ def server_url() -> str:
             "(e.g. export {ENV}=$(bash .ci/start-postgres.sh))".replace("{ENV}", ENV)
         )
     try:
-        import psycopg  # noqa: F401
+        import psycopg
     except ImportError:
         pytest.skip("psycopg is not installed (pip install 'psycopg[binary]')")
     if url not in _reachable:
@@ -36,7 +36,7 @@ def server_url() -> str:
 
             psycopg.connect(_libpq(url), connect_timeout=30).close()
             _reachable[url] = None
-        except Exception as exc:  # noqa: BLE001 - any failure means: skip with the reason
+        except Exception as exc:
             _reachable[url] = f"{type(exc).__name__}: {exc}".strip()
     if _reachable[url] is not None:
         pytest.skip(f"PostgreSQL at {ENV} is not reachable: {_reachable[url]}")

@@ -113,7 +113,7 @@ def test_readme_notebook_example_runs(credited: Store, db_path: Path, tmp_path: 
     monkeypatch.chdir(tmp_path)
     db_path.rename(tmp_path / "hcapo.db")
     namespace: dict = {}
-    exec(compile(code, "docs/OUTPUTS.md", "exec"), namespace)  # noqa: S102 - the documented example
+    exec(compile(code, "docs/OUTPUTS.md", "exec"), namespace)
     assert (tmp_path / "scores.parquet").exists() and (tmp_path / "report.html").exists()
     assert len(namespace["credits"]) > 0
 

@@ -187,7 +187,7 @@ def _limit_pages(store: Store, extra: int = 0) -> None:
         pages = conn.exec_driver_sql("PRAGMA page_count").scalar_one() + extra
 
     @event.listens_for(store.engine, "connect")
-    def _cap(dbapi_conn, _record) -> None:  # noqa: ANN001
+    def _cap(dbapi_conn, _record) -> None:
         dbapi_conn.execute(f"PRAGMA max_page_count = {pages}")
 
     store.engine.dispose()  # pooled connections reconnect with the cap
@@ -320,7 +320,7 @@ def test_locked_error_maps_at_the_boundary(ingested):
 
 
 @pytest.fixture
-def small_disk(mount_tmpfs) -> Path:  # noqa: ANN001 - a conftest fixture
+def small_disk(mount_tmpfs) -> Path:
     """A 2 MB tmpfs: a real full disk."""
     return mount_tmpfs("2m")
 

@@ -178,7 +178,7 @@ def test_episodes_prepared_side_by_side_equal_one_at_a_time(name):
     assert builder.thread_safe and not PromptBuilder(real_tokenizer(name)).thread_safe
     cases = [episode(seed, steps=16, tool_chars=900) for seed in range(8)]
 
-    def plan(case):  # noqa: ANN001, ANN202
+    def plan(case):
         messages, outcome, steps = case
         return plan_requests_and_floor(builder, messages, outcome, steps, steps)
 

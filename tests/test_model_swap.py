@@ -67,7 +67,7 @@ def _run_with_change(store: Store, proxy: FaultServer, tiny_model_dir: Path, cha
         try:
             run_scoring(store, prep, RunOptions(concurrency=2, backoff_base=0.01, backoff_cap=0.05))
             outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=work)

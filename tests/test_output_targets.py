@@ -31,7 +31,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _one_line(r) -> str:  # noqa: ANN001 - click Result
+def _one_line(r) -> str:
     assert r.exit_code == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     lines = [line for line in r.output.splitlines() if line.strip() and not line.startswith("export: ")]  # progress
@@ -116,7 +116,7 @@ def test_outputs_never_replace_a_fifo_socket_or_device(db_path, tmp_path, make):
 
 
 @pytest.fixture
-def full_disk(mount_tmpfs) -> Path:  # noqa: ANN001 - a conftest fixture
+def full_disk(mount_tmpfs) -> Path:
     """64 KiB of room: less than an export needs."""
     return mount_tmpfs("64k")
 

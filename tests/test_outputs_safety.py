@@ -42,7 +42,7 @@ def credited(store: Store, samples: Path) -> Store:
     return store
 
 
-def _one_line_failure(r) -> str:  # noqa: ANN001 - click Result
+def _one_line_failure(r) -> str:
     assert r.exit_code != 0, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     lines = [line for line in r.output.splitlines() if line.strip()]
@@ -199,7 +199,7 @@ def pg_store():
             store.close()
 
 
-def _pg(store: Store, sql: str):  # noqa: ANN202
+def _pg(store: Store, sql: str):
     import psycopg
     from pg import _libpq
 

@@ -383,7 +383,7 @@ def _multiworker(
     try:
         for i in range(1, workers + 1):
             wid = f"w{i}"
-            logs[wid] = open(tmp_path / f"{wid}.log", "w+")  # noqa: SIM115
+            logs[wid] = open(tmp_path / f"{wid}.log", "w+")
             procs[wid] = subprocess.Popen(
                 _score_cmd(db_arg, counting.url, tiny_model_dir, wid), stdout=logs[wid], stderr=subprocess.STDOUT
             )

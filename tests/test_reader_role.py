@@ -41,7 +41,7 @@ def pg(samples: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, st
         _drop_role(name)  # after its database (and the grants in it) is gone
 
 
-def _sql(url: str, query: str, *extra: str):  # noqa: ANN202 - click Result
+def _sql(url: str, query: str, *extra: str):
     return CliRunner().invoke(cli, ["--db", url, "sql", query, *extra])
 
 

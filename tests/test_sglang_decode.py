@@ -36,7 +36,7 @@ def _body(entries: Any, **meta: Any) -> bytes:
     return orjson.dumps({"text": "", "meta_info": info})
 
 
-def _verdict(body: bytes, decode) -> Any:  # noqa: ANN001
+def _verdict(body: bytes, decode) -> Any:
     try:
         return parse_response(PROMPT, decode(body)).logprobs
     except InferenceError as exc:

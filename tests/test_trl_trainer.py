@@ -15,21 +15,21 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("trl")
-import torch  # noqa: E402
-from conftest import REPO, TOKENIZERS  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from test_tokenized import scored_with  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+import torch
+from conftest import REPO, TOKENIZERS
+from datasets import Dataset
+from test_tokenized import scored_with
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
 
-from hcapo_store.credits.equations import CreditParams  # noqa: E402
-from hcapo_store.credits.runs import compute_credits  # noqa: E402
-from hcapo_store.devkit.synth import write_standard_episodes  # noqa: E402
-from hcapo_store.errors import TrainingDataError  # noqa: E402
-from hcapo_store.outputs.export import export_dataset  # noqa: E402
-from hcapo_store.storage.store import Store  # noqa: E402
-from hcapo_store.training.data import check_tokenizer, read_rows  # noqa: E402
-from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset  # noqa: E402
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.runs import compute_credits
+from hcapo_store.devkit.synth import write_standard_episodes
+from hcapo_store.errors import TrainingDataError
+from hcapo_store.outputs.export import export_dataset
+from hcapo_store.storage.store import Store
+from hcapo_store.training.data import check_tokenizer, read_rows
+from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset
 
 
 def _config(tmp_path: Path, **kw) -> SFTConfig:

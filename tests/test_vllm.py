@@ -99,7 +99,7 @@ def test_parse_good_response_keeps_scored_positions() -> None:
     assert parse_response(_prompt(), body).logprobs == [-0.5, -0.5, -0.5]
 
 
-def _mutated(fn) -> dict[str, Any]:  # noqa: ANN001
+def _mutated(fn) -> dict[str, Any]:
     body = _good_body()
     fn(body, body["choices"][0])
     return body
@@ -123,7 +123,7 @@ def _mutated(fn) -> dict[str, Any]:  # noqa: ANN001
         (lambda b, c: b.pop("choices"), "bad_response"),
     ],
 )
-def test_parse_rejects(mutate, kind: str) -> None:  # noqa: ANN001
+def test_parse_rejects(mutate, kind: str) -> None:
     with pytest.raises(InferenceError) as info:
         parse_response(_prompt(), _mutated(mutate))
     assert info.value.kind == kind and not info.value.retryable
@@ -190,7 +190,7 @@ def fault() -> Iterator[_Fault]:
     f.httpd.server_close()
 
 
-async def _score_once(url: str, prompt: StepPrompt, **kw: Any):  # noqa: ANN202
+async def _score_once(url: str, prompt: StepPrompt, **kw: Any):
     backend = VLLMBackend(url, **kw)
     await backend.start()
     try:

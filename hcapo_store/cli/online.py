@@ -106,7 +106,7 @@ def follow(
     follower = Follower(store, prep, follow_cfg, options)
     stop = threading.Event()
 
-    def on_signal(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    def on_signal(signum, frame) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -429,7 +429,7 @@ def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
                 self._send_json(HTTPStatus.OK, route(server, body))
             except ValueError as exc:  # BadRequest, and the scorer's own input checks
                 self._send_error(HTTPStatus.BAD_REQUEST, str(exc))
-            except Exception as exc:  # noqa: BLE001 - answer 500 instead of dropping the connection
+            except Exception as exc:
                 log.exception("reference server: %s failed", path)
                 self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
 
@@ -466,7 +466,7 @@ def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
     return Handler

@@ -537,7 +537,7 @@ class _Waiter:
                     ready.set()
                     if changes:
                         self.changed.set()
-            except Exception:  # noqa: BLE001 - a watcher that fails leaves the periodic scan
+            except Exception:
                 pass
             finally:
                 ready.set()

@@ -624,7 +624,7 @@ class Scheduler:
         self._inflight = None
         try:
             counts = await future
-        except Exception:  # noqa: BLE001 - the batch is pending again; the last write retries it
+        except Exception:
             self._put_back(batch)
             return
         self._landed(batch, counts)

@@ -58,7 +58,7 @@ def _sqlite_hooks(engine: Engine) -> None:
     timeout_ms = busy_timeout_ms()
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API object
+    def _on_connect(dbapi_conn, _record) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {timeout_ms}")

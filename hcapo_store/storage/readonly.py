@@ -164,7 +164,7 @@ def pg_check(sql: str) -> None:
         raise StoreError(WRITE_HINT.format(what=f"{hit.group(0)}() (a server function with side effects)"))
 
 
-def pg_enter(conn: Any) -> None:  # noqa: ANN401 - a SQLAlchemy Connection
+def pg_enter(conn: Any) -> None:
     conn.exec_driver_sql("SET TRANSACTION READ ONLY")
 
 
@@ -188,7 +188,7 @@ class Stoppable:
 
     PROGRESS_STEPS = 10_000
 
-    def __init__(self, conn: Any, timeout: float | None) -> None:  # noqa: ANN401 - a SQLAlchemy Connection
+    def __init__(self, conn: Any, timeout: float | None) -> None:
         self.conn = conn
         self.timeout = timeout if timeout else None  # 0 or None: no limit
         self.deadline = float("inf")
@@ -203,7 +203,7 @@ class Stoppable:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def run(self, call: Any) -> Any:  # noqa: ANN401
+    def run(self, call: Any) -> Any:
         if self.conn.dialect.name != "sqlite":
             try:
                 return call()
@@ -232,24 +232,24 @@ class Stoppable:
             _restore_sigint(previous)
 
 
-def stoppable(conn: Any, timeout: float | None) -> Stoppable:  # noqa: ANN401
+def stoppable(conn: Any, timeout: float | None) -> Stoppable:
     return Stoppable(conn, timeout)
 
 
-def _catch_sigint(stop: Stoppable) -> Any:  # noqa: ANN401
+def _catch_sigint(stop: Stoppable) -> Any:
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return None  # only the main thread gets signals (and may install handlers)
 
-    def on_sigint(_signum: int, _frame: Any) -> None:  # noqa: ANN401
+    def on_sigint(_signum: int, _frame: Any) -> None:
         stop.interrupted = True
 
     return signal.signal(signal.SIGINT, on_sigint)
 
 
-def _restore_sigint(previous: Any) -> None:  # noqa: ANN401
+def _restore_sigint(previous: Any) -> None:
     import signal
 
     if previous is not None:

@@ -139,7 +139,7 @@ def _connect(engine: Engine, store: Store) -> Iterator[Connection]:
         yield conn
 
 
-def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
+def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:
     if params:
         result = conn.execute(text(sql), params)  # named :params, the same on every engine
     elif conn.dialect.name == "postgresql":
@@ -151,11 +151,11 @@ def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> t
     return list(result.keys()), [tuple(r) for r in result]
 
 
-def _read_only_error(guard, orig: BaseException) -> StoreError | None:  # noqa: ANN001
+def _read_only_error(guard, orig: BaseException) -> StoreError | None:
     return readonly.sqlite_error(guard, orig) if guard is not None else None
 
 
-def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:  # noqa: ANN001
+def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:
     """User SQL on PostgreSQL, sent as written (a ``%`` is not a placeholder).
 
     Read-only statements go through the extended protocol (``prepare=True``), which
@@ -169,14 +169,14 @@ def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]
         return [d.name for d in cur.description], [tuple(r) for r in cur.fetchall()]
 
 
-def _enter_read_only(conn):  # noqa: ANN001, ANN202
+def _enter_read_only(conn):
     if conn.dialect.name == "sqlite":
         return readonly.sqlite_enter(conn.connection.driver_connection)
     readonly.pg_enter(conn)
     return None
 
 
-def _leave_read_only(conn) -> None:  # noqa: ANN001
+def _leave_read_only(conn) -> None:
     if conn.dialect.name == "sqlite":
         readonly.sqlite_leave(conn.connection.driver_connection)
 

@@ -107,7 +107,7 @@ def main(out: Path) -> None:
         s.query("PRAGMA wal_checkpoint(TRUNCATE)", read_only=False)
 
 
-def _score_everything(store, scorer_id: str) -> None:  # noqa: ANN001
+def _score_everything(store, scorer_id: str) -> None:
     from sqlalchemy import text
 
     from hcapo_store.storage import db
