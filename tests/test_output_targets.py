@@ -124,6 +124,8 @@ def full_disk(mount_tmpfs) -> Path:
 @pytest.mark.usefixtures("credited")
 def test_a_full_disk_while_exporting_is_one_line_and_leaves_nothing(db_path, full_disk):
     (full_disk / "old.jsonl").write_bytes(b"the previous export\n")
+    room = os.statvfs(full_disk)
+    (full_disk / "filler").write_bytes(b"x" * max(room.f_bavail * room.f_frsize - 1024, 0))  # ~1 KiB left
     for target in ("new.jsonl", "old.jsonl"):
         r = CliRunner().invoke(
             cli, ["--db", str(db_path), "export", "dataset", str(full_disk / target), "--format", "jsonl"]
@@ -131,7 +133,7 @@ def test_a_full_disk_while_exporting_is_one_line_and_leaves_nothing(db_path, ful
         line = _one_line(r)
         assert "No space left on device" in line and "free some space" in line, line
     assert (full_disk / "old.jsonl").read_bytes() == b"the previous export\n"  # never half-replaced
-    assert sorted(p.name for p in full_disk.iterdir()) == ["old.jsonl"]  # no temp file left
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler", "old.jsonl"]  # no temp file left
 
 
 @pytest.mark.usefixtures("credited")
