@@ -101,22 +101,29 @@ class SegmentEncoder:
             return str(self._backend.decode(ids, skip_special_tokens=False))
         return str(self._tokenizer.decode(ids))
 
+    def _split(self, text: str) -> tuple[list[str], list[tuple[int, int, int]]]:
+        """The pieces between added tokens (one more than the tokens) and each added token's
+        (start, end, id), in the segmentation the tokenizer itself makes."""
+        assert self._splitter is not None
+        pieces, tokens, start = [], [], 0
+        for match in self._splitter.finditer(text):
+            pieces.append(text[start : match.start()])
+            tokens.append((match.start(), match.end(), self._token_ids[match.group()]))
+            start = match.end()
+        pieces.append(text[start:])
+        return pieces, tokens
+
     def encode_once(self, text: str) -> list[int]:
         """The ids of ``text`` (as ``tokenizer.encode``), its pieces encoded in one batch and
         not cached: for a text rendered once (a whole conversation)."""
         if self._splitter is None:
             return self.encode_whole(text)
-        pieces, tokens, start = [], [], 0
-        for match in self._splitter.finditer(text):
-            pieces.append(text[start : match.start()])
-            tokens.append(self._token_ids[match.group()])
-            start = match.end()
-        pieces.append(text[start:])
+        pieces, tokens = self._split(text)
         ids: list[int] = []
         for n, enc in enumerate(self._backend.encode_batch(pieces, add_special_tokens=False)):
             ids.extend(enc.ids)
             if n < len(tokens):
-                ids.append(tokens[n])
+                ids.append(tokens[n][2])
         return ids
 
     def clean_cut(self, text: str, limit: int) -> int | None:
@@ -140,19 +147,11 @@ class SegmentEncoder:
         if self._splitter is None:
             enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-        starts, pieces, tokens = [], [], []
-        start = 0
-        for match in self._splitter.finditer(text):
-            starts.append(start)
-            pieces.append(text[start : match.start()])
-            tokens.append((match.start(), match.end(), self._token_ids[match.group()]))
-            start = match.end()
-        starts.append(start)
-        pieces.append(text[start:])
+        pieces, tokens = self._split(text)
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
         for n, enc in enumerate(self._backend.encode_batch(pieces, add_special_tokens=False)):
-            at = starts[n]
+            at = tokens[n - 1][1] if n else 0  # a piece starts where the added token before it ends
             ids.extend(enc.ids)
             offsets += [(a + at, b + at) for a, b in enc.offsets]
             if n < len(tokens):
