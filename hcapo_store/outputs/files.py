@@ -13,8 +13,8 @@ from typing import IO
 
 from hcapo_store.errors import ExportError
 from hcapo_store.processes import pid_alive
+from hcapo_store.storage.db import SQLITE_MAGIC
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 

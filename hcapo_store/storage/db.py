@@ -119,14 +119,9 @@ def preflight(url: str, *, create: bool) -> None:
             conn.close()
     except sqlite3.Error as exc:
         raise StoreError(f"cannot read {shown}: {exc}") from exc
-    if tables and CORE_TABLES | {"alembic_version"} <= tables:
-        return
+    _refuse_foreign_tables(tables, shown)
     if tables:
-        listed = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
-        raise NotAStore(
-            f"{shown} is not an hcapo-store database (its tables: {listed}); it was left untouched: "
-            "pass another path with --db"
-        )
+        return  # a store
     if application_id or user_version:
         raise NotAStore(
             f"{shown} is another application's empty SQLite database (application id {application_id}, "
@@ -137,9 +132,9 @@ def preflight(url: str, *, create: bool) -> None:
 def make_engine(url: str) -> Engine:
     try:
         if url.startswith("sqlite"):
-            path = url[len("sqlite:///") :]
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            path = sqlite_file(url)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, connect_args={"timeout": busy_timeout_ms() / 1000})
             _sqlite_hooks(engine)
         else:
@@ -285,12 +280,15 @@ def is_blank(engine: Engine) -> bool:
 
 def refuse_foreign(engine: Engine) -> None:
     """Raise ``NotAStore`` for a database with tables but not hcapo-store's (or no schema revision)."""
-    tables = table_names(engine)
+    _refuse_foreign_tables(table_names(engine), display_url(str(engine.url)))
+
+
+def _refuse_foreign_tables(tables: set[str], shown: str) -> None:
+    """``NotAStore`` when a database has tables and they are not hcapo-store's."""
     if tables and not CORE_TABLES | {"alembic_version"} <= tables:
-        url = display_url(str(engine.url))
-        shown = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
+        listed = ", ".join(sorted(tables)[:5]) + (", …" if len(tables) > 5 else "")
         raise NotAStore(
-            f"{url} is not an hcapo-store database (its tables: {shown}); "
+            f"{shown} is not an hcapo-store database (its tables: {listed}); "
             "it was left untouched: pass another path with --db"
         )
 
