@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from hcapo_store.errors import ExportError
-from hcapo_store.processes import pid_alive
+from hcapo_store.processes import remove_files_of_dead
 from hcapo_store.storage.db import SQLITE_MAGIC
 
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
@@ -148,12 +148,8 @@ def _write_error(path: Path, exc: OSError) -> ExportError:
 
 def _remove_dead_temps(path: Path) -> None:
     """Temp files of this output left by a writer killed before its rename (its pid is gone)."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.[^.]+\.tmp$")
     try:
         names = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.")]
     except OSError:
         return
-    for leftover in names:
-        owner = pattern.match(leftover.name)
-        if owner and not pid_alive(int(owner.group(1))):
-            leftover.unlink(missing_ok=True)
+    remove_files_of_dead(names, re.compile(rf"^\.{re.escape(path.name)}\.(\d+)\.[^.]+\.tmp$"))

@@ -31,7 +31,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, NotAStore, SchemaOutOfDate, SchemaTooNew, StoreError
-from hcapo_store.processes import pid_alive
+from hcapo_store.processes import remove_files_of_dead
 from hcapo_store.storage.location import DEFAULT_DB, ENV_DB, display_url, resolve_url  # noqa: F401 - re-exported
 
 ENV_BUSY_TIMEOUT = "HCAPO_STORE_BUSY_TIMEOUT"  # seconds a writer waits for SQLite's write lock
@@ -345,10 +345,10 @@ def backup(engine: Engine) -> Path | None:
 
 def _remove_dead_partials(path: Path) -> None:
     """Partial backups left by upgrades killed before their rename (their process is gone)."""
-    for partial in path.parent.glob(f".{glob_escape(path.name)}.bak-*.partial-*"):
-        owner = re.search(r"\.partial-(\d+)(-journal|-wal|-shm)?$", partial.name)  # the copy or its side file
-        if owner and not pid_alive(int(owner.group(1))):
-            partial.unlink(missing_ok=True)
+    remove_files_of_dead(  # the copy or its side file
+        path.parent.glob(f".{glob_escape(path.name)}.bak-*.partial-*"),
+        re.compile(r"\.partial-(\d+)(-journal|-wal|-shm)?$"),
+    )
 
 
 @dataclass(frozen=True)
