@@ -95,6 +95,14 @@ _NUMBER_TYPES = frozenset((int, float))  # exact types: bool (a subclass of int)
 _ENTRY_TYPES = frozenset((list, tuple))
 
 
+def _as_logprobs(values: list[Any]) -> list[float] | None:
+    """Numbers that are all finite log-probabilities (rounding above 0 clipped), else None."""
+    array = np.asarray(values, dtype=np.float64)
+    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
+        return None
+    return np.minimum(array, 0.0).tolist()
+
+
 def _fast_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[float] | None:
     """The whole check in a few C-level passes; None when anything is off (the slow path
     then finds the first bad entry and raises with its position)."""
@@ -105,10 +113,7 @@ def _fast_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[f
     values = [e[0] for e in entries[1:]]
     if not set(map(type, values)) <= _NUMBER_TYPES:
         return None
-    array = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
-        return None
-    return np.minimum(array, 0.0).tolist()
+    return _as_logprobs(values)
 
 
 class FlatEntries:
@@ -167,10 +172,7 @@ def _fast_flat(entries: FlatEntries, ids: Sequence[int], start: int) -> list[flo
     values = flat[3::3]
     if not set(map(type, values)) <= _NUMBER_TYPES or not set(map(type, flat[1::3])) <= {int}:
         return None
-    array = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
-        return None
-    return np.minimum(array, 0.0).tolist()
+    return _as_logprobs(values)
 
 
 def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> list[float]:
