@@ -198,21 +198,27 @@ def scorer_tokenizer(
     scorer's. Without a directory: the first of those the scorer's tokenizer was loaded from
     before (``score``, an earlier export) whose files still hash the same."""
     theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
-    if tokenizer_dir is None:
-        tried = []
-        for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
-            tried.append(str(candidate))
-            if not candidate.is_dir():
-                continue
-            try:
-                return scorer_tokenizer(store, scorer_id, candidate)
-            except ExportError:
-                continue  # changed since: try the next one
-        where = f" (not found, or changed, where it was before: {', '.join(tried)})" if tried else ""
-        raise ExportError(
-            f"this needs the tokenizer scorer {scorer_id[:12]} used ({theirs.get('name', '?')!r}){where}: "
-            "pass its directory with --tokenizer DIR"
-        )
+    if tokenizer_dir is not None:
+        return _checked_tokenizer(store, scorer_id, theirs, tokenizer_dir)
+    tried = []
+    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
+        tried.append(str(candidate))
+        if not candidate.is_dir():
+            continue
+        try:
+            return _checked_tokenizer(store, scorer_id, theirs, candidate)
+        except ExportError:
+            continue  # changed since: try the next one
+    where = f" (not found, or changed, where it was before: {', '.join(tried)})" if tried else ""
+    raise ExportError(
+        f"this needs the tokenizer scorer {scorer_id[:12]} used ({theirs.get('name', '?')!r}){where}: "
+        "pass its directory with --tokenizer DIR"
+    )
+
+
+def _checked_tokenizer(
+    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer_dir: str | Path
+) -> tuple[Any, dict[str, Any]]:
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (OSError, ValueError) as exc:
@@ -224,6 +230,5 @@ def scorer_tokenizer(
                 f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
                 f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory"
             )
-    if Path(tokenizer_dir).expanduser().is_dir():
-        remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
+    remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
     return tokenizer, mine

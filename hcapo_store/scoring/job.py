@@ -384,7 +384,7 @@ async def run_scoring_async(
         if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=1):
             await check_vocabulary(prep)  # before anything is written
         register(store, prep.spec)
-        if prep.tokenizer_dir is not None and Path(prep.tokenizer_dir).expanduser().is_dir():
+        if prep.tokenizer_dir is not None:
             remember_tokenizer(store, prep.spec["tokenizer"]["files_sha256"], prep.tokenizer_dir)
         work_queue.enqueue(store, prep.scorer_id, **conv)
         if retry_failed:

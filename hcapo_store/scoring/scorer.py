@@ -187,9 +187,11 @@ def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
 
 
 def remember_tokenizer(store: Store, files_sha256: str, directory: str | Path) -> None:
-    """Record that a tokenizer with these files was loaded from ``directory`` (absolute)."""
-    path = str(Path(directory).expanduser().resolve())
-    if not files_sha256 or len(path) > 4096:
+    """Record that a tokenizer with these files was loaded from ``directory`` (absolute); a
+    hub name (no such directory) is not a place to look again."""
+    where = Path(directory).expanduser()
+    path = str(where.resolve())
+    if not files_sha256 or len(path) > 4096 or not where.is_dir():
         return
     now = utcnow().isoformat(timespec="seconds")
     with db.write(store.engine) as conn:
