@@ -61,7 +61,11 @@ _EXPORTS: dict[str, str] = {
     "list_runs": "hcapo_store.credits.runs",
     "get_run": "hcapo_store.credits.runs",
     "show_run": "hcapo_store.credits.runs",
+    "RunDetails": "hcapo_store.credits.runs",
+    "SubtaskSummary": "hcapo_store.credits.runs",
     "diff_runs": "hcapo_store.credits.runs",
+    "RunDiff": "hcapo_store.credits.runs",
+    "MovedStep": "hcapo_store.credits.runs",
     # outputs
     "export_dataset": "hcapo_store.outputs.export",
     "export_hindsight_json": "hcapo_store.outputs.export",
@@ -98,7 +102,11 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.credits.params import CreditParams
     from hcapo_store.credits.runs import (
         ComputeResult,
+        MovedStep,
+        RunDetails,
+        RunDiff,
         RunInfo,
+        SubtaskSummary,
         compute_credits,
         diff_runs,
         get_run,

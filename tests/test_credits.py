@@ -369,32 +369,33 @@ def test_list_show_diff(scored: Store) -> None:
 
     steps = current_steps(scored)
     shown = show_run(scored, "default")
-    assert shown["steps"] == steps and shown["params"]["t_temp"] == 5.0
-    by_subtask = {r["subtask"]: r for r in shown["subtasks"]}
-    assert shown["subtasks"][0]["subtask"] == "planning"
+    assert shown.run.steps == steps and shown.run.params["t_temp"] == 5.0
+    by_subtask = {r.subtask: r for r in shown.subtasks}
+    assert shown.subtasks[0].subtask == "planning"
     _, per_subtask = scored.query(
         "SELECT COALESCE(s.subtask_id, 'planning'), COUNT(*), COUNT(DISTINCT s.episode_id) "
         "FROM steps s JOIN episodes e ON e.id = s.episode_id WHERE e.is_current GROUP BY 1"
     )
-    assert {r["subtask"]: (r["steps"], r["episodes"]) for r in shown["subtasks"]} == {
+    assert {r.subtask: (r.steps, r.episodes) for r in shown.subtasks} == {
         name: (n, eps) for name, n, eps in per_subtask
     }
-    assert {"planning", "S1", "S2"} <= set(by_subtask) and by_subtask["S1"]["episodes"] == 4
-    assert sum(r["steps"] for r in shown["subtasks"]) == steps
+    assert {"planning", "S1", "S2"} <= set(by_subtask) and by_subtask["S1"].episodes == 4
+    assert sum(r.steps for r in shown.subtasks) == steps
+    assert shown.clipped_low == sum(r.clipped_low for r in shown.subtasks)
 
     d = diff_runs(scored, "default", "b")
-    assert d["common_steps"] == steps and d["only_a"] == d["only_b"] == 0
-    assert len(d["top_moved"]) == 10
-    assert d["delta_q_h_smoothed"]["min"] <= d["delta_q_h_smoothed"]["p50"] <= d["delta_q_h_smoothed"]["max"]
-    moves = [abs(m["delta_q_h_smoothed"]) for m in d["top_moved"]]
+    assert d.common_steps == steps and d.only_a == d.only_b == 0
+    assert len(d.top_moved) == 10
+    assert d.delta_q_h_smoothed["min"] <= d.delta_q_h_smoothed["p50"] <= d.delta_q_h_smoothed["max"]
+    moves = [abs(m.delta_q_h_smoothed) for m in d.top_moved]
     assert moves == sorted(moves, reverse=True)
     all_steps = list(iter_step_deltas(scored, "default", "b"))
     assert len(all_steps) == steps
     assert max(abs(s["delta_q_h_smoothed"]) for s in all_steps) == moves[0]
-    top = d["top_moved"][0]
-    assert top["episode"].startswith("trajectories/episode_") and isinstance(top["step_index"], int)
+    top = d.top_moved[0]
+    assert top.episode.startswith("trajectories/episode_") and isinstance(top.step_index, int)
 
     same = diff_runs(scored, "default", "default")
-    assert same["delta_rho"]["max"] == 0 and same["delta_q_h_smoothed"]["min"] == 0
+    assert same.delta_rho["max"] == 0 and same.delta_q_h_smoothed["min"] == 0
     with pytest.raises(CreditError, match="no credit run named 'nope'"):
         show_run(scored, "nope")

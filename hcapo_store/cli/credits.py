@@ -245,7 +245,8 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
     """Show one run: hyperparameters, counts, and a per-subtask summary."""
     from hcapo_store.credits.runs import show_run
 
-    data = show_run(state.store(create=False), name)
+    shown = show_run(state.store(create=False), name)
+    data = shown.as_dict()  # the text lists every field the JSON has, in its order
     if as_json:
         echo_json(data)
         return
@@ -254,10 +255,9 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
             click.echo(f"{key:<20} {value or 'no'}")
         elif key != "subtasks":
             click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
-    rows = data.get("subtasks") or []
-    if rows:
+    if shown.subtasks:
         click.echo("")
-        click.echo(formatting.records_table(rows))
+        click.echo(formatting.records_table(data["subtasks"]))
 
 
 @credits.command("diff")
@@ -277,7 +277,8 @@ def credits_diff(state: Ctx, a: str, b: str, top: int, all_steps: bool, as_json:
     if as_json and all_steps:
         echo_json(list(iter_step_deltas(store, a, b)))
         return
-    data = diff_runs(store, a, b, top=top)
+    diff = diff_runs(store, a, b, top=top)
+    data = diff.as_dict()  # the text lists every scalar and flat field the JSON has, in its order
     if as_json:
         echo_json(data)
         return
@@ -286,7 +287,6 @@ def credits_diff(state: Ctx, a: str, b: str, top: int, all_steps: bool, as_json:
             click.echo(f"{key:<20} " + "  ".join(f"{k}={formatting.cell(v)}" for k, v in value.items()))
         elif not isinstance(value, (list, dict)):
             click.echo(f"{key:<20} {value}")
-    moved = data.get("top_moved") or []
-    if moved:
+    if diff.top_moved:
         click.echo("\nsteps that moved most:")
-        click.echo(formatting.records_table(moved))
+        click.echo(formatting.records_table(data["top_moved"]))

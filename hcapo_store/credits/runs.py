@@ -689,15 +689,54 @@ GROUP BY COALESCE(s.subtask_id, s.phase)
 """
 
 
-def show_run(store: Store, name: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SubtaskSummary:
+    """One subtask's (or planning's) steps in a credit run: counts and means of its credits."""
+
+    subtask: str  # subtask id, or the phase of a step outside every subtask ("planning")
+    steps: int
+    episodes: int
+    subtask_reward: float | None  # None: no step of it has a reward
+    mean_logprob: float
+    pi_hind: float
+    rho: float
+    clipped_low: int  # steps whose rho_raw was raised to c_min
+    clipped_high: int  # steps whose rho_raw was lowered to c_max
+    q_h: float
+    q_h_smoothed: float
+
+
+@dataclass(frozen=True)
+class RunDetails:
+    """``show_run``: one credit run, its clipped steps and a per-subtask summary.
+
+    ``as_dict()`` is ``credits show --json``: the run's own fields (``RunInfo.as_dict``)
+    flat at the top, then the clip counts and the subtasks.
+    """
+
+    run: RunInfo
+    clipped_low: int  # all steps of the run raised to c_min
+    clipped_high: int  # all steps of the run lowered to c_max
+    subtasks: list[SubtaskSummary]  # planning first, then by subtask id
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.run.as_dict(),
+            "clipped_low": self.clipped_low,
+            "clipped_high": self.clipped_high,
+            "subtasks": [asdict(s) for s in self.subtasks],
+        }
+
+
+def show_run(store: Store, name: str | None = None) -> RunDetails:
     """Parameters, counts and a per-subtask summary (planning first, then by subtask id)."""
     run = get_run(store, name)
     with db.read(store.engine) as conn:
-        rows = [dict(r) for r in conn.execute(text(SUBTASK_SUMMARY_SQL), {"run": run.id}).mappings()]
-    rows.sort(key=lambda r: (r["subtask"] != "planning", str(r["subtask"])))
-    clipped_low = sum(r["clipped_low"] for r in rows)
-    clipped_high = sum(r["clipped_high"] for r in rows)
-    return {**run.as_dict(), "clipped_low": clipped_low, "clipped_high": clipped_high, "subtasks": rows}
+        rows = [SubtaskSummary(**r) for r in conn.execute(text(SUBTASK_SUMMARY_SQL), {"run": run.id}).mappings()]
+    rows.sort(key=lambda r: (r.subtask != "planning", str(r.subtask)))
+    clipped_low = sum(r.clipped_low for r in rows)
+    clipped_high = sum(r.clipped_high for r in rows)
+    return RunDetails(run, clipped_low, clipped_high, rows)
 
 
 DIFF_SQL = """
@@ -754,7 +793,45 @@ def _quantiles(x: np.ndarray) -> dict[str, float | None]:
     return {k: float(v) for k, v in zip(keys, values)}
 
 
-def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MovedStep:
+    """One step's rho and q_h_smoothed in runs A and B, and the deltas B − A."""
+
+    episode: str
+    step_index: int
+    subtask: str  # subtask id, or the step's phase outside every subtask
+    rho_a: float
+    rho_b: float
+    delta_rho: float
+    q_h_smoothed_a: float
+    q_h_smoothed_b: float
+    delta_q_h_smoothed: float
+
+
+@dataclass(frozen=True)
+class RunDiff:
+    """``diff_runs``: how run B's credits differ from run A's on the steps both credit.
+
+    The deltas' quantiles are keyed ``min``, ``p10``, ``p50``, ``p90``, ``max`` (all None when
+    no step is common). ``as_dict()`` is ``credits diff --json``.
+    """
+
+    a: str
+    b: str
+    common_steps: int
+    only_a: int  # steps run A credits and run B does not
+    only_b: int
+    params_a: dict[str, Any]
+    params_b: dict[str, Any]
+    delta_rho: dict[str, float | None]
+    delta_q_h_smoothed: dict[str, float | None]
+    top_moved: list[MovedStep]  # by |delta q_h_smoothed|, largest first
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> RunDiff:
     """Deltas B − A of rho and q_h_smoothed on the steps both runs credit: quantiles + top movers."""
     ra, rb = get_run(store, a), get_run(store, b)
     with db.read(store.engine) as conn:
@@ -770,28 +847,17 @@ def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> dict[str, Any]:
     movers = []
     for i in order:
         episode, step_index, subtask = details[int(step_ids[i])]
-        movers.append(
-            {
-                "episode": episode,
-                "step_index": step_index,
-                "subtask": subtask,
-                "rho_a": arr[i, 0],
-                "rho_b": arr[i, 1],
-                "delta_rho": float(d_rho[i]),
-                "q_h_smoothed_a": arr[i, 2],
-                "q_h_smoothed_b": arr[i, 3],
-                "delta_q_h_smoothed": float(d_q[i]),
-            }
-        )
-    return {
-        "a": ra.name,
-        "b": rb.name,
-        "common_steps": len(step_ids),
-        "only_a": ra.steps - len(step_ids),
-        "only_b": rb.steps - len(step_ids),
-        "params_a": ra.params,
-        "params_b": rb.params,
-        "delta_rho": _quantiles(d_rho),
-        "delta_q_h_smoothed": _quantiles(d_q),
-        "top_moved": movers,
-    }
+        rho_a, rho_b, q_a, q_b = (float(v) for v in arr[i])
+        movers.append(MovedStep(episode, step_index, subtask, rho_a, rho_b, float(d_rho[i]), q_a, q_b, float(d_q[i])))
+    return RunDiff(
+        a=ra.name,
+        b=rb.name,
+        common_steps=len(step_ids),
+        only_a=ra.steps - len(step_ids),
+        only_b=rb.steps - len(step_ids),
+        params_a=ra.params,
+        params_b=rb.params,
+        delta_rho=_quantiles(d_rho),
+        delta_q_h_smoothed=_quantiles(d_q),
+        top_moved=movers,
+    )
