@@ -68,8 +68,11 @@ _EXPORTS: dict[str, str] = {
     "MovedStep": "hcapo_store.credits.runs",
     # outputs
     "export_dataset": "hcapo_store.outputs.export",
+    "DatasetExport": "hcapo_store.outputs.export",
     "export_hindsight_json": "hcapo_store.outputs.export",
+    "HindsightExport": "hcapo_store.outputs.export",
     "export_tokenized": "hcapo_store.outputs.tokenized",
+    "TokenizedExport": "hcapo_store.outputs.tokenized",
     "export_scores": "hcapo_store.outputs.scores",
     "write_report": "hcapo_store.outputs.report",
     "write_episode_page": "hcapo_store.outputs.episode_view",
@@ -134,10 +137,10 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.outputs.episode_view import write_episode_page
-    from hcapo_store.outputs.export import export_dataset, export_hindsight_json
+    from hcapo_store.outputs.export import DatasetExport, HindsightExport, export_dataset, export_hindsight_json
     from hcapo_store.outputs.report import write_report
     from hcapo_store.outputs.scores import export_scores
-    from hcapo_store.outputs.tokenized import export_tokenized
+    from hcapo_store.outputs.tokenized import TokenizedExport, export_tokenized
     from hcapo_store.scoring.job import (
         DryRun,
         Prepared,

@@ -257,8 +257,8 @@ def test_paper_run_exports_signed_advantages_and_keeps_every_episode(tmp_path):
     assert get_run(store, "p").variant == "paper"
     summary = export_dataset(store, tmp_path / "p.jsonl", "p")
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
-    assert summary["config"]["advantages"] == "stored" and summary["config"]["variant"] == "paper"
-    assert len(rows) == len(trajs) and summary["episodes_dropped"] == {}
+    assert summary.config["advantages"] == "stored" and summary.config["variant"] == "paper"
+    assert len(rows) == len(trajs) and summary.episodes_dropped == {}
     ref = reference_paper(trajs)
     by_id = {r["_episode_id"]: r for r in rows}
     for k, steps in enumerate(ref):

@@ -56,7 +56,7 @@ def scored(store: Store, samples: Path) -> Store:
 def test_hindsight_json_schema_and_values(scored: Store, tmp_path: Path) -> None:
     compute_credits(scored, CreditParams(dense=False), name="sparse")
     out = export_hindsight_json(scored, tmp_path / "hs", "sparse")
-    assert out["episodes"] == 4
+    assert out.episodes == 4
     credits = read_credits(scored, "sparse")
     for name, steps in credits.items():
         doc = json.loads((tmp_path / "hs" / name / "hindsight_scores.json").read_text())
@@ -127,8 +127,8 @@ def test_dataset_matches_reference(store: Store, tmp_path: Path, use_smoothed: b
     ref_rows, ref_summary = build_hcapo_rows(
         _reference_inputs(store, "r"), omega=0.7, min_reward=0.2, use_smoothed=use_smoothed
     )
-    assert len(rows) == len(ref_rows) == summary["episodes_in_dataset"] > 0
-    assert summary["total_episodes_loaded"] == ref_summary["total_episodes_loaded"]
+    assert len(rows) == len(ref_rows) == summary.episodes_in_dataset > 0
+    assert summary.total_episodes_loaded == ref_summary["total_episodes_loaded"]
     for got, want in zip(rows, ref_rows):
         assert list(got) == [
             "messages",
@@ -145,9 +145,9 @@ def test_dataset_matches_reference(store: Store, tmp_path: Path, use_smoothed: b
         assert got["_grpo_advantage"] == pytest.approx(want["_grpo_advantage"], abs=1.01e-6)
         assert got["step_advantages"] == pytest.approx(want["step_advantages"], abs=1.01e-6)
     for key in ("total_steps", "nonzero_steps"):
-        assert summary[key] == ref_summary[key]
+        assert getattr(summary, key) == ref_summary[key]
     for key, value in ref_summary["advantage_stats"].items():
-        assert summary["advantage_stats"][key] == pytest.approx(value, abs=1e-5)
+        assert summary.advantage_stats[key] == pytest.approx(value, abs=1e-5)
     positive = [w for r in rows for w in r["step_advantages"] if w > 0]
     assert sum(positive) / len(positive) == pytest.approx(1.0, abs=1e-5)
     on_disk = json.loads((tmp_path / "hcapo_train.jsonl.summary.json").read_text())  # one per output
@@ -226,7 +226,7 @@ def test_default_export_reads_the_runs_stored_advantages(store, samples, tmp_pat
     add_scores(store, "sc", seed=11)
     compute_credits(store, name="r")
     stored = export_dataset(store, tmp_path / "stored.jsonl", "r")
-    assert stored["config"]["advantages"] == "stored" and stored["config"]["variant"] == "original"
+    assert stored.config["advantages"] == "stored" and stored.config["variant"] == "original"
     rows = store.query(
         "SELECT COUNT(*), COUNT(advantage), COUNT(a_macro), COUNT(micro) FROM step_credits WHERE reward >= 0.2"
     )[1][0]
@@ -234,5 +234,5 @@ def test_default_export_reads_the_runs_stored_advantages(store, samples, tmp_pat
     with store.engine.begin() as conn:  # what a run from before revision 0003 looks like
         conn.execute(sql("UPDATE credits SET advantage = NULL, a_macro = NULL, micro = NULL"))
     computed = export_dataset(store, tmp_path / "computed.jsonl", "r")
-    assert computed["config"]["advantages"] == "computed"
+    assert computed.config["advantages"] == "computed"
     assert filecmp.cmp(tmp_path / "stored.jsonl", tmp_path / "computed.jsonl", shallow=False)

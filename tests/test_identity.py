@@ -131,7 +131,7 @@ def test_two_roots_give_six_names_in_views_and_six_exported_files(any_store, tmp
     assert sorted({n for (n,) in rows(any_store, "SELECT episode FROM subtask_credits")}) == ROOT_NAMES
     out = export_hindsight_json(any_store, tmp_path / "hs", "r1")
     files = sorted(str(p.relative_to(tmp_path / "hs").parent) for p in (tmp_path / "hs").rglob("hindsight_scores.json"))
-    assert out["episodes"] == 6 and files == ROOT_NAMES
+    assert out.episodes == 6 and files == ROOT_NAMES
     rewards = {json.loads((tmp_path / "hs" / n / "hindsight_scores.json").read_text())["reward"] for n in ROOT_NAMES}
     assert len(rewards) == 6  # six different episodes, none overwritten
 

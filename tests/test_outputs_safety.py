@@ -333,7 +333,7 @@ def test_new_episode_version_makes_the_run_stale(store: Store, tmp_path: Path, d
     assert "score the 1 new version(s) first (`hcapo-store score` with the options of scorer" in run.stale
     assert run.stale.endswith("then run `hcapo-store credits compute --recompute` with its parameters")
     summary = export_dataset(store, tmp_path / "d.jsonl", "r", min_reward=-1)
-    assert any("is stale" in w and "new version(s) first" in w for w in summary["warnings"])
+    assert any("is stale" in w and "new version(s) first" in w for w in summary.warnings)
     with store.engine.connect() as conn:
         scored = conn.exec_driver_sql(
             "SELECT e.name, s.step_index FROM steps s JOIN episodes e ON e.id = s.episode_id "

@@ -119,8 +119,8 @@ def test_weighted_tokens_decode_to_each_steps_own_tokens(
         rendering=rendering,
     )
     rows = _rows(tmp_path / "t.jsonl")
-    assert rows and summary["episodes_in_dataset"] == len(rows) and summary["unaligned_steps"] == 0
-    assert summary["config"]["rendering"] == rendering and summary["unaligned_reasons"] == {}
+    assert rows and summary.episodes_in_dataset == len(rows) and summary.unaligned_steps == 0
+    assert summary.config["rendering"] == rendering and summary.unaligned_reasons == {}
     ep_ids = dict(store.query("SELECT name, id FROM episodes")[1])
     with store.engine.connect() as conn:
         for row in rows:
@@ -183,8 +183,8 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
         rendering="whole",
     )
     (row,) = _rows(tmp_path / "t.jsonl")
-    assert row["episode"].endswith("good") and summary["unaligned_steps"] == 2
-    assert summary["unaligned_reasons"] == {"rendering": 2}
+    assert row["episode"].endswith("good") and summary.unaligned_steps == 2
+    assert summary.unaligned_reasons == {"rendering": 2}
     # the two steps before the second user message render as "[earlier turn]" in the episode
     assert [u["step_index"] for u in row["unaligned_steps"]] == [0, 1]
     assert all(u["reason"].startswith("rendering") for u in row["unaligned_steps"])
@@ -202,7 +202,7 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
         store, tmp_path / "turns.jsonl", "r", omega=0.0, min_reward=0.0, layout="tokenized", tokenizer=tok_dir
     )
     (row,) = _rows(tmp_path / "turns.jsonl")
-    assert summary["unaligned_steps"] == 0 and row["step_indices"] == [0, 1, 2, 3]
+    assert summary.unaligned_steps == 0 and row["step_indices"] == [0, 1, 2, 3]
     texts = [tok.decode(row["token_ids"][a:b]) for a, b in row["step_spans"]]
     assert [t.split("<")[0] for t in texts] == ["step 0 of good", "step 1 of good", "step 2 of good", "done"]
     assert all(t.endswith("<|im_end|>") for t in texts)

@@ -24,7 +24,7 @@ def test_weighted_training_step_lowers_the_loss(
     summary = export_dataset(
         store, data, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir, fmt="parquet"
     )
-    assert summary["weighted_tokens"] > 0
+    assert summary.weighted_tokens > 0
     out = subprocess.run(
         [
             sys.executable,

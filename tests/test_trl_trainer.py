@@ -58,7 +58,7 @@ def exported(store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path) ->
     scored_with(store, short, tiny_model_dir)
     out = tmp_path / "train.jsonl"
     summary = export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir)
-    assert summary["weighted_tokens"] > 0
+    assert summary.weighted_tokens > 0
     return out
 
 

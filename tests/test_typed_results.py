@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from test_credits import add_scorer, add_scores
+from test_tokenized import scored_with
 
 import hcapo_store as hs
 from hcapo_store import formatting
@@ -34,7 +36,7 @@ def _stdout(runner: CliRunner, db_path: Path, *args: str) -> str:
     return r.stdout
 
 
-def _printed(result: hs.RunDetails | hs.RunDiff) -> str:
+def _printed(result: hs.RunDetails | hs.RunDiff | hs.DatasetExport | hs.TokenizedExport) -> str:
     return formatting.dumps(result.as_dict()) + "\n"
 
 
@@ -59,3 +61,66 @@ def test_credits_diff_json_is_run_diff_as_dict(credited: Store, db_path: Path, r
     assert json.loads(_printed(diff))["top_moved"][0]["episode"] == diff.top_moved[0].episode
     none = hs.diff_runs(credited, "b", "b", top=0)
     assert none.top_moved == [] and none.as_dict()["top_moved"] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "layout", "fmt"),
+    [
+        ("d.jsonl", [], "steps", "jsonl"),
+        ("w.parquet", ["--weights-in-messages", "--format", "parquet"], "weights-in-messages", "parquet"),
+    ],
+)
+def test_export_dataset_json_is_dataset_export_as_dict(
+    credited: Store,
+    db_path: Path,
+    runner: CliRunner,
+    tmp_path: Path,
+    name: str,
+    options: list[str],
+    layout: str,
+    fmt: str,
+) -> None:
+    out = tmp_path / name
+    result = hs.export_dataset(credited, out, "default", min_reward=0.0, layout=layout, fmt=fmt)
+    assert isinstance(result, hs.DatasetExport) and result.path == out
+    assert result.summary_path == tmp_path / f"{name}.summary.json"
+    # the same export again through the CLI (over the same files): the JSON it prints is as_dict()
+    printed = _stdout(
+        runner, db_path, "export", "dataset", str(out), "--credits", "default", "--min-reward", "0", *options, "--json"
+    )
+    assert printed == _printed(result)
+    assert json.loads(result.summary_path.read_text()) == json.loads(formatting.dumps(result.summary()))
+    assert list(result.as_dict())[:3] == ["path", "summary_path", "total_episodes_loaded"]
+    rows = len(out.read_text().splitlines()) if fmt == "jsonl" else pq.read_metadata(out).num_rows
+    assert result.episodes_in_dataset == rows > 0
+    assert result.config["layout"] == layout and result.total_steps >= result.nonzero_steps > 0
+
+
+def test_export_tokenized_json_is_tokenized_export_as_dict(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, db_path: Path, runner: CliRunner, tmp_path: Path
+) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    out = tmp_path / "t.jsonl"
+    result = hs.export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=demo_tokenizer_dir)
+    assert isinstance(result, hs.TokenizedExport)
+    assert hs.export_tokenized(store, out, "r", min_reward=0.0, tokenizer=demo_tokenizer_dir) == result
+    printed = _stdout(
+        runner, db_path, "export", "dataset", str(out), "--credits", "r", "--min-reward", "0",
+        "--tokenized", "--tokenizer", str(demo_tokenizer_dir), "--json",
+    )  # fmt: skip
+    assert printed == _printed(result)
+    assert json.loads(result.summary_path.read_text()) == json.loads(formatting.dumps(result.summary()))
+    assert result.episodes_in_dataset == len(out.read_text().splitlines()) > 0
+    assert result.episodes_without_weighted_tokens == sum(result.episodes_dropped.values())
+    assert result.weighted_tokens <= result.tokens and result.unaligned_steps == sum(result.unaligned_reasons.values())
+
+
+def test_export_hindsight_json_result(credited: Store, db_path: Path, runner: CliRunner, tmp_path: Path) -> None:
+    result = hs.export_hindsight_json(credited, tmp_path / "hs", "b")
+    assert result.out_dir == tmp_path / "hs" and result.run == "b"
+    assert result.episodes == len(list(result.out_dir.rglob("hindsight_scores.json"))) > 0
+    d = result.as_dict()
+    assert list(d) == ["run", "out_dir", "episodes", "warnings"] and d["out_dir"] == str(tmp_path / "hs")
+    assert hs.HindsightExport(**{**d, "out_dir": Path(d["out_dir"])}) == result
+    text = _stdout(runner, db_path, "export", "hindsight-json", str(tmp_path / "hs"), "--credits", "b")
+    assert text == f"wrote {result.episodes} hindsight_scores.json file(s) under {result.out_dir} (credit run 'b')\n"

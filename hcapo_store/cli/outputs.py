@@ -27,12 +27,11 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
     from hcapo_store.outputs.export import export_hindsight_json
 
     result = export_hindsight_json(state.store(create=False), out_dir, run)
-    warn(result["warnings"])
+    warn(result.warnings)
     click.echo(
-        f"wrote {result['episodes']} hindsight_scores.json file(s) under {result['out_dir']} "
-        f"(credit run {result['run']!r})"
+        f"wrote {result.episodes} hindsight_scores.json file(s) under {result.out_dir} (credit run {result.run!r})"
     )
-    if not result["episodes"]:
+    if not result.episodes:
         sys.exit(1)
 
 
@@ -95,7 +94,7 @@ def export_dataset_cmd(
     as_json,
 ) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
-    from hcapo_store.outputs.export import export_dataset
+    from hcapo_store.outputs.export import DatasetExport, export_dataset
     from hcapo_store.progress import Progress
 
     if tokenized and weights_in_messages:
@@ -121,26 +120,26 @@ def export_dataset_cmd(
             rendering=rendering,
             on_progress=on_progress,
         )
-    warn(summary["warnings"])
+    warn(summary.warnings)
     if as_json:
-        echo_json(summary)
-    elif tokenized:
+        echo_json(summary.as_dict())
+    elif isinstance(summary, DatasetExport):
         click.echo(
-            f"wrote {out}: {summary['episodes_in_dataset']} episode(s), {summary['weighted_steps']} "
-            f"weighted step(s), {summary['unaligned_steps']} step(s) refused"
+            f"wrote {out}: {summary.episodes_in_dataset} episode(s), "
+            f"{summary.total_steps} step(s) ({summary.nonzero_steps} non-zero); "
+            f"summary {summary.summary_path}"
+        )
+    else:  # the tokenized layout
+        click.echo(
+            f"wrote {out}: {summary.episodes_in_dataset} episode(s), {summary.weighted_steps} "
+            f"weighted step(s), {summary.unaligned_steps} step(s) refused"
             + (
-                " (" + ", ".join(f"{n} {kind}" for kind, n in summary["unaligned_reasons"].items()) + ")"
-                if summary["unaligned_reasons"]
+                " (" + ", ".join(f"{n} {kind}" for kind, n in summary.unaligned_reasons.items()) + ")"
+                if summary.unaligned_reasons
                 else ""
             )
         )
-    else:
-        click.echo(
-            f"wrote {out}: {summary.get('episodes_in_dataset')} episode(s), "
-            f"{summary.get('total_steps')} step(s) ({summary.get('nonzero_steps')} non-zero); "
-            f"summary {summary['summary_path']}"
-        )
-    if not summary["episodes_in_dataset"]:
+    if not summary.episodes_in_dataset:
         sys.exit(1)
 
 

@@ -16,8 +16,9 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
@@ -43,6 +44,9 @@ from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import loader_message
 from hcapo_store.storage.store import Store
+
+if TYPE_CHECKING:  # the tokenized layout's module loads only when that layout is asked for
+    from hcapo_store.outputs.tokenized import TokenizedExport
 
 LAYOUTS = ("steps", "weights-in-messages", "tokenized")
 
@@ -147,7 +151,20 @@ def _hindsight_doc(rows: list[Any], hyper: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HindsightExport:
+    """What ``export_hindsight_json`` wrote; ``as_dict()`` is its former dict."""
+
+    run: str  # the credit run's name
+    out_dir: Path
+    episodes: int  # hindsight_scores.json files written, one per credited episode
+    warnings: list[str]  # e.g. the run is stale
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "out_dir": str(self.out_dir), "episodes": self.episodes, "warnings": self.warnings}
+
+
+def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | None = None) -> HindsightExport:
     """``out_dir/<episode name>/hindsight_scores.json`` for every episode the run credits
     (``out_dir/pg-01/episode_001/…``: the name's parts are directories)."""
     run = get_run(store, run_name)
@@ -165,7 +182,7 @@ def export_hindsight_json(store: Store, out_dir: Path | str, run_name: str | Non
             target = _episode_dir(out, ep_rows[0][1], ep_id, used)
             write_json(target / HINDSIGHT_FILE, _hindsight_doc(ep_rows, hyper), store.files)
             written += 1
-    return {"run": run.name, "out_dir": str(out), "episodes": written, "warnings": run_warnings(run)}
+    return HindsightExport(run.name, out, written, run_warnings(run))
 
 
 # ---- Eq. 8 dataset --------------------------------------------------------------------------------
@@ -239,7 +256,7 @@ class _Stats:
         self.max = max(w) if self.max is None else max(self.max, max(w))
         return row
 
-    def dropped_reasons(self) -> dict[str, Any]:
+    def dropped_reasons(self) -> dict[str, dict[str, Any]]:
         """Selected episodes the file leaves out, by reason (the original drops them silently)."""
         if not self.dropped_all_zero:
             return {}
@@ -251,13 +268,41 @@ class _Stats:
             }
         }
 
-    def as_dict(self) -> dict[str, Any]:
+    def advantage_stats(self) -> dict[str, float]:
         return {
             "min": self.min or 0.0,
             "max": self.max or 0.0,
             "mean": self.total / self.steps if self.steps else 0.0,
             "nonzero_mean": self.nonzero_total / self.nonzero if self.nonzero else 0.0,
         }
+
+
+@dataclass(frozen=True)
+class DatasetExport:
+    """What ``export_dataset`` wrote in the ``steps`` and ``weights-in-messages`` layouts.
+
+    ``summary()`` is the document in ``summary_path``; ``as_dict()`` (``export dataset
+    --json``) is the two paths followed by it.
+    """
+
+    path: Path  # the rows (JSONL or Parquet)
+    summary_path: Path  # ``<path>.summary.json``
+    total_episodes_loaded: int  # credited episodes with reward >= min_reward
+    episodes_in_dataset: int  # rows written, one per episode
+    episodes_dropped: dict[str, dict[str, Any]]  # reason -> {"episodes": n, "reason": why}
+    total_steps: int  # steps in the written rows
+    nonzero_steps: int  # of them, steps with an Eq. 8 weight > 0
+    advantage_stats: dict[str, float]  # min, max, mean, nonzero_mean of the written weights
+    config: dict[str, Any]  # what the weights were computed with: omega, min_reward, run, format, layout…
+    provenance: dict[str, Any]  # the run, scorer and hcapo-store version
+    warnings: list[str]  # a stale run, a group_by tag the episodes lack, an empty dataset
+
+    def summary(self) -> dict[str, Any]:
+        # every field after the two paths, in declaration order: the summary file's layout
+        return {f.name: getattr(self, f.name) for f in fields(self)[2:]}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "summary_path": str(self.summary_path), **self.summary()}
 
 
 def export_dataset(
@@ -274,15 +319,16 @@ def export_dataset(
     tokenizer: str | Path | None = None,
     rendering: str = "turns",
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
-    """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns the summary.
+) -> DatasetExport | TokenizedExport:
+    """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns what it wrote
+    (a ``TokenizedExport`` for the ``tokenized`` layout, else a ``DatasetExport``).
 
     ``layout``: ``steps`` (the original's rows), ``weights-in-messages`` (the same rows with a
     ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
     ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
     ``omega``, ``min_reward``, ``group_by``, ``use_smoothed``: None = the credit run's own,
     whose stored advantages are then written as they are (``rows.run_weights``).
-    ``summary["warnings"]`` says what the caller should know: a stale run, a ``group_by``
+    ``warnings`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset. ``on_progress(done, total)``: after each episode.
     """
     if fmt not in ("jsonl", "parquet"):
@@ -337,14 +383,16 @@ def export_dataset(
             f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
             f"{rw.min_reward} and a non-zero weight ({len(episodes)} credited episode(s) selected)"
         )
-    summary = {
-        "total_episodes_loaded": len(episodes),
-        "episodes_in_dataset": stats.rows,
-        "episodes_dropped": stats.dropped_reasons(),
-        "total_steps": stats.steps,
-        "nonzero_steps": stats.nonzero,
-        "advantage_stats": stats.as_dict(),
-        "config": {
+    result = DatasetExport(
+        path=out,
+        summary_path=summary_path,
+        total_episodes_loaded=len(episodes),
+        episodes_in_dataset=stats.rows,
+        episodes_dropped=stats.dropped_reasons(),
+        total_steps=stats.steps,
+        nonzero_steps=stats.nonzero,
+        advantage_stats=stats.advantage_stats(),
+        config={
             **rw.config(),
             "variant": run.variant,
             "credits": run.name,
@@ -353,8 +401,8 @@ def export_dataset(
             "format": fmt,
             "layout": layout,
         },
-        "provenance": provenance,
-        "warnings": warnings,
-    }
-    write_json(summary_path, summary, store.files)
-    return {"path": str(out), "summary_path": str(summary_path), **summary}
+        provenance=provenance,
+        warnings=warnings,
+    )
+    write_json(summary_path, result.summary(), store.files)
+    return result

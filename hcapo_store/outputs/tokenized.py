@@ -13,6 +13,7 @@ template inserts). Where the spans come from and how they are checked:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -103,25 +104,44 @@ class _Stats:
         self.tokens += len(row[TOKEN_IDS])
         self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
 
-    def as_dict(self) -> dict[str, Any]:
+    def dropped(self) -> dict[str, int]:
         return {
-            "episodes_in_dataset": self.rows,
-            "aligned_steps": self.steps,
-            "weighted_steps": self.weighted_steps,
-            "unaligned_steps": self.refused,
-            "unaligned_reasons": dict(sorted(self.reasons.items())),
-            "episodes_without_weighted_tokens": self.no_weight + self.no_aligned_weight,
-            "episodes_dropped": {
-                k: v
-                for k, v in (
-                    ("all_zero_weights", self.no_weight),
-                    ("no_weighted_step_placed", self.no_aligned_weight),
-                )
-                if v
-            },
-            "tokens": self.tokens,
-            "weighted_tokens": self.weighted_tokens,
+            k: v
+            for k, v in (("all_zero_weights", self.no_weight), ("no_weighted_step_placed", self.no_aligned_weight))
+            if v
         }
+
+
+@dataclass(frozen=True)
+class TokenizedExport:
+    """What ``export_tokenized`` (``export_dataset(layout="tokenized")``) wrote.
+
+    ``summary()`` is the document in ``summary_path``; ``as_dict()`` (``export dataset
+    --tokenized --json``) is the two paths followed by it.
+    """
+
+    path: Path  # the rows (JSONL or Parquet)
+    summary_path: Path  # ``<path>.summary.json``
+    total_episodes_loaded: int  # credited episodes with reward >= min_reward
+    episodes_in_dataset: int  # rows written, one per episode
+    aligned_steps: int  # steps placed on their own tokens in the written rows
+    weighted_steps: int  # of them, steps with an Eq. 8 weight > 0
+    unaligned_steps: int  # steps refused (also in episodes left out)
+    unaligned_reasons: dict[str, int]  # refusals by kind, sorted by kind
+    episodes_without_weighted_tokens: int  # left out: the sum of ``episodes_dropped``
+    episodes_dropped: dict[str, int]  # all_zero_weights / no_weighted_step_placed -> episodes (0s omitted)
+    tokens: int  # tokens in the written rows
+    weighted_tokens: int  # of them, tokens with a label
+    config: dict[str, Any]  # what the rows were made with: omega, min_reward, run, rendering, tokenizer…
+    provenance: dict[str, Any]  # the run, scorer and hcapo-store version
+    warnings: list[str]  # a stale run, a group_by tag the episodes lack, an empty dataset
+
+    def summary(self) -> dict[str, Any]:
+        # every field after the two paths, in declaration order: the summary file's layout
+        return {f.name: getattr(self, f.name) for f in fields(self)[2:]}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "summary_path": str(self.summary_path), **self.summary()}
 
 
 def export_tokenized(
@@ -137,8 +157,8 @@ def export_tokenized(
     use_smoothed: bool | None = None,
     rendering: str = "turns",
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
-    """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns the summary.
+) -> TokenizedExport:
+    """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns what it wrote.
 
     ``tokenizer`` is the directory of the tokenizer the run's scorer used (checked against
     the scorer's fingerprint); None: where it was loaded before, if its files still match. Episodes with no weighted token are left out, as in the
@@ -209,10 +229,20 @@ def export_tokenized(
             f"the dataset is empty: credit run {run.name!r} has no episode with reward >= "
             f"{rw.min_reward} and a weighted, aligned step ({len(episodes)} credited episode(s) selected)"
         )
-    summary = {
-        "total_episodes_loaded": len(episodes),
-        **stats.as_dict(),
-        "config": {
+    result = TokenizedExport(
+        path=out,
+        summary_path=summary_path,
+        total_episodes_loaded=len(episodes),
+        episodes_in_dataset=stats.rows,
+        aligned_steps=stats.steps,
+        weighted_steps=stats.weighted_steps,
+        unaligned_steps=stats.refused,
+        unaligned_reasons=dict(sorted(stats.reasons.items())),
+        episodes_without_weighted_tokens=stats.no_weight + stats.no_aligned_weight,
+        episodes_dropped=stats.dropped(),
+        tokens=stats.tokens,
+        weighted_tokens=stats.weighted_tokens,
+        config={
             **rw.config(),
             "variant": run.variant,
             "credits": run.name,
@@ -223,11 +253,11 @@ def export_tokenized(
             "rendering": rendering,
             "tokenizer": str(getattr(tok, "name_or_path", None) or tokenizer),
         },
-        "provenance": run_provenance(run),
-        "warnings": warnings,
-    }
-    write_json(summary_path, summary, store.files)
-    return {"path": str(out), "summary_path": str(summary_path), **summary}
+        provenance=run_provenance(run),
+        warnings=warnings,
+    )
+    write_json(summary_path, result.summary(), store.files)
+    return result
 
 
 def _schema(id_type: Any) -> Any:
