@@ -74,8 +74,11 @@ _EXPORTS: dict[str, str] = {
     "export_tokenized": "hcapo_store.outputs.tokenized",
     "TokenizedExport": "hcapo_store.outputs.tokenized",
     "export_scores": "hcapo_store.outputs.scores",
+    "ScoresExport": "hcapo_store.outputs.scores",
     "write_report": "hcapo_store.outputs.report",
+    "ReportResult": "hcapo_store.outputs.report",
     "write_episode_page": "hcapo_store.outputs.episode_view",
+    "EpisodePage": "hcapo_store.outputs.episode_view",
     # analysis (DataFrames need pandas: the `pandas` extra)
     "credits_frame": "hcapo_store.analysis.frames",
     "steps_frame": "hcapo_store.analysis.frames",
@@ -136,10 +139,10 @@ if TYPE_CHECKING:  # static tools see the real names
     )
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
-    from hcapo_store.outputs.episode_view import write_episode_page
+    from hcapo_store.outputs.episode_view import EpisodePage, write_episode_page
     from hcapo_store.outputs.export import DatasetExport, HindsightExport, export_dataset, export_hindsight_json
-    from hcapo_store.outputs.report import write_report
-    from hcapo_store.outputs.scores import export_scores
+    from hcapo_store.outputs.report import ReportResult, write_report
+    from hcapo_store.outputs.scores import ScoresExport, export_scores
     from hcapo_store.outputs.tokenized import TokenizedExport, export_tokenized
     from hcapo_store.scoring.job import (
         DryRun,

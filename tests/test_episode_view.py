@@ -159,7 +159,7 @@ def test_episode_page_escapes_everything(store: Store, tmp_path: Path) -> None:
     }
     name = _credited_jsonl_episode(store, tmp_path, episode)
     out = write_episode_page(store, name, tmp_path / "e.html")
-    page = Path(out["path"]).read_text()
+    page = out.path.read_text()
     els = parse(page)  # would fail if "</div></details>" in content closed our tags
     assert "<script" not in page and "<b>" not in page and "<tool>" not in page
     assert html.escape(nasty) in page
@@ -251,7 +251,7 @@ def test_report_links_episode_pages(scored: Store, tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(runs, "run_staleness", lambda conn, run: scans.append(run.name) or real(conn, run))
     out = write_report(scored, tmp_path / "rep.html", "r", episode_pages=True)
     assert scans == ["r"]  # the run is resolved (and its staleness scanned) once, not once per page
-    page = Path(out["path"]).read_text()
+    page = out.path.read_text()
     links = re.findall(r'href="(rep_episodes/[^"]+)"', page)
     assert len(links) == 2 and 'id="episodes"' in page
     # no per-episode mean rho (1 by construction): the spread of rho_raw and the clipped steps instead
@@ -268,17 +268,14 @@ def test_report_links_are_url_encoded(scored: Store, tmp_path: Path) -> None:
     from urllib.parse import unquote
 
     out = write_report(scored, tmp_path / "r#1 x.html", "r", episode_pages=True)
-    page = Path(out["path"]).read_text()
+    page = out.path.read_text()
     links = re.findall(r'href="(r%231%20x_episodes/[^"]+)"', page)
     assert len(links) == 2, page
     for link in links:
         target = tmp_path / unquote(link)
         assert target.is_file()
         back = re.findall(r'href="(\.\./[^"]+)"', target.read_text())
-        assert (
-            back == ["../r%231%20x.html"]
-            and (target.parent / unquote(back[0])).resolve() == Path(out["path"]).resolve()
-        )
+        assert back == ["../r%231%20x.html"] and (target.parent / unquote(back[0])).resolve() == out.path.resolve()
 
 
 def test_heat_maps_show_multibyte_characters_whole(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path)
     _failures(store, "scorer-a", "trajectories/episode_003", ["http_503", "http_503", "timeout"])
     compute_credits(store, CreditParams(c_min=0.9, c_max=1.1), name="tight")
     out = write_report(store, tmp_path / "report.html", "tight")
-    page = Path(out["path"]).read_text()
+    page = out.path.read_text()
 
     for section in ("run", "hyperparameters", "distributions", "subtasks", "coverage", "failures"):
         assert f'id="{section}"' in page
@@ -67,6 +67,6 @@ def test_report_without_failures(store: Store, samples: Path, tmp_path: Path) ->
     add_scorer(store, "s")
     add_scores(store, "s")
     compute_credits(store)
-    page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
+    page = write_report(store, tmp_path / "r.html").path.read_text()
     assert "No failed attempts recorded." in page
     assert len(re.findall(r"<svg", page)) == 8

@@ -79,7 +79,7 @@ def test_report_labels_subtasks_by_id(store: Store, samples: Path, tmp_path: Pat
     add_scorer(store, "s")
     add_scores(store, "s")
     compute_credits(store)
-    page = Path(write_report(store, tmp_path / "r.html")["path"]).read_text()
+    page = write_report(store, tmp_path / "r.html").path.read_text()
     ids = [
         r[0] for r in store.query("SELECT DISTINCT subtask_id FROM steps WHERE subtask_id IS NOT NULL ORDER BY 1")[1]
     ]

@@ -124,3 +124,34 @@ def test_export_hindsight_json_result(credited: Store, db_path: Path, runner: Cl
     assert hs.HindsightExport(**{**d, "out_dir": Path(d["out_dir"])}) == result
     text = _stdout(runner, db_path, "export", "hindsight-json", str(tmp_path / "hs"), "--credits", "b")
     assert text == f"wrote {result.episodes} hindsight_scores.json file(s) under {result.out_dir} (credit run 'b')\n"
+
+
+def test_export_scores_result(credited: Store, db_path: Path, runner: CliRunner, tmp_path: Path) -> None:
+    result = hs.export_scores(credited, tmp_path / "s.parquet")
+    assert (result.scorer_id, result.scorer) == ("sc", "test-scorer")
+    assert result.steps == pq.read_metadata(result.path).num_rows > 0
+    d = result.as_dict()
+    assert list(d) == ["path", "scorer_id", "scorer", "steps"]
+    assert hs.ScoresExport(**{**d, "path": Path(d["path"])}) == result
+    text = _stdout(runner, db_path, "export", "scores", str(result.path))
+    assert text == f"wrote {result.path}: {result.steps} scored step(s) of scorer test-scorer\n"
+
+
+def test_write_report_and_episode_page_results(
+    credited: Store, db_path: Path, runner: CliRunner, tmp_path: Path
+) -> None:
+    report = hs.write_report(credited, tmp_path / "r.html", "b")
+    assert report.run == "b" and report.warnings == []
+    assert report.bytes == report.path.stat().st_size  # bytes of the UTF-8 file, not characters
+    d = report.as_dict()
+    assert list(d) == ["path", "run", "bytes", "warnings"]
+    assert hs.ReportResult(**{**d, "path": Path(d["path"])}) == report
+    text = _stdout(runner, db_path, "report", str(report.path), "--credits", "b")
+    assert text == f"wrote {report.path} ({report.bytes} bytes, credit run 'b')\n"
+
+    (name,) = credited.query("SELECT name FROM episodes ORDER BY name LIMIT 1")[1][0]
+    page = hs.write_episode_page(credited, name, tmp_path / "e.html", "default")
+    assert (page.episode, page.run) == (name, "default") and page.bytes == page.path.stat().st_size
+    d = page.as_dict()
+    assert list(d) == ["path", "episode", "run", "bytes"]
+    assert hs.EpisodePage(**{**d, "path": Path(d["path"])}) == page

@@ -153,7 +153,7 @@ def export_scores_cmd(state: Ctx, out: Path, scorer: str | None, fmt: str) -> No
     from hcapo_store.outputs.scores import export_scores
 
     result = export_scores(state.store(create=False), out, scorer)
-    click.echo(f"wrote {result['path']}: {result['steps']} scored step(s) of scorer {result['scorer']}")
+    click.echo(f"wrote {result.path}: {result.steps} scored step(s) of scorer {result.scorer}")
 
 
 @cli.command("datasette-metadata", epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")
@@ -195,8 +195,8 @@ def report(state: Ctx, out: Path, run: str | None, episode_pages: bool, tokenize
     from hcapo_store.outputs.report import write_report
 
     result = write_report(state.store(create=False), out, run, episode_pages=episode_pages, tokenizer=tokenizer)
-    warn(result["warnings"])
-    click.echo(f"wrote {result['path']} ({result['bytes']} bytes, credit run {result['run']!r})")
+    warn(result.warnings)
+    click.echo(f"wrote {result.path} ({result.bytes} bytes, credit run {result.run!r})")
 
 
 @cli.command(epilog="Reference: docs/OUTPUTS.md in the hcapo-store repository.")

@@ -468,21 +468,29 @@ def _write_html(path: Path, page: str, inputs: list[Path]) -> None:
     atomic_write(path, lambda f: f.write(page.encode()), inputs=inputs)
 
 
+@dataclass(frozen=True)
+class EpisodePage:
+    """What ``write_episode_page`` wrote; ``as_dict()`` is its former dict."""
+
+    path: Path
+    episode: str  # the episode's unique name
+    run: str | None  # the credit run whose credits tint it; None: the store has none
+    bytes: int  # the page's size
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "episode": self.episode, "run": self.run, "bytes": self.bytes}
+
+
 def write_episode_page(
     store: Store, name: str, out_html: Path | str, run_name: str | None = None, *, tokenizer: str | Path | None = None
-) -> dict[str, Any]:
-    """Write one episode's page; returns its path and the run it shows."""
+) -> EpisodePage:
+    """Write one episode's page; returns its path, the episode and the run it shows."""
     view = episode_view(store, name, run_name, tokenizer=tokenizer)
     page = episode_page(view)
     out = Path(out_html)
     check_output(out, store.files)
     _write_html(out, page, store.files)
-    return {
-        "path": str(out),
-        "episode": view.episode.name,
-        "run": view.run.name if view.run else None,
-        "bytes": len(page.encode()),
-    }
+    return EpisodePage(out, view.episode.name, view.run.name if view.run else None, len(page.encode()))
 
 
 EPISODES_SQL = """

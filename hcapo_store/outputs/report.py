@@ -12,6 +12,7 @@ import html
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -504,6 +505,19 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
     )
 
 
+@dataclass(frozen=True)
+class ReportResult:
+    """What ``write_report`` wrote; ``as_dict()`` is its former dict."""
+
+    path: Path
+    run: str  # the credit run it describes
+    bytes: int  # the page's size
+    warnings: list[str]  # e.g. the run is stale
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "run": self.run, "bytes": self.bytes, "warnings": self.warnings}
+
+
 def write_report(
     store: Store,
     out_html: Path | str,
@@ -511,9 +525,9 @@ def write_report(
     *,
     episode_pages: bool = False,
     tokenizer: str | Path | None = None,
-) -> dict[str, Any]:
+) -> ReportResult:
     """Write the report atomically (never over the database or another SQLite file);
-    returns the path, the run it describes, and warnings (a stale run).
+    returns the path, the run it describes, its size and warnings (a stale run).
 
     ``episode_pages``: also one page per credited episode in ``<stem>_episodes/`` beside the
     report, linked from an Episodes section (``tokenizer``: the scorer's, for heat maps).
@@ -528,11 +542,6 @@ def write_report(
         folder = f"{out.stem}_episodes"
         rows = write_episode_pages(store, out.parent / folder, run, tokenizer=tokenizer, back_link=f"../{out.name}")
         extra = '<h2 id="episodes">Episodes</h2>' + episode_index_html(rows, folder)
-    page = build_report(store, run, extra)
-    atomic_write(out, lambda f: f.write(page.encode()), inputs=store.files)
-    return {
-        "path": str(out),
-        "run": run.name,
-        "bytes": len(page.encode()),
-        "warnings": [run.stale] if run.stale else [],
-    }
+    page = build_report(store, run, extra).encode()
+    atomic_write(out, lambda f: f.write(page), inputs=store.files)
+    return ReportResult(out, run.name, len(page), [run.stale] if run.stale else [])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -91,7 +92,20 @@ def _write(f: IO[bytes], rows: Iterator[dict[str, Any]]) -> int:
     return written
 
 
-def export_scores(store: Store, out_path: Path | str, scorer: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ScoresExport:
+    """What ``export_scores`` wrote; ``as_dict()`` is its former dict."""
+
+    path: Path  # the Parquet file
+    scorer_id: str
+    scorer: str  # the scorer's label
+    steps: int  # rows written: one per scored step
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "scorer_id": self.scorer_id, "scorer": self.scorer, "steps": self.steps}
+
+
+def export_scores(store: Store, out_path: Path | str, scorer: str | None = None) -> ScoresExport:
     """Write every scored step of ``scorer`` (default: the only one) to a Parquet file."""
     try:
         import pyarrow  # noqa: F401
@@ -107,4 +121,4 @@ def export_scores(store: Store, out_path: Path | str, scorer: str | None = None)
         count[0] = _write(f, _rows(store, scorer_id))
 
     atomic_write(out, write, inputs=store.files)
-    return {"path": str(out), "scorer_id": scorer_id, "scorer": label, "steps": count[0]}
+    return ScoresExport(out, scorer_id, label, count[0])
