@@ -10,9 +10,13 @@ Inputs (``--input``):
 Each run ingests into a new database in a fresh subprocess, so its peak RSS is its own.
 ``--baseline TREE`` pairs every run with the same inputs ingested by the code in another
 checkout (e.g. ../main), alternating which goes first; ``--repeat`` sets the number of
-pairs. Budget (BENCHMARKS.md budgets): >= 100 episodes/s, peak RSS flat from 1,000 to 5,000.
+pairs. ``--baseline-jobs 1`` pairs instead with this tree parsing in one process (ingest
+parses in worker processes by default; ``--jobs`` sets their number for this tree). CPU per
+episode counts the workers too; peak RSS is the main process's. Budget (BENCHMARKS.md
+budgets): >= 100 episodes/s, peak RSS flat from 1,000 to 5,000.
 
     python bench/ingest.py --sizes 1000 --repeat 3 --baseline ../main
+    python bench/ingest.py --sizes 1000 --repeat 3 --baseline-jobs 1
     python bench/ingest.py --sizes 1000 5000
     python bench/ingest.py --sizes 300 --profile /tmp/ingest.prof
 """
@@ -91,7 +95,23 @@ def write_synthetic_episodes(root: Path, n: int) -> int:
     )
 
 
-def child(tree: str, root: str, db: str, profile: str | None) -> None:
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and every process it started (the parse workers and the
+    forkserver that forks them, which has reaped the workers already shut down)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + (t.children_user + t.children_system if p is not me else 0.0)
+    return total
+
+
+def child(tree: str, root: str, db: str, profile: str | None, jobs: int | None) -> None:
     sys.path.insert(0, tree)
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.storage.store import Store
@@ -103,9 +123,9 @@ def child(tree: str, root: str, db: str, profile: str | None) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    report = ingest(store, [Path(root)])
-    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    t0, cpu0, tree0 = time.perf_counter(), time.process_time(), _tree_cpu_s()
+    report = ingest(store, [Path(root)]) if jobs is None else ingest(store, [Path(root)], jobs=jobs)
+    dt, cpu, tree_cpu = time.perf_counter() - t0, time.process_time() - cpu0, _tree_cpu_s() - tree0
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile)
@@ -116,9 +136,10 @@ def child(tree: str, root: str, db: str, profile: str | None) -> None:
                 "episodes": report.new,
                 "steps": report.steps,
                 "seconds": dt,
-                "cpu_s": cpu,
+                "cpu_s": cpu,  # this process
+                "cpu_tree_s": tree_cpu,  # with its parse workers
                 "episodes_per_s": report.new / dt,
-                "episodes_per_cpu_s": report.new / cpu,
+                "episodes_per_cpu_s": report.new / tree_cpu,
                 "peak_rss_mb": rss_mb,
                 "failed": report.failed,
             }
@@ -126,10 +147,12 @@ def child(tree: str, root: str, db: str, profile: str | None) -> None:
     )
 
 
-def run_child(tree: Path, episodes: Path, db: Path, profile: str | None = None) -> dict:
+def run_child(tree: Path, episodes: Path, db: Path, profile: str | None = None, jobs: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", str(tree), str(episodes), str(db)]
     if profile:
         cmd += ["--profile", profile]
+    if jobs is not None:
+        cmd += ["--jobs", str(jobs)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the tree given is the code measured
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -152,10 +175,14 @@ def main() -> None:
         help="pair with this tree ingesting the other kind of input instead",
     )
     ap.add_argument("--profile", metavar="FILE", help="cProfile the (first) run of this tree to FILE")
+    ap.add_argument("--jobs", type=int, help="ingest's parse workers for this tree (default: its own default)")
+    ap.add_argument(
+        "--baseline-jobs", type=int, help="pair with this tree ingesting with this many parse workers instead"
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child, args.profile)
+        child(*args.child, args.profile, args.jobs)
         return
     writers = {"real": write_real_episodes, "synthetic": write_synthetic_episodes}
     peak_rss: list[float] = []
@@ -167,6 +194,9 @@ def main() -> None:
                 cases["baseline"] = (args.baseline.resolve(), tmp / args.input)
             elif args.baseline_input:
                 cases["baseline"] = (args.tree.resolve(), tmp / args.baseline_input)
+            elif args.baseline_jobs:
+                cases["baseline"] = (args.tree.resolve(), tmp / args.input)
+            jobs = {"this": args.jobs, "baseline": args.baseline_jobs}
             for kind in {args.input, args.baseline_input} - {None}:
                 size = writers[kind](tmp / kind, n)
                 print(f"{n} {kind} episodes, {size / n / 1024:.0f} KB each on average")
@@ -176,7 +206,7 @@ def main() -> None:
                 for name in order:
                     tree, episodes = cases[name]
                     db = tmp / f"{name}-{rep}.db"
-                    r = run_child(tree, episodes, db, args.profile if rep == 0 and name == "this" else None)
+                    r = run_child(tree, episodes, db, args.profile if rep == 0 and name == "this" else None, jobs[name])
                     db.unlink()
                     if r["failed"]:  # a rate over refused episodes measures nothing
                         raise SystemExit(f"{name}: {r['failed']} of {n} episodes failed to ingest; fix the inputs")
@@ -184,7 +214,7 @@ def main() -> None:
                     print(
                         f"  run {rep + 1} {name:8s}: {r['episodes']} episodes ({r['steps']} steps) in "
                         f"{r['seconds']:.1f} s → {r['episodes_per_s']:.0f} episodes/s "
-                        f"({r['episodes_per_cpu_s']:.0f} per CPU-second), peak RSS {r['peak_rss_mb']:.0f} MB, "
+                        f"({r['episodes_per_cpu_s']:.0f} per CPU-second, workers included), peak RSS {r['peak_rss_mb']:.0f} MB, "
                         f"failed {r['failed']}"
                     )
             peak_rss.append(max(r["peak_rss_mb"] for r in runs["this"]))

@@ -7,9 +7,23 @@ enter the library, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HcapoError(Exception):
     """Base class of every error hcapo-store raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole, whatever the subclass's __init__ takes: an error raised in a worker
+        # process (ingest parses there) reaches the parent with its message and attributes.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[HcapoError], args: tuple[Any, ...], state: dict[str, Any]) -> HcapoError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class MissingExtra(HcapoError):

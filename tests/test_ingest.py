@@ -228,6 +228,7 @@ def test_interrupted_ingest_leaves_database_consistent(tmp_path):
     import sqlite3
     from contextlib import closing
 
+    import psutil
     from _waiting import HANG_GUARD_S, wait_until
 
     write_standard_episodes(tmp_path / "t", 400, steps_per_subtask=6, output_words=200)
@@ -247,9 +248,14 @@ def test_interrupted_ingest_leaves_database_consistent(tmp_path):
                 return 0
 
     wait_until(lambda: committed() > 0, "the first batch is committed", procs={"ingest": proc})
+    workers = psutil.Process(proc.pid).children(recursive=True)  # the processes that parse episodes
     proc.send_signal(signal.SIGINT)  # mid-run: later batches are still to come
     out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode in (0, 130), err
+    assert workers, "400 episodes are parsed in worker processes"
+    wait_until(
+        lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), "no worker is left"
+    )
     from hcapo_store.storage.store import Store
 
     with Store.open(str(db)) as s:

@@ -34,6 +34,13 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
     metavar="KEY=VALUE",
     help="Label the ingested episodes (repeatable), e.g. --tag task=postgres --tag run=pg-01.",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that parse episodes while this one stores them [default: one per core; "
+    "1 = parse in this process]. Small ingests always parse here. The stored result is the same.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def ingest(
@@ -42,6 +49,7 @@ def ingest(
     include_thinking: bool,
     max_tool_result_chars: int,
     tags: tuple[str, ...],
+    jobs: int | None,
     as_json: bool,
 ) -> None:
     """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
@@ -58,7 +66,9 @@ def ingest(
     with EpisodeProgress("ingest", enabled=not as_json) as progress:
         if progress.enabled:
             progress.total = count_inputs(list(paths))  # for the rate's ETA; a pipe gets it in its log lines
-        report = run_ingest(store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance)
+        report = run_ingest(
+            store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance, jobs=jobs
+        )
     if as_json:
         echo_json(report.as_dict())
     else:

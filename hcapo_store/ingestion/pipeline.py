@@ -17,6 +17,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlche
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
 from hcapo_store.ingestion import episode_keys
-from hcapo_store.ingestion.mapping import map_steps
+from hcapo_store.ingestion.parallel import default_jobs, parse_ahead
 from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage import db
 from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
@@ -130,17 +131,49 @@ def ingest(
     tags: dict[str, str] | None = None,
     on_episode: Callable[[str, str], None] | None = None,
     name_root: Path | str | None = None,
+    jobs: int | None = None,
 ) -> IngestReport:
     """Ingest every episode under ``paths``; one bad source never stops the others.
 
     ``on_episode(source, outcome)`` is called after each source (for progress display).
     ``name_root``: name episodes relative to this directory when they are inside it.
+    ``jobs``: worker processes that parse episodes while this one stores them (default: one
+    per core; 1 parses here). The result does not depend on it.
     """
     tags = dict(tags or {})
     check_tags(tags)
+    if jobs is not None and jobs < 1:
+        raise UsageError(f"jobs must be at least 1, got {jobs}")
     report = IngestReport()
-    sources = iter_sources([Path(p) for p in paths], options, None if name_root is None else Path(name_root))
+    found = iter_sources([Path(p) for p in paths], options, None if name_root is None else Path(name_root))
+    sources = parse_ahead(
+        found, jobs=default_jobs() if jobs is None else jobs, stored=lambda chunk: _stored(store, chunk)
+    )
     seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
+    with closing(sources):
+        return _ingest_all(store, sources, options, tags, report, on_episode, seen)
+
+
+def _stored(store: Store, chunk: list[Source]) -> set[tuple[str, str]]:
+    """(key, content hash) of the chunk's sources stored as current: not worth parsing ahead."""
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            select(Episode.source_key, Episode.content_hash).where(
+                Episode.is_current, Episode.source_key.in_({s.key for s in chunk})
+            )
+        )
+        return {(key, digest) for key, digest in rows}
+
+
+def _ingest_all(
+    store: Store,
+    sources: Iterator[Source | IngestError],
+    options: ConvertOptions,
+    tags: dict[str, str],
+    report: IngestReport,
+    on_episode: Callable[[str, str], None] | None,
+    seen: dict[str, tuple[str, str]],
+) -> IngestReport:
     try:
         while True:
             pending = _Pending()
@@ -261,7 +294,7 @@ def _ingest_one(
         _unchanged(report, item, current)
         return "unchanged"
     seen[item.key] = (item.content_hash, where)
-    pending.steps += sum(1 for m in parsed.messages if m["role"] == "assistant")
+    pending.steps += len(parsed.steps)
     pending.warnings += len(parsed.warnings)
     pending.listed += [(name, w) for w in parsed.warnings[: MAX_LISTED - len(pending.listed)]]
     if latest is None:
@@ -362,13 +395,7 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
 def _insert_episode(
     conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str, version: int
 ) -> int:
-    steps = map_steps(
-        ep.messages,
-        plan=ep.plan,
-        plan_score=ep.plan_score,
-        frozen_scores=ep.frozen_scores,
-        full_tool_text=ep.full_tool_text,
-    )
+    steps = ep.steps
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
@@ -402,11 +429,11 @@ def _insert_episode(
             {
                 "episode_id": episode_id,
                 "message_index": i,
-                "role": m["role"],
-                "content": m.get("content") or "",
-                "tool_calls": dumps_text(m["tool_calls"]) if m.get("tool_calls") else None,
-                "name": m.get("name"),
-                "tool_call_id": m.get("tool_call_id"),
+                "role": m.role,
+                "content": m.content,
+                "tool_calls": m.tool_calls,
+                "name": m.name,
+                "tool_call_id": m.tool_call_id,
             }
             for i, m in enumerate(ep.messages)
         ],

@@ -22,15 +22,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import orjson
 
 from hcapo_store.errors import IngestError, SkipEpisode
 from hcapo_store.ingestion import episode_keys
-from hcapo_store.ingestion.mapping import plan_warning
-from hcapo_store.tool_arguments import arguments_text
+from hcapo_store.ingestion.mapping import map_steps, plan_warning
+from hcapo_store.steps import StepInfo
+from hcapo_store.tool_arguments import arguments_text, dumps_text
 
 SESSION_FILE = "pi_session.jsonl"
 # zlib level of the stored raw source: level 1 costs a quarter of level 6 for ~20 % more
@@ -68,10 +70,32 @@ class ParsedEpisode:
     turns: int | None
     tool_call_count: int | None
     reward_backfilled: bool
-    messages: list[dict[str, Any]]
-    # Untruncated tool-result text per message index: transitions are judged on it (Q9).
-    full_tool_text: dict[int, str]
+    messages: list[MessageRow]
+    steps: list[StepInfo]  # mapped on the untruncated tool results (Q9), which are not kept
     warnings: list[str] = field(default_factory=list)
+
+
+class MessageRow(NamedTuple):
+    """A converted message as it is stored (``messages`` table): tool calls as JSON text.
+
+    Rows, not dicts, travel from a parse worker to the process that stores them."""
+
+    role: str
+    content: str
+    tool_calls: str | None
+    name: str | None
+    tool_call_id: str | None
+
+    @classmethod
+    def of(cls, m: dict[str, Any]) -> MessageRow:
+        calls = m.get("tool_calls")
+        return cls(
+            m["role"],
+            m.get("content") or "",
+            dumps_text(calls) if calls else None,
+            m.get("name"),
+            m.get("tool_call_id"),
+        )
 
 
 @dataclass(frozen=True)
@@ -266,17 +290,14 @@ def _episode_dir_source(directory: Path, options: ConvertOptions, root: Path) ->
     result_bytes = _canonical(_read(directory / RESULT_FILE, MAX_RESULT_BYTES), lines=False)
     session_bytes = _canonical(_read(directory / SESSION_FILE, MAX_SESSION_BYTES), lines=True)
     digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
-
-    def load() -> ParsedEpisode:
-        return parse_episode_dir(directory, result_bytes, session_bytes, options, digest)
-
     return Source(
         key=episode_keys.session_key(session_bytes),
         name=episode_keys.label(directory, root),
         path=str(directory),
         location=str(directory),
         content_hash=digest,
-        load=load,
+        # a partial of module-level code (not a closure): a worker process can run it
+        load=partial(parse_episode_dir, directory, result_bytes, session_bytes, options, digest),
         prefixes=episode_keys.ancestors(root),
     )
 
@@ -317,17 +338,13 @@ def _jsonl_sources(path: Path, options: ConvertOptions, root: Path) -> Iterator[
                 line=entry.lineno,
             )
             continue
-
-        def load(entry: _Line = entry) -> ParsedEpisode:
-            return parse_jsonl_line(path, entry.lineno, _line_at(path, entry, options), options, entry.digest)
-
         yield Source(
             key=entry.key,
             name=episode_keys.jsonl_name(file_label, entry.ident, entry.lineno),
             path=str(path),
             location=f"{path}:{entry.lineno}",
             content_hash=entry.digest,
-            load=load,
+            load=partial(_load_jsonl_line, path, entry, options),
             prefixes=prefixes,
         )
 
@@ -373,6 +390,10 @@ def _looks_like_jsonl(handle: IO[bytes]) -> bool:
         if seen >= JSONL_PROBE_LINES:
             return False
     return seen == 0
+
+
+def _load_jsonl_line(path: Path, entry: _Line, options: ConvertOptions) -> ParsedEpisode:
+    return parse_jsonl_line(path, entry.lineno, _line_at(path, entry, options), options, entry.digest)
 
 
 def _line_at(path: Path, entry: _Line, options: ConvertOptions) -> bytes:
@@ -465,11 +486,19 @@ def _located(path: Path, line: int | None = None) -> Iterator[None]:
     """A bad field, or a conversion error nobody foresaw, fails the episode naming the file and line."""
     try:
         yield
-    except _Invalid as exc:
-        raise IngestError(str(exc), path=str(path), line=line) from exc
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError) as exc:
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise IngestError(f"cannot convert: {type(exc).__name__}: {first}", path=str(path), line=line) from exc
+    except _CONVERSION_ERRORS as exc:
+        raise _located_error(exc, path, line) from exc
+
+
+# what a bad field (_Invalid) or a conversion error nobody foresaw raises
+_CONVERSION_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError)
+
+
+def _located_error(exc: Exception, path: Path, line: int | None) -> IngestError:
+    if isinstance(exc, _Invalid):
+        return IngestError(str(exc), path=str(path), line=line)
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return IngestError(f"cannot convert: {type(exc).__name__}: {first}", path=str(path), line=line)
 
 
 def _describe(value: Any) -> str:
@@ -593,12 +622,19 @@ def _finish(
     unmapped = plan_warning(messages, outcome["plan"], full_tool_text)
     if unmapped:
         warnings.append(unmapped)
+    steps = map_steps(
+        messages,
+        plan=outcome["plan"],
+        plan_score=outcome["plan_score"],
+        frozen_scores=outcome["frozen_scores"],
+        full_tool_text=full_tool_text,
+    )
     return ParsedEpisode(
         source_format=source_format,
         content_hash=digest,
         raw_source=raw,
-        messages=messages,
-        full_tool_text=full_tool_text,
+        messages=[MessageRow.of(m) for m in messages],
+        steps=steps,
         warnings=warnings,
         **outcome,
     )
@@ -709,12 +745,15 @@ def _error_prefixed(text: str, is_error: bool) -> str:
 # episode directories (result.json + Pi session JSONL)
 
 
-def _decode(data: bytes, path: Path, warnings: list[str]) -> str:
+def _decode(data: bytes, path: Path, warnings: list[str]) -> tuple[str, str]:
+    """(the text read, the text kept in the raw source): the same string for valid UTF-8; for
+    invalid bytes U+FFFD is read and the bytes are kept (surrogate-escaped)."""
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
+        return text, text
     except UnicodeDecodeError as exc:
         warnings.append(f"{path.name}: invalid UTF-8 at byte {exc.start} replaced (raw bytes kept)")
-        return data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors="replace"), data.decode("utf-8", "surrogateescape")
 
 
 def _compress(obj: dict[str, Any]) -> bytes:
@@ -735,7 +774,8 @@ def parse_episode_dir(
     session_path = directory / SESSION_FILE
     if result_bytes is None:
         raise IngestError(f"missing {RESULT_FILE}", path=str(directory))
-    result_text = _replace_nul(_decode(result_bytes, result_path, warnings), warnings, f"{RESULT_FILE}: ")
+    result_read, result_kept = _decode(result_bytes, result_path, warnings)
+    result_text = _replace_nul(result_read, warnings, f"{RESULT_FILE}: ")
     result = _load_json_object(result_text, result_path)
     if result.get("episode_reward") is None:
         reason = "no reward yet"
@@ -745,19 +785,14 @@ def parse_episode_dir(
         raise SkipEpisode(reason)
     if session_bytes is None:
         raise SkipEpisode(f"no {SESSION_FILE}")
-    session_text = _decode(session_bytes, session_path, warnings)
+    session_text, session_kept = _decode(session_bytes, session_path, warnings)
     if not session_text.strip():
         raise SkipEpisode(f"empty {SESSION_FILE}")
     entries, fmt = parse_pi_session(_replace_nul(session_text, warnings, f"{SESSION_FILE}: "), session_path, warnings)
     with _located(result_path):
         outcome = _outcome(result)
     messages, full_tool_text = _build_messages(_pi_turns(entries, session_path), options, warnings)
-    raw = _compress(
-        {
-            "result.json": result_bytes.decode("utf-8", "surrogateescape"),
-            SESSION_FILE: session_bytes.decode("utf-8", "surrogateescape"),
-        }
-    )
+    raw = _compress({"result.json": result_kept, SESSION_FILE: session_kept})
     with _located(directory):
         return _finish(
             source_format=fmt,
@@ -823,14 +858,17 @@ def _session_version(value: Any, path: Path, lineno: int) -> int:
     return value
 
 
-def _pi_turns(entries: list[tuple[int, dict[str, Any]]], path: Path) -> Iterator[_Turn]:
+def _pi_turns(entries: list[tuple[int, dict[str, Any]]], path: Path) -> list[_Turn]:
     """Pi message entries in file order (compaction and other entries skipped)."""
-    for lineno, entry in entries:
-        if entry.get("type") != "message":
-            continue
-        with _located(path, lineno):
-            turn = _pi_turn(_obj(entry.get("message"), "message"))
-        yield turn
+    turns: list[_Turn] = []
+    lineno = None
+    try:  # one handler for all lines (a context manager per line cost ~5 % of ingest)
+        for lineno, entry in entries:  # noqa: B007 (the handler names the line)
+            if entry.get("type") == "message":
+                turns.append(_pi_turn(_obj(entry.get("message"), "message")))
+    except _CONVERSION_ERRORS as exc:
+        raise _located_error(exc, path, lineno) from exc
+    return turns
 
 
 def _pi_turn(msg: dict[str, Any]) -> _Turn:
