@@ -83,7 +83,10 @@ _EXPORTS: dict[str, str] = {
     "credits_frame": "hcapo_store.analysis.frames",
     "steps_frame": "hcapo_store.analysis.frames",
     "datasette_metadata": "hcapo_store.analysis.datasette",
+    "DatasetteMetadata": "hcapo_store.analysis.datasette",
     "status": "hcapo_store.status_report",
+    "StoreStatus": "hcapo_store.status_report",
+    "WorkerStatus": "hcapo_store.status_report",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -103,7 +106,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static tools see the real names
-    from hcapo_store.analysis.datasette import datasette_metadata
+    from hcapo_store.analysis.datasette import DatasetteMetadata, datasette_metadata
     from hcapo_store.analysis.frames import credits_frame, steps_frame
     from hcapo_store.credits.params import CreditParams
     from hcapo_store.credits.runs import (
@@ -155,5 +158,5 @@ if TYPE_CHECKING:  # static tools see the real names
         run_scoring_async,
     )
     from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
-    from hcapo_store.status_report import status
+    from hcapo_store.status_report import StoreStatus, WorkerStatus, status
     from hcapo_store.storage.store import Store

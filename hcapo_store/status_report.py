@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sqlalchemy import text
@@ -33,7 +34,45 @@ def worker_state(w: dict[str, Any], now: float) -> str:
     return "running"
 
 
-def status(store: Store) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One ``score`` process, as of now (newest heartbeat first in ``StoreStatus.workers``)."""
+
+    id: str
+    scorer_id: str | None
+    host: str
+    pid: int
+    state: str  # as of now (``worker_state``): a killed worker's "running" reads "dead" or "stale"
+    heartbeat_at: float  # in the database's clock
+    scored: int
+    failed: int
+    leases: int  # unexpired leases it holds
+    seconds_since_heartbeat: float
+    stored_state: str  # the state it last wrote
+
+
+@dataclass(frozen=True)
+class StoreStatus:
+    """``status``: what the store holds and who is scoring it; ``as_dict()`` is ``status --json``."""
+
+    database: str  # the store's location as shown to people (no password)
+    episodes: int  # current versions
+    superseded_versions: int  # older versions of episodes, kept
+    steps: int  # of current episodes, as are messages and subtasks
+    messages: int
+    subtasks: int
+    credit_runs: int
+    steps_by_phase: dict[str, int]
+    # per scorer: scored / failed / leased / missing steps and its tokens against the prefill
+    # floor (``scoring.scorer.scorer_counts``, which owns that record's shape)
+    scorers: list[dict[str, Any]]
+    workers: list[WorkerStatus]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def status(store: Store) -> StoreStatus:
     """Counts of episodes, steps, subtasks, per-scorer progress and workers."""
     with db.read(store.engine) as conn:
         one = lambda sql: int(conn.execute(text(sql)).scalar_one() or 0)  # noqa: E731
@@ -57,7 +96,7 @@ def status(store: Store) -> dict[str, Any]:
         ).all()
         # Leases and heartbeats are written in the database's clock (PostgreSQL: the server's).
         t = sql_now(conn)
-        workers = [
+        rows = [
             dict(r)
             for r in conn.execute(
                 text(
@@ -71,14 +110,21 @@ def status(store: Store) -> dict[str, Any]:
                 {"now": t},
             ).mappings()
         ]
-    for w in workers:
-        w["seconds_since_heartbeat"] = round(t - w["heartbeat_at"], 1)
-        w["stored_state"], w["state"] = w["state"], worker_state(w, t)
+    workers = []
+    for w in rows:
+        state = worker_state(w, t)
         del w["lease_expires_at"]
-    return {
-        "database": store.display,
+        workers.append(
+            WorkerStatus(
+                **{**w, "state": state},
+                seconds_since_heartbeat=round(t - w["heartbeat_at"], 1),
+                stored_state=w["state"],
+            )
+        )
+    return StoreStatus(
+        database=store.display,
         **counts,
-        "steps_by_phase": {p: n for p, n in phases},
-        "scorers": scorer_counts(store),
-        "workers": workers,
-    }
+        steps_by_phase={p: n for p, n in phases},
+        scorers=scorer_counts(store),
+        workers=workers,
+    )

@@ -172,7 +172,7 @@ def test_datasette_metadata_describes_real_columns(credited: Store, db_path: Pat
 def test_datasette_serves_the_metadata(credited: Store, db_path: Path) -> None:
     datasette_app = pytest.importorskip("datasette.app")
     name = db_path.stem
-    ds = datasette_app.Datasette([str(db_path)], metadata=hs.datasette_metadata(name))
+    ds = datasette_app.Datasette([str(db_path)], metadata=hs.datasette_metadata(name).as_dict())
 
     async def get(path: str) -> Any:
         response = await ds.client.get(path)

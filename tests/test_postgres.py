@@ -235,8 +235,8 @@ def test_leases_use_server_clock_and_late_results_are_discarded(
     hb = _one(pg_store, "SELECT heartbeat_at FROM workers WHERE id = 'slow'")
     assert before <= hb <= server_now()
     info = status(pg_store)
-    assert info["workers"][0]["id"] == "slow" and info["workers"][0]["leases"] == len(first.leases)
-    assert 0 <= info["workers"][0]["seconds_since_heartbeat"] <= round(server_now() - hb, 1) + 0.1
+    assert info.workers[0].id == "slow" and info.workers[0].leases == len(first.leases)
+    assert 0 <= info.workers[0].seconds_since_heartbeat <= round(server_now() - hb, 1) + 0.1
     # A heartbeat with a short lease, then wait (by the server's clock) until it has run out:
     # another worker reclaims the same steps.
     work_queue.heartbeat(pg_store, "slow", lease_seconds=0.5, scored=0, failed=0)
@@ -279,13 +279,13 @@ def test_lease_expiry_on_sqlite_with_a_clock_the_test_controls(
     t[0] += 20
     work_queue.heartbeat(store, "slow", lease_seconds=30, scored=0, failed=0)  # now held until +50
     t[0] += 29
-    assert status(store)["workers"][0]["leases"] == len(first.leases)
+    assert status(store).workers[0].leases == len(first.leases)
     other = work_queue.claim(store, scorer, "fast", lease_seconds=30, filters=work_queue.Filters())
     assert other is None or other.episode_id != first.episode_id  # still held: not offered
     if other is not None:
         work_queue.finish_worker(store, "fast", "stopped")
     t[0] += 2  # past the heartbeat's lease
-    assert status(store)["workers"][0]["leases"] == 0
+    assert status(store).workers[0].leases == 0
     second = work_queue.claim(store, scorer, "fast", lease_seconds=30, filters=work_queue.Filters())
     assert second is not None and [x.step_id for x in second.leases] == [x.step_id for x in first.leases]
     with db.write(store.engine) as conn:
@@ -466,8 +466,8 @@ def _multiworker(
     assert by_worker.get("final", 0) == 0
     assert "every step is done" in final.stdout and "leased by" not in final.stdout, final.stdout
     if kill:
-        assert next(w for w in info["workers"] if w["id"] == "w1")["state"] == "dead"
-    assert all(w["leases"] == 0 for w in info["workers"])
+        assert next(w for w in info.workers if w.id == "w1").state == "dead"
+    assert all(w.leases == 0 for w in info.workers)
     # At the server: every step was requested (grouped: fewer requests than steps); only
     # steps the killed worker had in flight (leased, not yet committed) may have been
     # requested twice.

@@ -4,6 +4,9 @@ CLI prints with ``--json`` (an interface scripts rely on: it must not change wit
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -17,6 +20,7 @@ from hcapo_store import formatting
 from hcapo_store.cli import cli
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.scoring.work_queue import register_worker
 from hcapo_store.storage.store import Store
 
 
@@ -155,3 +159,31 @@ def test_write_report_and_episode_page_results(
     d = page.as_dict()
     assert list(d) == ["path", "episode", "run", "bytes"]
     assert hs.EpisodePage(**{**d, "path": Path(d["path"])}) == page
+
+
+def test_datasette_metadata_file_is_as_dict(credited: Store, db_path: Path, runner: CliRunner, tmp_path: Path) -> None:
+    _stdout(runner, db_path, "datasette-metadata", str(tmp_path / "m.json"))
+    meta = hs.datasette_metadata(db_path.stem)
+    assert (tmp_path / "m.json").read_text() == json.dumps(meta.as_dict(), indent=2)
+    assert list(meta.as_dict()["databases"]) == [meta.database] == [db_path.stem]
+    assert "q_h_smoothed" in meta.tables["credits"]["columns"] and meta.queries["top_steps_by_rho"]["params"]
+
+
+def test_status_json_is_store_status_as_dict(credited: Store, db_path: Path, runner: CliRunner) -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # a worker "running" in the table whose process is gone: status says dead
+    register_worker(credited, f"{socket.gethostname()}:{ended.pid}", "sc")
+    result = hs.status(credited)
+    printed = json.loads(_stdout(runner, db_path, "status", "--json"))
+    mine = json.loads(formatting.dumps(result.as_dict()))
+    for doc in (printed, mine):  # the one value that moves between the two reads
+        assert doc["workers"][0].pop("seconds_since_heartbeat") >= 0
+    assert printed == mine and list(printed) == list(mine) and list(printed["workers"][0]) == list(mine["workers"][0])
+    (worker,) = result.workers
+    assert isinstance(worker, hs.WorkerStatus) and worker.pid == ended.pid
+    assert (worker.state, worker.stored_state, worker.leases) == ("dead", "running", 0)
+    assert result.credit_runs == 2 and result.steps == sum(result.steps_by_phase.values()) > 0
+    assert result.scorers[0]["scorer_id"] == "sc"
+    text = _stdout(runner, db_path, "status")
+    assert f"episodes     {result.episodes} (+0 superseded versions)" in text
+    assert f"worker {worker.id}: dead (process gone: killed?), 0 lease(s)" in text

@@ -7,6 +7,7 @@ queries as canned queries. The database key is the SQLite file's stem (datasette
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 _EPISODE = "episode name (unique per version; see episodes.name)"
@@ -164,10 +165,25 @@ for _key, _query in DOCUMENTED.items():
     QUERIES[_key] = {**_query, "sql": _sql, **({"params": _params} if _params else {})}
 
 
-def datasette_metadata(database: str = "hcapo") -> dict[str, Any]:
-    """datasette's metadata document for a database named ``database`` (the file's stem)."""
-    return {
-        "title": "hcapo-store",
-        "description": "LLM-agent trajectories, hindsight log-probabilities and HCAPO credits",
-        "databases": {database: {"tables": TABLES, "queries": QUERIES}},
-    }
+@dataclass(frozen=True)
+class DatasetteMetadata:
+    """datasette's metadata for one database; ``as_dict()`` is the document datasette reads
+    (``datasette --metadata``, or ``Datasette(metadata=...)``)."""
+
+    database: str  # datasette's name of the database: the SQLite file's stem
+    tables: dict[str, dict[str, Any]]  # table -> {"description": ..., "columns": {column: description}}
+    queries: dict[str, dict[str, Any]]  # name -> {"title": ..., "sql": ..., "params": [...] if it has any}
+    title: str = "hcapo-store"
+    description: str = "LLM-agent trajectories, hindsight log-probabilities and HCAPO credits"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "description": self.description,
+            "databases": {self.database: {"tables": self.tables, "queries": self.queries}},
+        }
+
+
+def datasette_metadata(database: str = "hcapo") -> DatasetteMetadata:
+    """datasette's metadata for a database named ``database`` (the file's stem)."""
+    return DatasetteMetadata(database, TABLES, QUERIES)

@@ -110,27 +110,27 @@ def status(state: Ctx, as_json: bool) -> None:
 
     data = get_status(state.store(create=False))
     if as_json:
-        echo_json(data)
+        echo_json(data.as_dict())
         return
-    click.echo(f"database     {data['database']}")
-    click.echo(f"episodes     {data['episodes']} (+{data['superseded_versions']} superseded versions)")
-    phases = ", ".join(f"{k} {v}" for k, v in data["steps_by_phase"].items())
-    click.echo(f"steps        {data['steps']}" + (f" ({phases})" if phases else ""))
-    click.echo(f"messages     {data['messages']}")
-    click.echo(f"subtasks     {data['subtasks']}")
-    click.echo(f"credit runs  {data['credit_runs']}")
-    if not data["scorers"]:
-        click.echo(f"scorers      none yet: scored 0 / failed 0 / missing {data['steps']}")
-    for s in data["scorers"]:
+    click.echo(f"database     {data.database}")
+    click.echo(f"episodes     {data.episodes} (+{data.superseded_versions} superseded versions)")
+    phases = ", ".join(f"{k} {v}" for k, v in data.steps_by_phase.items())
+    click.echo(f"steps        {data.steps}" + (f" ({phases})" if phases else ""))
+    click.echo(f"messages     {data.messages}")
+    click.echo(f"subtasks     {data.subtasks}")
+    click.echo(f"credit runs  {data.credit_runs}")
+    if not data.scorers:
+        click.echo(f"scorers      none yet: scored 0 / failed 0 / missing {data.steps}")
+    for s in data.scorers:
         click.echo(
             f"scorer {s['scorer_id'][:12]}  {s['label']}: scored {s['scored']} / "
             f"failed {s['failed']} / missing {s['missing']} (leased {s['leased']})"
         )
     notes = {"dead": " (process gone: killed?)", "stale": " (no heartbeat within its lease: hung, or gone)"}
-    for w in data["workers"][:20]:
+    for w in data.workers[:20]:
         click.echo(
-            f"worker {w['id']}: {w['state']}{notes.get(w['state'], '')}, {w['leases']} lease(s), "
-            f"scored {w['scored']}, failed {w['failed']}, last heartbeat {w['seconds_since_heartbeat']}s ago"
+            f"worker {w.id}: {w.state}{notes.get(w.state, '')}, {w.leases} lease(s), "
+            f"scored {w.scored}, failed {w.failed}, last heartbeat {w.seconds_since_heartbeat}s ago"
         )
 
 

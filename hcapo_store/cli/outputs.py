@@ -169,7 +169,7 @@ def datasette_metadata_cmd(state: Ctx, out: Path, database: str | None) -> None:
 
     location = (state.db or DEFAULT_DB).removeprefix("sqlite:///")
     name = database or ("hcapo" if "://" in location else Path(location).stem)  # datasette names a file by its stem
-    doc = json.dumps(datasette_metadata(name), indent=2).encode()
+    doc = json.dumps(datasette_metadata(name).as_dict(), indent=2).encode()
     atomic_write(out, lambda f: f.write(doc), inputs=[] if "://" in location else [location])
     click.echo(f"wrote {out} (database {name!r}): datasette {name}.db --metadata {out}")
 
