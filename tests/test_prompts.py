@@ -7,6 +7,7 @@ import json
 import pytest
 from _tokenizers import bos_tokenizer, episode, real_tokenizer
 
+from hcapo_store.scoring.chat_template import render_chat
 from hcapo_store.scoring.prompts import (
     HINDSIGHT_TEMPLATE,
     TRUNCATION_MARKER,
@@ -16,7 +17,6 @@ from hcapo_store.scoring.prompts import (
     flatten_messages,
     hindsight_text,
     normalize_messages,
-    render_chat,
     template_hash,
 )
 from hcapo_store.scoring.segments import SegmentEncoder

@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import ExportError
+from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
 from hcapo_store.scoring.placement import Placer
 from hcapo_store.scoring.prompts import (
-    TemplateRejected,
     flatten_messages,
     normalize_messages,
-    render_chat,
 )
 from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
 from hcapo_store.scoring.segments import SegmentEncoder

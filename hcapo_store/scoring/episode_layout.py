@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hcapo_store.scoring.backends.base import GroupPrompt
+from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
 from hcapo_store.scoring.placement import Placement, Placer, place_with_fallback
 from hcapo_store.scoring.prompts import (
     FailureReason,
@@ -39,14 +40,12 @@ from hcapo_store.scoring.prompts import (
     PromptBuilder,
     PromptFailure,
     StepPrompt,
-    TemplateRejected,
     flatten_messages,
     hindsight_text,
     inject_hindsight,
     layout_template,
     normalize_messages,
     read_field,
-    render_chat,
 )
 
 # A window after the first starts this fraction of the budget before its first step.

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Literal, overload
 
+from hcapo_store.scoring.chat_template import TemplateRejected, memoize_sandbox_checks, render_chat
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.scoring.segments import RenderState, SegmentEncoder
 from hcapo_store.tool_arguments import arguments_text, as_mapping
@@ -286,67 +287,7 @@ def flatten_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     return out
 
 
-# --------------------------------------------------------------------------- tokenization
-
-
-# --------------------------------------------------------------------------- rendering speed
-
-
-def _memoize_sandbox_checks(tokenizer: Any) -> None:
-    """Cache the Jinja sandbox's attribute-safety verdicts of the tokenizer's chat template.
-
-    Rendering a 200-message conversation spends about half its time in
-    ``is_safe_attribute``. Jinja's own implementations of that check read only the type of
-    the object and the attribute name (``value`` is unused), so caching the verdict per
-    (type, name) changes no output and keeps the sandbox. A subclass that overrides the
-    check is left alone.
-
-    The environment to patch is the one transformers renders with, reached through its
-    private ``_compile_jinja_template``; a transformers without it renders unpatched: the
-    same text, only slower (an environment compiled here would not be the one in use).
-    """
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
-
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:  # no template: rendering fails later with a clear message
-        return
-    env = getattr(_compile_jinja_template(template), "environment", None)
-    if env is None:  # a transformers whose private helper changed shape
-        return
-    check = type(env).is_safe_attribute
-    if check not in (ImmutableSandboxedEnvironment.is_safe_attribute, SandboxedEnvironment.is_safe_attribute):
-        return
-    if "is_safe_attribute" in vars(env):  # already memoized (the compiled template is shared)
-        return
-    verdicts: dict[tuple[type, str], bool] = {}
-
-    def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
-        key = (type(obj), attr)
-        if key not in verdicts:
-            verdicts[key] = check(env, obj, attr, value)
-        return verdicts[key]
-
-    env.is_safe_attribute = is_safe_attribute
-
-
 # --------------------------------------------------------------------------- building
-
-
-class TemplateRejected(Exception):
-    """The chat template refused these messages (the message says how)."""
-
-
-def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool) -> str:
-    """The chat template's text for ``messages``; :class:`TemplateRejected` when it refuses them."""
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-    except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
-        raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -394,7 +335,7 @@ class PromptBuilder:
         self.max_context = max_context
         self.max_logprob_tokens = max_logprob_tokens
         self.encoder = SegmentEncoder(tokenizer)
-        _memoize_sandbox_checks(tokenizer)
+        memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         self._locator = OwnTokenLocator(tokenizer, self.encoder)
         if action_span == "policy" and not self._locator.available:

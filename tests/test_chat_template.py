@@ -1,0 +1,92 @@
+"""``render_chat`` is ``apply_chat_template(tokenize=False)``, character for character.
+
+Real tokenizers and templates (Qwen3 and Qwen2.5 from ../shared when present, the demo
+tokenizer, a BOS-emitting ChatML); every prefix of synthetic agent conversations, with and
+without the generation prompt, in the stored shape and normalized (arguments as mappings).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _tokenizers import bos_tokenizer, episode, real_tokenizer
+
+from hcapo_store.scoring import chat_template
+from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
+from hcapo_store.scoring.prompts import inject_hindsight, normalize_messages
+from hcapo_store.scoring.tokens import load_tokenizer
+
+
+def _conversations() -> list[list[dict]]:
+    out = []
+    for seed in range(3):
+        messages, _, _ = episode(seed, steps=9, tool_chars=300)
+        out.append(messages)
+        out.append(normalize_messages(inject_hindsight(messages, "Outcome: reward 0.5\n\n")))
+    return out
+
+
+def _tokenizer(name: str, tmp_path, demo_tokenizer_dir):
+    if name == "demo":
+        return load_tokenizer(demo_tokenizer_dir)
+    if name == "chatml-bos":
+        return bos_tokenizer(tmp_path)
+    return real_tokenizer(name)
+
+
+def _direct(tok):
+    return chat_template._DirectRenderer.of(tok)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "demo", "chatml-bos"])
+def test_every_prefix_renders_as_apply_chat_template_does(name, tmp_path, demo_tokenizer_dir):
+    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    for messages in _conversations():
+        for end in range(1, len(messages) + 1):
+            for generation in (False, True):
+                expected = tok.apply_chat_template(messages[:end], tokenize=False, add_generation_prompt=generation)
+                assert render_chat(tok, messages[:end], generation=generation) == expected
+    direct = _direct(tok)
+    assert direct is not None and direct.agreed  # the direct path was taken, not only the fallback
+
+
+def test_messages_transformers_rewrites_go_through_transformers(tmp_path):
+    tok = bos_tokenizer(tmp_path)
+    base = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": None}]
+    odd = [
+        base,  # a None value: dropped, as transformers drops it (direct path)
+        [*base[:1], {"role": "assistant", "content": "ok", "reasoning_content": "because"}],  # aliased by transformers
+        [*base[:1], {"role": "assistant", "content": ("a", "b")}],  # a tuple: not plain JSON data
+        [{"role": "user", "content": "x", "meta": {1: "int key"}}],
+    ]
+    for messages in odd:
+        for generation in (False, True):
+            expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            assert render_chat(tok, messages, generation=generation) == expected
+    assert _direct(tok) is not None and _direct(tok).agreed
+    with pytest.raises(TemplateRejected, match="empty"):
+        render_chat(tok, [], generation=False)
+
+
+def test_a_transformers_that_renders_otherwise_keeps_its_own_text(tmp_path, monkeypatch):
+    tok = bos_tokenizer(tmp_path)
+    original = type(tok).apply_chat_template
+
+    def shifted(self, *args, **kwargs):  # stands for a transformers whose rendering changed
+        return original(self, *args, **kwargs) + "\n"
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", shifted)
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, messages, generation=True) == shifted(
+        tok, messages, tokenize=False, add_generation_prompt=True
+    )
+    assert _direct(tok) is None  # never used again for this template
+    assert render_chat(tok, messages, generation=False).endswith("\n")
+
+
+def test_a_template_that_refuses_refuses_on_both_paths(tmp_path):
+    refusing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{{ m.content }}{% endfor %}"
+    tok = bos_tokenizer(tmp_path, template=refusing)
+    assert render_chat(tok, [{"role": "user", "content": "a"}], generation=False) == "a"  # agreed: direct from now on
+    assert _direct(tok).agreed
+    with pytest.raises(TemplateRejected, match="no tools"):
+        render_chat(tok, [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], generation=False)
