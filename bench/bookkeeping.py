@@ -221,6 +221,12 @@ def main() -> None:
     ap.add_argument(
         "--workers", type=int, default=0, help="also run bookkeeping with N separate worker processes sharing the queue"
     )
+    ap.add_argument(
+        "--prompt-layout",
+        choices=("per-step", "episode"),
+        default="per-step",
+        help="episode: one rendering per episode, its steps scored in windows of --max-context (many steps per request)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.max_context is None:
@@ -276,6 +282,7 @@ def main() -> None:
         tokenizer=tokenizer,
         max_context=args.max_context,
         max_logprob_tokens=args.max_logprob_tokens,
+        prompt_layout=args.prompt_layout,
     )
     prep = prepare(store, cfg)
     if args.db:  # a reused database: start this scorer from scratch
@@ -297,7 +304,10 @@ def main() -> None:
         runs["end_to_end"] = _timed_run(store, prep, options, timers)
     # The same run again with every prompt built beforehand: claim → request → verify →
     # commit only (client-side preparation has its own budget, bench/prep.py).
-    prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder), prep.builder)
+    if args.prompt_layout == "episode":
+        _prebuild_episode_requests(store, prep.builder, scheduler_mod)
+    else:
+        prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder), prep.builder)
     cases: dict[str, tuple[Any, Any, bool]] = {
         "bookkeeping": (store, prep, False),
         "bookkeeping_stdlib_json": (store, prep, True),
@@ -521,6 +531,31 @@ def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
             for p in builder.build_episode(episode.messages, episode.outcome, episode.steps):
                 out[(episode.outcome.reward, episode.messages[0]["content"][:200], p.step_index)] = p
     return out
+
+
+def _prebuild_episode_requests(store: Any, builder: Any, scheduler_mod: Any) -> None:
+    """The episode layout's requests (and floor) for every episode, built now; the scheduler's
+    planning call answers from them (a claim of other steps than all of them is planned live)."""
+    from sqlalchemy import text
+
+    from hcapo_store.storage.episodes import load_episode
+
+    plan = scheduler_mod.plan_requests_and_floor
+    built: dict[tuple[Any, ...], Any] = {}
+
+    def key(messages: Any, outcome: Any, steps: Any) -> tuple[Any, ...]:
+        return (outcome.reward, messages[0]["content"][:200], tuple(s.step_index for s in steps))
+
+    with store.engine.connect() as conn:
+        for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current")).all():
+            e = load_episode(conn, episode_id)
+            built[key(e.messages, e.outcome, e.steps)] = plan(builder, e.messages, e.outcome, e.steps, e.steps)
+
+    def prebuilt(builder: Any, messages: Any, outcome: Any, steps: Any, all_steps: Any, **kw: Any) -> Any:
+        hit = built.get(key(messages, outcome, steps))
+        return hit if hit is not None else plan(builder, messages, outcome, steps, all_steps, **kw)
+
+    scheduler_mod.plan_requests_and_floor = prebuilt
 
 
 class _PrebuiltBuilder:
