@@ -62,6 +62,22 @@ def test_workers_store_exactly_what_one_process_stores(tmp_path):
     assert any(":" in message and "more.jsonl:" in message for _, message in two.failures)
 
 
+def test_workers_on_postgresql_store_what_one_process_stores(tmp_path):
+    """The unchanged-lookup reads through its own connection while the batch's transaction
+    is open: on PostgreSQL as on SQLite, nothing changes but who parses."""
+    from pg import fresh_database
+
+    root = _inputs(tmp_path / "t")
+    contents = {}
+    for jobs in (1, 2):
+        with fresh_database("parallel") as url, Store.open(url) as store:
+            first = ingest(store, [root], jobs=jobs)
+            again = ingest(store, [root], jobs=jobs)
+            contents[jobs] = (first.as_dict(), again.unchanged, _contents(store))
+    assert contents[1] == contents[2]
+    assert contents[2][1] == contents[2][0]["new"]
+
+
 def test_sources_stored_unchanged_are_not_parsed_ahead(tmp_path):
     root = tmp_path / "t"
     write_standard_episodes(root, 2 * parallel.CHUNK)
