@@ -32,15 +32,33 @@ INSERT_ROWS = 100_000  # credits per executemany call
 MAX_LISTED_INCOMPLETE = 10_000  # names kept in credit_runs.incomplete; the count is exact
 
 # One ordered pass over every step of every current episode, with its score (if any).
-STREAM_SQL = """
-SELECT e.id, e.reward, s.id, s.phase, s.subtask_id, s.subtask_reward,
-       sc.mean_logprob, sc.token_count, {blob} AS blob
+# The credit stream's rows are plain DB-API tuples (a million of them): their fields are read
+# by these names' positions, never by bare numbers.
+STREAM_COLUMNS = (
+    ("episode_id", "e.id"),
+    ("reward", "e.reward"),
+    ("step_id", "s.id"),
+    ("phase", "s.phase"),
+    ("subtask_id", "s.subtask_id"),
+    ("subtask_reward", "s.subtask_reward"),
+    ("mean_logprob", "sc.mean_logprob"),
+    ("token_count", "sc.token_count"),
+    ("blob", "{blob}"),
+)
+_EPISODE_ID = [name for name, _ in STREAM_COLUMNS].index("episode_id")
+_MEAN_LOGPROB = [name for name, _ in STREAM_COLUMNS].index("mean_logprob")
+
+STREAM_SQL = (
+    "SELECT "
+    + ", ".join(f"{expr} AS {name}" for name, expr in STREAM_COLUMNS)
+    + """
 FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
 WHERE e.is_current IS TRUE{scope}
 ORDER BY e.id, s.step_index
 """
+)
 
 CREDIT_COLUMNS = (
     "run_id",
@@ -598,9 +616,9 @@ def _whole_episodes(partitions: Iterator[Sequence[Any]]) -> Iterator[list[Any]]:
     carry: list[Any] = []
     for part in partitions:
         rows = carry + list(part)
-        last = rows[-1][0]
+        last = rows[-1][_EPISODE_ID]
         cut = len(rows) - 1
-        while cut > 0 and rows[cut - 1][0] == last:
+        while cut > 0 and rows[cut - 1][_EPISODE_ID] == last:
             cut -= 1
         carry = rows[cut:]
         if cut:
@@ -611,9 +629,9 @@ def _whole_episodes(partitions: Iterator[Sequence[Any]]) -> Iterator[list[Any]]:
 
 def _batch_columns(rows: list[tuple], params: CreditParams, totals: _Totals) -> _Columns | None:
     """The columns of the complete episodes among ``rows`` (whole episodes, in step order)."""
-    ep_col = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    ep_col = np.fromiter((r[_EPISODE_ID] for r in rows), dtype=np.int64, count=len(rows))
     starts = _starts(ep_col)
-    mean_all = np.asarray([r[6] for r in rows], dtype=np.float64)  # NULL (no score) → NaN
+    mean_all = np.asarray([r[_MEAN_LOGPROB] for r in rows], dtype=np.float64)  # NULL (no score) → NaN
     missing = np.add.reduceat(np.isnan(mean_all).astype(np.int64), starts) > 0
     if missing.any():
         ids = ep_col[starts[missing]].tolist()
@@ -627,7 +645,10 @@ def _batch_columns(rows: list[tuple], params: CreditParams, totals: _Totals) -> 
         ep_col = ep_col[keep]
         starts = _starts(ep_col)
         mean_all = mean_all[keep]
-    _, reward, step_id, phase, subtask_id, subtask_reward, _, token_count, blob = zip(*rows)
+    columns = dict(zip((name for name, _ in STREAM_COLUMNS), zip(*rows)))
+    reward, step_id, phase = columns["reward"], columns["step_id"], columns["phase"]
+    subtask_id, subtask_reward = columns["subtask_id"], columns["subtask_reward"]
+    token_count, blob = columns["token_count"], columns["blob"]
     mean = mean_all
     tokens = np.asarray(token_count, dtype=np.int64)
     if params.max_logprob_tokens:
@@ -740,14 +761,14 @@ def show_run(store: Store, name: str | None = None) -> RunDetails:
 
 
 DIFF_SQL = """
-SELECT a.step_id, a.rho, b.rho, a.q_h_smoothed, b.q_h_smoothed
+SELECT a.step_id, a.rho AS rho_a, b.rho AS rho_b, a.q_h_smoothed AS q_a, b.q_h_smoothed AS q_b
 FROM credits a JOIN credits b ON b.step_id = a.step_id AND b.run_id = :b
 WHERE a.run_id = :a
 ORDER BY a.step_id
 """
 
 STEP_DETAILS_SQL = """
-SELECT s.id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase)
+SELECT s.id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase) AS subtask
 FROM steps s JOIN episodes e ON e.id = s.episode_id
 WHERE s.id IN ({ids})
 """
@@ -836,17 +857,18 @@ def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> RunDiff:
     ra, rb = get_run(store, a), get_run(store, b)
     with db.read(store.engine) as conn:
         data = conn.execute(text(DIFF_SQL), {"a": ra.id, "b": rb.id}).all()
-        step_ids = np.asarray([r[0] for r in data], dtype=np.int64)
-        arr = np.asarray([r[1:] for r in data], dtype=np.float64).reshape(-1, 4)
+        step_ids = np.asarray([r.step_id for r in data], dtype=np.int64)
+        arr = np.asarray([(r.rho_a, r.rho_b, r.q_a, r.q_b) for r in data], dtype=np.float64).reshape(-1, 4)
         d_rho, d_q = arr[:, 1] - arr[:, 0], arr[:, 3] - arr[:, 2]
         order = np.argsort(-np.abs(d_q), kind="stable")[:top]
         details = {}
         if len(order):
             ids = ", ".join(str(int(i)) for i in step_ids[order])
-            details = {r[0]: r[1:] for r in conn.execute(text(STEP_DETAILS_SQL.format(ids=ids)))}
+            details = {r.id: r for r in conn.execute(text(STEP_DETAILS_SQL.format(ids=ids)))}
     movers = []
     for i in order:
-        episode, step_index, subtask = details[int(step_ids[i])]
+        d = details[int(step_ids[i])]
+        episode, step_index, subtask = d.name, d.step_index, d.subtask
         rho_a, rho_b, q_a, q_b = (float(v) for v in arr[i])
         movers.append(MovedStep(episode, step_index, subtask, rho_a, rho_b, float(d_rho[i]), q_a, q_b, float(d_q[i])))
     return RunDiff(
