@@ -29,12 +29,16 @@ from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
 from hcapo_store.ingestion import episode_keys
 from hcapo_store.ingestion.parallel import default_jobs, parse_ahead
-from hcapo_store.ingestion.sources import ConvertOptions, ParsedEpisode, Source, iter_sources
+from hcapo_store.ingestion.sources import ConvertOptions, MessageRow, ParsedEpisode, Source, iter_sources
 from hcapo_store.storage import db
+from hcapo_store.storage.bulk import insert_rows
 from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
 from hcapo_store.storage.store import Store
 from hcapo_store.tool_arguments import dumps_text
 
+# rows go to the driver as tuples (storage/bulk.py): the message row's fields are MessageRow's
+MESSAGE_COLUMNS = ("episode_id", "message_index", *MessageRow._fields)
+STEP_COLUMNS = ("episode_id", "step_index", "message_index", "phase", "subtask_id", "subtask_reward")
 BATCH_EPISODES = 64
 BATCH_SECONDS = 1.0
 MAX_LISTED = 200  # failures/skips/warnings listed by name; counts are always complete
@@ -395,7 +399,6 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
 def _insert_episode(
     conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str, version: int
 ) -> int:
-    steps = ep.steps
     episode_id = conn.execute(
         insert(Episode).returning(Episode.id),
         {
@@ -417,40 +420,23 @@ def _insert_episode(
             "include_thinking": options.include_thinking,
             "max_tool_result_chars": options.max_tool_result_chars,
             "num_messages": len(ep.messages),
-            "num_steps": len(steps),
+            "num_steps": len(ep.steps),
             "warnings": json.dumps(ep.warnings) if ep.warnings else None,
             "raw_source": ep.raw_source,
             "ingested_at": utcnow().isoformat(timespec="seconds"),
         },
     ).scalar_one()
-    conn.execute(
-        insert(Message),
-        [
-            {
-                "episode_id": episode_id,
-                "message_index": i,
-                "role": m.role,
-                "content": m.content,
-                "tool_calls": m.tool_calls,
-                "name": m.name,
-                "tool_call_id": m.tool_call_id,
-            }
-            for i, m in enumerate(ep.messages)
-        ],
+    insert_rows(
+        conn,
+        Message,
+        MESSAGE_COLUMNS,
+        [(episode_id, i, *m) for i, m in enumerate(ep.messages)],
     )
-    conn.execute(
-        insert(Step),
-        [
-            {
-                "episode_id": episode_id,
-                "step_index": s.step_index,
-                "message_index": s.message_index,
-                "phase": s.phase,
-                "subtask_id": s.subtask_id,
-                "subtask_reward": s.subtask_reward,
-            }
-            for s in steps
-        ],
+    insert_rows(
+        conn,
+        Step,
+        STEP_COLUMNS,
+        [(episode_id, s.step_index, s.message_index, s.phase, s.subtask_id, s.subtask_reward) for s in ep.steps],
     )
     if ep.plan:
         conn.execute(
