@@ -90,3 +90,16 @@ def test_a_template_that_refuses_refuses_on_both_paths(tmp_path):
     assert _direct(tok).agreed
     with pytest.raises(TemplateRejected, match="no tools"):
         render_chat(tok, [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], generation=False)
+
+
+def test_messages_checked_once_per_episode_render_as_fresh_ones(tmp_path, demo_tokenizer_dir):
+    """The per-episode cache of plain messages gives the texts an uncached render gives, and
+    holds one entry per message object (inject_hindsight copies only the first message)."""
+    tok = load_tokenizer(demo_tokenizer_dir)
+    messages = normalize_messages(episode(4, steps=8, tool_chars=200)[0])
+    known: chat_template.PlainCache = {}
+    for end in range(2, len(messages) + 1):
+        step = inject_hindsight(messages[:end], f"Outcome for {end}\n")
+        assert render_chat(tok, step, generation=False, known=known) == render_chat(tok, step, generation=False)
+    # messages[1:] once each, and one copy of the first message per render
+    assert len(known) == 2 * (len(messages) - 1)

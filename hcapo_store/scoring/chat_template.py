@@ -30,11 +30,19 @@ class TemplateRejected(Exception):
     """The chat template refused these messages (the message says how)."""
 
 
-def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool) -> str:
-    """The chat template's text for ``messages``; :class:`TemplateRejected` when it refuses them."""
+# message id -> (the message, what is rendered of it): see render_chat's ``known``
+PlainCache = dict[int, tuple[dict, dict]]
+
+
+def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool, known: PlainCache | None = None) -> str:
+    """The chat template's text for ``messages``; :class:`TemplateRejected` when it refuses them.
+
+    ``known`` remembers which messages are plain JSON data across renders of the same message
+    objects (a per-step layout renders each message once per later step); the messages must
+    not change while it is kept."""
     try:
         direct = _DirectRenderer.of(tokenizer)
-        plain = _plain_messages(messages) if direct is not None else None
+        plain = _plain_messages(messages, known) if direct is not None else None
         if direct is not None and plain is not None:
             return direct.render(tokenizer, messages, plain, generation)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
@@ -42,26 +50,39 @@ def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool) -> st
         raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _plain_messages(messages: list[dict]) -> list[dict] | None:
+def _plain_messages(messages: list[dict], known: PlainCache | None = None) -> list[dict] | None:
     """The messages as transformers would hand them to the template (keys whose value is None
     dropped), or None when they are not plain JSON data in the shape rendered directly."""
     if not messages:  # transformers refuses an empty conversation with its own message
         return None
     out = []
     for m in messages:
-        if type(m) is not dict:
+        hit = known.get(id(m)) if known is not None else None
+        if hit is not None and hit[0] is m:  # the entry keeps m alive: its id is not reused
+            out.append(hit[1])
+            continue
+        kept = _plain_message(m)
+        if kept is None:
             return None
-        kept = {}
-        for key, value in m.items():
-            if value is None:
-                continue
-            if type(key) is not str or key in _REASONING_FIELDS:
-                return None
-            if type(value) is not str and not _plain(value):
-                return None
-            kept[key] = value
+        if known is not None:
+            known[id(m)] = (m, kept)
         out.append(kept)
     return out
+
+
+def _plain_message(m: Any) -> dict | None:
+    if type(m) is not dict:
+        return None
+    kept = {}
+    for key, value in m.items():
+        if value is None:
+            continue
+        if type(key) is not str or key in _REASONING_FIELDS:
+            return None
+        if type(value) is not str and not _plain(value):
+            return None
+        kept[key] = value
+    return kept
 
 
 def _plain(value: Any) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Literal, overload
 
-from hcapo_store.scoring.chat_template import TemplateRejected, memoize_sandbox_checks, render_chat
+from hcapo_store.scoring.chat_template import PlainCache, TemplateRejected, memoize_sandbox_checks, render_chat
 from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.scoring.segments import RenderState, SegmentEncoder
 from hcapo_store.tool_arguments import arguments_text, as_mapping
@@ -228,12 +228,15 @@ def check_hindsight_template(template: str, layout: PromptLayout = "per-step") -
 
 
 def inject_hindsight(messages: Sequence[Mapping[str, Any]], hindsight: str | None) -> list[dict[str, Any]]:
-    """Copies of ``messages`` with ``hindsight`` appended to the first one's content (None: the
-    plain conversation, for the baseline scorer π(a|s) of ``score --no-hindsight``)."""
-    out = [dict(m) for m in messages]
-    if hindsight is not None:
+    """``messages`` with ``hindsight`` appended to the first one's content (None: the plain
+    conversation, for the baseline scorer π(a|s) of ``score --no-hindsight``). The first
+    message is a copy; the others are the same objects (nothing changes a message once built,
+    and renders recognise the messages they have already checked: chat_template.py)."""
+    out: list[dict[str, Any]] = [dict(m) for m in messages[:1]]
+    if hindsight is not None and out:
         out[0]["content"] = (out[0].get("content") or "") + "\n\n" + hindsight
-    return out
+    # the rest as given: the stored, normalized and flattened messages are dicts
+    return out + [m if isinstance(m, dict) else dict(m) for m in messages[1:]]
 
 
 # --------------------------------------------------------------------------- messages
@@ -335,6 +338,7 @@ class PromptBuilder:
         self.max_context = max_context
         self.max_logprob_tokens = max_logprob_tokens
         self.encoder = SegmentEncoder(tokenizer)
+        self._known: PlainCache | None = None  # set while build_episode renders one episode
         memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         self._locator = OwnTokenLocator(tokenizer, self.encoder)
@@ -365,7 +369,7 @@ class PromptBuilder:
     # -- rendering, shared by both paths: only tokenization differs
 
     def _render(self, messages: list[dict], *, generation: bool) -> str:
-        return render_chat(self.tokenizer, messages, generation=generation)
+        return render_chat(self.tokenizer, messages, generation=generation, known=self._known)
 
     def _render_pair(
         self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
@@ -394,6 +398,9 @@ class PromptBuilder:
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
         normalized = normalize_messages(messages)
+        # Each message is rendered again for every later step: whether it is plain JSON data
+        # is checked once per episode (the normalized messages do not change meanwhile).
+        self._known = {}
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
@@ -417,6 +424,7 @@ class PromptBuilder:
             texts.own = self._own_span(messages, normalized, m, hindsight, prefix_text, full_text, texts)
             results.append(self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first)))
         self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
+        self._known = None
         return results
 
     def build_step(self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any) -> StepPrompt | PromptFailure:
