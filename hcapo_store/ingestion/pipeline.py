@@ -154,8 +154,18 @@ def ingest(
         found, jobs=default_jobs() if jobs is None else jobs, stored=lambda chunk: _stored(store, chunk)
     )
     seen: dict[str, tuple[str, str]] = {}  # key -> (content hash, location) in this ingest
-    with closing(sources):
-        return _ingest_all(store, sources, options, tags, report, on_episode, seen)
+    with closing(sources):  # stops the parse workers, however ingest ends
+        try:
+            while True:
+                pending = _Pending()
+                with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
+                    more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode, seen)
+                _fold(report, pending)
+                if not more:
+                    return report
+        except KeyboardInterrupt:
+            report.interrupted = True
+            return report
 
 
 def _stored(store: Store, chunk: list[Source]) -> set[tuple[str, str]]:
@@ -167,28 +177,6 @@ def _stored(store: Store, chunk: list[Source]) -> set[tuple[str, str]]:
             )
         )
         return {(key, digest) for key, digest in rows}
-
-
-def _ingest_all(
-    store: Store,
-    sources: Iterator[Source | IngestError],
-    options: ConvertOptions,
-    tags: dict[str, str],
-    report: IngestReport,
-    on_episode: Callable[[str, str], None] | None,
-    seen: dict[str, tuple[str, str]],
-) -> IngestReport:
-    try:
-        while True:
-            pending = _Pending()
-            with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
-                more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode, seen)
-            _fold(report, pending)
-            if not more:
-                return report
-    except KeyboardInterrupt:
-        report.interrupted = True
-        return report
 
 
 def _ingest_batch(

@@ -16,7 +16,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     NO_MIN_REWARD,
     RunWeights,
+    WrittenRows,
     episode_id_value,
     episode_ids,
     run_provenance,
@@ -278,15 +279,13 @@ class _Stats:
 
 
 @dataclass(frozen=True)
-class DatasetExport:
+class DatasetExport(WrittenRows):
     """What ``export_dataset`` wrote in the ``steps`` and ``weights-in-messages`` layouts.
 
     ``summary()`` is the document in ``summary_path``; ``as_dict()`` (``export dataset
     --json``) is the two paths followed by it.
     """
 
-    path: Path  # the rows (JSONL or Parquet)
-    summary_path: Path  # ``<path>.summary.json``
     total_episodes_loaded: int  # credited episodes with reward >= min_reward
     episodes_in_dataset: int  # rows written, one per episode
     episodes_dropped: dict[str, dict[str, Any]]  # reason -> {"episodes": n, "reason": why}
@@ -296,13 +295,6 @@ class DatasetExport:
     config: dict[str, Any]  # what the weights were computed with: omega, min_reward, run, format, layout…
     provenance: dict[str, Any]  # the run, scorer and hcapo-store version
     warnings: list[str]  # a stale run, a group_by tag the episodes lack, an empty dataset
-
-    def summary(self) -> dict[str, Any]:
-        # every field after the two paths, in declaration order: the summary file's layout
-        return {f.name: getattr(self, f.name) for f in fields(self)[2:]}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "summary_path": str(self.summary_path), **self.summary()}
 
 
 def export_dataset(

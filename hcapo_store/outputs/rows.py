@@ -7,7 +7,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -314,3 +314,19 @@ def with_message_weights(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, A
         weights = dict(zip(row["step_message_indices"], row["step_advantages"]))
         row["messages"] = [{**m, "weight": weights[i]} if i in weights else m for i, m in enumerate(row["messages"])]
         yield row
+
+
+@dataclass(frozen=True)
+class WrittenRows:
+    """What a dataset export wrote: its rows and, beside them, a summary. Subclasses add the
+    summary's fields after these two."""
+
+    path: Path  # the rows (JSONL or Parquet)
+    summary_path: Path  # ``<path>.summary.json``
+
+    def summary(self) -> dict[str, Any]:
+        # every field after the two paths, in declaration order: the summary file's layout
+        return {f.name: getattr(self, f.name) for f in fields(self)[2:]}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "summary_path": str(self.summary_path), **self.summary()}

@@ -13,7 +13,7 @@ template inserts). Where the spans come from and how they are checked:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
+    WrittenRows,
     add_step_indices,
     episode_ids,
     run_provenance,
@@ -113,15 +114,13 @@ class _Stats:
 
 
 @dataclass(frozen=True)
-class TokenizedExport:
+class TokenizedExport(WrittenRows):
     """What ``export_tokenized`` (``export_dataset(layout="tokenized")``) wrote.
 
     ``summary()`` is the document in ``summary_path``; ``as_dict()`` (``export dataset
     --tokenized --json``) is the two paths followed by it.
     """
 
-    path: Path  # the rows (JSONL or Parquet)
-    summary_path: Path  # ``<path>.summary.json``
     total_episodes_loaded: int  # credited episodes with reward >= min_reward
     episodes_in_dataset: int  # rows written, one per episode
     aligned_steps: int  # steps placed on their own tokens in the written rows
@@ -135,13 +134,6 @@ class TokenizedExport:
     config: dict[str, Any]  # what the rows were made with: omega, min_reward, run, rendering, tokenizer…
     provenance: dict[str, Any]  # the run, scorer and hcapo-store version
     warnings: list[str]  # a stale run, a group_by tag the episodes lack, an empty dataset
-
-    def summary(self) -> dict[str, Any]:
-        # every field after the two paths, in declaration order: the summary file's layout
-        return {f.name: getattr(self, f.name) for f in fields(self)[2:]}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "summary_path": str(self.summary_path), **self.summary()}
 
 
 def export_tokenized(
