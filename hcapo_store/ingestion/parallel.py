@@ -20,6 +20,7 @@ from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from itertools import islice
+from multiprocessing.context import BaseContext
 
 from hcapo_store.errors import IngestError
 from hcapo_store.ingestion.sources import ParsedEpisode, Source
@@ -62,9 +63,14 @@ def _ignore_interrupts() -> None:
 
 
 def _start(jobs: int) -> ProcessPoolExecutor:
-    # forkserver, not fork: the parent holds database connections and may run threads.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["hcapo_store.ingestion.sources"])
+    # forkserver, not fork: the parent holds database connections and may run threads
+    # (spawn where there is no forkserver, e.g. Windows).
+    context: BaseContext
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        multiprocessing.set_forkserver_preload(["hcapo_store.ingestion.sources"])
+    else:
+        context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_ignore_interrupts)
 
 
