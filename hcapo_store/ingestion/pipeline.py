@@ -7,8 +7,9 @@ identity but different contents in one ingest are a conflict: the later one fail
 the earlier (nothing supersedes silently). Each episode
 is parsed completely before anything is written, and episodes are committed in small
 batches, so an interrupt (Ctrl-C, kill) loses at most the uncommitted batch and never
-leaves half an episode. Sources are read one at a time: memory does not grow with the
-number of episodes.
+leaves half an episode. Sources are read at most two chunks ahead (parallel.py parses them
+in worker processes meanwhile) and stored one at a time, in order: memory does not grow with
+the number of episodes.
 """
 
 from __future__ import annotations
