@@ -124,3 +124,18 @@ def test_a_killed_worker_costs_a_parse_not_an_episode(tmp_path):
     finally:
         pool.shutdown(wait=True)
     assert parsed.messages == source.load().messages and parsed.content_hash == source.content_hash
+
+
+def test_a_small_ingest_neither_looks_up_nor_starts_workers(tmp_path):
+    root = tmp_path / "t"
+    write_standard_episodes(root, parallel.MIN_PARALLEL - 1)
+    lookups: list[int] = []
+    items = parallel.parse_ahead(
+        iter_sources([root], ConvertOptions()), jobs=2, stored=lambda chunk: lookups.append(len(chunk)) or set()
+    )
+    try:
+        loads = [item.load for item in items if isinstance(item, Source)]
+    finally:
+        items.close()
+    assert len(loads) == parallel.MIN_PARALLEL - 1 and lookups == []
+    assert not any(isinstance(f, parallel._ParsedAhead) for f in loads)

@@ -45,8 +45,9 @@ STREAM_COLUMNS = (
     ("token_count", "sc.token_count"),
     ("blob", "{blob}"),
 )
-_EPISODE_ID = [name for name, _ in STREAM_COLUMNS].index("episode_id")
-_MEAN_LOGPROB = [name for name, _ in STREAM_COLUMNS].index("mean_logprob")
+_STREAM_NAMES = tuple(name for name, _ in STREAM_COLUMNS)
+_EPISODE_ID = _STREAM_NAMES.index("episode_id")
+_MEAN_LOGPROB = _STREAM_NAMES.index("mean_logprob")
 
 STREAM_SQL = (
     "SELECT "
@@ -645,7 +646,7 @@ def _batch_columns(rows: list[tuple], params: CreditParams, totals: _Totals) -> 
         ep_col = ep_col[keep]
         starts = _starts(ep_col)
         mean_all = mean_all[keep]
-    columns = dict(zip((name for name, _ in STREAM_COLUMNS), zip(*rows)))
+    columns = dict(zip(_STREAM_NAMES, zip(*rows)))
     reward, step_id, phase = columns["reward"], columns["step_id"], columns["phase"]
     subtask_id, subtask_reward = columns["subtask_id"], columns["subtask_reward"]
     token_count, blob = columns["token_count"], columns["blob"]

@@ -96,6 +96,8 @@ def parse_ahead(
         if not chunk:
             return False
         candidates = [s for s in chunk if isinstance(s, Source)]
+        if pool is None and (broken or len(candidates) < MIN_PARALLEL):
+            candidates = []  # no pool would start for so few: no lookup either (follow's batches)
         known = stored(candidates) if candidates else set()
         todo = {id(s) for s in candidates if (s.key, s.content_hash) not in known}
         if pool is None and not broken and len(todo) >= MIN_PARALLEL:

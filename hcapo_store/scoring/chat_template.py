@@ -100,7 +100,8 @@ class _DirectRenderer:
 
     _by_tokenizer: weakref.WeakKeyDictionary[Any, dict[str, _DirectRenderer | None]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, compiled: Any, variables: dict[str, Any]) -> None:
+    def __init__(self, template: str, compiled: Any, variables: dict[str, Any]) -> None:
+        self.template = template
         self.compiled = compiled
         self.variables = variables
         self.agreed = False  # its first render equalled apply_chat_template's
@@ -127,7 +128,7 @@ class _DirectRenderer:
             return None
         try:
             variables = _plain_template_data(dict(tokenizer.special_tokens_map))
-            return cls(_compile_jinja_template(template), variables)
+            return cls(template, _compile_jinja_template(template), variables)
         except Exception:
             return None
 
@@ -142,7 +143,7 @@ class _DirectRenderer:
         if agrees:
             self.agreed = True
         else:  # this transformers renders otherwise: its own path from now on
-            _DirectRenderer._by_tokenizer[tokenizer][tokenizer.get_chat_template()] = None
+            _DirectRenderer._by_tokenizer[tokenizer][self.template] = None
         return reference
 
     def _render(self, plain: list[dict], generation: bool) -> str:
