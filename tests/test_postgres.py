@@ -36,7 +36,7 @@ from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.scoring import work_queue
 from hcapo_store.scoring.prompts import PromptBuilder
-from hcapo_store.scoring.scorer import register
+from hcapo_store.scoring.scorer import known_tokenizer_dirs, register, remember_tokenizer
 from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.status_report import status
 from hcapo_store.storage import db
@@ -303,6 +303,47 @@ def test_lease_expiry_on_sqlite_with_a_clock_the_test_controls(
     assert _one(store, "SELECT COUNT(*) FROM scores WHERE worker_id = 'slow'") == 0
 
 
+def test_workers_starting_together_remember_one_tokenizer_on_postgres(pg_store: Store, tmp_path: Path) -> None:
+    """Each scoring worker records where its tokenizer came from. Under READ COMMITTED an
+    update-then-insert lets two starting workers both insert the same row: the second one
+    died with a unique violation (a 4-worker CI run lost a worker this way)."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    row = {"h": "a" * 64, "p": str(directory.resolve()), "t": "2026-01-01T00:00:00"}
+    done: list[BaseException | None] = []
+    with pg_store.engine.connect() as first:
+        # Another worker's insert of the same row, not yet committed.
+        first.execute(text("INSERT INTO tokenizer_locations VALUES (:h, :p, :t)"), row)
+        pid = first.execute(text("SELECT pg_backend_pid()")).scalar()
+
+        def remember() -> None:
+            try:
+                remember_tokenizer(pg_store, row["h"], directory)
+                done.append(None)
+            except BaseException as exc:  # reported by the assertion below
+                done.append(exc)
+
+        worker = threading.Thread(target=remember)
+        worker.start()
+        # The second worker waits on the first one's row lock before the first commits.
+        wait_until(
+            lambda: (
+                _one(
+                    pg_store,
+                    "SELECT COUNT(*) FROM pg_locks WHERE NOT granted AND pid <> :pid AND pid <> pg_backend_pid()",
+                    pid=pid,
+                )
+                > 0
+            ),
+            "the second insert waits for the first",
+        )
+        first.commit()
+    worker.join(HANG_GUARD_S)
+    assert done == [None], done
+    assert known_tokenizer_dirs(pg_store, row["h"]) == [directory.resolve()]
+    assert _one(pg_store, "SELECT seen_at FROM tokenizer_locations") > row["t"]
+
+
 # --- scoring processes against the reference server -----------------------------------------
 
 
@@ -370,6 +411,10 @@ def _status(db_arg: str) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
+def _logs(tmp_path: Path, procs: dict[str, subprocess.Popen]) -> str:
+    return "\n".join(f"--- {wid} ---\n{(tmp_path / f'{wid}.log').read_text()}" for wid in procs)
+
+
 def _multiworker(
     db_arg: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, workers: int, kill: bool
 ) -> None:
@@ -390,13 +435,17 @@ def _multiworker(
         # Scoring starts once every worker holds work, so each of them scores some steps
         # however slowly the processes start.
         with Store.open(db_arg) as store:
-            wait_until(
-                lambda: (
-                    _one(store, "SELECT COUNT(DISTINCT lease_owner) FROM attempts WHERE status = 'leased'") == workers
-                ),
-                f"all {workers} workers hold leases",
-                procs=procs,
-            )
+            try:
+                wait_until(
+                    lambda: (
+                        _one(store, "SELECT COUNT(DISTINCT lease_owner) FROM attempts WHERE status = 'leased'")
+                        == workers
+                    ),
+                    f"all {workers} workers hold leases",
+                    procs=procs,
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{_logs(tmp_path, procs)}") from None
         counting.gate.set()
         held_at_kill: set[int] = set()
         if kill:

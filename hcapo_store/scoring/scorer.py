@@ -20,7 +20,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.errors import CreditError
 from hcapo_store.storage import db
 from hcapo_store.storage.db import sql_now
-from hcapo_store.storage.models import Scorer, TokenizerLocation
+from hcapo_store.storage.models import Scorer
 from hcapo_store.storage.store import Store
 
 # Spec keys stored with the scorer but not part of its id (e.g. library versions: the
@@ -194,13 +194,16 @@ def remember_tokenizer(store: Store, files_sha256: str, directory: str | Path) -
     if not files_sha256 or len(path) > 4096 or not where.is_dir():
         return
     now = utcnow().isoformat(timespec="seconds")
+    # One upsert: workers starting together on PostgreSQL each saw no row to update and
+    # then collided on the insert (an update-then-insert is not atomic under READ COMMITTED).
     with db.write(store.engine) as conn:
-        updated = conn.execute(
-            text("UPDATE tokenizer_locations SET seen_at = :t WHERE files_sha256 = :h AND path = :p"),
+        conn.execute(
+            text(
+                "INSERT INTO tokenizer_locations (files_sha256, path, seen_at) VALUES (:h, :p, :t) "
+                "ON CONFLICT (files_sha256, path) DO UPDATE SET seen_at = excluded.seen_at"
+            ),
             {"t": now, "h": files_sha256, "p": path},
-        ).rowcount
-        if not updated:
-            conn.execute(insert(TokenizerLocation), {"files_sha256": files_sha256, "path": path, "seen_at": now})
+        )
 
 
 def known_tokenizer_dirs(store: Store, files_sha256: str) -> list[Path]:
