@@ -103,3 +103,72 @@ def test_messages_checked_once_per_episode_render_as_fresh_ones(tmp_path, demo_t
         assert render_chat(tok, step, generation=False, known=known) == render_chat(tok, step, generation=False)
     # messages[1:] once each, and one copy of the first message per render
     assert len(known) == 2 * (len(messages) - 1)
+
+
+# --- the sandbox's attribute lookup on plain dicts (memoize_sandbox_checks) -------------------
+
+
+class _Sub(dict):
+    role = "class attribute"
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"role": "user", "content": "x", "items": "a key named like a method", "_private": 1, "__class__": "k"},
+        {},
+        _Sub(role="key"),  # a subclass: the sandbox decides, as before
+        "a string",
+        ["a", "list"],
+        None,
+    ],
+    ids=["dict", "empty", "subclass", "str", "list", "none"],
+)
+def test_the_fast_dict_lookup_answers_as_the_sandbox_does(obj):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment()
+    names = ["role", "content", "missing", "items", "keys", "get", "_private", "__class__", "__init__", "format"]
+    for name in [*names, "upper", "append", 3, ("t",)]:
+        try:
+            theirs = SandboxedEnvironment.getattr(env, obj, name)
+        except TypeError:  # a name that is not a string
+            with pytest.raises(TypeError):
+                chat_template._getattr(env, SandboxedEnvironment.getattr, obj, name)
+            continue
+        ours = chat_template._getattr(env, SandboxedEnvironment.getattr, obj, name)
+        assert type(ours) is type(theirs), (obj, name)
+        if isinstance(theirs, jinja2_undefined()):
+            assert (ours._undefined_obj, ours._undefined_name) == (theirs._undefined_obj, theirs._undefined_name)
+        elif callable(theirs):
+            assert getattr(ours, "__name__", None) == getattr(theirs, "__name__", None), (obj, name)
+        else:
+            assert ours == theirs, (obj, name)
+
+
+def jinja2_undefined() -> type:
+    from jinja2 import Undefined
+
+    return Undefined
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "demo", "chatml-bos"])
+def test_the_patched_sandbox_renders_as_a_fresh_one(name, tmp_path, demo_tokenizer_dir):
+    """transformers compiles a template once and shares it, so apply_chat_template renders with
+    the patched environment too; here the reference is a fresh, unpatched compilation."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    chat_template.memoize_sandbox_checks(tok)
+    template = tok.get_chat_template()
+    patched = _compile_jinja_template(template)
+    assert "getattr" in vars(patched.environment)  # the fast lookup is on
+    fresh = _compile_jinja_template.__wrapped__(template)
+    assert "getattr" not in vars(fresh.environment)
+    variables = dict(_direct(tok).variables) if _direct(tok) is not None else {}
+    for messages in _conversations():
+        plain = normalize_messages(messages)
+        for end in range(1, len(plain) + 1):
+            for generation in (False, True):
+                kwargs = dict(messages=plain[:end], tools=None, documents=None, add_generation_prompt=generation)
+                assert patched.render(**kwargs, **variables) == fresh.render(**kwargs, **variables)
