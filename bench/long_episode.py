@@ -10,7 +10,9 @@ floor) is measured for
 
 * ``--prompt-layout episode``: one rendering of the conversation, spans placed in linear time;
 * ``--prompt-layout per-step`` (grouped): a rendering of the conversation up to each step,
-  only up to ``--per-step-max`` steps (it grows with the square of the length).
+  only up to ``--per-step-max`` steps (it grows with the square of the length);
+* ``--truncation turns`` (per-step, grouped): each step rendered over the head and the most
+  recent whole turns that fit, up to ``--turns-max`` steps.
 
 Prints seconds, microseconds per step and the ratio to the previous length (x2 per
 doubling is linear, x4 quadratic). Nothing is sent anywhere; no model is loaded.
@@ -58,8 +60,8 @@ def long_episode(scratch: Path, steps: int) -> Any:
     return episode, ingest_s
 
 
-def plan(tokenizer: Any, episode: Any, layout: str, max_context: int) -> dict[str, Any]:
-    builder = PromptBuilder(tokenizer, max_context=max_context, layout=layout)
+def plan(tokenizer: Any, episode: Any, layout: str, max_context: int, truncation: str = "sliding") -> dict[str, Any]:
+    builder = PromptBuilder(tokenizer, max_context=max_context, layout=layout, truncation=truncation)
     started = time.perf_counter()
     requests = plan_requests(builder, episode.messages, episode.outcome, episode.steps)
     floor = conversation_tokens(builder, episode.messages, episode.outcome, episode.steps)
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--steps", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 10000])
     ap.add_argument("--per-step-max", type=int, default=1000, help="longest session timed with the per-step layout")
+    ap.add_argument("--turns-max", type=int, default=4000, help="longest session timed with --truncation turns")
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -94,6 +97,8 @@ def main() -> None:
             row["episode"] = plan(tokenizer, episode, "episode", args.max_context)
             if n <= args.per_step_max:
                 row["per-step"] = plan(tokenizer, episode, "per-step", args.max_context)
+            if n <= args.turns_max:
+                row["turns"] = plan(tokenizer, episode, "per-step", args.max_context, "turns")
             rows.append(row)
             if not args.json:
                 print_row(row, rows[-2] if len(rows) > 1 else None)
@@ -103,7 +108,7 @@ def main() -> None:
 
 def print_row(row: dict[str, Any], previous: dict[str, Any] | None) -> None:
     parts = [f"{row['steps']:6} steps ({row['messages']} messages), ingest {row['ingest_s']:.2f}s"]
-    for layout in ("episode", "per-step"):
+    for layout in ("episode", "per-step", "turns"):
         m = row.get(layout)
         if m is None:
             continue

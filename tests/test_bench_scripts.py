@@ -60,6 +60,7 @@ def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout[r.stdout.index("{") :])["rows"]
     assert [row["steps"] > 0 for row in rows] == [True, True]
-    for row in rows:  # every step scored by both layouts; the episode layout near the floor
+    for row in rows:  # every step scored by each; the episode layout near the floor
         assert row["episode"]["scored_steps"] == row["per-step"]["scored_steps"] == row["steps"]
+        assert row["turns"]["scored_steps"] == row["steps"]
         assert row["episode"]["xfloor"] <= 2.5 < row["per-step"]["xfloor"]

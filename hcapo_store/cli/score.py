@@ -111,12 +111,13 @@ SCORER_OPTIONS = [
     ),
     click.option(
         "--truncation",
-        type=click.Choice(["sliding", "window"]),
+        type=click.Choice(["sliding", "window", "turns"]),
         default=defaults.TRUNCATION,
         show_default=True,
         help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
-        "window starts the tail at block boundaries so a window's steps share one request "
-        "(a different scorer).",
+        "window starts the tail at block boundaries so a window's steps share one request; turns "
+        "renders the head and the most recent whole turns that fit, so its cost grows linearly with "
+        "a session's length (window and turns are other scorers; docs/SCORING.md).",
     ),
     click.option(
         "--action-span",

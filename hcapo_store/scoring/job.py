@@ -65,7 +65,7 @@ class ScoreConfig:
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
     device: str = "cpu"
     request_timeout: float | None = defaults.REQUEST_TIMEOUT_S  # seconds per HTTP request; None: the same
-    truncation: Truncation = defaults.TRUNCATION  # or "window" (changes the prompts: part of the scorer)
+    truncation: Truncation = defaults.TRUNCATION  # or "window"/"turns" (other prompts: part of the scorer)
     action_span: ActionSpan = defaults.ACTION_SPAN  # or "policy": only the policy's own tokens are scored
     hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
     # "episode": the conversation rendered once per episode, every step scored in place

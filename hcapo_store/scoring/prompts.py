@@ -28,6 +28,7 @@ Differences from the original, on purpose:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import string
@@ -67,10 +68,13 @@ DEFAULT_MAX_LOGPROB_TOKENS = 2048
 FailureReason = Literal["alignment", "empty_action", "template"]
 ActionSpan = Literal["rendered", "policy"]
 ACTION_SPANS: tuple[ActionSpan, ...] = ("rendered", "policy")
-Truncation = Literal["sliding", "window"]
-TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window")
+Truncation = Literal["sliding", "window", "turns"]
+TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window", "turns")
 # --truncation window: the window start moves in blocks of this fraction of the tail budget.
 WINDOW_BLOCK_FRACTION = 4
+# --truncation turns: the template markup a message adds to its own text, roughly, in ids,
+# when a session has no earlier turn to measure it on; it only places the first window tried.
+TURN_OVERHEAD_TOKENS = 8
 PromptLayout = Literal["per-step", "episode"]
 PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("per-step", "episode")
 
@@ -298,8 +302,81 @@ class _StepTexts:
     prefix_ids: list[int]
     full_ids: list[int]
     flattened: bool
+    # --truncation turns: the own-text ids of the turns left out of the window
+    dropped: int = 0
     # action_span "policy": [start, end) of the policy's own tokens in the action ids, or why not
     own: tuple[int, int] | str | None = None
+
+
+@dataclass
+class _Rendered:
+    """One step's two renders: ``messages`` is what was rendered, the action last."""
+
+    prefix_text: str
+    full_text: str
+    messages: list[dict]
+    flattened: bool
+    dropped: int = 0  # --truncation turns: own-text ids of the turns left out
+
+
+def _own_text(message: Mapping[str, Any]) -> str:
+    """A message's own words (content, reasoning, tool calls), without template markup."""
+    parts = []
+    for name in ("content", "reasoning_content"):
+        value = message.get(name)
+        if value is not None:
+            parts.append(value if isinstance(value, str) else repr(value))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            continue
+        parts.append(f"{function.get('name', '')} {arguments_text(function.get('arguments'))}")
+    return "\n".join(parts)
+
+
+@dataclass
+class _TurnIndex:
+    """--truncation turns, per episode: where windows may start and each turn's own ids."""
+
+    head_end: int  # messages[:head_end] are always kept: through the first user message
+    starts: list[int]  # message indices that may start a window, ascending (never a tool result)
+    cum: list[int]  # cum[i]: the own-text ids of messages[:i]
+
+    @classmethod
+    def of(cls, messages: Sequence[Mapping[str, Any]], encoder: SegmentEncoder) -> _TurnIndex:
+        roles = [m.get("role") for m in messages]
+        head_end = roles.index("user") + 1 if "user" in roles else 1
+        cum = [0]
+        for n in encoder.count([_own_text(m) for m in messages]):
+            cum.append(cum[-1] + n)
+        starts = [i for i in range(head_end, len(messages)) if roles[i] != "tool"]
+        return cls(head_end, starts, cum)
+
+    def starts_until(self, m: int) -> int:
+        """How many starts a window ending at message ``m`` may take (0: ``m`` is in the head)."""
+        return bisect.bisect_right(self.starts, m) if m >= self.head_end else 0
+
+    def first_fit(self, count: int, m: int, budget: float, overhead: float) -> int:
+        """The first of ``count`` starts whose turns before message ``m`` fit ``budget`` by
+        a guess (their own ids and ``overhead`` more per message); the last start when none
+        does."""
+        lo, hi = 0, count - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = self.starts[mid]
+            if self.cum[m] - self.cum[start] + overhead * (m - start) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+@dataclass
+class _EpisodeMemo:
+    """What build_episode keeps while it builds one episode's steps."""
+
+    turns: dict[bool, _TurnIndex] = field(default_factory=dict)  # by flattened
+    flat: list[dict] | None = None
 
 
 class PromptBuilder:
@@ -339,6 +416,8 @@ class PromptBuilder:
         self.max_logprob_tokens = max_logprob_tokens
         self.encoder = SegmentEncoder(tokenizer)
         self._known: PlainCache | None = None  # set while build_episode renders one episode
+        self._episode: _EpisodeMemo | None = None  # likewise
+        self._probe_state = self.encoder.new_state()  # --truncation turns: candidate windows
         memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         self._locator = OwnTokenLocator(tokenizer, self.encoder)
@@ -373,24 +452,105 @@ class PromptBuilder:
 
     def _render_pair(
         self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
-    ) -> tuple[str, str, dict, bool]:
-        """(prefix text, full text, first message, flattened); flattens when the template rejects."""
+    ) -> _Rendered:
+        """The prefix and full texts of step ``m``; flattens when the template rejects."""
+        if self.truncation == "turns":
+            return self._render_turns(raw, normalized, m, hindsight)
         messages = inject_hindsight(normalized[: m + 1], hindsight)
         try:
-            return (
-                self._render(messages[:m], generation=True),
-                self._render(messages, generation=False),
-                messages[0],
-                False,
+            return _Rendered(
+                self._render(messages[:m], generation=True), self._render(messages, generation=False), messages, False
             )
         except TemplateRejected:
             flat = flatten_messages(inject_hindsight(raw[: m + 1], hindsight))
-            return (
-                self._render(flat[:m], generation=True),
-                self._render(flat, generation=False),
-                flat[0],
-                True,
+            return _Rendered(self._render(flat[:m], generation=True), self._render(flat, generation=False), flat, True)
+
+    # -- --truncation turns: a bounded window of whole turns per step (linear in the session)
+
+    def _render_turns(
+        self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
+    ) -> _Rendered:
+        try:
+            return self._turn_window(self._turn_index(normalized, False), normalized, m, hindsight, False)
+        except TemplateRejected:
+            flat = self._flat_messages(raw)
+            return self._turn_window(self._turn_index(flat, True), flat, m, hindsight, True)
+
+    def _flat_messages(self, raw: Sequence[Mapping[str, Any]]) -> list[dict]:
+        episode = self._episode
+        if episode is None:
+            return flatten_messages(raw)
+        if episode.flat is None:
+            episode.flat = flatten_messages(raw)
+        return episode.flat
+
+    def _turn_index(self, messages: Sequence[dict], flattened: bool) -> _TurnIndex:
+        episode = self._episode
+        if episode is not None and episode.turns.get(flattened) is not None:
+            return episode.turns[flattened]
+        index = _TurnIndex.of(messages, self.encoder)
+        if episode is not None:
+            episode.turns[flattened] = index
+        return index
+
+    def _turn_window(
+        self, index: _TurnIndex, messages: Sequence[dict], m: int, hindsight: str | None, flattened: bool
+    ) -> _Rendered:
+        """Step ``m``'s texts over the head (through the first user message, the hindsight block
+        in the first message) and the turns from the earliest start whose prompt, action
+        included, fits ``max_context``: a rendering of a shorter conversation, never a cut
+        through a turn. Turns leave whole (a tool result never starts a window) and their
+        leaving is announced by the truncation marker at the end of the head.
+
+        Exact and linear: every candidate is judged on its real render, and the first
+        candidate tried is guessed from the turns' own token counts, so a step renders three
+        windows of at most ``max_context`` (the guess, its neighbour, the full turn) instead
+        of its whole history. A step's window depends on nothing but the step."""
+        count = index.starts_until(m)
+        starts = index.starts
+        if not count:  # the step is inside the head: nothing to leave out
+            whole = inject_hindsight(messages[: m + 1], hindsight)
+            return _Rendered(
+                self._render(whole[:-1], generation=True), self._render(whole, generation=False), whole, flattened
             )
+        head = inject_hindsight(messages[: index.head_end], hindsight)
+        marked = [*head[:-1], dict(head[-1], content=(head[-1].get("content") or "") + TRUNCATION_MARKER.rstrip())]
+        windows: dict[int, list[dict]] = {}
+        prefixes: dict[int, tuple[str, int]] = {}
+
+        def window(n: int) -> list[dict]:
+            if n not in windows:
+                windows[n] = [*(head if n == 0 else marked), *messages[starts[n] : m + 1]]
+            return windows[n]
+
+        def prefix_len(n: int) -> int:
+            if n not in prefixes:
+                text_ = self._render(window(n)[:-1], generation=True)
+                prefixes[n] = (text_, len(self.encoder.encode(text_, self._probe_state)))
+            return prefixes[n][1]
+
+        # The shortest window (the head and the action turn) gives the action's length and
+        # the head's; the one before it, what the template adds per message around their
+        # own words; the turns in between are guessed from that, and then rendered.
+        last = count - 1
+        shortest_full = self._render(window(last), generation=False)
+        action = len(self.encoder.encode(shortest_full, self._probe_state)) - prefix_len(last)
+        budget = self.max_context - action
+        overhead = float(TURN_OVERHEAD_TOKENS)
+        if last > 0:
+            sample = starts[last - 1]
+            own = index.cum[m] - index.cum[sample]
+            overhead = max((prefix_len(last - 1) - prefix_len(last) - own) / (m - sample), 0.0)
+        n = index.first_fit(count, m, budget - prefix_len(last), overhead)
+        if prefix_len(n) <= budget:
+            while n > 0 and prefix_len(n - 1) <= budget:
+                n -= 1
+        else:
+            while n < last and prefix_len(n) > budget:
+                n += 1
+        full = shortest_full if n == last else self._render(window(n), generation=False)
+        dropped = index.cum[starts[n]] - index.cum[index.head_end]
+        return _Rendered(prefixes[n][0], full, window(n), flattened, dropped)
 
     # -- public entry points
 
@@ -401,6 +561,7 @@ class PromptBuilder:
         # Each message is rendered again for every later step: whether it is plain JSON data
         # is checked once per episode (the normalized messages do not change meanwhile).
         self._known = {}
+        self._episode = _EpisodeMemo()
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
@@ -408,23 +569,26 @@ class PromptBuilder:
             index, m = read_field(step, "step_index"), read_field(step, "message_index")
             hindsight = self._hindsight(outcome, step)
             try:
-                prefix_text, full_text, first, flattened = self._render_step(messages, normalized, m, hindsight)
+                rendered = self._render_step(messages, normalized, m, hindsight)
             except TemplateRejected as exc:
                 results.append(PromptFailure(index, "template", str(exc)))
                 continue
-            key = (hindsight, flattened)
+            key = (hindsight, rendered.flattened)
+            first = rendered.messages[0]
             # Prefix and full renders get separate states: each shares most text with the
             # same kind of render of the previous step.
             prefix_state, full_state = states.setdefault(key, (self.encoder.new_state(), self.encoder.new_state()))
             texts = _StepTexts(
-                self.encoder.encode(prefix_text, prefix_state),
-                self.encoder.encode(full_text, full_state),
-                flattened,
+                self.encoder.encode(rendered.prefix_text, prefix_state),
+                self.encoder.encode(rendered.full_text, full_state),
+                rendered.flattened,
+                rendered.dropped,
             )
-            texts.own = self._own_span(messages, normalized, m, hindsight, prefix_text, full_text, texts)
+            texts.own = self._own_span(rendered, texts)
             results.append(self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first)))
         self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
         self._known = None
+        self._episode = None
         return results
 
     def build_step(self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any) -> StepPrompt | PromptFailure:
@@ -437,14 +601,15 @@ class PromptBuilder:
         index, m = read_field(step, "step_index"), read_field(step, "message_index")
         hindsight = self._hindsight(outcome, step)
         try:
-            prefix_text, full_text, first, flattened = self._render_step(
-                messages, normalize_messages(messages), m, hindsight
-            )
+            rendered = self._render_step(messages, normalize_messages(messages), m, hindsight)
         except TemplateRejected as exc:
             return PromptFailure(index, "template", str(exc))
         encode = self.encoder.encode_whole
-        texts = _StepTexts(encode(prefix_text), encode(full_text), flattened)
-        texts.own = self._own_span(messages, normalize_messages(messages), m, hindsight, prefix_text, full_text, texts)
+        texts = _StepTexts(
+            encode(rendered.prefix_text), encode(rendered.full_text), rendered.flattened, rendered.dropped
+        )
+        texts.own = self._own_span(rendered, texts)
+        first = rendered.messages[0]
         return self._finish(index, texts, lambda: encode(self._render([first], generation=False)))
 
     def _hindsight(self, outcome: Any, step: Any) -> str | None:
@@ -452,23 +617,13 @@ class PromptBuilder:
 
     # -- span logic, shared by both paths
 
-    def _own_span(
-        self,
-        raw: Sequence[Mapping[str, Any]],
-        normalized: list[dict],
-        m: int,
-        hindsight: str | None,
-        prefix_text: str,
-        full_text: str,
-        texts: _StepTexts,
-    ) -> tuple[int, int] | str | None:
+    def _own_span(self, rendered: _Rendered, texts: _StepTexts) -> tuple[int, int] | str | None:
         """action_span "policy": the policy's own tokens among the action ids (own_tokens.py)."""
         if self.action_span != "policy":
             return None
-        source = flatten_messages(inject_hindsight(raw[: m + 1], hindsight)) if texts.flattened else None
-        messages = source if source is not None else inject_hindsight(normalized[: m + 1], hindsight)
+        messages, prefix_text, full_text = rendered.messages, rendered.prefix_text, rendered.full_text
         try:
-            empty = self._render([*messages[:m], EMPTY_TURN], generation=False)
+            empty = self._render([*messages[:-1], EMPTY_TURN], generation=False)
         except TemplateRejected as exc:
             return f"template: the template cannot render this turn empty ({exc})"
         if not (full_text.startswith(prefix_text) and empty.startswith(prefix_text)):
@@ -478,14 +633,14 @@ class PromptBuilder:
         if ids != texts.full_ids[len(texts.prefix_ids) :]:
             return "the action's tokens alone differ from its tokens in the conversation"
         try:
-            span = self._locator.span(action_text, empty[len(prefix_text) :], messages[m], ids, offsets)
+            span = self._locator.span(action_text, empty[len(prefix_text) :], messages[-1], ids, offsets)
         except NotOwn as exc:
             return exc.reason
         return span.start, span.end
 
     def _render_step(
         self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str | None
-    ) -> tuple[str, str, dict, bool]:
+    ) -> _Rendered:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
             raise TemplateRejected(f"message {m} is not an assistant message after the first message")
         return self._render_pair(raw, normalized, m, hindsight)
@@ -534,7 +689,7 @@ class PromptBuilder:
             first_scored=first_scored,
             total_action_tokens=own_tokens,
             skipped_action_tokens=own_tokens - (len(input_ids) - first_scored),
-            truncated_prefix_tokens=prefix_len - len(kept_prefix),
+            truncated_prefix_tokens=prefix_len - len(kept_prefix) + texts.dropped,
             flattened=texts.flattened,
         )
 

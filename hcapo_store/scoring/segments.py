@@ -126,6 +126,14 @@ class SegmentEncoder:
                 ids.append(tokens[n][2])
         return ids
 
+    def count(self, texts: list[str]) -> list[int]:
+        """The number of ids of each text on its own (one batch, nothing cached)."""
+        if not texts:
+            return []
+        if self.fast_path_off_reason:
+            return [len(self.encode_whole(t)) for t in texts]
+        return [len(enc.ids) for enc in self._backend.encode_batch(texts, add_special_tokens=False)]
+
     def clean_cut(self, text: str, limit: int) -> int | None:
         """The last place at or before ``limit`` where ``text`` can be cut so that the ids of
         ``text[:cut]`` are the ids of ``text`` that start before it, whatever follows the cut in

@@ -1,0 +1,184 @@
+"""``--truncation turns``: per-step prompts over a bounded window of whole turns.
+
+The reference is the rule as docs/SCORING.md states it, written out independently: for each
+step, the candidate windows (head with the marker + the turns from a start that is not a
+tool result through the action) are rendered with ``apply_chat_template`` and tokenized with
+``tokenizer.encode`` from the earliest start on; the first whose rendering fits
+``max_context`` is the prompt. Real tokenizers (Qwen3, Qwen2.5 from ../shared when present),
+a BOS-emitting ChatML and the demo tokenizer; conversations with later user turns (which
+Qwen3's template treats differently) and tool calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _tokenizers import bos_tokenizer, episode, real_tokenizer
+
+from hcapo_store.scoring.prompts import (
+    TRUNCATION_MARKER,
+    PromptBuilder,
+    PromptFailure,
+    StepPrompt,
+    hindsight_text,
+    inject_hindsight,
+    normalize_messages,
+)
+from hcapo_store.scoring.tokens import load_tokenizer
+
+
+def _tokenizer(name: str, tmp_path, demo_tokenizer_dir):
+    if name == "demo":
+        return load_tokenizer(demo_tokenizer_dir)
+    if name == "chatml-bos":
+        return bos_tokenizer(tmp_path)
+    return real_tokenizer(name)
+
+
+def _by_the_rule(tok, messages, outcome, step, max_context):
+    """(ids, the window's first message index after the head, whether the prefix rendered
+    with a generation prompt is a prefix of those ids) as the documented rule says."""
+    norm = normalize_messages(messages)
+    m = step["message_index"]
+    roles = [x["role"] for x in norm]
+    head_end = roles.index("user") + 1
+    injected = inject_hindsight(norm[: m + 1], hindsight_text(outcome, step))
+    starts = [i for i in range(head_end, m + 1) if roles[i] != "tool"]
+    for start in starts:
+        head = injected[:head_end]
+        if start != head_end:
+            last = dict(head[-1], content=head[-1]["content"] + TRUNCATION_MARKER.rstrip())
+            head = [*head[:-1], last]
+        window = [*head, *injected[start : m + 1]]
+        ids = tok.encode(tok.apply_chat_template(window, tokenize=False), add_special_tokens=False)
+        prefix = tok.apply_chat_template(window[:-1], tokenize=False, add_generation_prompt=True)
+        prefix_ids = tok.encode(prefix, add_special_tokens=False)
+        if len(ids) <= max_context:
+            return ids, start, ids[: len(prefix_ids)] == prefix_ids
+    return None, None, True
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "chatml-bos", "demo"])
+def test_each_prompt_is_the_rendering_of_the_most_recent_turns_that_fit(name, tmp_path, demo_tokenizer_dir):
+    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    max_context = 900
+    builder = PromptBuilder(tok, max_context=max_context, truncation="turns", max_logprob_tokens=4096)
+    checked = cut = 0
+    for seed in range(2):
+        messages, outcome, steps = episode(seed, steps=16, tool_chars=500)
+        prompts = builder.build_episode(messages, outcome, steps)
+        for step, prompt in zip(steps, prompts, strict=True):
+            expected, start, aligned = _by_the_rule(tok, messages, outcome, step, max_context)
+            if not aligned:  # Qwen3 renders a turn differently once it is not the last one
+                assert isinstance(prompt, PromptFailure) and prompt.reason == "alignment", prompt
+                continue
+            assert isinstance(prompt, StepPrompt), prompt
+            if expected is None:  # even the head and the action do not fit: the sliding cut
+                assert len(prompt.input_ids) <= max_context and prompt.truncated_prefix_tokens > 0
+                continue
+            assert list(prompt.input_ids) == expected, (seed, step["step_index"])
+            dropped = start != min(i for i, x in enumerate(messages) if x["role"] == "user") + 1
+            assert (prompt.truncated_prefix_tokens > 0) == dropped
+            assert prompt.scored_tokens + prompt.skipped_action_tokens == prompt.total_action_tokens
+            # A step alone gets the same prompt: its window depends on nothing but the step.
+            assert builder.build_step(messages, outcome, step) == prompt
+            checked += 1
+            cut += dropped
+    assert checked > 20 and cut > 10  # the rule was exercised on both sides of the budget
+
+
+@pytest.mark.parametrize("span", ["rendered", "policy"])
+def test_without_truncation_turns_equals_sliding(span):
+    tok = real_tokenizer("qwen3")
+    for seed in range(2):
+        messages, outcome, steps = episode(seed, steps=10)
+        sliding = PromptBuilder(tok, action_span=span).build_episode(messages, outcome, steps)
+        turns = PromptBuilder(tok, action_span=span, truncation="turns").build_episode(messages, outcome, steps)
+        assert turns == sliding
+
+
+def test_a_long_session_renders_bounded_windows():
+    """The point of the mode: a step renders a few windows of at most max_context, never its
+    whole history (counted in rendered messages, not in seconds)."""
+    tok = real_tokenizer("qwen2.5")
+    messages, outcome, steps = episode(11, steps=300, tool_chars=300, extra_user_turns=False)
+    builder = PromptBuilder(tok, max_context=1200, truncation="turns")
+    sizes: list[int] = []
+    render = builder._render
+
+    def counting(msgs, *, generation):
+        sizes.append(len(msgs))
+        return render(msgs, generation=generation)
+
+    builder._render = counting  # type: ignore[method-assign]
+    prompts = builder.build_episode(messages, outcome, steps)
+    assert all(isinstance(p, StepPrompt) and len(p.input_ids) <= 1200 for p in prompts)
+    assert len(messages) > 600
+    assert max(sizes) < 60  # a window, not a history of 600+ messages
+    assert len(sizes) <= 8 * len(steps)  # a few renders per step, however long the session
+    # The sliding rule renders each step's whole history.
+    sliding = PromptBuilder(tok, max_context=1200)
+    sizes.clear()
+    sliding_render = sliding._render
+    sliding._render = lambda msgs, *, generation: (
+        sizes.append(len(msgs))
+        or sliding_render(  # type: ignore[method-assign]
+            msgs, generation=generation
+        )
+    )
+    sliding.build_episode(messages, outcome, steps[-3:])
+    assert max(sizes) > 600
+
+
+def test_a_template_that_rejects_tools_is_flattened_in_windows_too(tmp_path):
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' or m.tool_calls %}"
+        "{{ raise_exception('no tools') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    builder = PromptBuilder(bos_tokenizer(tmp_path, template=template), max_context=400, truncation="turns")
+    messages, outcome, steps = episode(7, steps=20, thinking=False)
+    prompts = builder.build_episode(messages, outcome, steps)
+    flat = [p for p in prompts if isinstance(p, StepPrompt) and p.flattened]
+    assert flat and any(p.truncated_prefix_tokens for p in flat)
+    assert all(len(p.input_ids) <= 400 for p in flat)
+
+
+def test_score_with_turns_is_its_own_scorer_end_to_end(tmp_path, tiny_model_dir):
+    """`score --truncation turns` as a user runs it, against the reference server: every step
+    scored, the stored rows are the rule's prompts, and the scorer says what it is."""
+    import json
+
+    from click.testing import CliRunner
+
+    from hcapo_store.cli import cli
+    from hcapo_store.devkit.refserver import make_server
+    from hcapo_store.devkit.synth import write_standard_episodes
+    from hcapo_store.storage.episodes import load_episode
+    from hcapo_store.storage.store import Store
+
+    write_standard_episodes(tmp_path / "eps", 2, seed=9, steps_per_subtask=4, output_words=30)
+    db = str(tmp_path / "t.db")
+    assert CliRunner().invoke(cli, ["--db", db, "ingest", str(tmp_path / "eps")]).exit_code == 0
+    with make_server(tiny_model_dir) as server:
+        argv = ["--db", db, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir)]
+        r = CliRunner().invoke(cli, [*argv, "--max-context", "1024", "--truncation", "turns", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output[r.output.index("{") :])
+    assert report["failed"] == 0 and report["scored"] > 0
+    listed = json.loads(CliRunner().invoke(cli, ["--db", db, "scorers", "list", "--json"]).output)
+    assert len(listed) == 1 and "trunc=turns" in listed[0]["label"]
+    builder = PromptBuilder(load_tokenizer(tiny_model_dir), max_context=1024, truncation="turns")
+    with Store.open(db) as store:
+        rows = store.query(
+            "SELECT e.id, s.step_index, c.input_tokens, c.truncated_prefix_tokens "
+            "FROM scores c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id"
+        )[1]
+        assert len(rows) == report["scored"]
+        expected = {}
+        with store.engine.connect() as conn:
+            for episode_id in {row[0] for row in rows}:
+                ep = load_episode(conn, episode_id)
+                for p in builder.build_episode(ep.messages, ep.outcome, ep.steps):
+                    expected[(episode_id, p.step_index)] = (len(p.input_ids), p.truncated_prefix_tokens)
+    assert {(r[0], r[1]): (r[2], r[3]) for r in rows} == expected
+    assert any(t for _, t in expected.values())  # some steps left turns out
