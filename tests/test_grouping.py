@@ -176,7 +176,7 @@ def test_grouped_equals_per_step_qwen_tokenizers(name, tmp_path_factory):
         kv_heads=1,
         intermediate=64,
     )
-    groups = _assert_exact(group_prompts(_prompts(load_tokenizer(model_dir), 4, steps=12, tool_chars=120)))
+    groups = _assert_exact(group_prompts(_prompts(load_tokenizer(model_dir), 4, steps=8, tool_chars=120)))
     with make_server(model_dir) as ref:
         asyncio.run(_compare_all(ref, model_dir, groups))
 
