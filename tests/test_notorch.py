@@ -54,7 +54,11 @@ def _pip(venv: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = _copy_tracked_files(tmp_path_factory.mktemp("clean-clone"))
-    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + sys.version.encode()).hexdigest()[:16]
+    # One venv per checkout: the package is reinstalled into it for each run, so two
+    # checkouts testing at once on one machine must not share it.
+    key = hashlib.sha256(
+        (ROOT / "pyproject.toml").read_bytes() + sys.version.encode() + str(ROOT.resolve()).encode()
+    ).hexdigest()[:16]
     cached = Path(tempfile.gettempdir()) / f"hcapo-store-notorch-venv-{key}"
     if not (cached / "bin" / "hcapo-store").exists():
         building = Path(tempfile.mkdtemp(prefix="hcapo-store-notorch-build-"))
