@@ -35,6 +35,18 @@ def real_tokenizer(name: str):
     return load_tokenizer(path)
 
 
+def named_tokenizer(name: str, tmp_path: Path, demo_tokenizer_dir: Path):
+    """A tokenizer by test-parameter name: ``demo`` (the built-in demo tokenizer),
+    ``chatml-bos`` (bos_tokenizer below) or a real one from ../shared (``qwen3``, ``qwen2.5``)."""
+    if name == "demo":
+        from hcapo_store.scoring.tokens import load_tokenizer
+
+        return load_tokenizer(demo_tokenizer_dir)
+    if name == "chatml-bos":
+        return bos_tokenizer(tmp_path)
+    return real_tokenizer(name)
+
+
 def bos_tokenizer(tmp_path: Path, *, template: str = CHATML_WITH_BOS):
     """A small byte-level BPE whose chat template emits BOS and which adds BOS on encode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -8,7 +8,7 @@ without the generation prompt, in the stored shape and normalized (arguments as 
 from __future__ import annotations
 
 import pytest
-from _tokenizers import bos_tokenizer, episode, real_tokenizer
+from _tokenizers import bos_tokenizer, episode, named_tokenizer
 
 from hcapo_store.scoring import chat_template
 from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
@@ -25,21 +25,13 @@ def _conversations() -> list[list[dict]]:
     return out
 
 
-def _tokenizer(name: str, tmp_path, demo_tokenizer_dir):
-    if name == "demo":
-        return load_tokenizer(demo_tokenizer_dir)
-    if name == "chatml-bos":
-        return bos_tokenizer(tmp_path)
-    return real_tokenizer(name)
-
-
 def _direct(tok):
     return chat_template._DirectRenderer.of(tok)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "demo", "chatml-bos"])
 def test_every_prefix_renders_as_apply_chat_template_does(name, tmp_path, demo_tokenizer_dir):
-    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
     for messages in _conversations():
         for end in range(1, len(messages) + 1):
             for generation in (False, True):
@@ -159,7 +151,7 @@ def test_the_patched_sandbox_renders_as_a_fresh_one(name, tmp_path, demo_tokeniz
     the patched environment too; here the reference is a fresh, unpatched compilation."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
     chat_template.memoize_sandbox_checks(tok)
     template = tok.get_chat_template()
     patched = _compile_jinja_template(template)

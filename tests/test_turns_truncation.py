@@ -12,7 +12,7 @@ Qwen3's template treats differently) and tool calls.
 from __future__ import annotations
 
 import pytest
-from _tokenizers import bos_tokenizer, episode, real_tokenizer
+from _tokenizers import bos_tokenizer, episode, named_tokenizer, real_tokenizer
 
 from hcapo_store.scoring.prompts import (
     TRUNCATION_MARKER,
@@ -24,14 +24,6 @@ from hcapo_store.scoring.prompts import (
     normalize_messages,
 )
 from hcapo_store.scoring.tokens import load_tokenizer
-
-
-def _tokenizer(name: str, tmp_path, demo_tokenizer_dir):
-    if name == "demo":
-        return load_tokenizer(demo_tokenizer_dir)
-    if name == "chatml-bos":
-        return bos_tokenizer(tmp_path)
-    return real_tokenizer(name)
 
 
 def _by_the_rule(tok, messages, outcome, step, max_context):
@@ -59,7 +51,7 @@ def _by_the_rule(tok, messages, outcome, step, max_context):
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "chatml-bos", "demo"])
 def test_each_prompt_is_the_rendering_of_the_most_recent_turns_that_fit(name, tmp_path, demo_tokenizer_dir):
-    tok = _tokenizer(name, tmp_path, demo_tokenizer_dir)
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
     max_context = 900
     builder = PromptBuilder(tok, max_context=max_context, truncation="turns", max_logprob_tokens=4096)
     checked = cut = 0
