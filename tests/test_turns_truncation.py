@@ -88,12 +88,8 @@ def test_without_truncation_turns_equals_sliding(span):
         assert turns == sliding
 
 
-def test_a_long_session_renders_bounded_windows():
-    """The point of the mode: a step renders a few windows of at most max_context, never its
-    whole history (counted in rendered messages, not in seconds)."""
-    tok = real_tokenizer("qwen2.5")
-    messages, outcome, steps = episode(11, steps=300, tool_chars=300, extra_user_turns=False)
-    builder = PromptBuilder(tok, max_context=1200, truncation="turns")
+def _counting_renders(builder: PromptBuilder) -> list[int]:
+    """The number of messages of each render ``builder`` makes from now on."""
     sizes: list[int] = []
     render = builder._render
 
@@ -102,6 +98,16 @@ def test_a_long_session_renders_bounded_windows():
         return render(msgs, generation=generation)
 
     builder._render = counting  # type: ignore[method-assign]
+    return sizes
+
+
+def test_a_long_session_renders_bounded_windows():
+    """The point of the mode: a step renders a few windows of at most max_context, never its
+    whole history (counted in rendered messages, not in seconds)."""
+    tok = real_tokenizer("qwen2.5")
+    messages, outcome, steps = episode(11, steps=300, tool_chars=300, extra_user_turns=False)
+    builder = PromptBuilder(tok, max_context=1200, truncation="turns")
+    sizes = _counting_renders(builder)
     prompts = builder.build_episode(messages, outcome, steps)
     assert all(isinstance(p, StepPrompt) and len(p.input_ids) <= 1200 for p in prompts)
     assert len(messages) > 600
@@ -109,16 +115,9 @@ def test_a_long_session_renders_bounded_windows():
     assert len(sizes) <= 8 * len(steps)  # a few renders per step, however long the session
     # The sliding rule renders each step's whole history.
     sliding = PromptBuilder(tok, max_context=1200)
-    sizes.clear()
-    sliding_render = sliding._render
-    sliding._render = lambda msgs, *, generation: (
-        sizes.append(len(msgs))
-        or sliding_render(  # type: ignore[method-assign]
-            msgs, generation=generation
-        )
-    )
+    sliding_sizes = _counting_renders(sliding)
     sliding.build_episode(messages, outcome, steps[-3:])
-    assert max(sizes) > 600
+    assert max(sliding_sizes) > 600
 
 
 def test_a_template_that_rejects_tools_is_flattened_in_windows_too(tmp_path):

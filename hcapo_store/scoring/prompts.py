@@ -456,14 +456,16 @@ class PromptBuilder:
         """The prefix and full texts of step ``m``; flattens when the template rejects."""
         if self.truncation == "turns":
             return self._render_turns(raw, normalized, m, hindsight)
-        messages = inject_hindsight(normalized[: m + 1], hindsight)
         try:
-            return _Rendered(
-                self._render(messages[:m], generation=True), self._render(messages, generation=False), messages, False
-            )
+            return self._render_whole(inject_hindsight(normalized[: m + 1], hindsight), False)
         except TemplateRejected:
-            flat = flatten_messages(inject_hindsight(raw[: m + 1], hindsight))
-            return _Rendered(self._render(flat[:m], generation=True), self._render(flat, generation=False), flat, True)
+            return self._render_whole(flatten_messages(inject_hindsight(raw[: m + 1], hindsight)), True)
+
+    def _render_whole(self, messages: list[dict], flattened: bool) -> _Rendered:
+        """``messages`` rendered without their last one (with a generation prompt) and whole."""
+        return _Rendered(
+            self._render(messages[:-1], generation=True), self._render(messages, generation=False), messages, flattened
+        )
 
     # -- --truncation turns: a bounded window of whole turns per step (linear in the session)
 
@@ -509,10 +511,7 @@ class PromptBuilder:
         count = index.starts_until(m)
         starts = index.starts
         if not count:  # the step is inside the head: nothing to leave out
-            whole = inject_hindsight(messages[: m + 1], hindsight)
-            return _Rendered(
-                self._render(whole[:-1], generation=True), self._render(whole, generation=False), whole, flattened
-            )
+            return self._render_whole(inject_hindsight(messages[: m + 1], hindsight), flattened)
         head = inject_hindsight(messages[: index.head_end], hindsight)
         marked = [*head[:-1], dict(head[-1], content=(head[-1].get("content") or "") + TRUNCATION_MARKER.rstrip())]
         windows: dict[int, list[dict]] = {}

@@ -12,15 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import CreditError
 from hcapo_store.storage import db
 from hcapo_store.storage.db import sql_now
-from hcapo_store.storage.models import Scorer
 from hcapo_store.storage.store import Store
 
 # Spec keys stored with the scorer but not part of its id (e.g. library versions: the
@@ -69,23 +67,21 @@ def scorer_label(spec: dict[str, Any]) -> str:
 def register(store: Store, spec: dict[str, Any]) -> str:
     """Insert the scorer if new; return its id."""
     sid = scorer_id(spec)
-    try:
-        with db.write(store.engine) as conn:
-            exists = conn.execute(select(Scorer.id).where(Scorer.id == sid)).first()
-            if exists is None:
-                conn.execute(
-                    insert(Scorer),
-                    {
-                        "id": sid,
-                        "label": scorer_label(spec),
-                        "spec": canonical_json(spec),
-                        "created_at": utcnow().isoformat(timespec="seconds"),
-                    },
-                )
-    except IntegrityError:
-        # PostgreSQL: workers starting together race to insert the same scorer (SQLite
-        # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
-        pass
+    # Workers starting together race to insert the same scorer on PostgreSQL (SQLite
+    # serialises writers at BEGIN IMMEDIATE); the id is the spec's hash, so theirs is ours.
+    with db.write(store.engine) as conn:
+        conn.execute(
+            text(
+                "INSERT INTO scorers (id, label, spec, created_at) VALUES (:id, :label, :spec, :at) "
+                "ON CONFLICT (id) DO NOTHING"
+            ),
+            {
+                "id": sid,
+                "label": scorer_label(spec),
+                "spec": canonical_json(spec),
+                "at": utcnow().isoformat(timespec="seconds"),
+            },
+        )
     return sid
 
 
