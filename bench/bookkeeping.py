@@ -302,12 +302,10 @@ def main() -> None:
     runs: dict[str, Any] = {}
     if not args.only_bookkeeping:
         runs["end_to_end"] = _timed_run(store, prep, options, timers)
-    # The same run again with every prompt built beforehand: claim → request → verify →
-    # commit only (client-side preparation has its own budget, bench/prep.py).
-    if args.prompt_layout == "episode":
-        _prebuild_episode_requests(store, prep.builder, scheduler_mod)
-    else:
-        prep.builder = _PrebuiltBuilder(_prebuild(store, prep.builder), prep.builder)
+    # The same run again with every request planned beforehand (prompts, grouping and the
+    # episode's floor): claim → request → verify → commit only (client-side preparation has
+    # its own budget, bench/prep.py).
+    plans = [(store, prep.builder)]
     cases: dict[str, tuple[Any, Any, bool]] = {
         "bookkeeping": (store, prep, False),
         "bookkeeping_stdlib_json": (store, prep, True),
@@ -323,8 +321,9 @@ def main() -> None:
         store2 = Store.open(str(tmp / "synthetic.db"))
         ingest(store2, [tmp / "synthetic"])
         prep2 = prepare(store2, replace(cfg, max_context=4096))
-        prep2.builder = _PrebuiltBuilder(_prebuild(store2, prep2.builder), prep2.builder)
+        plans.append((store2, prep2.builder))
         cases["bookkeeping_synthetic_4k"] = (store2, prep2, False)
+    _prebuild_requests(plans, scheduler_mod)
     pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for rep in range(args.repeat):
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
@@ -519,23 +518,10 @@ def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
     }
 
 
-def _prebuild(store: Any, builder: Any) -> dict[tuple[int, int], Any]:
-    from sqlalchemy import text
-
-    from hcapo_store.storage.episodes import load_episode
-
-    out = {}
-    with store.engine.connect() as conn:
-        for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current")).all():
-            episode = load_episode(conn, episode_id)
-            for p in builder.build_episode(episode.messages, episode.outcome, episode.steps):
-                out[(episode.outcome.reward, episode.messages[0]["content"][:200], p.step_index)] = p
-    return out
-
-
-def _prebuild_episode_requests(store: Any, builder: Any, scheduler_mod: Any) -> None:
-    """The episode layout's requests (and floor) for every episode, built now; the scheduler's
-    planning call answers from them (a claim of other steps than all of them is planned live)."""
+def _prebuild_requests(plans: list[tuple[Any, Any]], scheduler_mod: Any) -> None:
+    """Every episode's requests and floor, planned now for each (store, builder); the
+    scheduler's planning call answers from them (a claim of other steps than all of them is
+    planned live)."""
     from sqlalchemy import text
 
     from hcapo_store.storage.episodes import load_episode
@@ -543,36 +529,22 @@ def _prebuild_episode_requests(store: Any, builder: Any, scheduler_mod: Any) -> 
     plan = scheduler_mod.plan_requests_and_floor
     built: dict[tuple[Any, ...], Any] = {}
 
-    def key(messages: Any, outcome: Any, steps: Any) -> tuple[Any, ...]:
-        return (outcome.reward, messages[0]["content"][:200], tuple(s.step_index for s in steps))
+    def key(builder: Any, messages: Any, outcome: Any, steps: Any) -> tuple[Any, ...]:
+        return (id(builder), outcome.reward, messages[0]["content"][:200], tuple(s.step_index for s in steps))
 
-    with store.engine.connect() as conn:
-        for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current")).all():
-            e = load_episode(conn, episode_id)
-            built[key(e.messages, e.outcome, e.steps)] = plan(builder, e.messages, e.outcome, e.steps, e.steps)
+    for store, builder in plans:
+        with store.engine.connect() as conn:
+            for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current")).all():
+                e = load_episode(conn, episode_id)
+                built[key(builder, e.messages, e.outcome, e.steps)] = plan(
+                    builder, e.messages, e.outcome, e.steps, e.steps
+                )
 
     def prebuilt(builder: Any, messages: Any, outcome: Any, steps: Any, all_steps: Any, **kw: Any) -> Any:
-        hit = built.get(key(messages, outcome, steps))
+        hit = built.get(key(builder, messages, outcome, steps))
         return hit if hit is not None else plan(builder, messages, outcome, steps, all_steps, **kw)
 
     scheduler_mod.plan_requests_and_floor = prebuilt
-
-
-class _PrebuiltBuilder:
-    """Answers build_episode from prompts built before the run."""
-
-    def __init__(self, prompts: dict[tuple[Any, ...], Any], builder: Any) -> None:
-        self.prompts = prompts
-        self._builder = builder
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything but build_episode (tokenizer for the vocabulary probe, max_context for
-        # grouping) is the real builder's.
-        return getattr(self._builder, name)
-
-    def build_episode(self, messages: Any, outcome: Any, steps: Any) -> list[Any]:
-        head = (outcome.reward, messages[0]["content"][:200])
-        return [self.prompts[(*head, s.step_index)] for s in steps]
 
 
 def _reset_scorer(store: Any, scorer_id: str) -> None:

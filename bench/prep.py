@@ -13,8 +13,9 @@ original's inputs (its loader never kept thinking, docs/ORIGINAL.md Q2), and
 the original's inputs, in the same process, after one unmeasured warm-up of each, in
 alternating order, ``--repeat`` times. Checks that the original and ours produce the same
 token ids and span on the same inputs wherever the original is correct (no truncation,
-aligned prefix). ``--grouped`` also times prompt building plus request grouping
-(``scoring.grouping``) where this branch has it, and says so where it does not.
+aligned prefix). ``--grouped`` also times the requests as the scheduler plans them (prompts,
+request grouping and the episode's floor, ``scoring.grouping``) where this branch has it,
+and says so where it does not.
 ``--episode-layout`` also times the requests of ``--prompt-layout episode`` (the conversation
 rendered once per episode, its steps placed in it: other prompts than the original's, so no
 identity check; what preparation costs when each context is rendered once).
@@ -399,12 +400,17 @@ def _grouping() -> Any:
 def time_ours(
     builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]], grouped: bool = False
 ) -> tuple[float, list[list[Any]]]:
-    """ms per step of build_episode (+ grouping), and the prompts (or groups) built."""
+    """ms per step of build_episode (``grouped``: the requests as the scheduler plans them,
+    prompts, grouping and the episode's floor), and the prompts (or requests) built."""
     grouping = _grouping() if grouped else None
+    planned = getattr(grouping, "plan_requests_and_floor", None)
     built, steps, start = [], 0, time.perf_counter()
     for episode, ep_steps in inputs:
-        prompts = builder.build_episode(episode["messages"], episode, ep_steps)
-        built.append(grouping.group_prompts(prompts, grouping="grouped") if grouping else prompts)
+        if planned is not None:
+            built.append(planned(builder, episode["messages"], episode, ep_steps, ep_steps)[0])
+        else:
+            prompts = builder.build_episode(episode["messages"], episode, ep_steps)
+            built.append(grouping.group_prompts(prompts, grouping="grouped") if grouping else prompts)
         steps += len(ep_steps)
     return (time.perf_counter() - start) * 1000 / steps, built
 
@@ -445,7 +451,9 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100, help="synthetic episodes only")
     parser.add_argument("--repeat", type=int, default=3, help="paired rounds (alternating order)")
-    parser.add_argument("--grouped", action="store_true", help="also time prompts + request grouping")
+    parser.add_argument(
+        "--grouped", action="store_true", help="also time the requests as planned (prompts, grouping, floor)"
+    )
     parser.add_argument(
         "--episode-layout", action="store_true", help="also time --prompt-layout episode (one rendering per episode)"
     )

@@ -169,6 +169,21 @@ def test_the_floor_counted_on_the_placed_rendering_equals_its_own_rendering(trai
     assert plan_requests_and_floor(builder, messages, outcome, steps, steps)[1] == own
 
 
+@pytest.mark.parametrize("name", ["demo", "qwen3", "qwen2.5"])
+def test_per_step_planning_counts_the_floor_first_and_builds_the_same_prompts(name, demo_tokenizer_dir):
+    """The per-step layout counts the floor through the token cache the step prompts then
+    reuse: the same floor as counted on its own, the same prompts as built alone, and the
+    cache empty afterwards (memory stays flat across episodes)."""
+    tok = load_tokenizer(demo_tokenizer_dir) if name == "demo" else real_tokenizer(name)
+    messages, outcome, steps = episode(2, steps=8, thinking=True)
+    builder = PromptBuilder(tok, max_context=1 << 20)
+    alone = PromptBuilder(tok, max_context=1 << 20).build_episode(messages, outcome, steps)
+    requests, floor = plan_requests_and_floor(builder, messages, outcome, steps[2:5], steps)
+    assert floor == conversation_tokens(PromptBuilder(tok), messages, outcome, steps) > 0
+    assert [m for r in requests for m in r.members] == alone[2:5]
+    assert builder.encoder.pieces == {}
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
 def test_episodes_prepared_side_by_side_equal_one_at_a_time(name):
     """The scheduler prepares episode-layout episodes in several threads at once (no lock)."""

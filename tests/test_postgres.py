@@ -303,6 +303,43 @@ def test_lease_expiry_on_sqlite_with_a_clock_the_test_controls(
     assert _one(store, "SELECT COUNT(*) FROM scores WHERE worker_id = 'slow'") == 0
 
 
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_one_batch_of_mixed_results_is_applied_in_order(
+    database: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The writer applies a batch's errors one by one and its successes in bulk: a retried
+    step's error and its success, a duplicate success and a late one for a step another
+    worker finished all land as they did one row at a time."""
+    s: Store = request.getfixturevalue("store" if database == "sqlite" else "pg_store")
+    scorer, _ = _queued(s, tmp_path / "eps", n=2)
+    work_queue.register_worker(s, "w", scorer)
+    claim = work_queue.claim(s, scorer, "w", lease_seconds=LEASE_S, filters=work_queue.Filters())
+    assert claim is not None and len(claim.leases) >= 4
+    a, b, c, d = claim.leases[:4]
+    with db.write(s.engine) as conn:  # another worker finished d first
+        assert work_queue.write_results(conn, scorer, "other", [_done_outcome(d)]) == (1, 0, 0)
+    retried = work_queue.StepResult(a.attempt_id, a.step_id, error_kind="timeout", error="slow", final=False)
+    gave_up = work_queue.StepResult(c.attempt_id, c.step_id, error_kind="http_400", error="bad", final=True)
+    batch = [retried, _done_outcome(a), _done_outcome(b), _done_outcome(b), gave_up, _done_outcome(d)]
+    with db.write(s.engine) as conn:
+        assert work_queue.write_results(conn, scorer, "w", batch) == (2, 1, 2)
+    with s.engine.connect() as conn:
+        rows = {
+            r[0]: r[1:]
+            for r in conn.execute(
+                text("SELECT id, status, attempt_count, last_error_kind FROM attempts WHERE id IN (:a, :b, :c, :d)"),
+                {"a": a.attempt_id, "b": b.attempt_id, "c": c.attempt_id, "d": d.attempt_id},
+            )
+        }
+        workers = dict(conn.execute(text("SELECT step_id, worker_id FROM scores")).all())
+    assert rows[a.attempt_id] == ("done", 1, "timeout")  # the error counted, then the success
+    assert rows[b.attempt_id] == ("done", 0, None)
+    assert rows[c.attempt_id] == ("failed", 1, "http_400")
+    assert rows[d.attempt_id][0] == "done"
+    assert workers == {a.step_id: "w", b.step_id: "w", d.step_id: "other"}
+    assert _one(s, "SELECT COUNT(*) FROM attempt_errors") == 2
+
+
 def test_workers_starting_together_remember_one_tokenizer_on_postgres(pg_store: Store, tmp_path: Path) -> None:
     """Each scoring worker records where its tokenizer came from. Under READ COMMITTED an
     update-then-insert lets two starting workers both insert the same row: the second one

@@ -172,10 +172,19 @@ class EpisodeLayout:
 
 
 def conversation_tokens(
-    builder: PromptBuilder, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
+    builder: PromptBuilder,
+    messages: Sequence[Mapping[str, Any]],
+    outcome: Any,
+    steps: Sequence[Any],
+    *,
+    keep_pieces: bool = False,
 ) -> int:
     """The prefill floor of an episode for any layout: its conversation rendered once with the
-    episode's hindsight block, up to the end of its last step (each token prefilled once)."""
+    episode's hindsight block, up to the end of its last step (each token prefilled once).
+
+    ``keep_pieces``: the rendering's pieces stay in the builder's token cache, for a per-step
+    build of the same episode that follows at once (under the same lock; it encodes those
+    pieces again otherwise, and clears the cache when done)."""
     if not steps:
         return 0
     last = max(read_field(s, "message_index") for s in steps)
@@ -188,7 +197,8 @@ def conversation_tokens(
             text = render_chat(builder.tokenizer, inject_hindsight(msgs, block), generation=False)
         except TemplateRejected:
             continue
-        return len(builder.encoder.encode_once(text))
+        encoder = builder.encoder
+        return len(encoder.encode(text, encoder.new_state()) if keep_pieces else encoder.encode_once(text))
     return 0
 
 

@@ -88,15 +88,16 @@ def plan_requests_and_floor(
     """:func:`plan_requests` and the episode's conversation tokens (its prefill floor, over
     ``all_steps``); the episode layout counts them on the rendering it placed when that is
     the floor's own."""
-    floor: int | None = None
     if builder.layout == "episode":
         through = max((read_field(s, "message_index") for s in all_steps), default=-1)
         requests, floor = EpisodeLayout(builder).requests_and_floor(messages, outcome, steps, through)
-    else:
-        requests = plan_requests(builder, messages, outcome, steps, grouping=grouping)
-    if floor is None:
-        floor = conversation_tokens(builder, messages, outcome, all_steps)
-    return requests, floor
+        if floor is None:
+            floor = conversation_tokens(builder, messages, outcome, all_steps)
+        return requests, floor
+    # The floor first: the per-step renders are made of the same pieces, so they find them
+    # encoded (counting the floor on its own took about as long as the whole build).
+    floor = conversation_tokens(builder, messages, outcome, all_steps, keep_pieces=True)
+    return plan_requests(builder, messages, outcome, steps, grouping=grouping), floor
 
 
 def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:

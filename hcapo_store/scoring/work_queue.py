@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, bindparam, text
 
 from hcapo_store.masking import mask_credentials
 from hcapo_store.processes import pid_alive
@@ -329,50 +329,60 @@ class StepResult:
 
 
 def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[StepResult]) -> tuple[int, int, int]:
-    """Apply a batch in the caller's transaction; returns (scored, failed, discarded)."""
+    """Apply a batch in the caller's transaction; returns (scored, failed, discarded).
+
+    Failed attempts are written first, one by one, in order (a retried step's errors come
+    before its success); successes then take their attempts in one ``UPDATE … RETURNING``
+    per chunk and insert their scores in one ``executemany``: per-row statements were
+    most of the writer's time at hundreds of steps per second."""
     now = db.sql_now(conn)
-    scored = failed = discarded = 0
+    failed = 0
+    successes: list[StepResult] = []
     for o in outcomes:
         if o.score_row is not None:
-            won = conn.execute(
-                text(
-                    "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
-                    "WHERE id = :id AND status <> 'done'"
-                ),
-                {"id": o.attempt_id, "now": now},
-            ).rowcount
-            if won:
-                conn.execute(
-                    text(SCORE_INSERT_SQL),
-                    {
-                        **OPTIONAL_SCORE_COLUMNS,
-                        **o.score_row,
-                        "step_id": o.step_id,
-                        "scorer_id": scorer_id,
-                        "worker_id": worker,
-                    },
-                )
-                scored += 1
-            else:
-                discarded += 1  # someone else finished this step first
+            successes.append(o)
             continue
         message = mask_credentials(o.error or "")  # a server URL's password never reaches the database
-        conn.execute(
-            text(
-                "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"
-            ),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "me": worker, "now": now},
-        )
-        status_sql = ", status = 'failed', lease_owner = NULL, lease_expires_at = NULL" if o.final else ""
-        conn.execute(
-            text(
-                f"UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
-                f"updated_at = :now{status_sql} WHERE id = :id AND status <> 'done'"
-            ),
-            {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "now": now},
-        )
+        params = {"id": o.attempt_id, "kind": o.error_kind, "msg": message, "me": worker, "now": now}
+        conn.execute(_RECORD_ERROR, params)
+        conn.execute(_FAIL_ATTEMPT if o.final else _COUNT_ERROR, params)
         failed += int(o.final)
-    return scored, failed, discarded
+    won: set[int] = set()
+    attempt_ids = list(dict.fromkeys(o.attempt_id for o in successes))
+    for i in range(0, len(attempt_ids), _IDS_PER_STATEMENT):
+        chunk = attempt_ids[i : i + _IDS_PER_STATEMENT]
+        won.update(conn.execute(_FINISH_ATTEMPTS, {"ids": chunk, "now": now}).scalars())
+    rows = []
+    for o in successes:
+        if o.attempt_id not in won:
+            continue  # someone else finished this step first (or a duplicate in this batch)
+        won.discard(o.attempt_id)
+        assert o.score_row is not None
+        rows.append(
+            {**OPTIONAL_SCORE_COLUMNS, **o.score_row, "step_id": o.step_id, "scorer_id": scorer_id, "worker_id": worker}
+        )
+    if rows:
+        conn.execute(_INSERT_SCORE, rows)
+    return len(rows), failed, len(successes) - len(rows)
+
+
+_IDS_PER_STATEMENT = 500  # well under SQLite's bound-variable limit
+_FINISH_ATTEMPTS = text(
+    "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
+    "WHERE id IN :ids AND status <> 'done' RETURNING id"
+).bindparams(bindparam("ids", expanding=True))
+_RECORD_ERROR = text(
+    "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"
+)
+_COUNT_ERROR = text(
+    "UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
+    "updated_at = :now WHERE id = :id AND status <> 'done'"
+)
+_FAIL_ATTEMPT = text(
+    "UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
+    "updated_at = :now, status = 'failed', lease_owner = NULL, lease_expires_at = NULL "
+    "WHERE id = :id AND status <> 'done'"
+)
 
 
 def write_floors(conn: Connection, scorer_id: str, floors: list[tuple[int, int]]) -> None:
@@ -411,6 +421,6 @@ SCORE_COLUMNS = (
     "sent_tokens",
     "sent_cached_tokens",
 )
-SCORE_INSERT_SQL = (
+_INSERT_SCORE = text(
     f"INSERT INTO scores ({', '.join(SCORE_COLUMNS)}) VALUES ({', '.join(':' + c for c in SCORE_COLUMNS)})"
 )
