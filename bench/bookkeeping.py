@@ -15,7 +15,8 @@ The server is a raw-asyncio HTTP/1.1 server in a child process (its own core): i
              (~4k-id requests; every scored span 2048 tokens).
 The bookkeeping-only run is repeated ``--repeat`` times, each time paired with the same run
 with request and response bodies through the stdlib ``json`` (the baseline the orjson path
-replaces), alternating which goes first. The real Scheduler runs through
+replaces) and with requests sent through httpx's own transport (httpcore, the baseline
+``scoring/backends/wire.py`` replaces; still used behind a proxy), alternating the order. The real Scheduler runs through
 ``scoring.prepare`` / ``run_scoring``; the time inside prompt building, the HTTP round trip
 (+ verification) and the database is measured by wrapping those calls (they overlap across
 the ``--concurrency`` workers, so they are shares of work, not of wall time).
@@ -206,7 +207,10 @@ def main() -> None:
         help="also pair with the old synthetic ~4k-id requests (7 episodes of 15 steps per --episodes)",
     )
     ap.add_argument(
-        "--repeat", type=int, default=1, help="bookkeeping runs, each paired with a stdlib-json run (alternating order)"
+        "--repeat",
+        type=int,
+        default=1,
+        help="bookkeeping runs, each paired with a stdlib-json run and an httpx-transport run (alternating order)",
     )
     ap.add_argument("--max-logprob-tokens", type=int, default=2048)
     ap.add_argument(
@@ -307,8 +311,9 @@ def main() -> None:
     # its own budget, bench/prep.py).
     plans = [(store, prep.builder)]
     cases: dict[str, tuple[Any, Any, bool]] = {
-        "bookkeeping": (store, prep, False),
-        "bookkeeping_stdlib_json": (store, prep, True),
+        "bookkeeping": (store, prep, None),
+        "bookkeeping_stdlib_json": (store, prep, "stdlib-json"),
+        "bookkeeping_httpx_transport": (store, prep, "httpx-transport"),
     }
     if args.baseline_input == "synthetic":
         # The old bench's ~4k-id requests, same code and server, paired in the same process.
@@ -322,15 +327,15 @@ def main() -> None:
         ingest(store2, [tmp / "synthetic"])
         prep2 = prepare(store2, replace(cfg, max_context=4096))
         plans.append((store2, prep2.builder))
-        cases["bookkeeping_synthetic_4k"] = (store2, prep2, False)
+        cases["bookkeeping_synthetic_4k"] = (store2, prep2, None)
     _prebuild_requests(plans, scheduler_mod)
     pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for rep in range(args.repeat):
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
         for mode in order:
-            case_store, case_prep, stdlib = cases[mode]
+            case_store, case_prep, variant = cases[mode]
             _reset_scorer(case_store, case_prep.scorer_id)
-            with _json_codec(stdlib=stdlib):
+            with _json_codec(stdlib=variant == "stdlib-json"), _httpx_transport(variant == "httpx-transport"):
                 profile = args.profile if (rep == 0 and mode == "bookkeeping") else None
                 pairs[mode].append(_timed_run(case_store, case_prep, options, timers, profile=profile))
     for mode, results in pairs.items():
@@ -347,6 +352,12 @@ def main() -> None:
     )
     summary["orjson_over_stdlib"] = _min_med_max(
         [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])]
+    )
+    summary["ours_over_httpx_transport"] = _min_med_max(
+        [
+            (b["client_cpu_s"] / b["steps"]) / (a["client_cpu_s"] / a["steps"])
+            for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_httpx_transport"])
+        ]
     )
     if "bookkeeping_synthetic_4k" in pairs:
         summary["client_cpu_real_over_synthetic_4k"] = _min_med_max(
@@ -395,6 +406,7 @@ def main() -> None:
             "end_to_end": "end to end (prompts built during the run)",
             "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
             "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
+            "bookkeeping_httpx_transport": "bookkeeping only, httpx's own transport (baseline)",
             "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)",
         }.get(mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
         if "#" in mode:
@@ -440,6 +452,30 @@ class _json_codec:
         from hcapo_store.scoring.backends import http
 
         http.orjson = self.saved
+
+
+class _httpx_transport:
+    """Within the block, HttpClient sends through httpx's own transport (httpcore), the one it
+    uses when the environment names a proxy, instead of ``scoring/backends/wire.py``."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        import httpx
+
+        from hcapo_store.scoring.backends import http
+
+        self.saved = http.transport_for
+        if self.on:
+            http.transport_for = lambda url, *, max_connections, connect_timeout: httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        from hcapo_store.scoring.backends import http
+
+        http.transport_for = self.saved
 
 
 def _timed_run(store: Any, prep: Any, options: Any, timers: Timers, *, profile: str | None = None) -> dict[str, Any]:
