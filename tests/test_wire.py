@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import shutil
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -315,5 +319,65 @@ def test_a_refused_connection_is_a_connect_failure() -> None:
             await client.get_json("/health")
         assert info.value.kind == "connect" and info.value.retryable
         await client.close()
+
+    asyncio.run(main())
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_https_with_the_certificate_checked(trusted: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key = _self_signed(tmp_path)
+    if trusted:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # as httpx: the environment's CA file
+    else:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+
+    async def main() -> None:
+        scripted = Scripted([_ok(b'{"tls": true}')] * 2)
+        scripted.server = await asyncio.start_server(scripted._serve, "127.0.0.1", 0, ssl=server_context)
+        client = HttpClient(scripted.url.replace("http://", "https://"))
+        try:
+            if trusted:
+                assert await client.post_json("/generate", {}) == {"tls": True}
+                assert await client.post_json("/generate", {}) == {"tls": True}
+                assert scripted.connections == client.connections_opened == 1
+            else:
+                with pytest.raises(InferenceError) as info:
+                    await client.post_json("/generate", {})
+                assert info.value.kind == "connect" and "CERTIFICATE_VERIFY_FAILED" in str(info.value)
+        finally:
+            await client.close()
+            await scripted.__aexit__()
 
     asyncio.run(main())
