@@ -173,3 +173,34 @@ def test_score_with_turns_is_its_own_scorer_end_to_end(tmp_path, tiny_model_dir)
                     expected[(episode_id, p.step_index)] = (len(p.input_ids), p.truncated_prefix_tokens)
     assert {(r[0], r[1]): (r[2], r[3]) for r in rows} == expected
     assert any(t for _, t in expected.values())  # some steps left turns out
+
+
+def test_a_dry_run_says_when_long_sessions_make_this_scorer_quadratic(tmp_path, tiny_model_dir):
+    """`score --dry-run` on sessions longer than --max-context: the per-step `sliding` scorer
+    says it renders each such step's whole conversation again and names the linear modes;
+    `turns` and the episode layout count the same steps but have nothing to warn about."""
+    import json
+
+    from click.testing import CliRunner
+
+    from hcapo_store.cli import cli
+    from hcapo_store.devkit.synth import write_standard_episodes
+
+    write_standard_episodes(tmp_path / "eps", 2, seed=9, steps_per_subtask=4, output_words=30)
+    db = str(tmp_path / "t.db")
+    assert CliRunner().invoke(cli, ["--db", db, "ingest", str(tmp_path / "eps")]).exit_code == 0
+    argv = ["--db", db, "score", "--backend", "transformers", "--model", str(tiny_model_dir), "--dry-run"]
+    seen = {}
+    for mode in (["--truncation", "sliding"], ["--truncation", "turns"], ["--prompt-layout", "episode"]):
+        r = CliRunner().invoke(cli, [*argv, "--max-context", "1024", *mode, "--json"])
+        assert r.exit_code == 0, r.output
+        seen[mode[1]] = json.loads(r.output)
+        r = CliRunner().invoke(cli, [*argv, "--max-context", "1024", *mode])
+        assert r.exit_code == 0, r.output
+        assert ("grows with the square" in r.output) == (mode[1] == "sliding"), r.output
+    assert seen["sliding"]["truncated_steps"] > 0 and seen["sliding"]["quadratic_in_session"]
+    assert seen["turns"]["truncated_steps"] > 0 and not seen["turns"]["quadratic_in_session"]
+    assert not seen["episode"]["quadratic_in_session"]
+    r = CliRunner().invoke(cli, [*argv, "--json"])  # the model's whole context: nothing cut, nothing to say
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["truncated_steps"] == 0

@@ -290,7 +290,13 @@ def score(
     options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
     if dry_run:
-        result = run_dry(store, prep, filters, limit, grouping=grouping)
+        with Progress("dry run", enabled=not as_json, unit="steps") as progress:
+
+            def planned(done: int, total: int) -> None:
+                progress.total = total
+                progress.advance(n=done - progress.done)
+
+            result = run_dry(store, prep, filters, limit, grouping=grouping, on_progress=planned)
         reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
         if as_json:
             echo_json({**result.__dict__, "reason": reason})

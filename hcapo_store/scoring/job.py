@@ -287,20 +287,40 @@ class DryRun:
     prompt_tokens: int
     scored_tokens: int
     prompt_failures: int
+    # Steps with more history than --max-context (their prompt keeps only part of it), and
+    # whether this scorer renders each such step's whole conversation again (per-step
+    # `sliding` / `window`: time grows with the square of a session's steps).
+    truncated_steps: int = 0
+    quadratic_in_session: bool = False
 
     def summary(self) -> str:
-        return (
+        text = (
             f"dry run for scorer {self.scorer_id[:12]} ({self.label}): {self.steps} step(s) in "
             f"{self.episodes} episode(s) to score, {self.requests} request(s) of {self.prompt_tokens} "
             f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
             "nothing was sent"
         )
+        if self.truncated_steps and self.quadratic_in_session:
+            text += (
+                f"\nnote: {self.truncated_steps} step(s) have more history than --max-context; this scorer "
+                "renders each one's whole conversation again, so preparing long sessions takes time that "
+                "grows with the square of their length: --truncation turns or --prompt-layout episode grow "
+                "linearly (other scorers; docs/SCORING.md)"
+            )
+        return text
 
 
 def dry_run(
-    store: Store, prep: Prepared, filters: work_queue.Filters, limit: int | None, *, grouping: Grouping = "grouped"
+    store: Store,
+    prep: Prepared,
+    filters: work_queue.Filters,
+    limit: int | None,
+    *,
+    grouping: Grouping = "grouped",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> DryRun:
-    """Count the steps, requests and prompt tokens a run would send; writes nothing, calls nothing."""
+    """Count the steps, requests and prompt tokens a run would send; writes nothing, calls
+    nothing. ``on_progress(steps planned, steps in all)`` after each episode."""
     conv = prep.spec["conversion"]
     rows = work_queue.unscored_steps(
         store,
@@ -314,7 +334,7 @@ def dry_run(
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
             by_episode.setdefault(ep, set()).add(idx)
-        requests = tokens = scored = failures = 0
+        requests = tokens = scored = failures = truncated = planned = 0
         for ep, wanted in by_episode.items():
             episode = load_episode(conn, ep)
             steps = [s for s in episode.steps if s.step_index in wanted]
@@ -325,8 +345,22 @@ def dry_run(
                     requests += 1
                     tokens += len(r.input_ids)
                     scored += sum(m.scored_tokens for m in r.members)
+                    truncated += sum(1 for m in r.members if m.truncated_prefix_tokens)
+            planned += len(steps)
+            if on_progress is not None:
+                on_progress(planned, len(rows))
+    builder = prep.builder
     return DryRun(
-        prep.scorer_id, scorer_label(prep.spec), len(rows), len(by_episode), requests, tokens, scored, failures
+        prep.scorer_id,
+        scorer_label(prep.spec),
+        len(rows),
+        len(by_episode),
+        requests,
+        tokens,
+        scored,
+        failures,
+        truncated,
+        builder.layout == "per-step" and builder.truncation in ("sliding", "window"),
     )
 
 
