@@ -1,7 +1,7 @@
-"""The HTTP side of every server backend: httpx, timeouts, and error classification.
+"""The HTTP side of every server backend: requests, timeouts, and error classification.
 
-Backends build payloads and parse responses; this module owns the connection pool and
-turns transport failures and HTTP statuses into ``InferenceError`` with a ``retryable``
+Backends build payloads and parse responses; this module sends httpx requests through the
+transport (``wire.py``, which owns the connection pool) and turns transport failures and HTTP statuses into ``InferenceError`` with a ``retryable``
 flag (docs/SCORING.md: retry connect errors, timeouts, 408/429/5xx and "queue full";
 fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
 every failed attempt.
@@ -11,9 +11,9 @@ connections it opens; a response that arrived after a new connection was opened 
 server may have been restarted with another model behind the same URL) is accepted only
 once the served model has been read again and found unchanged (``verify_model``).
 
-A server is not trusted to behave: httpx's timeouts bound each read, so one byte a second
-would keep a request alive for ever; each request therefore runs under one overall
-deadline (the request timeout), and its body is read in chunks and given up beyond what
+A server is not trusted to behave: a timeout per read would let one byte a second keep a
+request alive for ever; each request therefore runs under one overall deadline (the
+request timeout; the transport, ``wire.py``, bounds only the connect), and its body is read in chunks and given up beyond what
 the request can need (``response_cap``), so a runaway body cannot exhaust memory.
 """
 
