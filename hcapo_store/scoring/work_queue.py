@@ -374,15 +374,12 @@ _FINISH_ATTEMPTS = text(
 _RECORD_ERROR = text(
     "INSERT INTO attempt_errors (attempt_id, kind, message, worker_id, at) VALUES (:id, :kind, :msg, :me, :now)"
 )
-_COUNT_ERROR = text(
+_ERROR_UPDATE = (
     "UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
-    "updated_at = :now WHERE id = :id AND status <> 'done'"
+    "updated_at = :now{} WHERE id = :id AND status <> 'done'"
 )
-_FAIL_ATTEMPT = text(
-    "UPDATE attempts SET attempt_count = attempt_count + 1, last_error_kind = :kind, last_error = :msg, "
-    "updated_at = :now, status = 'failed', lease_owner = NULL, lease_expires_at = NULL "
-    "WHERE id = :id AND status <> 'done'"
-)
+_COUNT_ERROR = text(_ERROR_UPDATE.format(""))
+_FAIL_ATTEMPT = text(_ERROR_UPDATE.format(", status = 'failed', lease_owner = NULL, lease_expires_at = NULL"))
 
 
 def write_floors(conn: Connection, scorer_id: str, floors: list[tuple[int, int]]) -> None:

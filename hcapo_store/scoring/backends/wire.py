@@ -74,7 +74,7 @@ class StreamTransport(httpx.AsyncBaseTransport):
         conn: _Connection | None = None
         try:
             conn = self._checkout(origin) or await self._connect(origin, request)
-            status, headers, framing, keep_alive = await _exchange(conn, head, body, request.method)
+            status, headers, framing, keep_alive = await _send_and_read_head(conn, head, body, request.method)
         except BaseException:
             if conn is not None:
                 conn.close()
@@ -122,7 +122,7 @@ class StreamTransport(httpx.AsyncBaseTransport):
             )
         except asyncio.TimeoutError as exc:
             raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {self._connect_timeout:g} s") from exc
-        except (OSError, ssl.SSLError) as exc:
+        except OSError as exc:  # ssl.SSLError too
             raise httpx.ConnectError(f"{type(exc).__name__}: {exc}") from exc
         trace = request.extensions.get("trace")
         if trace is not None:
@@ -143,7 +143,7 @@ def _request_head(request: httpx.Request) -> bytes:
 Framing = tuple[str, int]
 
 
-async def _exchange(
+async def _send_and_read_head(
     conn: _Connection, head: bytes, body: bytes, method: str
 ) -> tuple[int, list[tuple[bytes, bytes]], Framing, bool]:
     """Send the request, read the response head: (status, headers, framing, keep-alive)."""
@@ -221,13 +221,14 @@ class _Body(httpx.AsyncByteStream):
         self._transport, self._origin, self._conn = transport, origin, conn
         self._framing, self._keep_alive = framing, keep_alive
         self._complete = framing[0] == "none"
+        self._received = 0  # body bytes read (chunked: the chunks' data)
         self._released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         kind, length = self._framing
         try:
             if kind == "length":
-                async for piece in self._fixed(length):
+                async for piece in self._exactly(length):
                     yield piece
             elif kind == "chunked":
                 async for piece in self._chunked():
@@ -237,20 +238,26 @@ class _Body(httpx.AsyncByteStream):
                     yield piece
                 self._keep_alive = False
         except asyncio.IncompleteReadError as exc:
-            raise httpx.ReadError("server closed the connection in the middle of the response body") from exc
+            of = f" of {length}" if kind == "length" else ""
+            raise httpx.ReadError(
+                f"server closed the connection in the middle of the response body "
+                f"(after {self._received}{of} body bytes)"
+            ) from exc
         except asyncio.LimitOverrunError as exc:
             raise httpx.RemoteProtocolError(f"chunk-size line longer than {MAX_HEAD_BYTES} bytes") from exc
         except (ConnectionError, OSError) as exc:
             raise httpx.ReadError(f"{type(exc).__name__}: {exc}") from exc
         self._complete = True
 
-    async def _fixed(self, length: int) -> AsyncIterator[bytes]:
-        left = length
+    async def _exactly(self, n: int) -> AsyncIterator[bytes]:
+        """The next ``n`` body bytes as they arrive; IncompleteReadError if the server closes first."""
+        left = n
         while left:
             piece = await self._conn.reader.read(min(left, READ_BYTES))
             if not piece:
-                raise httpx.ReadError(f"server closed the connection after {length - left} of {length} body bytes")
+                raise asyncio.IncompleteReadError(b"", left)
             left -= len(piece)
+            self._received += len(piece)
             yield piece
 
     async def _chunked(self) -> AsyncIterator[bytes]:
@@ -259,20 +266,15 @@ class _Body(httpx.AsyncByteStream):
             line = await reader.readuntil(b"\r\n")
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError as exc:
-                raise httpx.RemoteProtocolError(f"bad chunk-size line: {line[:80]!r}") from exc
+            except ValueError:
+                size = -1
             if size < 0:
                 raise httpx.RemoteProtocolError(f"bad chunk-size line: {line[:80]!r}")
             if size == 0:
                 while await reader.readuntil(b"\r\n") != b"\r\n":
                     pass  # trailer fields: not used
                 return
-            left = size
-            while left:
-                piece = await reader.read(min(left, READ_BYTES))
-                if not piece:
-                    raise asyncio.IncompleteReadError(b"", left)
-                left -= len(piece)
+            async for piece in self._exactly(size):
                 yield piece
             if await reader.readexactly(2) != b"\r\n":
                 raise httpx.RemoteProtocolError("chunk not followed by CRLF")
