@@ -349,7 +349,6 @@ def dry_run(
             planned += len(steps)
             if on_progress is not None:
                 on_progress(planned, len(rows))
-    builder = prep.builder
     return DryRun(
         prep.scorer_id,
         scorer_label(prep.spec),
@@ -360,7 +359,7 @@ def dry_run(
         scored,
         failures,
         truncated,
-        builder.layout == "per-step" and builder.truncation in ("sliding", "window"),
+        prep.builder.renders_whole_history,
     )
 
 

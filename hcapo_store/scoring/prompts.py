@@ -436,6 +436,12 @@ class PromptBuilder:
         keeps no token cache and, on the fast path, tokenizes through the backend only."""
         return self.layout == "episode" and self.encoder.fast_path_off_reason is None
 
+    @property
+    def renders_whole_history(self) -> bool:
+        """Whether each step's prompt renders the whole conversation before it (per-step
+        ``sliding`` / ``window``): preparing a session then grows with the square of its length."""
+        return self.layout == "per-step" and self.truncation in ("sliding", "window")
+
     @functools.cached_property
     def top_token_id(self) -> int:
         """The tokenizer's largest id (its vocabulary is a 150k-entry dict: read once)."""
