@@ -139,6 +139,55 @@ def test_the_fast_dict_lookup_answers_as_the_sandbox_does(obj):
             assert ours == theirs, (obj, name)
 
 
+def _unsafe() -> str:
+    return "ran"
+
+
+_unsafe.unsafe_callable = True  # type: ignore[attr-defined]  # the sandbox refuses to call it
+
+
+def _with_context(context, value):
+    return (type(context).__name__, value)
+
+
+def test_the_fast_call_answers_as_the_sandbox_does():
+    from jinja2 import pass_context
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment()
+    fast = chat_template.fast_call(env)
+    context = env.from_string("").new_context({})
+    text = "<think>\nreasoning\n</think>\n\n  answer  "
+    calls = [
+        (text.split, ("</think>",), {}),
+        (text.split, (), {"maxsplit": 1}),
+        (text.lstrip, ("\n",), {}),
+        (text.strip, (), {}),
+        (text.startswith, (("<think>", "x"),), {}),
+        (", ".join, (["a", "b"],), {}),
+        (text.count, ("\n",), {}),
+        (text.format, (), {}),  # the raw method: left to the sandbox
+        (env.getattr("{0}", "format"), (1,), {}),  # the sandbox's wrapped format
+        (len, (text,), {}),
+        (pass_context(_with_context), (7,), {}),
+    ]
+    for func, args, kwargs in calls:
+        for extra in ({}, {"_loop_vars": {"x": 1}, "_block_vars": {}}):
+            theirs = SandboxedEnvironment.call(env, context, func, *args, **kwargs, **extra)
+            assert fast(context, func, *args, **kwargs, **extra) == theirs, (func, args, extra)
+    with pytest.raises(TypeError):  # a wrong argument fails the same way on both paths
+        SandboxedEnvironment.call(env, context, text.split, 3)
+    with pytest.raises(TypeError):
+        fast(context, text.split, 3)
+    for call in (
+        lambda: SandboxedEnvironment.call(env, context, _unsafe),
+        lambda: fast(context, _unsafe),
+    ):
+        with pytest.raises(SecurityError):
+            call()
+
+
 def jinja2_undefined() -> type:
     from jinja2 import Undefined
 
@@ -155,9 +204,9 @@ def test_the_patched_sandbox_renders_as_a_fresh_one(name, tmp_path, demo_tokeniz
     chat_template.memoize_sandbox_checks(tok)
     template = tok.get_chat_template()
     patched = _compile_jinja_template(template)
-    assert "getattr" in vars(patched.environment)  # the fast lookup is on
+    assert {"getattr", "call"} <= set(vars(patched.environment))  # the fast lookup and call are on
     fresh = _compile_jinja_template.__wrapped__(template)
-    assert "getattr" not in vars(fresh.environment)
+    assert not {"getattr", "call"} & set(vars(fresh.environment))
     variables = dict(_direct(tok).variables) if _direct(tok) is not None else {}
     for messages in _conversations():
         plain = normalize_messages(messages)
