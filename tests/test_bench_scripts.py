@@ -64,3 +64,22 @@ def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
         assert row["episode"]["scored_steps"] == row["per-step"]["scored_steps"] == row["steps"]
         assert row["turns"]["scored_steps"] == row["steps"]
         assert row["episode"]["xfloor"] <= 2.5 < row["per-step"]["xfloor"]
+
+
+@pytest.mark.skipif(not (SHARED / "samples" / "long").is_dir(), reason="needs ../shared/samples/long")
+def test_prep_bench_ours_only_small(demo_tokenizer_dir: Path) -> None:
+    """The form used to pair two checkouts: only our per-step build, timed and reported."""
+    r = _run(
+        str(BENCH / "prep.py"),
+        "--tokenizer",
+        str(demo_tokenizer_dir),
+        "--episodes",
+        "1",
+        "--repeat",
+        "2",
+        "--ours-only",
+    )
+    assert r.returncode == 0, r.stderr
+    rounds = [line for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and all("ours_deployed" in line and "original" not in line for line in rounds)
+    assert "ours_deployed: min " in r.stdout and "speed-up" not in r.stdout
