@@ -61,3 +61,24 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for where in mounts:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+# --- side by side (pytest-xdist, --dist loadfile) ------------------------------------------
+# xdist hands out test files largest-count first; a file of a few long tests handed out last
+# then runs alone at the end. The files with the most tests marked slow go first instead, so
+# the workers finish together.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order set below
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def file(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[file(item)] = slow.get(file(item), 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[file(item)])  # stable: the files' tests keep their order

@@ -40,6 +40,7 @@ def test_diagnose_bench_small(tmp_path: Path) -> None:
     assert out["steps"] == 240 and out["abs_diff_std_vs_numpy"] < 1e-12
 
 
+@pytest.mark.slow
 def test_follow_bench_small() -> None:
     samples = SHARED / "samples" / "long"
     if not samples.is_dir():

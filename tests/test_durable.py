@@ -162,6 +162,7 @@ def test_flush_retried_until_the_lock_is_released(ingested, server, tiny_model_d
     assert _statuses(ingested) == {"done": steps}
 
 
+@pytest.mark.slow
 def test_flush_gives_up_with_one_line_and_nonzero_exit(ingested, server, tiny_model_dir, tmp_path):
     """The lock is held until the process ends: it stops with one line and exit 1; the results
     it could not store are not counted anywhere, and the next run scores them."""

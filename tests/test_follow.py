@@ -140,6 +140,7 @@ def _jsonl_lines(samples: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """A follower killed mid-run; the restart scores the rest and publishes each batch once."""
     root = tmp_path / "rollouts"
@@ -224,6 +225,7 @@ def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_mo
     assert published == 1, proc.stderr.read()
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_two_followers_on_one_postgresql_database_share_the_work(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     from pg import fresh_database

@@ -288,6 +288,7 @@ def test_request_timeout_and_a_hung_request_do_not_fail_steps_of_a_live_server(r
     assert _attempt_states(db) == {"done": _count(db, "SELECT COUNT(*) FROM steps")}
 
 
+@pytest.mark.slow
 def test_first_ctrl_c_stops_within_the_grace_period_while_requests_hang(db, ref, tiny_model_dir, tmp_path):
     import os
     import shutil

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from hcapo_store.scoring.scorer import scorer_spec
@@ -17,6 +18,7 @@ from hcapo_store.storage.store import Store
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
     work = tmp_path / "work"
     out = subprocess.run(

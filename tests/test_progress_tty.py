@@ -78,6 +78,7 @@ def test_ingest_shows_the_total_on_a_terminal_and_in_a_pipe(tmp_path):
     assert piped.returncode == 0 and "ingest: 4/4 episodes" in piped.stderr, piped.stderr
 
 
+@pytest.mark.slow
 def test_tables_fit_the_terminal(tmp_path, ref, tiny_model_dir):
     """Two scorers whose labels differ only in the context size: on an 80-column terminal each
     line fits and the two labels still differ; piped, the labels are whole."""
