@@ -95,6 +95,12 @@ class Progress:
         elif time.monotonic() - self._last_log >= LOG_EVERY_SECONDS:
             self._log()
 
+    def reach(self, done: int, total: int | None = None) -> None:
+        """Move to ``done`` (of ``total``, when given): for callers told counts, not steps."""
+        if total is not None:
+            self.total = total
+        self.advance(n=done - self.done)
+
     def set(self, **fields: Any) -> None:
         self.fields.update(fields)
 

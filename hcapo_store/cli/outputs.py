@@ -101,11 +101,6 @@ def export_dataset_cmd(
         raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
     layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
     with Progress("export", enabled=not as_json, unit="episodes") as progress:
-
-        def on_progress(done: int, total: int) -> None:
-            progress.total = total
-            progress.advance(n=done - progress.done)
-
         summary = export_dataset(
             state.store(create=False),
             out,
@@ -118,7 +113,7 @@ def export_dataset_cmd(
             layout=layout,
             tokenizer=tokenizer,
             rendering=rendering,
-            on_progress=on_progress,
+            on_progress=progress.reach,
         )
     warn(summary.warnings)
     if as_json:

@@ -291,12 +291,7 @@ def score(
     prep = prepare(store, cfg)
     if dry_run:
         with Progress("dry run", enabled=not as_json, unit="steps") as progress:
-
-            def planned(done: int, total: int) -> None:
-                progress.total = total
-                progress.advance(n=done - progress.done)
-
-            result = run_dry(store, prep, filters, limit, grouping=grouping, on_progress=planned)
+            result = run_dry(store, prep, filters, limit, grouping=grouping, on_progress=progress.reach)
         reason = None if result.steps else why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
         if as_json:
             echo_json({**result.__dict__, "reason": reason})
@@ -309,7 +304,7 @@ def score(
             if progress.total is None and report.planned:
                 progress.total = report.planned
             progress.set(failed=report.failed, prompt_tok_s=f"{report.prompt_tokens / max(progress.elapsed, 1e-9):.0f}")
-            progress.advance(n=report.scored + report.failed - progress.done)
+            progress.reach(report.scored + report.failed)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
     reason = None

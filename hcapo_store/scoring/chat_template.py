@@ -196,9 +196,9 @@ def memoize_sandbox_checks(tokenizer: Any) -> None:
         return verdicts[key]
 
     env.is_safe_attribute = is_safe_attribute
-    if type(env).getattr is SandboxedEnvironment.getattr:
-        env.getattr = fast_getattr(env)
     sandbox = type(env)
+    if sandbox.getattr is SandboxedEnvironment.getattr:
+        env.getattr = fast_getattr(env)
     if sandbox.call is SandboxedEnvironment.call and sandbox.is_safe_callable is SandboxedEnvironment.is_safe_callable:
         env.call = fast_call(env)
 

@@ -1,9 +1,9 @@
 """The HTTP side of every server backend: requests, timeouts, and error classification.
 
 Backends build payloads and parse responses; this module sends httpx requests through the
-transport (``wire.py``, which owns the connection pool) and turns transport failures and HTTP statuses into ``InferenceError`` with a ``retryable``
-flag (docs/SCORING.md: retry connect errors, timeouts, 408/429/5xx and "queue full";
-fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
+transport (``wire.py``, which owns the connection pool) and turns transport failures and
+HTTP statuses into ``InferenceError`` with a ``retryable`` flag (docs/SCORING.md: retry
+connect errors, timeouts, 408/429/5xx and "queue full"; fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
 every failed attempt.
 
 A score must come from the model the scorer was registered with. The client counts the
@@ -13,8 +13,9 @@ once the served model has been read again and found unchanged (``verify_model``)
 
 A server is not trusted to behave: a timeout per read would let one byte a second keep a
 request alive for ever; each request therefore runs under one overall deadline (the
-request timeout; the transport, ``wire.py``, bounds only the connect), and its body is read in chunks and given up beyond what
-the request can need (``response_cap``), so a runaway body cannot exhaust memory.
+request timeout; the transport, ``wire.py``, bounds only the connect), and its body is
+read in chunks and given up beyond what the request can need (``response_cap``), so a
+runaway body cannot exhaust memory.
 """
 
 from __future__ import annotations
