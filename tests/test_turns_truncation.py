@@ -176,10 +176,13 @@ def test_score_with_turns_is_its_own_scorer_end_to_end(tmp_path, tiny_model_dir)
 
 
 def test_a_dry_run_says_when_long_sessions_make_this_scorer_quadratic(tmp_path, tiny_model_dir):
-    """`score --dry-run` on sessions longer than --max-context: the per-step `sliding` scorer
-    says it renders each such step's whole conversation again and names the linear modes;
-    `turns` and the episode layout count the same steps but have nothing to warn about."""
+    """`score --dry-run` on sessions longer than --max-context counts the steps with more
+    history; the per-step `sliding` scorer prepares them on bounded renders, so there is
+    nothing to warn about, as with `turns` and the episode layout. Over a chat template that
+    numbers its tool results (a window renders them unlike the whole history) it renders
+    each step's whole conversation again, and says so and names the linear modes."""
     import json
+    import shutil
 
     from click.testing import CliRunner
 
@@ -189,18 +192,37 @@ def test_a_dry_run_says_when_long_sessions_make_this_scorer_quadratic(tmp_path, 
     write_standard_episodes(tmp_path / "eps", 2, seed=9, steps_per_subtask=4, output_words=30)
     db = str(tmp_path / "t.db")
     assert CliRunner().invoke(cli, ["--db", db, "ingest", str(tmp_path / "eps")]).exit_code == 0
-    argv = ["--db", db, "score", "--backend", "transformers", "--model", str(tiny_model_dir), "--dry-run"]
+    numbered = shutil.copytree(tiny_model_dir, tmp_path / "numbered")
+    wrapper = "'\\n<tool_response>\\n' + text(message.content)"
+    jinja = numbered / "chat_template.jinja"  # where transformers saves a template (else tokenizer_config.json)
+    config = json.loads((numbered / "tokenizer_config.json").read_text())
+    template = jinja.read_text() if jinja.exists() else config["chat_template"]
+    assert wrapper in template
+    template = template.replace(wrapper, "('\\n<tool_response>#' ~ loop.index ~ '\\n') + text(message.content)")
+    if jinja.exists():
+        jinja.write_text(template)
+    else:
+        (numbered / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     seen = {}
-    for mode in (["--truncation", "sliding"], ["--truncation", "turns"], ["--prompt-layout", "episode"]):
+    for model, mode in (
+        (tiny_model_dir, ["--truncation", "sliding"]),
+        (tiny_model_dir, ["--truncation", "turns"]),
+        (tiny_model_dir, ["--prompt-layout", "episode"]),
+        (numbered, ["--truncation", "sliding"]),
+    ):
+        name = "numbered" if model == numbered else mode[1]
+        argv = ["--db", db, "score", "--backend", "transformers", "--model", str(model), "--dry-run"]
         r = CliRunner().invoke(cli, [*argv, "--max-context", "1024", *mode, "--json"])
         assert r.exit_code == 0, r.output
-        seen[mode[1]] = json.loads(r.output)
+        seen[name] = json.loads(r.output)
         r = CliRunner().invoke(cli, [*argv, "--max-context", "1024", *mode])
         assert r.exit_code == 0, r.output
-        assert ("grows with the square" in r.output) == (mode[1] == "sliding"), r.output
-    assert seen["sliding"]["truncated_steps"] > 0 and seen["sliding"]["quadratic_in_session"]
-    assert seen["turns"]["truncated_steps"] > 0 and not seen["turns"]["quadratic_in_session"]
-    assert not seen["episode"]["quadratic_in_session"]
+        assert ("grows with the square" in r.output) == (name == "numbered"), r.output
+    for name in ("sliding", "turns", "numbered"):
+        assert seen[name]["truncated_steps"] > 0, name
+    assert seen["numbered"]["quadratic_in_session"]
+    assert not any(seen[name]["quadratic_in_session"] for name in ("sliding", "turns", "episode"))
+    argv = ["--db", db, "score", "--backend", "transformers", "--model", str(tiny_model_dir), "--dry-run"]
     r = CliRunner().invoke(cli, [*argv, "--json"])  # the model's whole context: nothing cut, nothing to say
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["truncated_steps"] == 0

@@ -288,8 +288,9 @@ class DryRun:
     scored_tokens: int
     prompt_failures: int
     # Steps with more history than --max-context (their prompt keeps only part of it), and
-    # whether this scorer renders each such step's whole conversation again (per-step
-    # `sliding` / `window`: time grows with the square of a session's steps).
+    # whether some long session's steps each rendered their whole conversation again (per-step
+    # `sliding` / `window` when a bounded render could not stand in for it: time grows with
+    # the square of a session's steps).
     truncated_steps: int = 0
     quadratic_in_session: bool = False
 
@@ -302,10 +303,11 @@ class DryRun:
         )
         if self.truncated_steps and self.quadratic_in_session:
             text += (
-                f"\nnote: {self.truncated_steps} step(s) have more history than --max-context; this scorer "
-                "renders each one's whole conversation again, so preparing long sessions takes time that "
-                "grows with the square of their length: --truncation turns or --prompt-layout episode grow "
-                "linearly (other scorers; docs/SCORING.md)"
+                f"\nnote: {self.truncated_steps} step(s) have more history than --max-context, and for some "
+                "sessions this chat template's prompts could only be made by rendering each step's whole "
+                "conversation again, so preparing them takes time that grows with the square of their length: "
+                "--truncation turns or --prompt-layout episode grow linearly with any template (other scorers; "
+                "docs/SCORING.md)"
             )
         return text
 
@@ -330,6 +332,7 @@ def dry_run(
         filters=filters,
         limit=limit,
     )
+    whole_before = prep.builder.whole_history_episodes
     with db.read(store.engine) as conn:
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
@@ -359,7 +362,7 @@ def dry_run(
         scored,
         failures,
         truncated,
-        prep.builder.renders_whole_history,
+        prep.builder.whole_history_episodes > whole_before,
     )
 
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import logging
 import string
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Literal, overload
@@ -43,6 +44,8 @@ from hcapo_store.scoring.segments import RenderState, SegmentEncoder
 from hcapo_store.tool_arguments import arguments_text, as_mapping
 
 PROMPT_BUILDER_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 HINDSIGHT_TEMPLATE = """\
 [HINDSIGHT — This is post-hoc scoring context, not visible during generation]
@@ -75,6 +78,11 @@ WINDOW_BLOCK_FRACTION = 4
 # --truncation turns: the template markup a message adds to its own text, roughly, in ids,
 # when a session has no earlier turn to measure it on; it only places the first window tried.
 TURN_OVERHEAD_TOKENS = 8
+# --truncation sliding/window over a long session: once a step's rendered history passes
+# BOUND_ADVANCE x max_context ids, later steps render the head and the messages from a later
+# start on, about BOUND_TARGET x max_context ids of them (PromptBuilder._advance).
+BOUND_ADVANCE = 1.6
+BOUND_TARGET = 1.2
 PromptLayout = Literal["per-step", "episode"]
 PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("per-step", "episode")
 
@@ -306,6 +314,33 @@ class _StepTexts:
     dropped: int = 0
     # action_span "policy": [start, end) of the policy's own tokens in the action ids, or why not
     own: tuple[int, int] | str | None = None
+    # a bounded render (sliding/window): the whole history's prefix ids between the head and
+    # the window, counted and not rendered; a tail may start no earlier than visible_from
+    hidden: int = 0
+    visible_from: int = 0
+
+
+@dataclass
+class _Chain:
+    """Per-step sliding/window over one long session: steps render the head and the messages
+    from ``start`` on; the ids the whole history has between them were counted once, when the
+    chain moved there, as the difference of two renders of one step (PromptBuilder._advance)."""
+
+    start: int  # a window's first message after the head (the head's end: the whole history)
+    hidden: int  # ids of messages[head_end:start] in the whole history's render
+    last: int  # the message index of the last step rendered on this chain
+
+
+@dataclass
+class _Bounded:
+    """What a step rendered on a chain needs after its ids are known, to move the chain on."""
+
+    messages: Sequence[dict]
+    head_end: int
+    m: int
+    hindsight: str | None
+    flattened: bool
+    chain: _Chain
 
 
 @dataclass
@@ -317,6 +352,14 @@ class _Rendered:
     messages: list[dict]
     flattened: bool
     dropped: int = 0  # --truncation turns: own-text ids of the turns left out
+    hidden: int = 0  # a bounded render: see _StepTexts
+    visible_from: int = 0
+    bounded: _Bounded | None = None
+
+
+class _NeedWhole(Exception):
+    """A bounded render cannot give this step's prompt (it fits whole, or its tail reaches
+    back past the window): render the step's whole history instead."""
 
 
 def _own_text(message: Mapping[str, Any]) -> str:
@@ -342,10 +385,15 @@ class _TurnIndex:
     starts: list[int]  # message indices that may start a window, ascending (never a tool result)
     cum: list[int]  # cum[i]: the own-text ids of messages[:i]
 
+    @staticmethod
+    def head_of(messages: Sequence[Mapping[str, Any]]) -> int:
+        """Where the head ends: after the first user message (the first message without one)."""
+        return next((i + 1 for i, m in enumerate(messages) if m.get("role") == "user"), 1)
+
     @classmethod
     def of(cls, messages: Sequence[Mapping[str, Any]], encoder: SegmentEncoder) -> _TurnIndex:
         roles = [m.get("role") for m in messages]
-        head_end = roles.index("user") + 1 if "user" in roles else 1
+        head_end = cls.head_of(messages)
         cum = [0]
         for n in encoder.count([_own_text(m) for m in messages]):
             cum.append(cum[-1] + n)
@@ -377,6 +425,17 @@ class _EpisodeMemo:
 
     turns: dict[bool, _TurnIndex] = field(default_factory=dict)  # by flattened
     flat: list[dict] | None = None
+    # sliding/window: render long histories bounded (False: every step renders its whole history)
+    bounded: bool = False
+    chains: dict[bool, _Chain] = field(default_factory=dict)  # by flattened
+    heads: dict[tuple[str | None, bool], str] = field(default_factory=dict)  # the head's render
+    # per window start: the window render's text up to where a tail may start, and its ids
+    visible: dict[tuple[str | None, bool, int], tuple[str, int]] = field(default_factory=dict)
+    breaks: dict[bool, list[int]] = field(default_factory=dict)  # see PromptBuilder._breaks
+    unbounded: str | None = None  # why bounded renders stopped in this episode
+
+    def stop_bounding(self, reason: str) -> None:
+        self.bounded, self.unbounded = False, reason
 
 
 class PromptBuilder:
@@ -420,6 +479,15 @@ class PromptBuilder:
         self._probe_state = self.encoder.new_state()  # --truncation turns: candidate windows
         memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
+        # sliding/window: whether a long session's steps may render bounded windows (their ids
+        # are counted piece by piece between added tokens, which needs the fast path)
+        self._can_bound = (
+            layout == "per-step" and truncation in ("sliding", "window") and self.encoder.fast_path_off_reason is None
+        )
+        # episodes whose long history every step rendered whole (a bounded render disagreed
+        # with the whole one, or could not be made): their preparation grows with the square
+        self.whole_history_episodes = 0
+        self.bounded_steps = 0  # steps whose prompt came from a bounded render (checked: _check_bounded)
         self._locator = OwnTokenLocator(tokenizer, self.encoder)
         if action_span == "policy" and not self._locator.available:
             raise ValueError("action_span 'policy' needs a fast tokenizer (character offsets)")
@@ -436,12 +504,6 @@ class PromptBuilder:
         keeps no token cache and, on the fast path, tokenizes through the backend only."""
         return self.layout == "episode" and self.encoder.fast_path_off_reason is None
 
-    @property
-    def renders_whole_history(self) -> bool:
-        """Whether each step's prompt renders the whole conversation before it (per-step
-        ``sliding`` / ``window``): preparing a session then grows with the square of its length."""
-        return self.layout == "per-step" and self.truncation in ("sliding", "window")
-
     @functools.cached_property
     def top_token_id(self) -> int:
         """The tokenizer's largest id (its vocabulary is a 150k-entry dict: read once)."""
@@ -457,11 +519,22 @@ class PromptBuilder:
         return render_chat(self.tokenizer, messages, generation=generation, known=self._known)
 
     def _render_pair(
-        self, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
+        self,
+        raw: Sequence[Mapping[str, Any]],
+        normalized: Sequence[dict],
+        m: int,
+        hindsight: str | None,
+        whole: bool = False,
     ) -> _Rendered:
-        """The prefix and full texts of step ``m``; flattens when the template rejects."""
+        """The prefix and full texts of step ``m``; flattens when the template rejects.
+        ``whole``: sliding/window render the step's whole history, never a bounded window."""
         if self.truncation == "turns":
             return self._render_turns(raw, normalized, m, hindsight)
+        if not whole and self._episode is not None and self._episode.bounded:
+            try:
+                return self._render_bounded(normalized, m, hindsight, False)
+            except TemplateRejected:
+                return self._render_bounded(self._flat_messages(raw), m, hindsight, True)
         try:
             return self._render_whole(inject_hindsight(normalized[: m + 1], hindsight), False)
         except TemplateRejected:
@@ -557,6 +630,142 @@ class PromptBuilder:
         dropped = index.cum[starts[n]] - index.cum[index.head_end]
         return _Rendered(prefixes[n][0], full, window(n), flattened, dropped)
 
+    # -- sliding/window over a long session: bounded renders, the history between counted
+
+    def _breaks(self, messages: Sequence[dict], flattened: bool) -> list[int]:
+        """``breaks[i]``: how many of ``messages[:i]`` are neither assistant turns nor tool
+        results. A chain never reaches across one: a template may render earlier turns anew
+        after a user turn (Qwen3 drops the reasoning of the turns before the last user query)."""
+        memo = self._episode
+        assert memo is not None
+        if flattened not in memo.breaks:
+            out = [0]
+            for message in messages:
+                out.append(out[-1] + (message.get("role") not in ("assistant", "tool")))
+            memo.breaks[flattened] = out
+        return memo.breaks[flattened]
+
+    def _head_text(self, head: list[dict], hindsight: str | None, flattened: bool) -> str:
+        memo = self._episode
+        assert memo is not None
+        key = (hindsight, flattened)
+        if key not in memo.heads:
+            memo.heads[key] = self._render(head, generation=False)
+        return memo.heads[key]
+
+    def _visible_from(self, text: str, head: list[dict], hindsight: str | None, flattened: bool, start: int) -> int:
+        """How many of the window render's ids precede the first one a tail may start at: past
+        the head's render and one added token clear of it, so from there on the window's ids
+        are the whole history's (segments.py: settled_cut). Raises _NeedWhole when the window
+        render does not begin with the head's own render (a template that renders the head
+        according to what follows it: nothing can be counted then)."""
+        memo = self._episode
+        assert memo is not None
+        head_text = self._head_text(head, hindsight, flattened)
+        key = (hindsight, flattened, start)
+        known = memo.visible.get(key)
+        if known is not None and text.startswith(known[0]):
+            return known[1]
+        cut = self.encoder.settled_cut(text, len(head_text)) if text.startswith(head_text) else None
+        if cut is None:
+            memo.stop_bounding("the template renders the first messages differently when turns are left out")
+            raise _NeedWhole
+        memo.visible[key] = (text[:cut], len(self.encoder.encode_once(text[:cut])))
+        return memo.visible[key][1]
+
+    def _render_bounded(self, messages: Sequence[dict], m: int, hindsight: str | None, flattened: bool) -> _Rendered:
+        """Step ``m`` on its chain: the whole history while the chain starts at the head's end,
+        else the head (through the first user message, the hindsight block in the first) and the
+        messages from the chain's start to the action. The ids between them are the chain's
+        ``hidden`` count, so the prompt's tail and length are the whole history's without
+        rendering it. A step after a user turn (or the first of a build) starts a new chain
+        from the head's end."""
+        memo = self._episode
+        assert memo is not None
+        breaks = self._breaks(messages, flattened)
+        head_end = _TurnIndex.head_of(messages)
+        chain = memo.chains.get(flattened)
+        if chain is None or not chain.last < m or not chain.start < m or breaks[m] != breaks[chain.last]:
+            chain = memo.chains[flattened] = _Chain(head_end, 0, m)
+        chain.last = m
+        step = _Bounded(messages, head_end, m, hindsight, flattened, chain)
+        if chain.start <= head_end:
+            rendered = self._render_whole(inject_hindsight(messages[: m + 1], hindsight), flattened)
+        else:
+            head = inject_hindsight(messages[:head_end], hindsight)
+            rendered = self._render_whole([*head, *messages[chain.start : m + 1]], flattened)
+            rendered.visible_from = self._visible_from(rendered.prefix_text, head, hindsight, flattened, chain.start)
+            rendered.hidden = chain.hidden
+        rendered.bounded = step
+        return rendered
+
+    def _advance(self, step: _Bounded, prefix_len: int) -> None:
+        """Move the chain of a step whose prefix passed BOUND_ADVANCE x max_context ids to the
+        latest start that leaves about BOUND_TARGET x max_context ids of messages (guessed from
+        the turns' own ids, then rendered: at least max_context must be there, so any tail
+        fits). The ids between the old start and the new one are this step's two renders'
+        difference: the whole history's length stays known."""
+        memo, chain, m = self._episode, step.chain, step.m
+        if memo is None or not memo.bounded or prefix_len <= BOUND_ADVANCE * self.max_context:
+            return
+        index = self._turn_index(step.messages, step.flattened)
+        lo = bisect.bisect_right(index.starts, chain.start)
+        hi = bisect.bisect_left(index.starts, m)  # a start before the action: a window is never empty
+        if lo >= hi:
+            return
+        overhead = max((prefix_len - (index.cum[m] - index.cum[chain.start])) / (m - chain.start), 0.0)
+
+        def guess(k: int) -> float:
+            start = index.starts[k]
+            return index.cum[m] - index.cum[start] + overhead * (m - start)
+
+        target = BOUND_TARGET * self.max_context
+        k, top = lo, hi - 1  # the latest k whose guess reaches the target (guesses fall with k)
+        while k < top:
+            mid = (k + top + 1) // 2
+            k, top = (mid, top) if guess(mid) >= target else (k, mid - 1)
+        head = inject_hindsight(step.messages[: step.head_end], step.hindsight)
+        for _ in range(4):
+            start = index.starts[k]
+            try:
+                text = self._render([*head, *step.messages[start:m]], generation=True)
+                visible = self._visible_from(text, head, step.hindsight, step.flattened, start)
+            except (TemplateRejected, _NeedWhole):
+                return
+            ids = len(self.encoder.encode(text, self._probe_state))
+            if ids - visible >= self.max_context:
+                chain.start, chain.hidden = start, chain.hidden + prefix_len - ids
+                return
+            if k == lo:
+                return
+            k = max(lo, k - (hi - k))  # too few ids: twice the messages
+
+    def _check_bounded(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        outcome: Any,
+        steps: Sequence[Any],
+        results: list[StepPrompt | PromptFailure],
+        bounded: list[int],
+    ) -> str | None:
+        """Compare the steps built on bounded renders with their whole-history build, at the
+        last one and halving back to the first (cost: about two renders of the whole session).
+        A count that went wrong stays wrong for the rest of its chain, so the last step sees
+        it. Returns what differed, or None."""
+        picks, n = set(), len(bounded) - 1
+        while n > 0:
+            picks.add(n)
+            n //= 2
+        picks.add(0)
+        encode = self.encoder.encode_once
+        for n in sorted(picks, reverse=True):
+            position = bounded[n]
+            exact = self._exact_step(messages, normalized, outcome, steps[position], encode)
+            if exact != results[position]:
+                return f"step {read_field(steps[position], 'step_index')} differs from its whole-history build"
+        return None
+
     # -- public entry points
 
     def build_episode(
@@ -566,35 +775,79 @@ class PromptBuilder:
         # Each message is rendered again for every later step: whether it is plain JSON data
         # is checked once per episode (the normalized messages do not change meanwhile).
         self._known = {}
-        self._episode = _EpisodeMemo()
+        try:
+            self._episode = _EpisodeMemo(bounded=self._can_bound)
+            results, bounded = self._build_steps(messages, normalized, outcome, steps)
+            reason = self._episode.unbounded
+            mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if bounded else None
+            if mismatch is not None:
+                # Never store a prompt on trust: build every step on its whole history.
+                reason = mismatch
+                self._episode = _EpisodeMemo()
+                results, bounded = self._build_steps(messages, normalized, outcome, steps)
+            self.bounded_steps += len(bounded)
+            if reason is not None:
+                self.whole_history_episodes += 1
+                log.info("a long session's steps render their whole history (%s)", reason)
+        finally:
+            self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
+            self._known = None
+            self._episode = None
+        return results
+
+    def _build_steps(
+        self, messages: Sequence[Mapping[str, Any]], normalized: list[dict], outcome: Any, steps: Sequence[Any]
+    ) -> tuple[list[StepPrompt | PromptFailure], list[int]]:
+        """Every step's result, and the positions of those built on a bounded render."""
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
         anchors: dict[tuple[str, bool], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
+        bounded: list[int] = []
         for step in steps:
-            index, m = read_field(step, "step_index"), read_field(step, "message_index")
-            hindsight = self._hindsight(outcome, step)
+            args = (messages, normalized, step, self._hindsight(outcome, step), states, anchors)
             try:
-                rendered = self._render_step(messages, normalized, m, hindsight)
+                try:
+                    result, hidden = self._episode_step(*args, whole=False)
+                except _NeedWhole:
+                    result, hidden = self._episode_step(*args, whole=True)
             except TemplateRejected as exc:
-                results.append(PromptFailure(index, "template", str(exc)))
-                continue
-            key = (hindsight, rendered.flattened)
-            first = rendered.messages[0]
-            # Prefix and full renders get separate states: each shares most text with the
-            # same kind of render of the previous step.
-            prefix_state, full_state = states.setdefault(key, (self.encoder.new_state(), self.encoder.new_state()))
-            texts = _StepTexts(
-                self.encoder.encode(rendered.prefix_text, prefix_state),
-                self.encoder.encode(rendered.full_text, full_state),
-                rendered.flattened,
-                rendered.dropped,
-            )
-            texts.own = self._own_span(rendered, texts)
-            results.append(self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first)))
-        self.encoder.pieces.clear()  # segments rarely repeat across episodes; keep memory flat
-        self._known = None
-        self._episode = None
-        return results
+                result, hidden = PromptFailure(read_field(step, "step_index"), "template", str(exc)), 0
+            if hidden:
+                bounded.append(len(results))
+            results.append(result)
+        return results, bounded
+
+    def _episode_step(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        step: Any,
+        hindsight: str | None,
+        states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]],
+        anchors: dict[tuple[str, bool], list[int]],
+        *,
+        whole: bool,
+    ) -> tuple[StepPrompt | PromptFailure, int]:
+        index, m = read_field(step, "step_index"), read_field(step, "message_index")
+        rendered = self._render_step(messages, normalized, m, hindsight, whole=whole)
+        key = (hindsight, rendered.flattened)
+        first = rendered.messages[0]
+        # Prefix and full renders get separate states: each shares most text with the
+        # same kind of render of the previous step.
+        prefix_state, full_state = states.setdefault(key, (self.encoder.new_state(), self.encoder.new_state()))
+        texts = _StepTexts(
+            self.encoder.encode(rendered.prefix_text, prefix_state),
+            self.encoder.encode(rendered.full_text, full_state),
+            rendered.flattened,
+            rendered.dropped,
+            hidden=rendered.hidden,
+            visible_from=rendered.visible_from,
+        )
+        if rendered.bounded is not None:
+            self._advance(rendered.bounded, len(texts.prefix_ids))
+        texts.own = self._own_span(rendered, texts)
+        result = self._finish(index, texts, lambda key=key, first=first: self._anchor(anchors, key, first))
+        return result, rendered.hidden
 
     def build_step(self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any) -> StepPrompt | PromptFailure:
         return self.build_episode(messages, outcome, [step])[0]
@@ -603,13 +856,23 @@ class PromptBuilder:
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, step: Any
     ) -> StepPrompt | PromptFailure:
         """The straightforward render + tokenize of everything, for tests and benchmarks."""
+        return self._exact_step(messages, normalize_messages(messages), outcome, step, self.encoder.encode_whole)
+
+    def _exact_step(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        outcome: Any,
+        step: Any,
+        encode: Callable[[str], list[int]],
+    ) -> StepPrompt | PromptFailure:
+        """A step built on its whole history's renders, each text tokenized on its own."""
         index, m = read_field(step, "step_index"), read_field(step, "message_index")
         hindsight = self._hindsight(outcome, step)
         try:
-            rendered = self._render_step(messages, normalize_messages(messages), m, hindsight)
+            rendered = self._render_step(messages, normalized, m, hindsight, whole=True)
         except TemplateRejected as exc:
             return PromptFailure(index, "template", str(exc))
-        encode = self.encoder.encode_whole
         texts = _StepTexts(
             encode(rendered.prefix_text), encode(rendered.full_text), rendered.flattened, rendered.dropped
         )
@@ -644,11 +907,11 @@ class PromptBuilder:
         return span.start, span.end
 
     def _render_step(
-        self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str | None
+        self, raw: Sequence[Mapping[str, Any]], normalized: list[dict], m: int, hindsight: str | None, *, whole: bool
     ) -> _Rendered:
         if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
             raise TemplateRejected(f"message {m} is not an assistant message after the first message")
-        return self._render_pair(raw, normalized, m, hindsight)
+        return self._render_pair(raw, normalized, m, hindsight, whole)
 
     def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
         if key not in anchors:
@@ -678,7 +941,7 @@ class PromptBuilder:
             own_start, own_end = texts.own
             action_ids = action_ids[:own_end]
         try:
-            kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor)
+            kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor, texts.hidden, texts.visible_from)
         except TemplateRejected as exc:
             return PromptFailure(index, "template", f"anchor: {exc}")
         input_ids = kept_prefix + kept_action
@@ -694,16 +957,23 @@ class PromptBuilder:
             first_scored=first_scored,
             total_action_tokens=own_tokens,
             skipped_action_tokens=own_tokens - (len(input_ids) - first_scored),
-            truncated_prefix_tokens=prefix_len - len(kept_prefix) + texts.dropped,
+            truncated_prefix_tokens=prefix_len + texts.hidden - len(kept_prefix) + texts.dropped,
             flattened=texts.flattened,
         )
 
-    def _truncate(self, prefix_ids: list[int], action_ids: list[int], anchor: Any) -> tuple[list[int], list[int]]:
+    def _truncate(
+        self, prefix_ids: list[int], action_ids: list[int], anchor: Any, hidden: int = 0, visible_from: int = 0
+    ) -> tuple[list[int], list[int]]:
         """The original's truncation, on ids: anchor + marker + recent prefix tail + action.
 
         ``window``: the tail starts at a multiple of a block instead, so consecutive steps
-        keep the same start and their prompts stay prefixes of one another (one request)."""
-        if len(prefix_ids) + len(action_ids) <= self.max_context:
+        keep the same start and their prompts stay prefixes of one another (one request).
+        ``hidden``: the prefix is a bounded render, ``hidden`` ids of the whole history left
+        out after its head; the tail must then start at ``visible_from`` or later."""
+        total = len(prefix_ids) + hidden
+        if total + len(action_ids) <= self.max_context:
+            if hidden:
+                raise _NeedWhole
             return prefix_ids, action_ids
         max_prefix = self.max_context - len(action_ids)
         if max_prefix <= 0:
@@ -712,10 +982,12 @@ class PromptBuilder:
         marker = self._marker_ids
         tail_budget = max_prefix - len(anchor_ids) - len(marker)
         if tail_budget > 0:
-            start = len(prefix_ids) - tail_budget
+            start = total - tail_budget
             if self.truncation == "window":
-                start = self._window_start(start, len(prefix_ids), tail_budget, len(anchor_ids) + len(marker))
-            return anchor_ids + marker + prefix_ids[start:], action_ids
+                start = self._window_start(start, total, tail_budget, len(anchor_ids) + len(marker))
+            if hidden and start - hidden < visible_from:
+                raise _NeedWhole
+            return anchor_ids + marker + prefix_ids[start - hidden :], action_ids
         kept = anchor_ids[: max(max_prefix - len(marker), 0)] + marker
         return kept[:max_prefix], action_ids
 

@@ -148,6 +148,20 @@ class SegmentEncoder:
             cut = match.end()
         return cut
 
+    def settled_cut(self, text: str, join: int) -> int | None:
+        """The end of the first added token that starts an added token's length or more after
+        ``join``, in the segmentation the tokenizer makes of ``text``: after it, the ids of
+        ``text`` are those of any text that ends the same way from ``join`` on, whatever
+        comes before ``join`` (no match can reach across that far). None when there is none,
+        or without the fast path."""
+        if self._splitter is None:
+            return None
+        limit = join + max(map(len, self._token_ids))
+        for match in self._splitter.finditer(text):
+            if match.start() >= limit:
+                return match.end()
+        return None
+
     def offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each one's character range, equal to the tokenizer's
         ``return_offsets_mapping``: the pieces between added tokens are encoded in one batch
