@@ -9,8 +9,11 @@ requests of every step (what ``score --dry-run`` does per episode, plus the conv
 floor) is measured for
 
 * ``--prompt-layout episode``: one rendering of the conversation, spans placed in linear time;
-* ``--prompt-layout per-step`` (grouped): a rendering of the conversation up to each step,
-  only up to ``--per-step-max`` steps (it grows with the square of the length);
+* ``--prompt-layout per-step`` (grouped, the default ``sliding`` truncation): a prompt cut
+  from each step's whole history, rendered in bounded windows once the history passes
+  1.35 x ``--max-context`` (docs/SCORING.md), up to ``--per-step-max`` steps; the row says
+  how many steps were built on bounded renders and whether an episode fell back to whole
+  histories (which grows with the square of the length);
 * ``--truncation turns`` (per-step, grouped): each step rendered over the head and the most
   recent whole turns that fit, up to ``--turns-max`` steps.
 
@@ -69,6 +72,8 @@ def plan(tokenizer: Any, episode: Any, layout: str, max_context: int, truncation
     groups = [r for r in requests if isinstance(r, GroupPrompt)]
     sent = sum(len(g.input_ids) for g in groups)
     return {
+        "bounded_steps": builder.bounded_steps,
+        "whole_history_episodes": builder.whole_history_episodes,
         "seconds": round(seconds, 3),
         "us_per_step": round(1e6 * seconds / len(episode.steps), 1),
         "requests": len(groups),
@@ -82,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--steps", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 10000])
-    ap.add_argument("--per-step-max", type=int, default=1000, help="longest session timed with the per-step layout")
+    ap.add_argument("--per-step-max", type=int, default=4000, help="longest session timed with the per-step layout")
     ap.add_argument("--turns-max", type=int, default=4000, help="longest session timed with --truncation turns")
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--json", action="store_true")
@@ -117,9 +122,14 @@ def print_row(row: dict[str, Any], previous: dict[str, Any] | None) -> None:
             growth = (
                 f", x{m['seconds'] / previous[layout]['seconds']:.1f} for x{row['steps'] / previous['steps']:.1f} steps"
             )
+        bounded = ""
+        if layout == "per-step":
+            bounded = f", {m['bounded_steps']} steps on bounded renders"
+            if m["whole_history_episodes"]:
+                bounded += " (whole histories: the template failed the check)"
         parts.append(
             f"{layout}: {m['seconds']:.2f}s ({m['us_per_step']:.0f} us/step{growth}), "
-            f"{m['requests']} req, {m['xfloor']}x floor"
+            f"{m['requests']} req, {m['xfloor']}x floor{bounded}"
         )
     print("\n    ".join(parts), flush=True)
 

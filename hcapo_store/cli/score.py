@@ -116,8 +116,9 @@ SCORER_OPTIONS = [
         show_default=True,
         help="Prompts over --max-context: sliding keeps the most recent tail per step (the original); "
         "window starts the tail at block boundaries so a window's steps share one request; turns "
-        "renders the head and the most recent whole turns that fit, so its cost grows linearly with "
-        "a session's length (window and turns are other scorers; docs/SCORING.md).",
+        "renders the head and the most recent whole turns that fit. All three cost time linear in a "
+        "long session's length (sliding and window: on bounded renders, checked against whole ones; "
+        "window and turns are other scorers; docs/SCORING.md).",
     ),
     click.option(
         "--action-span",

@@ -81,8 +81,8 @@ TURN_OVERHEAD_TOKENS = 8
 # --truncation sliding/window over a long session: once a step's rendered history passes
 # BOUND_ADVANCE x max_context ids, later steps render the head and the messages from a later
 # start on, about BOUND_TARGET x max_context ids of them (PromptBuilder._advance).
-BOUND_ADVANCE = 1.6
-BOUND_TARGET = 1.2
+BOUND_ADVANCE = 1.35
+BOUND_TARGET = 1.1
 PromptLayout = Literal["per-step", "episode"]
 PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("per-step", "episode")
 
