@@ -11,7 +11,7 @@ floor) is measured for
 * ``--prompt-layout episode``: one rendering of the conversation, spans placed in linear time;
 * ``--prompt-layout per-step`` (grouped, the default ``sliding`` truncation): a prompt cut
   from each step's whole history, rendered in bounded windows once the history passes
-  1.35 x ``--max-context`` (docs/SCORING.md), up to ``--per-step-max`` steps; the row says
+  1.6 x ``--max-context`` (docs/SCORING.md), up to ``--per-step-max`` steps; the row says
   how many steps were built on bounded renders and whether an episode fell back to whole
   histories (which grows with the square of the length);
 * ``--truncation turns`` (per-step, grouped): each step rendered over the head and the most

@@ -65,7 +65,7 @@ def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
         assert row["episode"]["scored_steps"] == row["per-step"]["scored_steps"] == row["steps"]
         assert row["turns"]["scored_steps"] == row["steps"]
         assert row["episode"]["xfloor"] <= 2.5 < row["per-step"]["xfloor"]
-    # the longer session passes 1.35 x the context: its per-step prompts come from bounded renders
+    # the longer session passes 1.6 x the context: its per-step prompts come from bounded renders
     assert rows[-1]["per-step"]["bounded_steps"] > 0 and not rows[-1]["per-step"]["whole_history_episodes"]
 
 

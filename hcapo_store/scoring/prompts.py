@@ -79,8 +79,11 @@ WINDOW_BLOCK_FRACTION = 4
 # when a session has no earlier turn to measure it on; it only places the first window tried.
 TURN_OVERHEAD_TOKENS = 8
 # --truncation sliding/window over a long session: once a step's rendered history passes
-# BOUND_ADVANCE x max_context ids, later steps render the head and the messages from a later
-# start on, about BOUND_TARGET x max_context ids of them (PromptBuilder._advance).
+# BOUND_START x max_context ids, later steps render the head and the messages from a later
+# start on, about BOUND_TARGET x max_context ids of them, moved on again whenever a window
+# passes BOUND_ADVANCE x max_context (PromptBuilder._advance). The first bound is higher:
+# below it a window saves less than checking it costs.
+BOUND_START = 1.6
 BOUND_ADVANCE = 1.35
 BOUND_TARGET = 1.1
 PromptLayout = Literal["per-step", "episode"]
@@ -432,6 +435,7 @@ class _EpisodeMemo:
     # per window start: the window render's text up to where a tail may start, and its ids
     visible: dict[tuple[str | None, bool, int], tuple[str, int]] = field(default_factory=dict)
     breaks: dict[bool, list[int]] = field(default_factory=dict)  # see PromptBuilder._breaks
+    sizes: dict[bool, tuple[list[int], list[int]]] = field(default_factory=dict)  # see PromptBuilder._sizes
     unbounded: str | None = None  # why bounded renders stopped in this episode
 
     def stop_bounding(self, reason: str) -> None:
@@ -645,6 +649,19 @@ class PromptBuilder:
             memo.breaks[flattened] = out
         return memo.breaks[flattened]
 
+    def _sizes(self, messages: Sequence[dict], flattened: bool, head_end: int) -> tuple[list[int], list[int]]:
+        """The messages a window may start at (after the head, never a tool result) and the
+        cumulative characters of the messages' own words: what window starts are guessed from."""
+        memo = self._episode
+        assert memo is not None
+        if flattened not in memo.sizes:
+            chars = [0]
+            for message in messages:
+                chars.append(chars[-1] + len(_own_text(message)))
+            starts = [i for i in range(head_end, len(messages)) if messages[i].get("role") != "tool"]
+            memo.sizes[flattened] = (starts, chars)
+        return memo.sizes[flattened]
+
     def _head_text(self, head: list[dict], hindsight: str | None, flattened: bool) -> str:
         memo = self._episode
         assert memo is not None
@@ -700,24 +717,27 @@ class PromptBuilder:
         return rendered
 
     def _advance(self, step: _Bounded, prefix_len: int) -> None:
-        """Move the chain of a step whose prefix passed BOUND_ADVANCE x max_context ids to the
+        """Move the chain of a step whose prefix passed BOUND_START (the whole history) or
+        BOUND_ADVANCE (a window) x max_context ids to the
         latest start that leaves about BOUND_TARGET x max_context ids of messages (guessed from
         the turns' own ids, then rendered: at least max_context must be there, so any tail
         fits). The ids between the old start and the new one are this step's two renders'
         difference: the whole history's length stays known."""
         memo, chain, m = self._episode, step.chain, step.m
-        if memo is None or not memo.bounded or prefix_len <= BOUND_ADVANCE * self.max_context:
+        bound = BOUND_START if chain.start <= step.head_end else BOUND_ADVANCE
+        if memo is None or not memo.bounded or prefix_len <= bound * self.max_context:
             return
-        index = self._turn_index(step.messages, step.flattened)
-        lo = bisect.bisect_right(index.starts, chain.start)
-        hi = bisect.bisect_left(index.starts, m)  # a start before the action: a window is never empty
+        starts, chars = self._sizes(step.messages, step.flattened, step.head_end)
+        lo = bisect.bisect_right(starts, chain.start)
+        hi = bisect.bisect_left(starts, m)  # a start before the action: a window is never empty
         if lo >= hi:
             return
-        overhead = max((prefix_len - (index.cum[m] - index.cum[chain.start])) / (m - chain.start), 0.0)
+        # Guessed from the messages' own characters, at this window's ids per character; the
+        # guess only picks the first window tried, which is then rendered and counted.
+        per_char = prefix_len / max(chars[m] - chars[chain.start], 1)
 
         def guess(k: int) -> float:
-            start = index.starts[k]
-            return index.cum[m] - index.cum[start] + overhead * (m - start)
+            return (chars[m] - chars[starts[k]]) * per_char
 
         target = BOUND_TARGET * self.max_context
         k, top = lo, hi - 1  # the latest k whose guess reaches the target (guesses fall with k)
@@ -726,7 +746,7 @@ class PromptBuilder:
             k, top = (mid, top) if guess(mid) >= target else (k, mid - 1)
         head = inject_hindsight(step.messages[: step.head_end], step.hindsight)
         for _ in range(4):
-            start = index.starts[k]
+            start = starts[k]
             try:
                 text = self._render([*head, *step.messages[start:m]], generation=True)
                 visible = self._visible_from(text, head, step.hindsight, step.flattened, start)
@@ -758,7 +778,10 @@ class PromptBuilder:
             picks.add(n)
             n //= 2
         picks.add(0)
-        encode = self.encoder.encode_once
+
+        def encode(text: str) -> list[int]:  # through the episode's cached pieces
+            return self.encoder.encode(text, self.encoder.new_state())
+
         for n in sorted(picks, reverse=True):
             position = bounded[n]
             exact = self._exact_step(messages, normalized, outcome, steps[position], encode)
