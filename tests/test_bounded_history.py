@@ -104,3 +104,18 @@ def test_some_steps_in_any_order(tmp_path, demo_tokenizer_dir):
         built = builder.build_episode(messages, outcome, subset)
         assert built == [builder.build_step_reference(messages, outcome, s) for s in subset]
     assert builder.bounded_steps > 0 and builder.whole_history_episodes == 0
+
+
+def test_a_template_that_rejects_tool_messages_flattens_and_stays_bounded(tmp_path):
+    """Flattened, a tool result is a user message to the template, but it is not a user turn
+    of the session: the chain reaches across it, and the check still holds the prompts to
+    their whole-history builds."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' or m.tool_calls %}"
+        "{{ raise_exception('no tools') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    builder = PromptBuilder(bos_tokenizer(tmp_path, template=template), max_context=500, max_logprob_tokens=0)
+    results = _equal_to_whole_history(builder, seeds=[0, 1], steps=30, tool_chars=600, extra_user_turns=False)
+    assert any(isinstance(r, StepPrompt) and r.flattened and r.truncated_prefix_tokens for r in results)
+    assert builder.bounded_steps > 0 and builder.whole_history_episodes == 0

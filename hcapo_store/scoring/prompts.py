@@ -434,7 +434,7 @@ class _EpisodeMemo:
     heads: dict[tuple[str | None, bool], str] = field(default_factory=dict)  # the head's render
     # per window start: the window render's text up to where a tail may start, and its ids
     visible: dict[tuple[str | None, bool, int], tuple[str, int]] = field(default_factory=dict)
-    breaks: dict[bool, list[int]] = field(default_factory=dict)  # see PromptBuilder._breaks
+    breaks: list[int] | None = None  # see PromptBuilder._breaks
     sizes: dict[bool, tuple[list[int], list[int]]] = field(default_factory=dict)  # see PromptBuilder._sizes
     unbounded: str | None = None  # why bounded renders stopped in this episode
 
@@ -536,9 +536,9 @@ class PromptBuilder:
             return self._render_turns(raw, normalized, m, hindsight)
         if not whole and self._episode is not None and self._episode.bounded:
             try:
-                return self._render_bounded(normalized, m, hindsight, False)
+                return self._render_bounded(raw, normalized, m, hindsight, False)
             except TemplateRejected:
-                return self._render_bounded(self._flat_messages(raw), m, hindsight, True)
+                return self._render_bounded(raw, self._flat_messages(raw), m, hindsight, True)
         try:
             return self._render_whole(inject_hindsight(normalized[: m + 1], hindsight), False)
         except TemplateRejected:
@@ -636,18 +636,18 @@ class PromptBuilder:
 
     # -- sliding/window over a long session: bounded renders, the history between counted
 
-    def _breaks(self, messages: Sequence[dict], flattened: bool) -> list[int]:
-        """``breaks[i]``: how many of ``messages[:i]`` are neither assistant turns nor tool
-        results. A chain never reaches across one: a template may render earlier turns anew
-        after a user turn (Qwen3 drops the reasoning of the turns before the last user query)."""
+    def _breaks(self, raw: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``breaks[i]``: how many of ``raw[:i]`` are neither assistant turns nor tool results
+        (as given: a flattened tool result is still one). A chain never reaches across one: a
+        template may render earlier turns anew after a user turn (Qwen3 drops the reasoning of
+        the turns before the last user query)."""
         memo = self._episode
         assert memo is not None
-        if flattened not in memo.breaks:
-            out = [0]
-            for message in messages:
-                out.append(out[-1] + (message.get("role") not in ("assistant", "tool")))
-            memo.breaks[flattened] = out
-        return memo.breaks[flattened]
+        if memo.breaks is None:
+            memo.breaks = [0]
+            for message in raw:
+                memo.breaks.append(memo.breaks[-1] + (message.get("role") not in ("assistant", "tool")))
+        return memo.breaks
 
     def _sizes(self, messages: Sequence[dict], flattened: bool, head_end: int) -> tuple[list[int], list[int]]:
         """The messages a window may start at (after the head, never a tool result) and the
@@ -690,7 +690,9 @@ class PromptBuilder:
         memo.visible[key] = (text[:cut], len(self.encoder.encode_once(text[:cut])))
         return memo.visible[key][1]
 
-    def _render_bounded(self, messages: Sequence[dict], m: int, hindsight: str | None, flattened: bool) -> _Rendered:
+    def _render_bounded(
+        self, raw: Sequence[Mapping[str, Any]], messages: Sequence[dict], m: int, hindsight: str | None, flattened: bool
+    ) -> _Rendered:
         """Step ``m`` on its chain: the whole history while the chain starts at the head's end,
         else the head (through the first user message, the hindsight block in the first) and the
         messages from the chain's start to the action. The ids between them are the chain's
@@ -699,7 +701,7 @@ class PromptBuilder:
         from the head's end."""
         memo = self._episode
         assert memo is not None
-        breaks = self._breaks(messages, flattened)
+        breaks = self._breaks(raw)
         head_end = _TurnIndex.head_of(messages)
         chain = memo.chains.get(flattened)
         if chain is None or not chain.last < m or not chain.start < m or breaks[m] != breaks[chain.last]:
