@@ -719,12 +719,12 @@ class PromptBuilder:
         return rendered
 
     def _advance(self, step: _Bounded, prefix_len: int) -> None:
-        """Move the chain of a step whose prefix passed BOUND_START (the whole history) or
-        BOUND_ADVANCE (a window) x max_context ids to the
-        latest start that leaves about BOUND_TARGET x max_context ids of messages (guessed from
-        the turns' own ids, then rendered: at least max_context must be there, so any tail
-        fits). The ids between the old start and the new one are this step's two renders'
-        difference: the whole history's length stays known."""
+        """Move the chain of a step whose prefix passed BOUND_START (a whole history) or
+        BOUND_ADVANCE (a window) x max_context ids to the latest start that leaves about
+        BOUND_TARGET x max_context ids of messages (guessed from their characters, then
+        rendered: at least max_context ids must follow the head, so any tail fits). The ids
+        between the old start and the new one are this step's two renders' difference: the
+        whole history's length stays known."""
         memo, chain, m = self._episode, step.chain, step.m
         bound = BOUND_START if chain.start <= step.head_end else BOUND_ADVANCE
         if memo is None or not memo.bounded or prefix_len <= bound * self.max_context:
