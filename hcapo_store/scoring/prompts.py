@@ -393,15 +393,18 @@ class _TurnIndex:
         """Where the head ends: after the first user message (the first message without one)."""
         return next((i + 1 for i, m in enumerate(messages) if m.get("role") == "user"), 1)
 
+    @staticmethod
+    def starts_of(messages: Sequence[Mapping[str, Any]], head_end: int) -> list[int]:
+        """The messages a window may start at: after the head, never a tool result."""
+        return [i for i in range(head_end, len(messages)) if messages[i].get("role") != "tool"]
+
     @classmethod
     def of(cls, messages: Sequence[Mapping[str, Any]], encoder: SegmentEncoder) -> _TurnIndex:
-        roles = [m.get("role") for m in messages]
         head_end = cls.head_of(messages)
         cum = [0]
         for n in encoder.count([_own_text(m) for m in messages]):
             cum.append(cum[-1] + n)
-        starts = [i for i in range(head_end, len(messages)) if roles[i] != "tool"]
-        return cls(head_end, starts, cum)
+        return cls(head_end, cls.starts_of(messages, head_end), cum)
 
     def starts_until(self, m: int) -> int:
         """How many starts a window ending at message ``m`` may take (0: ``m`` is in the head)."""
@@ -658,8 +661,7 @@ class PromptBuilder:
             chars = [0]
             for message in messages:
                 chars.append(chars[-1] + len(_own_text(message)))
-            starts = [i for i in range(head_end, len(messages)) if messages[i].get("role") != "tool"]
-            memo.sizes[flattened] = (starts, chars)
+            memo.sizes[flattened] = (_TurnIndex.starts_of(messages, head_end), chars)
         return memo.sizes[flattened]
 
     def _head_text(self, head: list[dict], hindsight: str | None, flattened: bool) -> str:
@@ -678,11 +680,11 @@ class PromptBuilder:
         according to what follows it: nothing can be counted then)."""
         memo = self._episode
         assert memo is not None
-        head_text = self._head_text(head, hindsight, flattened)
         key = (hindsight, flattened, start)
         known = memo.visible.get(key)
         if known is not None and text.startswith(known[0]):
             return known[1]
+        head_text = self._head_text(head, hindsight, flattened)
         cut = self.encoder.settled_cut(text, len(head_text)) if text.startswith(head_text) else None
         if cut is None:
             memo.stop_bounding("the template renders the first messages differently when turns are left out")
@@ -772,7 +774,8 @@ class PromptBuilder:
         bounded: list[int],
     ) -> str | None:
         """Compare the steps built on bounded renders with their whole-history build, at the
-        last one and halving back to the first (cost: about two renders of the whole session).
+        last one and halving back to the first (cost: about four renders of the whole session,
+        a prefix and a full one per build, the halving doubling the last one's).
         A count that went wrong stays wrong for the rest of its chain, so the last step sees
         it. Returns what differed, or None."""
         picks, n = set(), len(bounded) - 1
