@@ -32,35 +32,76 @@ EXTRAS = {
 }
 
 
-def _imported_top_level_modules() -> set[str]:
+def _imported_top_level_modules(sources: list[Path] = SOURCES) -> set[str]:
+    """The third-party top-level modules ``sources`` import (anywhere: at module level, in
+    functions, behind ``importorskip`` it is a call, so a test must import it plainly)."""
+    local = {path.stem for path in sources}  # tests/_tokenizers.py, bench's own helpers, ...
     names = set()
-    for path in SOURCES:
+    for path in sources:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    return names - set(sys.stdlib_module_names) - {"hcapo_store", "cli", "__future__"}
+    return names - set(sys.stdlib_module_names) - local - {"hcapo_store", "cli", "__future__"}
+
+
+def _undeclared(modules: set[str], declared: set[str]) -> list[str]:
+    """Each module whose distribution (or, not installed, its own name) is not in ``declared``."""
+    dists = packages_distributions()
+    missing = []
+    for module in sorted(modules):
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        if not names & declared:
+            missing.append(f"{module} (distribution {sorted(names)})")
+    return missing
 
 
 def _requirement_names(reqs: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
 
 
-def test_every_imported_package_is_declared():
+def _project() -> dict:
     tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _test_environment() -> set[str]:
+    """What the README's test command installs: the dependencies and the ``test`` extra."""
+    project = _project()
+    return _requirement_names(project["dependencies"]) | _requirement_names(project["optional-dependencies"]["test"])
+
+
+def test_every_imported_package_is_declared():
+    project = _project()
     core = _requirement_names(project["dependencies"])
     extras = {k: _requirement_names(v) for k, v in project["optional-dependencies"].items()}
-    dists = packages_distributions()
     missing = []
     for module in sorted(_imported_top_level_modules()):
-        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
-        declared = extras[EXTRAS[module]] if module in EXTRAS else core
-        if not names & declared:
-            missing.append(f"{module} (distribution {sorted(names)}) in {EXTRAS.get(module, 'dependencies')}")
+        where = EXTRAS.get(module, "dependencies")
+        declared = extras[where] if module in EXTRAS else core
+        missing += [f"{m} in {where}" for m in _undeclared({module}, declared)]
     assert not missing, "imported but not declared in pyproject.toml: " + "; ".join(missing)
     assert {"jinja2", "huggingface-hub", "orjson"} <= core
+
+
+@pytest.mark.parametrize("folder", ["tests", "bench"])
+def test_what_tests_and_bench_import_is_in_the_test_extra(folder):
+    """A fresh machine runs ``pip install -e '.[test]'`` and then the suite (bench/'s scripts
+    run in tests/test_bench_scripts.py): every package they import must come with it, or
+    collection fails there while a machine with the package installed by hand stays green."""
+    sources = sorted((ROOT / folder).rglob("*.py"))
+    missing = _undeclared(_imported_top_level_modules(sources), _test_environment())
+    assert not missing, f"{folder}/ imports what neither dependencies nor the test extra declare: " + "; ".join(missing)
+
+
+def test_an_undeclared_import_in_a_test_is_caught(tmp_path):
+    """The check above can fail: a test file that imports a package nobody declares."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import numpy\nfrom scipy import stats\nimport not_a_declared_package.sub\n")
+    sources = [*sorted((ROOT / "tests").glob("*.py")), probe]
+    missing = _undeclared(_imported_top_level_modules(sources), _test_environment())
+    assert [m.split(" ")[0] for m in missing] == ["not_a_declared_package"]
 
 
 def _cli_without(module: str, *args: str) -> subprocess.CompletedProcess:
