@@ -239,11 +239,11 @@ def main() -> None:
     from sqlalchemy import text
 
     from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.rendering.prompts import PromptBuilder
     from hcapo_store.scoring import scheduler as scheduler_mod
     from hcapo_store.scoring import work_queue
     from hcapo_store.scoring.backends.sglang import SGLangBackend
     from hcapo_store.scoring.job import ScoreConfig, prepare
-    from hcapo_store.scoring.prompts import PromptBuilder
     from hcapo_store.scoring.scheduler import RunOptions
     from hcapo_store.storage.store import Store
 

@@ -39,8 +39,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, PromptBuilder, PromptFailure, StepPrompt
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.rendering.prompts import HINDSIGHT_TEMPLATE, PromptBuilder
+from hcapo_store.rendering.requests import PromptFailure, StepPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
 
 # --------------------------------------------------------------------------- synthetic data
 
@@ -419,7 +420,7 @@ def time_episode_layout(
     builder: PromptBuilder, inputs: list[tuple[dict[str, Any], list[Any]]]
 ) -> tuple[float, list[list[Any]]]:
     """ms per step of the episode layout's requests (one rendering per episode) and its floor."""
-    from hcapo_store.scoring.episode_layout import conversation_tokens
+    from hcapo_store.rendering.episode_layout import conversation_tokens
     from hcapo_store.scoring.grouping import plan_requests
 
     built, steps, start = [], 0, time.perf_counter()

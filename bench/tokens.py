@@ -36,10 +36,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.scoring.episode_layout import conversation_tokens
-from hcapo_store.scoring.grouping import GroupPrompt, plan_requests
-from hcapo_store.scoring.prompts import PromptBuilder
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.rendering.episode_layout import conversation_tokens
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import GroupPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
+from hcapo_store.scoring.grouping import plan_requests
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store
 

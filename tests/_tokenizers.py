@@ -30,7 +30,7 @@ def real_tokenizer(name: str):
     path = SHARED_TOKENIZERS / name
     if not path.is_dir():
         pytest.skip(f"real tokenizer directory {path} is absent")
-    from hcapo_store.scoring.tokens import load_tokenizer
+    from hcapo_store.rendering.tokenizers import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -39,7 +39,7 @@ def named_tokenizer(name: str, tmp_path: Path, demo_tokenizer_dir: Path):
     """A tokenizer by test-parameter name: ``demo`` (the built-in demo tokenizer),
     ``chatml-bos`` (bos_tokenizer below) or a real one from ../shared (``qwen3``, ``qwen2.5``)."""
     if name == "demo":
-        from hcapo_store.scoring.tokens import load_tokenizer
+        from hcapo_store.rendering.tokenizers import load_tokenizer
 
         return load_tokenizer(demo_tokenizer_dir)
     if name == "chatml-bos":
@@ -72,7 +72,7 @@ def bos_tokenizer(tmp_path: Path, *, template: str = CHATML_WITH_BOS):
     )
     fast.chat_template = template
     fast.save_pretrained(tmp_path)
-    from hcapo_store.scoring.tokens import load_tokenizer
+    from hcapo_store.rendering.tokenizers import load_tokenizer
 
     return load_tokenizer(tmp_path)
 

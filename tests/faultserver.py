@@ -481,7 +481,8 @@ def step_requests(store: Any, builder: Any, grouping: str = "grouped") -> dict[s
     """The requests a run with all steps claimed sends: request key -> its steps' keys."""
     from sqlalchemy import text
 
-    from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
+    from hcapo_store.rendering.requests import GroupPrompt
+    from hcapo_store.scoring.grouping import group_prompts
     from hcapo_store.storage.episodes import load_episode
 
     out: dict[str, list[tuple[str, int]]] = {}

@@ -1,12 +1,13 @@
 """Per-step sliding/window prompts over long sessions: bounded renders whose prompts are the
-whole history's, at a cost linear in the session (scoring/prompts.py, docs/SCORING.md)."""
+whole history's, at a cost linear in the session (rendering/prompts.py, docs/SCORING.md)."""
 
 from __future__ import annotations
 
 import pytest
 from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, named_tokenizer
 
-from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import StepPrompt
 
 
 def _equal_to_whole_history(builder: PromptBuilder, seeds=range(3), **shape) -> list:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from _tokenizers import bos_tokenizer, episode, named_tokenizer
 
-from hcapo_store.scoring import chat_template
-from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
-from hcapo_store.scoring.prompts import inject_hindsight, normalize_messages
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.rendering import template as chat_template
+from hcapo_store.rendering.prompts import inject_hindsight, normalize_messages
+from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.tokenizers import load_tokenizer
 
 
 def _conversations() -> list[list[dict]]:

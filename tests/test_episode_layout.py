@@ -20,19 +20,18 @@ from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.episode_view import episode_view
-from hcapo_store.scoring.backends.base import GroupPrompt
-from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
-from hcapo_store.scoring.grouping import plan_requests_and_floor
-from hcapo_store.scoring.placement import Placer
-from hcapo_store.scoring.prompts import (
+from hcapo_store.rendering.episode_layout import EpisodeLayout, conversation_tokens
+from hcapo_store.rendering.placement import Placer
+from hcapo_store.rendering.prompts import (
     EPISODE_HINDSIGHT_TEMPLATE,
     PromptBuilder,
-    PromptFailure,
     hindsight_text,
     inject_hindsight,
     normalize_messages,
 )
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.rendering.requests import GroupPrompt, PromptFailure
+from hcapo_store.rendering.tokenizers import load_tokenizer
+from hcapo_store.scoring.grouping import plan_requests_and_floor
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store
 

@@ -26,9 +26,9 @@ from hcapo_store.outputs.episode_view import (
     write_episode_page,
 )
 from hcapo_store.outputs.report import write_report
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions
-from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage.store import Store
 
 VOID = {"meta", "input", "br", "hr", "img", "link"}

@@ -18,15 +18,16 @@ from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.devkit.tiny_model import build_tiny_model
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.rendering.prompts import PromptBuilder, hindsight_text
+from hcapo_store.rendering.requests import GroupPrompt, PromptFailure, StepPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.scoring.backends.inprocess import InProcessBackend
 from hcapo_store.scoring.backends.sglang import SGLangBackend
 from hcapo_store.scoring.backends.vllm import VLLMBackend
-from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
+from hcapo_store.scoring.grouping import group_prompts
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt, hindsight_text
 from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.scoring.scorer import scorer_label
-from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.storage.store import Store
 
 TOL = 1e-5

@@ -6,7 +6,18 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "hcapo_store"
-ABOVE_STORAGE = ("ingestion", "scoring", "credits", "outputs", "analysis", "cli", "devkit", "training", "online")
+ABOVE_STORAGE = (
+    "ingestion",
+    "rendering",
+    "scoring",
+    "credits",
+    "outputs",
+    "analysis",
+    "cli",
+    "devkit",
+    "training",
+    "online",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -44,6 +55,20 @@ def test_storage_imports_nothing_above_it():
         if name.startswith("hcapo_store.storage")
         for target in targets
         if target.split(".")[1] in ABOVE_STORAGE
+    ]
+    assert upward == []
+
+
+def test_rendering_sits_below_scoring_outputs_and_training():
+    """rendering/ (conversation -> text -> ids) is what scoring, outputs and training build on:
+    it imports none of them, nor the database (a rendering needs no store)."""
+    above = ("storage", "ingestion", "scoring", "credits", "outputs", "analysis", "cli", "devkit", "training", "online")
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in _graph(top_level_only=False).items()
+        if name.startswith("hcapo_store.rendering")
+        for target in targets
+        if target.split(".")[1] in above
     ]
     assert upward == []
 

@@ -157,8 +157,8 @@ def test_group_help_is_not_cut_and_db_after_the_command_gets_a_hint(runner, tmp_
 
 def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_tokenizer_dir, tmp_path):
     from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.rendering.prompts import HINDSIGHT_TEMPLATE
     from hcapo_store.scoring.job import ScoreConfig, prepare
-    from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE
     from hcapo_store.scoring.scorer import scorer_label
 
     other = tmp_path / "other-tokenizer"

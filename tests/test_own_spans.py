@@ -21,8 +21,8 @@ from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.outputs.alignment import EpisodeRenderer
-from hcapo_store.scoring.own_tokens import own_pieces
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.rendering.own_tokens import own_pieces
+from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 
@@ -129,7 +129,8 @@ def test_qwen3_policy_span_scores_no_template_tokens(thinking: bool) -> None:
     empty think block, no newline after <|im_end|>); the rendered span keeps both."""
     from _tokenizers import episode, real_tokenizer
 
-    from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure
+    from hcapo_store.rendering.prompts import PromptBuilder
+    from hcapo_store.rendering.requests import PromptFailure
 
     tok = real_tokenizer("qwen3")
     messages, outcome, steps = episode(5, steps=10, thinking=thinking, extra_user_turns=False)

@@ -160,7 +160,7 @@ def test_missing_pyarrow_is_one_line_naming_the_extra(tmp_path, monkeypatch):
 def test_prompts_render_without_the_private_transformers_helper(tmp_path, monkeypatch):
     from transformers.utils import chat_template_utils
 
-    from hcapo_store.scoring.prompts import PromptBuilder
+    from hcapo_store.rendering.prompts import PromptBuilder
 
     messages, outcome, steps = episode(3)
     # A template of its own (a comment makes it unique): transformers caches compiled templates.

@@ -34,10 +34,10 @@ from hcapo_store import clock
 from hcapo_store.cli import cli
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.scoring import work_queue
-from hcapo_store.scoring.prompts import PromptBuilder
 from hcapo_store.scoring.scorer import known_tokenizer_dirs, register, remember_tokenizer
-from hcapo_store.scoring.tokens import load_tokenizer
 from hcapo_store.status_report import status
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store

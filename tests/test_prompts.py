@@ -7,20 +7,19 @@ import json
 import pytest
 from _tokenizers import bos_tokenizer, episode, real_tokenizer
 
-from hcapo_store.scoring.chat_template import render_chat
-from hcapo_store.scoring.prompts import (
+from hcapo_store.rendering.prompts import (
     HINDSIGHT_TEMPLATE,
     TRUNCATION_MARKER,
     PromptBuilder,
-    PromptFailure,
-    StepPrompt,
     flatten_messages,
     hindsight_text,
     normalize_messages,
     template_hash,
 )
-from hcapo_store.scoring.segments import SegmentEncoder
-from hcapo_store.scoring.tokens import tokenizer_fingerprint
+from hcapo_store.rendering.requests import PromptFailure, StepPrompt
+from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.template import render_chat
+from hcapo_store.rendering.tokenizers import tokenizer_fingerprint
 
 OUTCOME = {
     "reward": 0.4795,

@@ -12,12 +12,13 @@ from sqlalchemy import text
 from transformers import PreTrainedTokenizerBase
 
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import StepPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.scoring import job
+from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS
 from hcapo_store.scoring.job import ScoreConfig, prepare
-from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt
-from hcapo_store.scoring.rendering import PROBE_MESSAGES, PROBE_OUTCOME, PROBE_STEPS
 from hcapo_store.scoring.scorer import register
-from hcapo_store.scoring.tokens import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.rendering.prompts import PromptBuilder, hindsight_text
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.prompts import PromptBuilder, hindsight_text
 from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.scoring.scorer import scorer_label
 from hcapo_store.storage.episodes import load_episode
@@ -86,7 +86,7 @@ def model(tiny_model_dir: Path) -> Any:
 
 
 def _normalize(message: dict[str, Any]) -> dict[str, Any]:
-    """Written here from docs/SCORING.md (arguments as mappings), independently of hcapo_store.scoring.prompts."""
+    """Written here from docs/SCORING.md (arguments as mappings), independently of hcapo_store.rendering.prompts."""
     out = {k: v for k, v in message.items() if v is not None}
     calls = []
     for call in out.get("tool_calls") or []:

@@ -351,7 +351,7 @@ def test_retry_after_is_honoured_and_unreachable_server_is_a_clean_error(
 )
 def test_parse_response_rejects_what_the_fast_path_must_not_accept(bad, kind):
     from hcapo_store.errors import InferenceError
-    from hcapo_store.scoring.prompts import StepPrompt
+    from hcapo_store.rendering.requests import StepPrompt
 
     prompt = StepPrompt(
         step_index=0,

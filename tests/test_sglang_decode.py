@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from hcapo_store.errors import InferenceError
+from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.sglang import FlatEntries, decode_generate, parse_response
-from hcapo_store.scoring.prompts import StepPrompt
 
 IDS = [random.Random(7).randrange(1, 150_000) for _ in range(40)]
 PROMPT = StepPrompt(

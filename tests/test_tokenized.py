@@ -17,8 +17,8 @@ from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.alignment import EpisodeRenderer
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.outputs.tokenized import IGNORE_INDEX
-from hcapo_store.scoring.prompts import normalize_messages
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.rendering.prompts import normalize_messages
+from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 import pytest
 from _tokenizers import bos_tokenizer, episode, named_tokenizer, real_tokenizer
 
-from hcapo_store.scoring.prompts import (
+from hcapo_store.rendering.prompts import (
     TRUNCATION_MARKER,
     PromptBuilder,
-    PromptFailure,
-    StepPrompt,
     hindsight_text,
     inject_hindsight,
     normalize_messages,
 )
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.rendering.requests import PromptFailure, StepPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
 
 
 def _by_the_rule(tok, messages, outcome, step, max_context):

@@ -18,10 +18,10 @@ import pytest
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.sglang import SGLangBackend
 from hcapo_store.scoring.backends.vllm import VLLMBackend, build_payload, parse_response
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
-from hcapo_store.scoring.prompts import StepPrompt
 from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.storage.store import Store
 

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from _tokenizers import episode
 
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.scoring.backends.vllm import VLLMBackend
-from hcapo_store.scoring.grouping import GroupPrompt, group_prompts
-from hcapo_store.scoring.prompts import PromptBuilder, StepPrompt
-from hcapo_store.scoring.tokens import load_tokenizer
+from hcapo_store.scoring.grouping import group_prompts
 
 URL = os.environ.get("HCAPO_VLLM_URL")
 pytestmark = pytest.mark.skipif(not URL, reason="set HCAPO_VLLM_URL to a running vLLM server to run this test")

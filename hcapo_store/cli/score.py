@@ -13,8 +13,8 @@ import click
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, int_range
+from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 from hcapo_store.scoring import defaults
-from hcapo_store.scoring.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 
 # What makes a scorer and how one process scores: shared by ``score`` and ``follow``.
 SCORER_OPTIONS = [

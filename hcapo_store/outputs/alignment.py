@@ -1,14 +1,14 @@
 """Where each step's own tokens sit in the trainer's whole-conversation rendering.
 
 The row a trainer sees is one rendering of the whole episode. For the step at message
-``m``, the policy's own tokens are found in that rendering by ``scoring/own_tokens.py``: the
+``m``, the policy's own tokens are found in that rendering by ``rendering/own_tokens.py``: the
 whole episode is rendered again with message ``m`` replaced by an empty assistant turn, and
 the characters that differ are the step's own (reasoning, text, tool calls), plus the
 end-of-turn token; role headers and inserted wrappers (Qwen3's empty think block on the last
 turn) are the template's and never weighted. The characters become token positions through
 the tokenizer's offsets, and every span is checked: its tokens decode to exactly the text
 they cover, and that text holds each piece of the message. (``whole``: placed in time linear
-in the episode by ``scoring/placement.py``, the rule applied step by step only where a
+in the episode by ``rendering/placement.py``, the rule applied step by step only where a
 template needs it.) A step whose own text is not in
 the rendering (Qwen3 leaves out the reasoning of turns before the last user message) is
 refused with a reason, never moved or weighted in part.
@@ -37,16 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import ExportError
-from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
-from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
-from hcapo_store.scoring.placement import Placer
-from hcapo_store.scoring.prompts import (
+from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
+from hcapo_store.rendering.placement import Placer
+from hcapo_store.rendering.prompts import (
     flatten_messages,
     normalize_messages,
 )
+from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
-from hcapo_store.scoring.segments import SegmentEncoder
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.store import Store
 
 RENDERINGS = ("turns", "whole")
@@ -95,7 +95,7 @@ class EpisodeRenderer:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
     def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
-        placement = self.placer.place(msgs, sorted(steps, key=lambda s: s[1]))  # linear; scoring/placement.py
+        placement = self.placer.place(msgs, sorted(steps, key=lambda s: s[1]))  # linear; rendering/placement.py
         spans = {index: (span.start, span.end) for index, span in placement.spans.items()}
         return Alignment(placement.ids, spans, dict(placement.refused), flattened=flattened)
 

@@ -140,7 +140,7 @@ class TokenRebuilder:
 
     def __init__(self, store: Store, scorer_id: str, tokenizer_dir: str | Path) -> None:
         from hcapo_store.outputs.alignment import scorer_tokenizer
-        from hcapo_store.scoring.prompts import (
+        from hcapo_store.rendering.prompts import (
             HINDSIGHT_TEMPLATE,
             PromptBuilder,
             PromptLayout,
@@ -171,8 +171,8 @@ class TokenRebuilder:
         )
 
     def add_tokens(self, view: EpisodeView) -> None:
+        from hcapo_store.rendering.requests import PromptFailure, StepPrompt
         from hcapo_store.scoring.grouping import plan_requests
-        from hcapo_store.scoring.prompts import PromptFailure, StepPrompt
 
         if view.scorer_id != self.scorer_id:
             view.notes.append("no token heat maps: the tokenizer was checked for another scorer")

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
-from hcapo_store.scoring.episode_layout import EpisodeLayout, conversation_tokens
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt, read_field
+from hcapo_store.rendering.episode_layout import EpisodeLayout, conversation_tokens
+from hcapo_store.rendering.prompts import PromptBuilder, read_field
+from hcapo_store.rendering.requests import GroupPrompt, PromptFailure, StepPrompt
 
 Grouping = Literal["per-step", "grouped"]
 GROUPINGS: tuple[Grouping, ...] = ("per-step", "grouped")
@@ -98,17 +98,3 @@ def plan_requests_and_floor(
     # encoded (counting the floor on its own took about as long as the whole build).
     floor = conversation_tokens(builder, messages, outcome, all_steps, keep_pieces=True)
     return plan_requests(builder, messages, outcome, steps, grouping=grouping), floor
-
-
-def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:
-    """One request's verified result → one result per member (request facts shared)."""
-    return [
-        BackendScore(
-            logprobs=values,
-            prompt_tokens=result.prompt_tokens,
-            cached_tokens=result.cached_tokens,
-            latency_s=result.latency_s,
-            model_id=result.model_id,
-        )
-        for values in group.split(result.logprobs)
-    ]

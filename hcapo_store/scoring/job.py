@@ -16,10 +16,7 @@ import httpx
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.masking import mask_url
-from hcapo_store.scoring import defaults, work_queue
-from hcapo_store.scoring.backends.base import Backend
-from hcapo_store.scoring.grouping import Grouping, plan_requests
-from hcapo_store.scoring.prompts import (
+from hcapo_store.rendering.prompts import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_LOGPROB_TOKENS,
     HINDSIGHT_TEMPLATE,
@@ -27,17 +24,20 @@ from hcapo_store.scoring.prompts import (
     PROMPT_LAYOUTS,
     ActionSpan,
     PromptBuilder,
-    PromptFailure,
     PromptLayout,
     Truncation,
     check_hindsight_template,
     layout_template,
     template_hash,
 )
-from hcapo_store.scoring.rendering import library_versions, rendering_fingerprint
+from hcapo_store.rendering.requests import PromptFailure
+from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.scoring import defaults, work_queue
+from hcapo_store.scoring.backends.base import Backend
+from hcapo_store.scoring.fingerprint import library_versions, rendering_fingerprint
+from hcapo_store.scoring.grouping import Grouping, plan_requests
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store
@@ -69,7 +69,7 @@ class ScoreConfig:
     action_span: ActionSpan = defaults.ACTION_SPAN  # or "policy": only the policy's own tokens are scored
     hindsight: bool = True  # False: the same prompts without the outcome, π(a|s) (a baseline scorer)
     # "episode": the conversation rendered once per episode, every step scored in place
-    # (scoring/episode_layout.py); its own scorer. truncation/action_span/grouping do not apply.
+    # (rendering/episode_layout.py); its own scorer. truncation/action_span/grouping do not apply.
     prompt_layout: PromptLayout = defaults.PROMPT_LAYOUT
     # The policy's weights (online RL): part of the scorer, so one credit run never mixes versions.
     # None: the version the server reports (SGLang's weight_version), if any besides "default".

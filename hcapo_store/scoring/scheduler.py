@@ -37,11 +37,12 @@ import numpy as np
 
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import GroupPrompt, PromptFailure, StepPrompt
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
-from hcapo_store.scoring.grouping import Grouping, GroupPrompt, plan_requests_and_floor
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
+from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.models import WORKER_ID_LENGTH

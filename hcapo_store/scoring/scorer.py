@@ -34,7 +34,7 @@ def scorer_label(spec: dict[str, Any]) -> str:
     """A readable name that differs when the main parts of the spec differ (the id is the
     spec's hash; the label is not part of it, so stored ids never change with it)."""
     from hcapo_store.ingestion.sources import ConvertOptions
-    from hcapo_store.scoring.prompts import HINDSIGHT_TEMPLATE, template_hash
+    from hcapo_store.rendering.prompts import HINDSIGHT_TEMPLATE, template_hash
 
     b = spec["backend"]
     model = b.get("model") or b.get("server_model") or "?"

@@ -22,9 +22,10 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.errors import ScoringError
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import PromptFailure
+from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring.scorer import resolve_scorer, scorer_spec
-from hcapo_store.scoring.tokens import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store

@@ -63,7 +63,7 @@ def check_tokenizer(rows: Iterable[Mapping[str, Any]], tokenizer: Any, tokenizer
     ``tokenizer_dir`` is the directory the tokenizer was loaded from (default: its
     ``name_or_path``); the fingerprint hashes its files, as the scorer's does.
     """
-    from hcapo_store.scoring.tokens import tokenizer_fingerprint
+    from hcapo_store.rendering.tokenizers import tokenizer_fingerprint
 
     theirs = rows_fingerprint(rows)
     where = tokenizer_dir if tokenizer_dir is not None else getattr(tokenizer, "name_or_path", None)

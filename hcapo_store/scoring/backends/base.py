@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.prompts import StepPrompt
+from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
 
 ROUTING_HEADER = "X-SMG-Routing-Key"  # the SGLang router's key for sticky routing (--policy manual)
 
@@ -48,46 +47,6 @@ class BackendScore:
     model_id: str | None = None
 
 
-@dataclass(frozen=True)
-class GroupPrompt:
-    """One request: ``input_ids`` is the last member's ids; every member's ids are a prefix of it."""
-
-    members: tuple[StepPrompt, ...]
-
-    @property
-    def input_ids(self) -> Sequence[int]:
-        return self.members[-1].input_ids
-
-    @property
-    def first_scored(self) -> int:
-        return self.members[0].first_scored
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """Per member, the positions ``[first_scored, end)`` of its scored tokens in ``input_ids``."""
-        return [(m.first_scored, len(m.input_ids)) for m in self.members]
-
-    def as_prompt(self) -> StepPrompt:
-        """The whole request as one prompt: every position from the first member's first
-        scored token to the end is scored (the backends' per-step path then verifies it)."""
-        last = self.members[-1]
-        return StepPrompt(
-            step_index=last.step_index,
-            input_ids=last.input_ids,
-            first_scored=self.first_scored,
-            total_action_tokens=0,
-            skipped_action_tokens=0,
-            truncated_prefix_tokens=0,
-            flattened=last.flattened,
-            routing_key=last.routing_key,
-        )
-
-    def split(self, logprobs: Sequence[T]) -> list[list[T]]:
-        """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
-        offset = self.first_scored
-        return [list(logprobs[start - offset : end - offset]) for start, end in self.spans]
-
-
 class Backend(Protocol):
     kind: str
 
@@ -107,3 +66,17 @@ class Backend(Protocol):
 
     async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
         """Score every member of a group with one request; one result per member, in order."""
+
+
+def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:
+    """One request's verified result → one result per member (request facts shared)."""
+    return [
+        BackendScore(
+            logprobs=values,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            latency_s=result.latency_s,
+            model_id=result.model_id,
+        )
+        for values in group.split(result.logprobs)
+    ]

@@ -31,9 +31,9 @@ import orjson  # 3-4x faster than json on the large id lists and logprob arrays
 
 from hcapo_store.errors import InferenceError
 from hcapo_store.masking import mask_credentials, mask_url, register_secret, register_url_secrets, split_query_token
-from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
+from hcapo_store.rendering.requests import GroupPrompt
+from hcapo_store.scoring.backends.base import BackendScore, split_score
 from hcapo_store.scoring.backends.wire import transport_for
-from hcapo_store.scoring.grouping import split_score
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 MODEL_CHANGED = "model_changed"  # InferenceError kind: the server now serves another model

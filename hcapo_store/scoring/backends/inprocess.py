@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.base import BackendScore, GroupPrompt
-from hcapo_store.scoring.prompts import StepPrompt
+from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
+from hcapo_store.scoring.backends.base import BackendScore
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from hcapo_store.errors import InferenceError, ScoringError
-from hcapo_store.scoring.backends.base import Backend, BackendScore, GroupPrompt
-from hcapo_store.scoring.prompts import StepPrompt
+from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
+from hcapo_store.scoring.backends.base import Backend, BackendScore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,9 +20,9 @@ import numpy as np
 import orjson
 
 from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
-from hcapo_store.scoring.prompts import StepPrompt
 
 
 def build_payload(prompt: StepPrompt, *, max_new_tokens: int = 0) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 
 from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
-from hcapo_store.scoring.prompts import StepPrompt
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
 DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (vLLM's SamplingParams)

@@ -33,14 +33,14 @@ import functools
 import hashlib
 import logging
 import string
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
-from hcapo_store.scoring.chat_template import PlainCache, TemplateRejected, memoize_sandbox_checks, render_chat
-from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
-from hcapo_store.scoring.segments import RenderState, SegmentEncoder
+from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
+from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
+from hcapo_store.rendering.segments import RenderState, SegmentEncoder
+from hcapo_store.rendering.template import PlainCache, TemplateRejected, memoize_sandbox_checks, render_chat
 from hcapo_store.tool_arguments import arguments_text, as_mapping
 
 PROMPT_BUILDER_VERSION = 1
@@ -58,7 +58,7 @@ Trajectory outcome:
 - Current subtask: {current_subtask}
 - Current subtask score: {current_subtask_score}"""
 
-# The episode layout (scoring/episode_layout.py) has one hindsight block per episode: the
+# The episode layout (rendering/episode_layout.py) has one hindsight block per episode: the
 # outcome, without the per-step "current subtask" lines, which have no single value there.
 EPISODE_HINDSIGHT_TEMPLATE = HINDSIGHT_TEMPLATE.split("\n- Current subtask:")[0]
 PER_STEP_PLACEHOLDERS = ("current_subtask", "current_subtask_score")
@@ -68,7 +68,6 @@ TRUNCATION_MARKER = "\n\n[... earlier trajectory context truncated; hindsight ou
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_MAX_LOGPROB_TOKENS = 2048
 
-FailureReason = Literal["alignment", "empty_action", "template"]
 ActionSpan = Literal["rendered", "policy"]
 ACTION_SPANS: tuple[ActionSpan, ...] = ("rendered", "policy")
 Truncation = Literal["sliding", "window", "turns"]
@@ -88,73 +87,6 @@ BOUND_ADVANCE = 1.35
 BOUND_TARGET = 1.1
 PromptLayout = Literal["per-step", "episode"]
 PROMPT_LAYOUTS: tuple[PromptLayout, ...] = ("per-step", "episode")
-
-
-class IdsPrefix(Sequence[int]):
-    """The first ``end`` ids of a shared list, without a copy: the steps of one episode-layout
-    window all end inside the window's ids, and copying them per step would be quadratic."""
-
-    __slots__ = ("_end", "_ids")
-
-    def __init__(self, ids: list[int], end: int) -> None:
-        if not 0 <= end <= len(ids):
-            raise ValueError(f"end {end} outside [0, {len(ids)}]")
-        self._ids, self._end = ids, end
-
-    def __len__(self) -> int:
-        return self._end
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            return self._ids[slice(*index.indices(self._end))]
-        if not -self._end <= index < self._end:
-            raise IndexError("IdsPrefix index out of range")
-        return self._ids[index % self._end]
-
-    def __iter__(self) -> Iterator[int]:
-        return islice(self._ids, self._end)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, (list, IdsPrefix)):
-            return NotImplemented
-        return len(other) == self._end and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"IdsPrefix({self._end} of {len(self._ids)} ids)"
-
-
-@dataclass(frozen=True)
-class StepPrompt:
-    """One scoring request: ``input_ids[first_scored:]`` are exactly the scored action tokens."""
-
-    step_index: int
-    input_ids: Sequence[int]  # a list, or an IdsPrefix of a window's ids (episode layout)
-    first_scored: int
-    total_action_tokens: int
-    skipped_action_tokens: int
-    truncated_prefix_tokens: int
-    flattened: bool
-    # An opaque key of the request's hindsight context (the episode) for routers that keep one
-    # context on one worker (SGLang router: X-SMG-Routing-Key); never text, a path or a secret.
-    # Not part of what is scored, so not part of equality.
-    routing_key: str | None = field(default=None, compare=False)
-
-    @property
-    def scored_tokens(self) -> int:
-        return len(self.input_ids) - self.first_scored
-
-
-@dataclass(frozen=True)
-class PromptFailure:
-    step_index: int
-    reason: FailureReason
-    message: str
 
 
 # --------------------------------------------------------------------------- hindsight
@@ -471,7 +403,7 @@ class PromptBuilder:
         self.truncation = truncation
         self.action_span = action_span
         self.hindsight = hindsight  # False: no outcome in the prompt (a baseline scorer)
-        # "episode": requests come from scoring/episode_layout.py (one rendering per episode);
+        # "episode": requests come from rendering/episode_layout.py (one rendering per episode);
         # build_episode below stays the per-step rule.
         self.layout = layout
         hindsight_template = layout_template(hindsight_template, layout)

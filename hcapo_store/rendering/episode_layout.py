@@ -31,15 +31,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hcapo_store.scoring.backends.base import GroupPrompt
-from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
-from hcapo_store.scoring.placement import Placement, Placer, place_with_fallback
-from hcapo_store.scoring.prompts import (
-    FailureReason,
-    IdsPrefix,
+from hcapo_store.rendering.placement import Placement, Placer, place_with_fallback
+from hcapo_store.rendering.prompts import (
     PromptBuilder,
-    PromptFailure,
-    StepPrompt,
     flatten_messages,
     hindsight_text,
     inject_hindsight,
@@ -47,6 +41,8 @@ from hcapo_store.scoring.prompts import (
     normalize_messages,
     read_field,
 )
+from hcapo_store.rendering.requests import FailureReason, GroupPrompt, IdsPrefix, PromptFailure, StepPrompt
+from hcapo_store.rendering.template import TemplateRejected, render_chat
 
 # A window after the first starts this fraction of the budget before its first step.
 CONTEXT_FRACTION = 2

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hcapo_store.scoring.segments import SegmentEncoder
+from hcapo_store.rendering.segments import SegmentEncoder
 
 EMPTY_TURN: dict[str, Any] = {"role": "assistant", "content": ""}
 

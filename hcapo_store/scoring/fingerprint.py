@@ -17,8 +17,9 @@ from array import array
 from importlib import metadata
 from typing import Any
 
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import PromptFailure, StepPrompt
 from hcapo_store.scoring.grouping import plan_requests
-from hcapo_store.scoring.prompts import PromptBuilder, PromptFailure, StepPrompt
 
 RENDERING_LIBRARIES = ("transformers", "tokenizers", "jinja2")
 

@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hcapo_store.scoring.chat_template import TemplateRejected, render_chat
-from hcapo_store.scoring.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars
-from hcapo_store.scoring.segments import SegmentEncoder
+from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars
+from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.template import TemplateRejected, render_chat
 
 # How many characters after a step's own text must agree in W and K to resume the walk there.
 RESYNC_CHARS = 64

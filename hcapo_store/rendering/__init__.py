@@ -1,0 +1,12 @@
+"""The rendering engine: conversation → text → token ids, below scoring, outputs and training.
+
+* ``template``: chat templates compiled in the project's own sandbox (the text of
+  ``apply_chat_template``);
+* ``tokenizers``: loading a tokenizer and its content fingerprint;
+* ``segments``: tokenizing rendered text piece by piece between added tokens, bit-identical
+  to the tokenizer;
+* ``own_tokens``: the policy's own characters of an action inside a rendering;
+* ``placement``: every step's own tokens placed in one rendering of the whole conversation;
+* ``prompts``: the per-step hindsight prompts (``requests``: what a prompt is in ids);
+* ``episode_layout``: one rendering per episode, cut into windowed requests.
+"""

@@ -1,0 +1,122 @@
+"""What a scoring request is, in ids: one step's prompt with the exact span of its action
+(:class:`StepPrompt`), a step that could not be built (:class:`PromptFailure`), and several
+steps served by one request (:class:`GroupPrompt`). The rendering engine makes them; the
+scheduler and the backends send them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Literal, TypeVar, overload
+
+FailureReason = Literal["alignment", "empty_action", "template"]
+
+T = TypeVar("T")
+
+
+class IdsPrefix(Sequence[int]):
+    """The first ``end`` ids of a shared list, without a copy: the steps of one episode-layout
+    window all end inside the window's ids, and copying them per step would be quadratic."""
+
+    __slots__ = ("_end", "_ids")
+
+    def __init__(self, ids: list[int], end: int) -> None:
+        if not 0 <= end <= len(ids):
+            raise ValueError(f"end {end} outside [0, {len(ids)}]")
+        self._ids, self._end = ids, end
+
+    def __len__(self) -> int:
+        return self._end
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._ids[slice(*index.indices(self._end))]
+        if not -self._end <= index < self._end:
+            raise IndexError("IdsPrefix index out of range")
+        return self._ids[index % self._end]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._ids, self._end)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, IdsPrefix)):
+            return NotImplemented
+        return len(other) == self._end and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"IdsPrefix({self._end} of {len(self._ids)} ids)"
+
+
+@dataclass(frozen=True)
+class StepPrompt:
+    """One scoring request: ``input_ids[first_scored:]`` are exactly the scored action tokens."""
+
+    step_index: int
+    input_ids: Sequence[int]  # a list, or an IdsPrefix of a window's ids (episode layout)
+    first_scored: int
+    total_action_tokens: int
+    skipped_action_tokens: int
+    truncated_prefix_tokens: int
+    flattened: bool
+    # An opaque key of the request's hindsight context (the episode) for routers that keep one
+    # context on one worker (SGLang router: X-SMG-Routing-Key); never text, a path or a secret.
+    # Not part of what is scored, so not part of equality.
+    routing_key: str | None = field(default=None, compare=False)
+
+    @property
+    def scored_tokens(self) -> int:
+        return len(self.input_ids) - self.first_scored
+
+
+@dataclass(frozen=True)
+class PromptFailure:
+    step_index: int
+    reason: FailureReason
+    message: str
+
+
+@dataclass(frozen=True)
+class GroupPrompt:
+    """One request: ``input_ids`` is the last member's ids; every member's ids are a prefix of it."""
+
+    members: tuple[StepPrompt, ...]
+
+    @property
+    def input_ids(self) -> Sequence[int]:
+        return self.members[-1].input_ids
+
+    @property
+    def first_scored(self) -> int:
+        return self.members[0].first_scored
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Per member, the positions ``[first_scored, end)`` of its scored tokens in ``input_ids``."""
+        return [(m.first_scored, len(m.input_ids)) for m in self.members]
+
+    def as_prompt(self) -> StepPrompt:
+        """The whole request as one prompt: every position from the first member's first
+        scored token to the end is scored (the backends' per-step path then verifies it)."""
+        last = self.members[-1]
+        return StepPrompt(
+            step_index=last.step_index,
+            input_ids=last.input_ids,
+            first_scored=self.first_scored,
+            total_action_tokens=0,
+            skipped_action_tokens=0,
+            truncated_prefix_tokens=0,
+            flattened=last.flattened,
+            routing_key=last.routing_key,
+        )
+
+    def split(self, logprobs: Sequence[T]) -> list[list[T]]:
+        """Per member, its scored values out of the values of ``input_ids[first_scored:]``."""
+        offset = self.first_scored
+        return [list(logprobs[start - offset : end - offset]) for start, end in self.spans]
