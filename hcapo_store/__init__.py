@@ -84,6 +84,13 @@ _EXPORTS: dict[str, str] = {
     "steps_frame": "hcapo_store.analysis.frames",
     "datasette_metadata": "hcapo_store.analysis.datasette",
     "DatasetteMetadata": "hcapo_store.analysis.datasette",
+    # online: the batches `follow` publishes
+    "BatchInfo": "hcapo_store.online.batches",
+    "BatchMember": "hcapo_store.online.batches",
+    "FailedEpisode": "hcapo_store.online.batches",
+    "BatchNotReady": "hcapo_store.errors",
+    "list_batches": "hcapo_store.online.batches",
+    "wait_for_batch": "hcapo_store.online.batches",
     "status": "hcapo_store.status_report",
     "StoreStatus": "hcapo_store.status_report",
     "WorkerStatus": "hcapo_store.status_report",
@@ -123,6 +130,7 @@ if TYPE_CHECKING:  # static tools see the real names
         show_run,
     )
     from hcapo_store.errors import (
+        BatchNotReady,
         CreditError,
         DatabaseFull,
         DatabaseLocked,
@@ -142,6 +150,7 @@ if TYPE_CHECKING:  # static tools see the real names
     )
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, list_batches, wait_for_batch
     from hcapo_store.outputs.episode_view import EpisodePage, write_episode_page
     from hcapo_store.outputs.export import DatasetExport, HindsightExport, export_dataset, export_hindsight_json
     from hcapo_store.outputs.report import ReportResult, write_report

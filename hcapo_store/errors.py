@@ -106,6 +106,10 @@ class InferenceError(HcapoError):
         super().__init__(f"{kind}: {message}")
 
 
+class BatchNotReady(HcapoError):
+    """``wait_for_batch`` timed out: the batch of that key or training step was not published."""
+
+
 class CreditError(HcapoError):
     """A credit run cannot be computed or found."""
 

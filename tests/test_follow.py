@@ -343,5 +343,9 @@ def test_failed_episodes_are_named_in_their_batch(tmp_path: Path, ref, tiny_mode
     assert r.exit_code == 1, r.output
     (b,) = _batches(db)
     assert b["status"] == "failed" and b["credit_run"] is None and b["failed"] == b["steps"] > 0
-    assert sorted(b["failed_episodes"]) == ["rollouts/step_0000/episode_001", "rollouts/step_0000/episode_002"]
+    assert [f["name"] for f in b["failed_episodes"]] == [
+        "rollouts/step_0000/episode_001",
+        "rollouts/step_0000/episode_002",
+    ]
+    assert all(f["stage"] == "score" and "failed for good" in f["reason"] for f in b["failed_episodes"])
     assert "failed episode(s) rollouts/step_0000/episode_001" in r.stderr

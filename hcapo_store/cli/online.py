@@ -118,7 +118,8 @@ def follow(
             if as_json:
                 click.echo(json.dumps(info.as_dict()))
             else:
-                failed = f", failed: {', '.join(info.failed_episodes)}" if info.failed_episodes else ""
+                failed = ", failed: " + ", ".join(f"{f.name} ({f.reason})" for f in info.failed_episodes)
+                failed = failed if info.failed_episodes else ""
                 click.echo(
                     f"batch {info.id} {info.key}: {info.episodes} episode(s), credit run "
                     f"{info.credit_run or '(none: every episode failed)'}, lag {info.lag_s:.2f} s{failed}"
@@ -167,7 +168,7 @@ def follow(
 @pass_ctx
 def batches(state: Ctx, since: int | None, as_json: bool) -> None:
     """List the batches `follow` published (the change feed): key, episodes, status, credit run."""
-    from hcapo_store.online.follow import list_batches
+    from hcapo_store.online.batches import list_batches
 
     rows = list_batches(state.store(create=False), since)
     if as_json:

@@ -47,6 +47,7 @@ from hcapo_store.credits.runs import compute_credits, scoped_run_hash
 from hcapo_store.errors import CreditError, InferenceError, StoreError, UsageError
 from hcapo_store.ingestion.pipeline import IngestReport, ingest
 from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions
+from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
 from hcapo_store.scoring.job import Prepared, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
 from hcapo_store.scoring.work_queue import Filters
@@ -72,27 +73,6 @@ class FollowConfig:
         if self.batch_by != "parent" and not (kind in ("tag", "field") and name):
             raise UsageError(f"--batch-by {self.batch_by!r}: use parent, tag:KEY or field:NAME")
         self.paths = [Path(p).resolve() for p in self.paths]
-
-
-@dataclass
-class BatchInfo:
-    id: int
-    key: str
-    episodes: int
-    steps: int
-    scored: int
-    failed: int
-    failed_episodes: list[str]
-    status: str
-    credit_run: str | None
-    weight_version: str | None
-    complete_at: str
-    ready_at: str
-    lag_s: float | None
-    superseded_by: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -188,7 +168,7 @@ def _unterminated_last_line(path: Path) -> int | None:
 
 
 EPISODES_SQL = """
-SELECT e.id, e.name, e.source_path, e.ingested_at, e.num_steps,
+SELECT e.id, e.name, e.external_id, e.version, e.source_path, e.ingested_at, e.num_steps,
        (SELECT COUNT(*) FROM steps s JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
         WHERE s.episode_id = e.id) AS scored,
        (SELECT COUNT(*) FROM steps s JOIN attempts a ON a.step_id = s.id AND a.scorer_id = :scorer
@@ -351,7 +331,7 @@ class Follower:
                 self.status.last_lag = info.lag_s
                 if info.failed_episodes:
                     self.status.failures.append(
-                        f"batch {info.id} ({key}): failed episode(s) {', '.join(info.failed_episodes)}"
+                        f"batch {info.id} ({key}): failed episode(s) {', '.join(f.name for f in info.failed_episodes)}"
                     )
 
     def _publish_one(
@@ -361,7 +341,13 @@ class Follower:
         batch_hash = scoped_run_hash(self.prep.scorer_id, self.cfg.params, ids)
         if _already_there(self.store, batch_hash):
             return None  # published already (by us before a restart, or by another follower)
-        failed = sorted(m["name"] for m in members if m["failed"])
+        failed = [
+            FailedEpisode(
+                m["name"], f"{m['failed']} of {m['num_steps']} step(s) failed for good", "score", m["external_id"]
+            )
+            for m in sorted(members, key=lambda m: m["name"])
+            if m["failed"]
+        ]
         run_name: str | None = None
         run_id: int | None = None
         try:
@@ -378,7 +364,7 @@ class Follower:
             "steps": sum(int(m["num_steps"]) for m in members),
             "scored": sum(int(m["scored"]) for m in members),
             "failed": sum(int(m["failed"]) for m in members),
-            "failed_episodes": canonical_json(failed) if failed else None,
+            "failed_episodes": failed_json(failed),
             "scorer": self.prep.scorer_id,
             "run_id": run_id,
             "run": run_name,
@@ -427,6 +413,10 @@ class Follower:
             row["complete_at"],
             row["ready_at"],
             row["lag"],
+            members=[
+                BatchMember(m["name"], m["external_id"], int(m["id"]), int(m["version"]))
+                for m in sorted(members, key=lambda m: m["name"])
+            ],
         )
 
     # -- one round ------------------------------------------------------------------------------
@@ -610,38 +600,3 @@ def follow(
         assert waiter is not None
         waiter.wait()
     return FollowResult(cycles, batches, follower.status, "signal")
-
-
-# ---- the change feed --------------------------------------------------------------------------
-
-
-def list_batches(store: Store, since: int | None = None) -> list[BatchInfo]:
-    """Published batches in id order (``since``: only ids above it)."""
-    with db.read(store.engine) as conn:
-        rows = conn.execute(
-            text(
-                "SELECT id, key, episodes, steps, scored, failed, failed_episodes, status, credit_run, "
-                "weight_version, complete_at, ready_at, lag_s, superseded_by FROM batches "
-                "WHERE id > :since ORDER BY id"
-            ),
-            {"since": since if since is not None else -1},
-        ).mappings()
-        return [
-            BatchInfo(
-                id=r["id"],
-                key=r["key"],
-                episodes=r["episodes"],
-                steps=r["steps"],
-                scored=r["scored"],
-                failed=r["failed"],
-                failed_episodes=json.loads(r["failed_episodes"]) if r["failed_episodes"] else [],
-                status=r["status"],
-                credit_run=r["credit_run"],
-                weight_version=r["weight_version"],
-                complete_at=r["complete_at"],
-                ready_at=r["ready_at"],
-                lag_s=r["lag_s"],
-                superseded_by=r["superseded_by"],
-            )
-            for r in rows
-        ]
