@@ -29,7 +29,7 @@ from hcapo_store.errors import TrainingDataError
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.storage.store import Store
 from hcapo_store.training.data import check_tokenizer, read_rows
-from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset
+from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_tokenized_export
 
 
 def _config(tmp_path: Path, **kw) -> SFTConfig:
@@ -91,7 +91,7 @@ def test_the_loss_is_the_advantage_weighted_nll(
     exported: Path, tiny_model_dir: Path, tmp_path: Path, normalize: str
 ) -> None:
     trainer = WeightedSFTTrainer(
-        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(exported), normalize=normalize
+        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(exported), normalize=normalize
     )
     rows = read_rows(exported)[:8]
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
@@ -105,7 +105,7 @@ def test_the_loss_is_the_advantage_weighted_nll(
 
 
 def test_training_lowers_the_weighted_loss(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    ds = load_dataset(exported)
+    ds = load_tokenized_export(exported)
     config = _config(tmp_path, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
     config.per_device_train_batch_size = len(ds)
     trainer = WeightedSFTTrainer(str(tiny_model_dir), args=config, train_dataset=ds)
@@ -170,14 +170,14 @@ def test_signed_advantages_of_the_paper_variant(
     export_dataset(store, out, "p", layout="tokenized", tokenizer=tiny_model_dir)
     rows = read_rows(out)
     assert any(a < 0 for r in rows for a in r["advantages"])
-    trainer = WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(out))
+    trainer = WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(min(8, len(rows)))])
     model = trainer.model.eval()
     with torch.no_grad():
         got = float(trainer.compute_loss(model, batch))
     assert got == pytest.approx(_independent_loss(model, rows[:8], "tokens"), rel=1e-4)
     weights = WeightedSFTTrainer(
-        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_dataset(out), normalize="weights"
+        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out), normalize="weights"
     )
     with pytest.raises(ValueError, match="non-negative"):
         weights.compute_loss(model, batch)
@@ -208,7 +208,13 @@ def test_the_model_must_match_its_vocabulary(exported: Path, tiny_model_dir: Pat
         WeightedSFTTrainer(
             model,
             args=_config(tmp_path),
-            train_dataset=load_dataset(exported),
+            train_dataset=load_tokenized_export(exported),
             processing_class=tok,
             tokenizer_dir=tiny_model_dir,
         )
+
+
+def test_the_loader_does_not_shadow_datasets_load_dataset() -> None:
+    import hcapo_store.training.trl_sft as trl_sft
+
+    assert not hasattr(trl_sft, "load_dataset") and "load_dataset" not in trl_sft.__all__

@@ -1,7 +1,7 @@
 """TRL's ``SFTTrainer`` with per-token advantages from a tokenized export.
 
-    from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_dataset
-    rows = load_dataset("train.jsonl")
+    from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_tokenized_export
+    rows = load_tokenized_export("train.jsonl")
     trainer = WeightedSFTTrainer(model=MODEL_DIR, args=SFTConfig(output_dir="out"), train_dataset=rows)
     trainer.train()
 
@@ -27,8 +27,9 @@ from hcapo_store.training.data import as_model_inputs, check_tokenizer, read_row
 from hcapo_store.training.loss import NORMALIZE, weighted_nll
 
 
-def load_dataset(path: str | Path) -> Dataset:
-    """A tokenized export file as a ``datasets.Dataset`` (all its columns)."""
+def load_tokenized_export(path: str | Path) -> Dataset:
+    """A tokenized export file as a ``datasets.Dataset`` (all its columns). Not named
+    ``load_dataset``: that would shadow ``datasets.load_dataset`` in a trainer script."""
     return Dataset.from_list(read_rows(path))
 
 
@@ -174,4 +175,4 @@ class WeightedSFTTrainer(SFTTrainer):
         return (loss, outputs) if return_outputs else loss
 
 
-__all__ = ["COLUMNS", "WeightedCollator", "WeightedSFTTrainer", "load_dataset"]
+__all__ = ["COLUMNS", "WeightedCollator", "WeightedSFTTrainer", "load_tokenized_export"]
