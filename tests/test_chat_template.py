@@ -1,8 +1,10 @@
-"""``render_chat`` is ``apply_chat_template(tokenize=False)``, character for character.
+"""``render_chat`` is ``apply_chat_template(tokenize=False)``, character for character,
+rendered in our own sandbox (``ChatSandbox``) while transformers' stays untouched.
 
-Real tokenizers and templates (Qwen3 and Qwen2.5 from ../shared when present, the demo
-tokenizer, a BOS-emitting ChatML); every prefix of synthetic agent conversations, with and
-without the generation prompt, in the stored shape and normalized (arguments as mappings).
+Real tokenizers and templates (every one in ../shared/tokenizers when present, the demo
+tokenizer, a BOS-emitting ChatML); every prefix of synthetic agent conversations and of the
+sample episodes, with and without the generation prompt, with and without tools, in the
+stored shape and normalized (arguments as mappings).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def _conversations() -> list[list[dict]]:
     return out
 
 
-def _direct(tok):
-    return chat_template._DirectRenderer.of(tok)
+def _direct(tok, tools=None):
+    return chat_template._DirectRenderer.of(tok, tools)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "demo", "chatml-bos"])
@@ -97,7 +99,7 @@ def test_messages_checked_once_per_episode_render_as_fresh_ones(tmp_path, demo_t
     assert len(known) == 2 * (len(messages) - 1)
 
 
-# --- the sandbox's attribute lookup on plain dicts (memoize_sandbox_checks) -------------------
+# --- our sandbox: the same answers as jinja2's, in less work ---------------------------------
 
 
 class _Sub(dict):
@@ -119,24 +121,26 @@ class _Sub(dict):
 def test_the_fast_dict_lookup_answers_as_the_sandbox_does(obj):
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment()
-    fast = chat_template.fast_getattr(env)
+    env = ImmutableSandboxedEnvironment()  # jinja2's own, the reference
+    ours = chat_template.ChatSandbox()
     names = ["role", "content", "missing", "items", "keys", "get", "_private", "__class__", "__init__", "format"]
     for name in [*names, "upper", "startswith", "split", "format_map", "mro", "append", 3, ("t",)]:
-        try:
-            theirs = SandboxedEnvironment.getattr(env, obj, name)
-        except TypeError:  # a name that is not a string
-            with pytest.raises(TypeError):
-                fast(obj, name)
-            continue
-        ours = fast(obj, name)
-        assert type(ours) is type(theirs), (obj, name)
-        if isinstance(theirs, jinja2_undefined()):
-            assert (ours._undefined_obj, ours._undefined_name) == (theirs._undefined_obj, theirs._undefined_name)
-        elif callable(theirs):
-            assert getattr(ours, "__name__", None) == getattr(theirs, "__name__", None), (obj, name)
-        else:
-            assert ours == theirs, (obj, name)
+        for _ in range(2):  # the second lookup reads the memoized verdicts
+            try:
+                theirs = SandboxedEnvironment.getattr(env, obj, name)
+            except TypeError:  # a name that is not a string
+                with pytest.raises(TypeError):
+                    ours.getattr(obj, name)
+                continue
+            got = ours.getattr(obj, name)
+            assert type(got) is type(theirs), (obj, name)
+            if isinstance(theirs, jinja2_undefined()):
+                assert (got._undefined_obj, got._undefined_name) == (theirs._undefined_obj, theirs._undefined_name)
+                assert got._undefined_exception is theirs._undefined_exception, (obj, name)  # SecurityError stays
+            elif callable(theirs):
+                assert getattr(got, "__name__", None) == getattr(theirs, "__name__", None), (obj, name)
+            else:
+                assert got == theirs, (obj, name)
 
 
 def _unsafe() -> str:
@@ -156,7 +160,7 @@ def test_the_fast_call_answers_as_the_sandbox_does():
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment()
-    fast = chat_template.fast_call(env)
+    ours = chat_template.ChatSandbox()
     context = env.from_string("").new_context({})
     text = "<think>\nreasoning\n</think>\n\n  answer  "
     calls = [
@@ -175,14 +179,14 @@ def test_the_fast_call_answers_as_the_sandbox_does():
     for func, args, kwargs in calls:
         for extra in ({}, {"_loop_vars": {"x": 1}, "_block_vars": {}}):
             theirs = SandboxedEnvironment.call(env, context, func, *args, **kwargs, **extra)
-            assert fast(context, func, *args, **kwargs, **extra) == theirs, (func, args, extra)
+            assert ours.call(context, func, *args, **kwargs, **extra) == theirs, (func, args, extra)
     with pytest.raises(TypeError):  # a wrong argument fails the same way on both paths
         SandboxedEnvironment.call(env, context, text.split, 3)
     with pytest.raises(TypeError):
-        fast(context, text.split, 3)
+        ours.call(context, text.split, 3)
     for call in (
         lambda: SandboxedEnvironment.call(env, context, _unsafe),
-        lambda: fast(context, _unsafe),
+        lambda: ours.call(context, _unsafe),
     ):
         with pytest.raises(SecurityError):
             call()
@@ -194,23 +198,167 @@ def jinja2_undefined() -> type:
     return Undefined
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "demo", "chatml-bos"])
-def test_the_patched_sandbox_renders_as_a_fresh_one(name, tmp_path, demo_tokenizer_dir):
-    """transformers compiles a template once and shares it, so apply_chat_template renders with
-    the patched environment too; here the reference is a fresh, unpatched compilation."""
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file: returns its text",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {"type": "function", "function": {"name": "run", "description": "Run a shell command, <b>&</b> é 東京"}},
+]
+
+
+def _shared_template_names() -> list[str]:
+    """Every tokenizer directory in ../shared/tokenizers (skips when absent), and ours."""
+    from _shared import TOKENIZERS
+
+    shared = sorted(p.name for p in TOKENIZERS.iterdir() if p.is_dir()) if TOKENIZERS.is_dir() else []
+    return [*shared, "demo", "chatml-bos"]
+
+
+@pytest.mark.parametrize("name", _shared_template_names())
+def test_with_tools_every_prefix_renders_as_apply_chat_template_does(name, tmp_path, demo_tokenizer_dir):
+    """Tools reach the template as apply_chat_template hands them (Qwen lists them in the system
+    turn); our sandbox renders them, after the first render agreed."""
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
+    for messages in _conversations()[:2]:
+        for end in range(1, len(messages) + 1):
+            for generation in (False, True):
+                expected = tok.apply_chat_template(
+                    messages[:end], tokenize=False, add_generation_prompt=generation, tools=TOOLS
+                )
+                assert render_chat(tok, messages[:end], generation=generation, tools=TOOLS) == expected
+    direct = chat_template._DirectRenderer.of(tok, TOOLS)
+    assert direct is not None and direct.agreed
+
+
+def _sample_conversations(tmp_path) -> list[list[dict]]:
+    """The sample episodes (../shared, else the project's examples), ingested and loaded back
+    as ``score`` loads them."""
+    from _shared import EXAMPLES, SAMPLES
+    from sqlalchemy import text
+
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.ingestion.sources import ConvertOptions
+    from hcapo_store.storage.episodes import load_episode
+    from hcapo_store.storage.store import Store
+
+    root = SAMPLES if SAMPLES.exists() else EXAMPLES
+    out = []
+    for thinking in (False, True):
+        store = Store.open(str(tmp_path / f"samples-{thinking}.db"))
+        try:
+            ingest(store, [root], options=ConvertOptions(include_thinking=thinking))
+            with store.engine.connect() as conn:
+                ids = conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id")).scalars().all()
+                out += [load_episode(conn, i).messages for i in ids]
+        finally:
+            store.close()
+    return out
+
+
+@pytest.mark.parametrize("name", _shared_template_names())
+def test_the_sample_episodes_render_as_apply_chat_template_does(name, tmp_path, demo_tokenizer_dir):
+    """Every prefix of every sample episode ending at an assistant turn (the renders a per-step
+    prompt makes), stored and normalized, with and without the generation prompt."""
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
+    conversations = _sample_conversations(tmp_path)
+    assert conversations
+    rendered = 0
+    for stored in conversations:
+        for messages in (stored, normalize_messages(inject_hindsight(stored, "Outcome: reward 1.0"))):
+            ends = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"][:12]
+            for end in ends:
+                for generation in (False, True):
+                    try:
+                        expected = tok.apply_chat_template(
+                            messages[:end], tokenize=False, add_generation_prompt=generation
+                        )
+                    except Exception:  # the template refuses: so does render_chat
+                        with pytest.raises(TemplateRejected):
+                            render_chat(tok, messages[:end], generation=generation)
+                        continue
+                    assert render_chat(tok, messages[:end], generation=generation) == expected
+                    rendered += 1
+    assert rendered > 20
+    assert _direct(tok) is not None and _direct(tok).agreed
+
+
+ESCAPES = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__base__ }}",
+    "{{ raise_exception.__globals__['os'] }}",
+    "{{ '{0.__class__.__base__}'.format(messages) }}",
+    "{{ dict.__call__.__globals__ }}",
+    "{% set ns = namespace(_x=1) %}{{ ns }}",
+]
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_transformers_sandbox_is_untouched_after_we_render(escape, tmp_path, demo_tokenizer_dir):
+    """After hcapo-store has rendered (a prompt builder built steps, render_chat agreed and
+    rendered in our sandbox), a template that tries to escape the sandbox still raises
+    SecurityError through ``tokenizer.apply_chat_template`` in the same process, and
+    transformers' environment object is jinja2's class with nothing set on it. Ours refuses
+    the same templates."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
-    chat_template.memoize_sandbox_checks(tok)
-    template = tok.get_chat_template()
-    patched = _compile_jinja_template(template)
-    assert {"getattr", "call"} <= set(vars(patched.environment))  # the fast lookup and call are on
-    fresh = _compile_jinja_template.__wrapped__(template)
-    assert not {"getattr", "call"} & set(vars(fresh.environment))
-    variables = dict(_direct(tok).variables) if _direct(tok) is not None else {}
-    for messages in _conversations():
-        plain = normalize_messages(messages)
-        for end in range(1, len(plain) + 1):
+    from hcapo_store.rendering.prompts import PromptBuilder
+
+    tok = load_tokenizer(demo_tokenizer_dir)
+    messages, outcome, steps = episode(2, steps=6, tool_chars=200)
+    builder = PromptBuilder(tok, max_context=400)
+    assert builder.build_episode(messages, outcome, steps)
+    assert _direct(tok) is not None and _direct(tok).agreed  # our sandbox did the rendering
+
+    theirs = _compile_jinja_template(tok.get_chat_template()).environment
+    assert type(theirs) is ImmutableSandboxedEnvironment
+    assert not {"getattr", "call", "is_safe_attribute", "is_safe_callable"} & set(vars(theirs))
+    with pytest.raises(SecurityError):
+        tok.apply_chat_template(messages[:2], tokenize=False, chat_template=escape)
+    escaping = _compile_jinja_template(escape).environment
+    assert type(escaping) is ImmutableSandboxedEnvironment and "getattr" not in vars(escaping)
+    with pytest.raises(SecurityError):
+        chat_template.compile_template(escape).render(messages=normalize_messages(messages[:2]))
+    tok.chat_template = escape
+    with pytest.raises(TemplateRejected, match="SecurityError"):
+        render_chat(tok, messages[:2], generation=False)
+
+
+FEATURES = (
+    "{% set ns = namespace(n=0) %}{% set d = dict(a=1, b=dict.fromkeys(['x'], 2)) %}"
+    "[{{ strftime_now('%Y') }}] {{ d | tojson(indent=2, sort_keys=True) }} {{ tools | tojson(separators=(',', ':')) }}\n"
+    "{%- for m in messages %}\n"
+    "  {% if m.role == 'tool' %}{% set ns.n = ns.n + 1 %}{% continue %}{% endif %}\n"
+    "  {% if loop.index > 6 %}{% break %}{% endif %}\n"
+    "<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content | trim }}{% endgeneration %}"
+    "{% else %}{{ m.content }}{% endif %}\n"
+    "{% endfor %}{{ ns.n }} tool results {{ '東京 <&>' | tojson }}{{ bos_token }}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% if messages | length > 40 %}{{ raise_exception('too long') }}{% endif %}"
+)
+
+
+def test_the_globals_filters_and_tags_transformers_gives(tmp_path):
+    """namespace, dict, strftime_now, tojson with its arguments (no HTML escaping), the
+    {% generation %} tag, loop controls, trim_blocks/lstrip_blocks, raise_exception: the same
+    text as apply_chat_template, and the same refusal."""
+    tok = bos_tokenizer(tmp_path, template=FEATURES)
+    for messages in _conversations()[:2]:
+        for end in range(1, len(messages) + 1):
             for generation in (False, True):
-                kwargs = dict(messages=plain[:end], tools=None, documents=None, add_generation_prompt=generation)
-                assert patched.render(**kwargs, **variables) == fresh.render(**kwargs, **variables)
+                for tools in (None, TOOLS):
+                    expected = tok.apply_chat_template(
+                        messages[:end], tokenize=False, add_generation_prompt=generation, tools=tools
+                    )
+                    assert render_chat(tok, messages[:end], generation=generation, tools=tools) == expected
+    assert _direct(tok).agreed and _direct(tok, TOOLS).agreed
+    assert expected.endswith("<s><assistant>")  # the last render checked had the generation prompt
+    too_long = [{"role": "user", "content": str(i)} for i in range(41)]
+    with pytest.raises(TemplateRejected, match="TemplateError: too long"):
+        render_chat(tok, too_long, generation=False)

@@ -40,7 +40,7 @@ from typing import Any, Literal
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
-from hcapo_store.rendering.template import PlainCache, TemplateRejected, memoize_sandbox_checks, render_chat
+from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_chat
 from hcapo_store.tool_arguments import arguments_text, as_mapping
 
 PROMPT_BUILDER_VERSION = 1
@@ -178,7 +178,7 @@ def inject_hindsight(messages: Sequence[Mapping[str, Any]], hindsight: str | Non
     """``messages`` with ``hindsight`` appended to the first one's content (None: the plain
     conversation, for the baseline scorer π(a|s) of ``score --no-hindsight``). The first
     message is a copy; the others are the same objects (nothing changes a message once built,
-    and renders recognise the messages they have already checked: chat_template.py)."""
+    and renders recognise the messages they have already checked: template.py)."""
     out: list[dict[str, Any]] = [dict(m) for m in messages[:1]]
     if hindsight is not None and out:
         out[0]["content"] = (out[0].get("content") or "") + "\n\n" + hindsight
@@ -416,7 +416,6 @@ class PromptBuilder:
         self._known: PlainCache | None = None  # set while build_episode renders one episode
         self._episode: _EpisodeMemo | None = None  # likewise
         self._probe_state = self.encoder.new_state()  # --truncation turns: candidate windows
-        memoize_sandbox_checks(tokenizer)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         # sliding/window: whether a long session's steps may render bounded windows (their ids
         # are counted piece by piece between added tokens, which needs the fast path)

@@ -1,4 +1,4 @@
-"""Rendering a conversation with the tokenizer's chat template, faster than transformers does.
+"""Rendering a conversation with the tokenizer's chat template, in our own Jinja sandbox.
 
 ``render_chat`` gives exactly the text of ``apply_chat_template(messages, tokenize=False)``.
 The per-step layout renders the conversation up to each step twice per step, so rendering
@@ -6,22 +6,36 @@ is most of its preparation. Two costs are cut, neither changing a character:
 
 - transformers copies every message twice before each render (to dicts, then to plain
   JSON data for the sandbox: ~40 % of a render of a 100-step conversation). Messages that
-  already are plain JSON data (the stored episodes are) are rendered as they are, through the
-  same compiled template, with the same variables. Anything else (objects, tuples, the
-  reasoning fields transformers renames) goes through ``apply_chat_template``.
+  already are plain JSON data (the stored episodes are) are rendered as they are, with the
+  same variables. Anything else (objects, tuples, the reasoning fields transformers renames,
+  tools given as functions) goes through ``apply_chat_template``.
 - the sandbox's attribute check, memoized per (type, name), and its detours for a dict's
-  keys and a str's methods (``memoize_sandbox_checks``).
+  keys and a str's methods: :class:`ChatSandbox`, a subclass of jinja2's public
+  ``ImmutableSandboxedEnvironment`` set up as transformers sets up its own (the same
+  options, filters, globals and ``{% generation %}`` tag).
 
-The direct path leans on transformers' private ``_compile_jinja_template``. So for each
-tokenizer and template its first render is also made through ``apply_chat_template``, and
-the direct path is used only once the two texts agree (else never for that template).
+The templates are compiled in :class:`ChatSandbox`, never in transformers' environment,
+which stays as transformers made it (``apply_chat_template`` elsewhere in the process, a
+trainer's or ``score_live``'s, renders exactly as it would without us). Our environment is
+a second implementation of theirs, so for each tokenizer and template its first render is
+also made through ``apply_chat_template``, and ours is used only once the two texts agree
+(else never for that template).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import weakref
+from datetime import datetime
 from types import BuiltinMethodType
 from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # message keys transformers copies under other names before rendering (_alias_reasoning_fields)
 _REASONING_FIELDS = frozenset(("reasoning_content", "thinking", "reasoning"))
@@ -36,18 +50,26 @@ class TemplateRejected(Exception):
 PlainCache = dict[int, tuple[dict, dict]]
 
 
-def render_chat(tokenizer: Any, messages: list[dict], *, generation: bool, known: PlainCache | None = None) -> str:
-    """The chat template's text for ``messages``; :class:`TemplateRejected` when it refuses them.
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    generation: bool,
+    known: PlainCache | None = None,
+    tools: list[dict] | None = None,
+) -> str:
+    """The chat template's text for ``messages`` (and ``tools``, the JSON schemas a template
+    may list); :class:`TemplateRejected` when it refuses them.
 
     ``known`` remembers which messages are plain JSON data across renders of the same message
     objects (a per-step layout renders each message once per later step); the messages must
     not change while it is kept."""
     try:
-        direct = _DirectRenderer.of(tokenizer)
+        direct = _DirectRenderer.of(tokenizer, tools)
         plain = _plain_messages(messages, known) if direct is not None else None
-        if direct is not None and plain is not None:
-            return direct.render(tokenizer, messages, plain, generation)
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        if direct is not None and plain is not None and (tools is None or _plain(tools)):
+            return direct.render(tokenizer, messages, plain, generation, tools)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, tools=tools)
     except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
         raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
@@ -98,20 +120,21 @@ def _plain(value: Any) -> bool:
 
 
 class _DirectRenderer:
-    """A tokenizer's compiled template and the variables transformers renders it with."""
+    """A tokenizer's template compiled in our sandbox and the variables transformers renders
+    it with (the tokenizer's special tokens)."""
 
     _by_tokenizer: weakref.WeakKeyDictionary[Any, dict[str, _DirectRenderer | None]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, template: str, compiled: Any, variables: dict[str, Any]) -> None:
+    def __init__(self, template: str, compiled: jinja2.Template, variables: dict[str, Any]) -> None:
         self.template = template
         self.compiled = compiled
         self.variables = variables
         self.agreed = False  # its first render equalled apply_chat_template's
 
     @classmethod
-    def of(cls, tokenizer: Any) -> _DirectRenderer | None:
-        try:
-            template = tokenizer.get_chat_template()
+    def of(cls, tokenizer: Any, tools: list[dict] | None = None) -> _DirectRenderer | None:
+        try:  # with tools a tokenizer may pick its tool-use template, as apply_chat_template does
+            template = tokenizer.get_chat_template(None, tools)
         except Exception:  # no template: apply_chat_template says so in its own words
             return None
         try:
@@ -125,21 +148,23 @@ class _DirectRenderer:
     @classmethod
     def _build(cls, tokenizer: Any, template: str) -> _DirectRenderer | None:
         try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
-        except ImportError:  # a transformers without them: its own path only
-            return None
-        try:
-            variables = _plain_template_data(dict(tokenizer.special_tokens_map))
-            return cls(template, _compile_jinja_template(template), variables)
-        except Exception:
+            variables = dict(tokenizer.special_tokens_map)
+            if not _plain(variables):  # transformers would copy them into plain data: its own path
+                return None
+            return cls(template, compile_template(template), variables)
+        except Exception:  # a template our sandbox cannot compile: apply_chat_template's verdict stands
             return None
 
-    def render(self, tokenizer: Any, messages: list[dict], plain: list[dict], generation: bool) -> str:
+    def render(
+        self, tokenizer: Any, messages: list[dict], plain: list[dict], generation: bool, tools: list[dict] | None
+    ) -> str:
         if self.agreed:
-            return self._render(plain, generation)
-        reference = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            return self._render(plain, generation, tools)
+        reference = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation, tools=tools
+        )
         try:
-            agrees = self._render(plain, generation) == reference
+            agrees = self._render(plain, generation, tools) == reference
         except Exception:
             agrees = False
         if agrees:
@@ -148,120 +173,145 @@ class _DirectRenderer:
             _DirectRenderer._by_tokenizer[tokenizer][self.template] = None
         return reference
 
-    def _render(self, plain: list[dict], generation: bool) -> str:
+    def _render(self, plain: list[dict], generation: bool, tools: list[dict] | None) -> str:
         return self.compiled.render(
-            messages=plain, tools=None, documents=None, add_generation_prompt=generation, **self.variables
+            messages=plain, tools=tools, documents=None, add_generation_prompt=generation, **self.variables
         )
 
 
-def memoize_sandbox_checks(tokenizer: Any) -> None:
-    """Cache the Jinja sandbox's attribute-safety verdicts of the tokenizer's chat template,
-    and look up a plain dict's keys and a str's methods, and call a str's methods, without
-    the sandbox's detours (``fast_getattr``, ``fast_call``).
-
-    Rendering a 200-message conversation spends about half its time in
-    ``is_safe_attribute``. Jinja's own implementations of that check read only the type of
-    the object and the attribute name (``value`` is unused), so caching the verdict per
-    (type, name) changes no output and keeps the sandbox. A subclass that overrides the
-    check is left alone.
-
-    The environment to patch is the one transformers renders with, reached through its
-    private ``_compile_jinja_template``; a transformers without it renders unpatched: the
-    same text, only slower (an environment compiled here would not be the one in use).
-    """
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
-
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:  # no template: rendering fails later with a clear message
-        return
-    env = getattr(_compile_jinja_template(template), "environment", None)
-    if env is None:  # a transformers whose private helper changed shape
-        return
-    check = type(env).is_safe_attribute
-    if check not in (ImmutableSandboxedEnvironment.is_safe_attribute, SandboxedEnvironment.is_safe_attribute):
-        return
-    if "is_safe_attribute" in vars(env):  # already memoized (the compiled template is shared)
-        return
-    verdicts: dict[tuple[type, str], bool] = {}
-
-    def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
-        key = (type(obj), attr)
-        if key not in verdicts:
-            verdicts[key] = check(env, obj, attr, value)
-        return verdicts[key]
-
-    env.is_safe_attribute = is_safe_attribute
-    sandbox = type(env)
-    if sandbox.getattr is SandboxedEnvironment.getattr:
-        env.getattr = fast_getattr(env)
-    if sandbox.call is SandboxedEnvironment.call and sandbox.is_safe_callable is SandboxedEnvironment.is_safe_callable:
-        env.call = fast_call(env)
+# --------------------------------------------------------------------------- our sandbox
 
 
-def fast_call(env: Any) -> Any:
-    """``environment.call`` for ``env`` (a sandbox that overrides neither ``call`` nor
-    ``is_safe_callable``), the same answers with less work for the calls templates make most:
-    a str's own methods (``content.split('</think>')``: nearly every call a Qwen3 render
-    makes). For them the sandbox's verdict is always yes (a builtin method carries no
-    ``unsafe_callable`` / ``alters_data`` mark) and Jinja's ``Context.call`` passes no context
-    (a builtin has no ``pass_context`` mark), so both are skipped; the loop and block
-    variables the compiled template hands every call are dropped, as ``Context.call`` drops
-    them (a str method raises no StopIteration, the one other thing it handles). Everything
-    else goes through the sandbox."""
-    from jinja2.sandbox import SandboxedEnvironment
+@functools.lru_cache(maxsize=64)
+def compile_template(template: str) -> jinja2.Template:
+    """``template`` compiled in a :class:`ChatSandbox` of its own (one per template, as
+    transformers does; the few templates of a process are compiled once)."""
+    return ChatSandbox().from_string(template)
 
-    sandboxed = SandboxedEnvironment.call
 
-    def call(context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(obj) is BuiltinMethodType and type(obj.__self__) is str:
-            kwargs.pop("_block_vars", None)
-            kwargs.pop("_loop_vars", None)
-            return obj(*args, **kwargs)
-        return sandboxed(env, context, obj, *args, **kwargs)
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
 
-    return call
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # transformers' tojson: no HTML escaping (Jinja's own filter escapes), with json.dumps' options
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """``dict(...)`` in a template: builds dicts, exposes nothing of the type (as transformers')."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace(...)`` refusing underscore names (as transformers'): no way to CPython's internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
+                "Please rename the attribute."
+            )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body (transformers' tag also
+    records where, for assistant masks; nothing here asks for them)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
 
 
 # Every attribute a dict instance has: all of them come from its type (a dict has no __dict__).
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
-def fast_getattr(env: Any) -> Any:
-    """``environment.getattr`` for ``env`` (a sandbox that does not override it), the same
-    answers with less work for the two lookups templates make most:
+class ChatSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox as transformers configures it for chat templates, with the
+    same answers reached in less work:
 
-    * ``message.role`` on a plain dict: the sandbox first tries the attribute, which a dict
-      has only for the names of ``dir(dict)``, so for any other name it raises AttributeError
-      (about a third of a render) and then returns ``obj[name]`` or undefined; here that
-      branch is taken directly for exactly those names;
-    * ``content.startswith`` on a str: the sandbox checks each time that the method is not
-      ``format``/``format_map`` and that the name is safe, which depends only on the type and
-      the name; here those verdicts are taken once.
+    * ``is_safe_attribute`` memoized per (type, name): jinja2's own implementations read only
+      the object's type and the name (``value`` is unused), and rendering a 200-message
+      conversation spends about half its time there otherwise;
+    * ``getattr``: ``message.role`` on a plain dict goes to the key directly for every name
+      a dict has no attribute of (the sandbox first tries the attribute, which raises
+      AttributeError: about a third of a render); a str's safe methods are looked up once
+      per name, not checked each time;
+    * ``call``: a str's own methods (``content.split('</think>')``: nearly every call a Qwen3
+      render makes) are called directly. The sandbox's verdict on them is always yes (a
+      builtin method carries no ``unsafe_callable`` / ``alters_data`` mark) and Jinja's
+      ``Context.call`` passes no context to a builtin, so both are skipped; the loop and block
+      variables the compiled template hands every call are dropped, as ``Context.call``
+      drops them.
 
-    Everything else goes through the sandbox as before."""
-    from jinja2.sandbox import SandboxedEnvironment
+    Everything else goes through the sandbox as jinja2 wrote it."""
 
-    sandboxed = SandboxedEnvironment.getattr
-    safe_str = frozenset(
-        name
-        for name in dir(str)
-        if name not in ("format", "format_map") and env.is_safe_attribute("", name, getattr("", name))
-    )
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        self.filters["tojson"] = _tojson
+        self.globals["raise_exception"] = _raise_exception
+        self.globals["strftime_now"] = _strftime_now
+        self.globals["dict"] = _TemplateDict()
+        self.globals["namespace"] = _TemplateNamespace
+        self._verdicts: dict[tuple[type, str], bool] = {}
+        self._safe_str = frozenset(
+            name
+            for name in dir(str)
+            if name not in ("format", "format_map") and self.is_safe_attribute("", name, getattr("", name))
+        )
 
-    def getattr_(obj: Any, attribute: Any) -> Any:
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = self._verdicts[key] = super().is_safe_attribute(obj, attr, value)
+        return verdict
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
         if type(attribute) is str:
             if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
                 try:
                     return obj[attribute]
                 except LookupError:
-                    return env.undefined(obj=obj, name=attribute)
-            if type(obj) is str and attribute in safe_str:
+                    return self.undefined(obj=obj, name=attribute)
+            if type(obj) is str and attribute in self._safe_str:
                 return getattr(obj, attribute)
-        return sandboxed(env, obj, attribute)
+        return super().getattr(obj, attribute)
 
-    return getattr_
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        # positional-only, as jinja2's: a call's own keyword arguments may be named obj or context
+        if type(obj) is BuiltinMethodType and type(obj.__self__) is str:
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            return obj(*args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
