@@ -93,5 +93,7 @@ def test_a_timeout_is_counted_on_the_callers_clock(store) -> None:
     ticks = iter(range(100))
     slept: list[float] = []
     with pytest.raises(BatchNotReady, match="within 3 s"):
-        wait_for_batch(store, "rollouts/step_0001", timeout=3, poll=1, clock=lambda: float(next(ticks)), sleep=slept.append)
+        wait_for_batch(
+            store, "rollouts/step_0001", timeout=3, poll=1, clock=lambda: float(next(ticks)), sleep=slept.append
+        )
     assert slept and all(0 <= s <= 1 for s in slept)

@@ -57,9 +57,9 @@ def test_a_given_path_that_is_a_broken_link_says_so(tmp_path):
 
 
 def test_a_result_json_over_its_bound_is_refused_without_reading_it(tmp_path, monkeypatch):
-    from hcapo_store.ingestion import sources
+    from hcapo_store.ingestion import discovery
 
-    monkeypatch.setattr(sources, "MAX_RESULT_BYTES", 1 << 20)  # a real file over a smaller bound
+    monkeypatch.setattr(discovery, "MAX_RESULT_BYTES", 1 << 20)  # a real file over a smaller bound
     _good(tmp_path / "runs", "episode_big")
     big = tmp_path / "runs" / "episode_big" / "result.json"
     big.write_bytes(b'{"episode_reward": 1.0, "pad": "' + b"x" * (2 << 20) + b'"}')

@@ -23,7 +23,8 @@ from itertools import islice
 from multiprocessing.context import BaseContext
 
 from hcapo_store.errors import IngestError
-from hcapo_store.ingestion.sources import ParsedEpisode, Source
+from hcapo_store.ingestion.discovery import Source
+from hcapo_store.ingestion.parsing import ParsedEpisode
 
 # Sources read ahead per step: the unchanged-lookup is one query per chunk, and at most two
 # chunks of files and parsed episodes are held (memory stays flat in the number of episodes).
@@ -68,7 +69,7 @@ def _start(jobs: int) -> ProcessPoolExecutor:
     context: BaseContext
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        multiprocessing.set_forkserver_preload(["hcapo_store.ingestion.sources"])
+        multiprocessing.set_forkserver_preload(["hcapo_store.ingestion.discovery"])
     else:
         context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_ignore_interrupts)

@@ -29,8 +29,9 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlche
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
 from hcapo_store.ingestion import episode_keys
+from hcapo_store.ingestion.discovery import JsonlCursor, Source, iter_sources
 from hcapo_store.ingestion.parallel import default_jobs, parse_ahead
-from hcapo_store.ingestion.sources import ConvertOptions, MessageRow, ParsedEpisode, Source, iter_sources
+from hcapo_store.ingestion.parsing import ConvertOptions, MessageRow, ParsedEpisode
 from hcapo_store.storage import db
 from hcapo_store.storage.bulk import insert_rows
 from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
@@ -111,6 +112,20 @@ class IngestReport:
         }
 
 
+@dataclass(frozen=True)
+class SourceOutcome:
+    """What became of one source (``ingest(on_outcome=...)``): ``follow`` keeps its batches'
+    members by these. ``episode_id`` is the stored current version (new, changed, unchanged);
+    ``reason`` the failure or skip message."""
+
+    location: str  # path, or path:line of a JSONL line
+    path: str  # the directory or file
+    outcome: str  # new | changed | unchanged | skipped | failed
+    reason: str | None = None
+    episode_id: int | None = None
+    elsewhere: bool = False  # unchanged, but stored from another place
+
+
 def _reason_class(reason: str) -> str:
     """Group skip reasons for the summary ("no reward yet (episode failed: …)" → "no reward yet")."""
     return reason.split(" (", 1)[0]
@@ -126,6 +141,7 @@ class _Pending:
     warnings: int = 0
     changed_elsewhere: list[tuple[str, str]] = field(default_factory=list)
     listed: list[tuple[str, str]] = field(default_factory=list)
+    outcomes: list[SourceOutcome] = field(default_factory=list)  # this batch's, told once it commits
 
 
 def ingest(
@@ -137,6 +153,9 @@ def ingest(
     on_episode: Callable[[str, str], None] | None = None,
     name_root: Path | str | None = None,
     jobs: int | None = None,
+    cursors: dict[Path, JsonlCursor] | None = None,
+    roots: list[Path] | None = None,
+    on_outcome: Callable[[SourceOutcome], None] | None = None,
 ) -> IngestReport:
     """Ingest every episode under ``paths``; one bad source never stops the others.
 
@@ -144,13 +163,22 @@ def ingest(
     ``name_root``: name episodes relative to this directory when they are inside it.
     ``jobs``: worker processes that parse episodes while this one stores them (default: one
     per core; 1 parses here). The result does not depend on it.
+    ``cursors``, ``roots``: see ``discovery.iter_sources`` (``follow`` reads growing JSONL
+    files from where it stopped, and no link out of its folders). ``on_outcome`` is called
+    with each source's ``SourceOutcome`` once its batch is committed.
     """
     tags = dict(tags or {})
     check_tags(tags)
     if jobs is not None and jobs < 1:
         raise UsageError(f"jobs must be at least 1, got {jobs}")
     report = IngestReport()
-    found = iter_sources([Path(p) for p in paths], options, None if name_root is None else Path(name_root))
+    found = iter_sources(
+        [Path(p) for p in paths],
+        options,
+        None if name_root is None else Path(name_root),
+        cursors=cursors,
+        roots=roots,
+    )
     sources = parse_ahead(
         found, jobs=default_jobs() if jobs is None else jobs, stored=lambda chunk: _stored(store, chunk)
     )
@@ -162,6 +190,9 @@ def ingest(
                 with db.write(store.engine) as conn:  # an interrupt rolls the open batch back
                     more = _ingest_batch(conn, sources, options, tags, report, pending, on_episode, seen)
                 _fold(report, pending)
+                if on_outcome is not None:
+                    for outcome in pending.outcomes:
+                        on_outcome(outcome)
                 if not more:
                     return report
         except KeyboardInterrupt:
@@ -194,7 +225,9 @@ def _ingest_batch(
     started = time.monotonic()
     written = 0
     for item in sources:
-        outcome = _ingest_one(conn, item, options, tags, report, pending, seen)
+        result = _ingest_one(conn, item, options, tags, report, pending, seen)
+        pending.outcomes.append(result)
+        outcome = result.outcome
         if on_episode is not None:
             on_episode(item.location if isinstance(item, Source) else str(item.path or item), outcome)
         if outcome in ("new", "changed"):
@@ -223,26 +256,27 @@ def _ingest_one(
     report: IngestReport,
     pending: _Pending,
     seen: dict[str, tuple[str, str]],
-) -> str:
+) -> SourceOutcome:
     if isinstance(item, IngestError):
         _fail(report, str(item.path or ""), str(item))
-        return "failed"
+        where = str(item.path or "") + ("" if item.line is None else f":{item.line}")
+        return SourceOutcome(where, str(item.path or ""), "failed", str(item))
     where = item.location
     problem = _key_problem(item.key)
     if problem:
         _fail(report, where, problem)
-        return "failed"
+        return SourceOutcome(where, item.path, "failed", problem)
     first = seen.get(item.key)  # only stored (or unchanged) sources count: a skipped one claims nothing
     if first is not None and first[0] != item.content_hash:
-        _fail(
-            report,
-            where,
+        why = (
             f"{where}: same episode as {first[1]} ({item.key}) with different "
-            "content: not stored (give each episode its own id)",
+            "content: not stored (give each episode its own id)"
         )
-        return "failed"
+        _fail(report, where, why)
+        return SourceOutcome(where, item.path, "failed", why)
     parsed: ParsedEpisode | None = None
     name = ""  # set together with parsed
+    stored_id: int | None = None
     try:
         # A savepoint per episode: a database error on this episode undoes only this episode.
         with conn.begin_nested():
@@ -268,35 +302,39 @@ def _ingest_one(
                 parsed = item.load()
                 # One name for all versions of an episode; a new episode gets a free one.
                 name = latest.name if latest is not None else _free_name(conn, item)
-                _store_version(conn, parsed, item, name, latest, current, options, tags)
+                stored_id = _store_version(conn, parsed, item, name, latest, current, options, tags)
     except SkipEpisode as exc:
         report.skipped[_reason_class(str(exc))] += 1
         if len(report.skips) < MAX_LISTED:
             report.skips.append((where, str(exc)))
-        return "skipped"
+        return SourceOutcome(where, item.path, "skipped", str(exc))
     except IngestError as exc:
         _fail(report, where, str(exc))
-        return "failed"
+        return SourceOutcome(where, item.path, "failed", str(exc))
     except SQLAlchemyError as exc:
         if not _caused_by_episode(exc):
             raise
-        _fail(report, where, f"{where}: the database refused this episode: {_first_line(exc)}")
-        return "failed"
+        why = f"{where}: the database refused this episode: {_first_line(exc)}"
+        _fail(report, where, why)
+        return SourceOutcome(where, item.path, "failed", why)
     if parsed is None:
+        assert current is not None  # unchanged: the current version holds this content
         seen.setdefault(item.key, (item.content_hash, where))
         _unchanged(report, item, current)
-        return "unchanged"
+        return SourceOutcome(
+            where, item.path, "unchanged", episode_id=int(current.id), elsewhere=current.source_path != item.path
+        )
     seen[item.key] = (item.content_hash, where)
     pending.steps += len(parsed.steps)
     pending.warnings += len(parsed.warnings)
     pending.listed += [(name, w) for w in parsed.warnings[: MAX_LISTED - len(pending.listed)]]
     if latest is None:
         pending.new += 1
-        return "new"
+        return SourceOutcome(where, item.path, "new", episode_id=stored_id)
     pending.changed += 1
     if latest.source_path != item.path:
         pending.changed_elsewhere.append((where, latest.name))
-    return "changed"
+    return SourceOutcome(where, item.path, "changed", episode_id=stored_id, elsewhere=latest.source_path != item.path)
 
 
 def _unchanged(report: IngestReport, item: Source, current: Any) -> None:
@@ -324,7 +362,7 @@ def _store_version(
     current: Any,
     options: ConvertOptions,
     tags: dict[str, str],
-) -> None:
+) -> int:
     episode_id = _insert_episode(
         conn, parsed, options, source=item, name=name, version=1 if latest is None else latest.version + 1
     )
@@ -334,6 +372,7 @@ def _store_version(
         _set_tags(conn, episode_id, {k: v for k, v in old_tags})
     if tags:
         _set_tags(conn, episode_id, tags)
+    return episode_id
 
 
 def _key_problem(key: str) -> str | None:
