@@ -171,6 +171,17 @@ def test_kill_9_and_restart(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     assert _count(db, "SELECT count(*) FROM scores") == steps  # every step once (a unique pair)
 
 
+def _live_line(proc: subprocess.Popen) -> str:
+    """The stderr lines up to the first live line (``follow: ...``): the first round is done."""
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("follow:"):
+            return "".join(lines)
+    raise AssertionError(f"follow ended before its first round: {''.join(lines)}")
+
+
 def _count(db: Path, sql: str) -> int:
     import sqlite3
 
@@ -212,7 +223,8 @@ def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_mo
     argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--poll", "3600"]
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stderr is not None and proc.stderr.readline().startswith("follow:")  # first round done
+        assert proc.stderr is not None
+        assert "nothing to follow yet" in _live_line(proc)  # first round done, the empty folder said
         _write_group(root, 0, 2, seed=90)
         deadline = time.monotonic() + 600  # a loaded machine: still far below the hour of the poll
         while time.monotonic() < deadline and _count(db, "SELECT count(*) FROM batches") == 0:
@@ -275,7 +287,8 @@ def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_mo
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
     back = None
     try:
-        assert proc.stderr is not None and proc.stderr.readline().startswith("follow:")
+        assert proc.stderr is not None
+        _live_line(proc)
         proxy.die()
         _write_group(root, 0, 2, seed=120)
         for line in proc.stderr:  # a state: the follower says it waits for the server

@@ -15,6 +15,7 @@ from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import FiniteFloat, int_range
 from hcapo_store.cli.score import scorer_options, scorer_setup
 
+EXIT_WAITING = 3  # --until-idle ended while episodes or batches still waited (named)
 REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the hcapo-store repository."
 
 
@@ -36,13 +37,17 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
     "--batch-timeout",
     type=FiniteFloat(0),
     metavar="SECONDS",
-    help="Publish a batch with fewer episodes once this long has passed since its last one arrived.",
+    help="The bound for members that never come (a collector that crashed): publish a batch with "
+    "fewer than --group-size episodes once this long has passed since its last one arrived. Without it "
+    "such a batch waits (and --until-idle names it).",
 )
 @click.option(
     "--until-idle",
     type=FiniteFloat(0),
     metavar="SECONDS",
-    help="Exit 0 once everything seen is done and nothing new arrived for this long.",
+    help="Exit once nothing new arrived and nothing was scored or published for this long: 0 when "
+    "everything seen is published, 1 when something failed, 3 when episodes or batches still wait "
+    "(each named: no reward yet, a line being written, a batch short of --group-size).",
 )
 @click.option("--once", is_flag=True, help="Process what is there now, publish what is complete, and exit.")
 @click.option(
@@ -59,6 +64,11 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
     is_flag=True,
     help="No file-system events, only the periodic look (network file systems send none).",
 )
+@click.option(
+    "--follow-links",
+    is_flag=True,
+    help="Read symbolic links that lead out of the followed folders (refused by default, each named).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print each published batch as one JSON line.")
 @pass_ctx
 def follow(
@@ -71,6 +81,7 @@ def follow(
     once,
     poll_seconds,
     poll_only,
+    follow_links,
     as_json,
     **kw,
 ) -> None:
@@ -98,6 +109,7 @@ def follow(
             batch_timeout=batch_timeout,
             params=params,
             conversion=cfg.conversion,
+            follow_links=follow_links,
         )
     except UsageError as exc:  # an option's value: refused like any other bad option, before any work
         raise click.UsageError(str(exc)) from exc
@@ -128,8 +140,11 @@ def follow(
             click.echo(f"failed: {failure}", err=True)
         for notice in status.notices:
             click.echo(f"waiting: {notice}", err=True)
+        if status.unlisted:
+            click.echo(f"... and {status.unlisted} more message(s) this round, not listed", err=True)
         status.failures.clear()
         status.notices.clear()
+        status.unlisted = 0
         line = status.line()
         if tty:
             click.echo("\r\x1b[2K" + line, nl=False, err=True)
@@ -158,8 +173,20 @@ def follow(
     if result is None or result.stopped == "signal":
         click.echo("follow: stopped; rerun the same command to go on", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    if result.stopped == "idle" and result.waiting:
+        for item in result.waiting[:50]:
+            click.echo(f"still waiting: {item}", err=True)
+        if len(result.waiting) > 50:
+            click.echo(f"still waiting: ... and {len(result.waiting) - 50} more", err=True)
     if follower.status.failed or follower.status.ingest_failed:
         sys.exit(1)
+    if result.stopped == "idle" and result.waiting:
+        click.echo(
+            f"follow: idle for {until_idle:g} s with {len(result.waiting)} thing(s) still waiting (exit 3); "
+            "--batch-timeout publishes short batches",
+            err=True,
+        )
+        sys.exit(EXIT_WAITING)
 
 
 @cli.command(epilog=REFERENCE)

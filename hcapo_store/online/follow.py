@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import os
+import stat
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +47,16 @@ from hcapo_store.canonical import canonical_json
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits, scoped_run_hash
-from hcapo_store.errors import CreditError, InferenceError, StoreError, UsageError
-from hcapo_store.ingestion.pipeline import IngestReport, ingest
-from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions
+from hcapo_store.errors import CreditError, InferenceError, IngestError, StoreError, UsageError
+from hcapo_store.ingestion.files import lstat_or_none, outside, read_regular, why_unreadable
+from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest
+from hcapo_store.ingestion.sources import (
+    MAX_RESULT_BYTES,
+    RESULT_FILE,
+    SESSION_FILE,
+    ConvertOptions,
+    JsonlCursor,
+)
 from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
 from hcapo_store.scoring.job import Prepared, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
@@ -55,6 +65,7 @@ from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 Signature = tuple[tuple[int, int], ...]
+MAX_LISTED = 200
 
 
 @dataclass
@@ -65,6 +76,7 @@ class FollowConfig:
     batch_timeout: float | None = None  # seconds after a batch's last arrival: publish what is there
     params: CreditParams = field(default_factory=CreditParams)
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
+    follow_links: bool = False  # read symbolic links that lead out of ``paths`` (refused by default)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -87,13 +99,30 @@ class FollowStatus:
     ingest_failed: int = 0
     batches: int = 0
     last_lag: float | None = None
-    failures: list[str] = field(default_factory=list)  # named, never dropped in silence
+    known_elsewhere: int = 0  # unchanged episodes first stored from another place
+    # What to print, drained by the caller (the CLI, each cycle); at most MAX_LISTED kept
+    # between drains, the rest counted in ``unlisted``: memory stays bounded in a week's run.
+    failures: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # e.g. waiting for the server
+    unlisted: int = 0
+
+    def fail(self, message: str) -> None:
+        self._add(self.failures, message)
+
+    def notice(self, message: str) -> None:
+        self._add(self.notices, message)
+
+    def _add(self, into: list[str], message: str) -> None:
+        if len(into) < MAX_LISTED:
+            into.append(message)
+        else:
+            self.unlisted += 1
 
     def line(self) -> str:
         lag = "—" if self.last_lag is None else f"{self.last_lag:.1f} s"
+        known = f" · {self.known_elsewhere} already stored from another place" if self.known_elsewhere else ""
         return (
-            f"follow: {self.seen} seen · {self.waiting} waiting · {self.ingested} ingested · "
+            f"follow: {self.seen} seen · {self.waiting} waiting · {self.ingested} ingested{known} · "
             f"{self.scored} scored · {self.failed + self.ingest_failed} failed · {self.batches} batch(es) ready · "
             f"lag {lag}"
         )
@@ -119,67 +148,121 @@ def _stat(path: Path) -> tuple[int, int]:
     return (st.st_mtime_ns, st.st_size)
 
 
-def scan(paths: Sequence[Path]) -> dict[Path, Signature]:
-    """Episode directories and JSONL files under ``paths``, with their signatures."""
-    out: dict[Path, Signature] = {}
+@dataclass
+class Scan:
+    """What one look at the paths found (``stat`` only, nothing read)."""
 
-    def visit(path: Path) -> None:
-        if path.is_file():
-            if path.suffix == ".jsonl" and path.name != SESSION_FILE:
-                out[path] = (_stat(path),)
+    found: dict[Path, Signature] = field(default_factory=dict)  # episode directories and JSONL files
+    refused: dict[Path, str] = field(default_factory=dict)  # entries that are not read, and why
+
+
+def scan(paths: Sequence[Path], *, follow_links: bool = False) -> Scan:
+    """Episode directories and JSONL files under ``paths`` with their signatures; a FIFO,
+    device or socket, a broken link, or (unless ``follow_links``) a link out of the paths is
+    refused by name. Nothing is opened: a FIFO cannot block a look."""
+    out = Scan()
+    roots = [Path(p) for p in paths]
+
+    def check_file(path: Path) -> str | None:
+        if not follow_links and (real := outside(path, roots)) is not None:
+            return f"a symbolic link out of the followed folders (to {real}): not read (--follow-links reads it)"
+        own = lstat_or_none(path)
+        if own is None:
+            return None  # not there (yet)
+        return why_unreadable(path)
+
+    def visit(path: Path, *, top: bool) -> None:
+        own = lstat_or_none(path)
+        if own is None:
             return
-        if (path / RESULT_FILE).exists() or (path / SESSION_FILE).exists():
-            out[path] = (_stat(path / RESULT_FILE), _stat(path / SESSION_FILE))
+        if not stat.S_ISDIR(own.st_mode) and not (top and stat.S_ISLNK(own.st_mode)):
+            if path.name.endswith(".jsonl") and path.name != SESSION_FILE:
+                why = check_file(path)
+                if why is None and not stat.S_ISREG(path.stat().st_mode):
+                    why = "not a regular file"
+                if why is not None:
+                    out.refused[path] = why
+                else:
+                    out.found[path] = (_stat(path),)
+            return
+        if not path.is_dir():
+            return
+        result, session = path / RESULT_FILE, path / SESSION_FILE
+        if lstat_or_none(result) is not None or lstat_or_none(session) is not None:
+            why = check_file(result) or check_file(session)
+            if why is not None:
+                out.refused[path] = why
+            else:
+                out.found[path] = (_stat(result), _stat(session))
             return
         try:
             children = sorted(os.scandir(path), key=lambda e: e.name)
-        except OSError:
+        except OSError as exc:
+            if top:
+                out.refused[path] = f"cannot list this folder: {exc.strerror}"
             return
         for child in children:
-            if child.is_dir(follow_symlinks=False) or child.name.endswith(".jsonl"):
-                visit(Path(child.path))
+            try:
+                is_dir = child.is_dir(follow_symlinks=False)
+            except OSError:
+                is_dir = False
+            if is_dir or child.name.endswith(".jsonl"):
+                visit(Path(child.path), top=False)
 
-    for p in paths:
-        visit(Path(p))
+    for p in roots:
+        visit(p, top=True)
     return out
 
 
-def _has_reward(directory: Path) -> bool:
+def _result_state(directory: Path, roots: Sequence[Path] | None) -> str | None:
+    """``None`` when the episode's result.json has a reward (or an error: the collector gave
+    up on it, ingest says so); else why it waits. Read through the one gate (regular, bounded):
+    an ``IngestError`` is the episode's failure."""
+    data = read_regular(directory / RESULT_FILE, MAX_RESULT_BYTES, roots=roots)
+    if data is None:
+        return f"no {RESULT_FILE} yet"
     try:
-        result = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8-sig"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(result, dict) and result.get("episode_reward") is not None
-
-
-def _unterminated_last_line(path: Path) -> int | None:
-    """The number of a JSONL file's last line when it has no newline yet (still being written)."""
-    try:
-        with path.open("rb") as f:
-            data = f.read()
-    except OSError:
+        result = json.loads(data.decode("utf-8-sig", errors="replace"))
+    except ValueError:
+        return f"{RESULT_FILE} is not whole JSON yet"
+    if isinstance(result, dict) and (result.get("episode_reward") is not None or result.get("error")):
         return None
-    if not data or data.endswith(b"\n"):
-        return None
-    return data.count(b"\n") + 1
+    return "no reward yet"
 
 
 # ---- the follower ----------------------------------------------------------------------------
 
 
-EPISODES_SQL = """
-SELECT e.id, e.name, e.external_id, e.version, e.source_path, e.ingested_at, e.num_steps,
+@dataclass
+class _Member:
+    """One arrival of a batch: a stored episode version, or an input that failed (no row)."""
+
+    location: str  # the episode directory, or file:line
+    episode_id: int | None = None
+    failure: str | None = None
+    name: str = ""  # the failure's readable name
+    arrived: dt.datetime | None = None  # when a failure was seen
+
+
+MEMBERS_SQL = """
+SELECT e.id, e.name, e.external_id, e.version, e.is_current, e.source_path, e.ingested_at, e.num_steps,
        (SELECT COUNT(*) FROM steps s JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
         WHERE s.episode_id = e.id) AS scored,
        (SELECT COUNT(*) FROM steps s JOIN attempts a ON a.step_id = s.id AND a.scorer_id = :scorer
-        WHERE s.episode_id = e.id AND a.status = 'failed') AS failed{tag}
+        WHERE s.episode_id = e.id AND a.status = 'failed') AS failed
 FROM episodes e
-WHERE e.is_current IS TRUE AND e.include_thinking = :thinking AND e.max_tool_result_chars = :tool_chars
+WHERE e.id IN ({ids}) AND e.include_thinking = :thinking AND e.max_tool_result_chars = :tool_chars
 """
+SQL_CHUNK = 500  # ids per IN list
 
 
 class Follower:
-    """Follows ``cfg.paths`` for one scorer (``prep``); ``cycle()`` does one round of work."""
+    """Follows ``cfg.paths`` for one scorer (``prep``); ``cycle()`` does one round of work.
+
+    It keeps, in memory, every arrival by its batch key and the keys with work left (*open*):
+    a cycle reads from the database only the members of open keys, so an idle cycle costs no
+    query whatever the store holds. A restart rebuilds this from one full look (everything is
+    read again, as unchanged) and the database (what is scored and published)."""
 
     def __init__(
         self,
@@ -193,81 +276,192 @@ class Follower:
         self.store, self.prep, self.cfg, self.options = store, prep, cfg, options
         self.weight_version = prep.spec.get("weight_version")  # the scorer's
         self.now = now
+        self.roots: list[Path] | None = None if cfg.follow_links else list(cfg.paths)
         self.seen: dict[Path, Signature] = {}
-        self.waiting: set[Path] = set()
+        self.refused: dict[Path, str] = {}
+        self.waiting: dict[str, str] = {}  # location -> why it waits (no reward yet, a line being written)
+        self.cursors: dict[Path, JsonlCursor] = {}
+        self.members: dict[str, _Member] = {}  # location -> its latest arrival
+        self.key_of: dict[str, str] = {}  # location -> batch key
+        self.groups: dict[str, set[str]] = {}  # batch key -> locations
+        self.open: set[str] = set()  # keys with something left to do
         self.status = FollowStatus()
         self._fields: dict[int, str | None] = {}  # episode version id -> its --batch-by field value
+        self._looked_once = False
 
     # -- 1, 2: scan and ingest ----------------------------------------------------------------
     def _ingest_changes(self, report: CycleReport) -> None:
-        found = scan(self.cfg.paths)
-        changed = [p for p, sig in found.items() if self.seen.get(p) != sig]
-        self.status.seen = len(found)
-        ready, waiting = [], set()
+        look = scan(self.cfg.paths, follow_links=self.cfg.follow_links)
+        changed = [p for p, sig in look.found.items() if self.seen.get(p) != sig]
+        self.status.seen = len(look.found)
+        for path, why in look.refused.items():
+            if self.refused.get(path) != why:
+                self._arrival_failed(path, why)
+        self.refused = dict(look.refused)
+        ready = []
         for path in changed:
-            if path.is_dir() and not _has_reward(path):
-                waiting.add(path)  # read again when it changes
-            else:
-                ready.append(path)
-        self.waiting = (self.waiting - set(changed)) | waiting
-        for path in changed:
-            self.seen[path] = found[path]
-        self.status.waiting = len(self.waiting)
+            self.seen[path] = look.found[path]
+            self.waiting.pop(str(path), None)
+            if path.is_dir():
+                try:
+                    state = _result_state(path, self.roots)
+                except IngestError as exc:
+                    self._arrival_failed(path, f"{RESULT_FILE}: " + str(exc).removeprefix(f"{path / RESULT_FILE}: "))
+                    continue
+                if state is not None:
+                    self.waiting[str(path)] = state  # read again when it changes
+                    self._forget(str(path))
+                    continue
+            else:  # a JSONL file: its waiting line is looked at again
+                for loc in [w for w in self.waiting if w.startswith(f"{path}:")]:
+                    del self.waiting[loc]
+            ready.append(path)
         report.changed = len(ready)
-        if not ready:
-            return
+        if ready:
+            self._ingest(ready, report)
+        self.status.waiting = len(self.waiting)
+        if not self._looked_once:
+            self._looked_once = True
+            if not look.found and not look.refused:
+                self.status.notice(
+                    f"nothing to follow yet under {', '.join(map(str, self.cfg.paths))}: waiting for episode "
+                    f"directories ({RESULT_FILE} + {SESSION_FILE}) or *.jsonl files (docs/INGEST.md)"
+                )
+
+    def _ingest(self, ready: list[Path], report: CycleReport) -> None:
+        outcomes: dict[str, SourceOutcome] = {}
         result = IngestReport()
         for root in self.cfg.paths:  # named as if each root was ingested whole
             mine = [p for p in ready if p == root or root in p.parents]
             if not mine:
                 continue
-            part = ingest(self.store, mine, options=self.cfg.conversion, name_root=root)
-            raced = {Path(src) for src, error in part.failures if _lost_a_race(error)}
+            kw: dict[str, Any] = {
+                "options": self.cfg.conversion,
+                "name_root": root,
+                "cursors": self.cursors,
+                "roots": self.roots,
+            }
+            part = ingest(self.store, mine, on_outcome=lambda o: outcomes.__setitem__(o.location, o), **kw)
+            raced = {o.location for o in outcomes.values() if o.outcome == "failed" and _lost_a_race(o.reason or "")}
             if raced:  # another follower stored the same version first: read again, now unchanged
-                part.failures = [(src, error) for src, error in part.failures if Path(src) not in raced]
+                part.failures = [(src, error) for src, error in part.failures if src not in raced]
                 part.failed -= len(raced)
-                _merge(part, ingest(self.store, sorted(raced), options=self.cfg.conversion, name_root=root))
+                again = sorted({Path(outcomes[loc].path) for loc in raced})
+                for file in again:  # a JSONL file: its cursor goes back to read the raced lines again
+                    self.cursors.pop(file, None)
+                _merge(part, ingest(self.store, again, on_outcome=lambda o: outcomes.__setitem__(o.location, o), **kw))
             _merge(result, part)
         report.ingest = result
-        failed = []
-        for source, error in result.failures:
-            file = Path(source.split(":")[0])
-            line = _unterminated_last_line(file) if ":" in source and file.is_file() else None
-            if line is not None and source.endswith(f":{line}"):
-                self.seen.pop(file, None)  # the line being written: read again until it is whole
-                continue
-            failed.append(f"{source}: {error}" if source not in error else error)
-        self.status.ingest_failed += len(failed)
-        self.status.failures += failed
+        for file, cursor in self.cursors.items():
+            if cursor.waiting_line is not None:
+                self.waiting[f"{file}:{cursor.waiting_line}"] = "a line still being written"
+        for outcome in outcomes.values():
+            if outcome.outcome in ("new", "changed", "unchanged"):
+                assert outcome.episode_id is not None
+                self._arrived(outcome.location, _Member(outcome.location, episode_id=outcome.episode_id))
+                self.status.known_elsewhere += outcome.elsewhere and outcome.outcome == "unchanged"
+            elif outcome.outcome == "skipped" and outcome.reason == "no reward yet":
+                self.waiting[outcome.location] = "no reward yet"
+            else:  # cannot be stored: a failed member of its batch, named with its reason
+                reason = outcome.reason or outcome.outcome
+                location, path = outcome.location, Path(outcome.path)
+                if path.name in (RESULT_FILE, SESSION_FILE):  # one file of an episode directory
+                    location = str(path.parent)
+                self._arrival_failed(Path(location), reason.removeprefix(f"{outcome.location}: "), location)
         self.status.ingested += result.new + result.changed
         report.busy |= bool(result.new or result.changed)
 
-    # -- 3: score -------------------------------------------------------------------------------
-    def _candidates(self) -> list[dict[str, Any]]:
-        conv = self.prep.spec["conversion"]
-        tag = self.cfg.batch_by[4:] if self.cfg.batch_by.startswith("tag:") else None
-        sql = EPISODES_SQL.format(
-            tag=", (SELECT value FROM tags t WHERE t.episode_id = e.id AND t.key = :tag) AS tag" if tag else ""
-        )
-        bind: dict[str, Any] = {
-            "scorer": self.prep.scorer_id,
-            "thinking": conv["include_thinking"],
-            "tool_chars": conv["max_tool_result_chars"],
-        }
-        if tag:
-            bind["tag"] = tag
-        roots = [str(p) for p in self.cfg.paths]
-        with db.read(self.store.engine) as conn:
-            rows = [dict(r) for r in conn.execute(text(sql), bind).mappings()]
-        inside = []
-        for r in rows:
-            source = r["source_path"] or ""
-            if any(source == root or source.startswith(root.rstrip("/") + "/") for root in roots):
-                inside.append(r)
-        return inside
+    def _arrival_failed(self, path: Path, why: str, location: str | None = None) -> None:
+        where = location or str(path)
+        member = _Member(where, failure=why, name=self._label(where), arrived=self.now())
+        self.status.ingest_failed += 1
+        self.status.fail(f"{where}: {why}")
+        self._arrived(where, member)
 
-    def _score(self, candidates: list[dict[str, Any]], report: CycleReport) -> None:
-        todo = [c for c in candidates if c["scored"] + c["failed"] < c["num_steps"]]
+    def _forget(self, location: str) -> None:
+        """An arrival that is waiting again (its result.json lost its reward) is no member."""
+        self.members.pop(location, None)
+        key = self.key_of.pop(location, None)
+        if key is not None:
+            self.groups.get(key, set()).discard(location)
+            self.open.add(key)
+
+    def _label(self, location: str) -> str:
+        """A failed input's name as the store would name it: relative to its root."""
+        path, line = _split_location(location)
+        tail = "" if line is None else f":{line}"
+        for root in self.cfg.paths:
+            if path == root or root in path.parents:
+                return str(Path(root.name) / path.relative_to(root)) + tail
+        return location
+
+    def _arrived(self, location: str, member: _Member) -> None:
+        """File an arrival under its batch key (found later for stored versions batched by tag
+        or field: their key is in the database)."""
+        self.members[location] = member
+        old = self.key_of.pop(location, None)
+        if old is not None:
+            self.groups.get(old, set()).discard(location)
+            self.open.add(old)
+        key = self._key_of_location(location, member)
+        if key is None:
+            return
+        self.key_of[location] = key
+        self.groups.setdefault(key, set()).add(location)
+        self.open.add(key)
+
+    def _key_of_location(self, location: str, member: _Member) -> str | None:
+        if self.cfg.batch_by.startswith("tag:"):
+            if member.episode_id is None:
+                return None  # a failed input has no tags
+            return self._tag(member.episode_id, self.cfg.batch_by[4:])
+        if self.cfg.batch_by.startswith("field:"):
+            name = self.cfg.batch_by[6:]
+            if member.episode_id is not None:
+                return self._field(member.episode_id, name)
+            return _file_field(Path(location), name, self.roots)
+        parent = _split_location(location)[0].parent  # of the episode directory or the JSONL file
+        for root in self.cfg.paths:
+            if parent == root or root in parent.parents:
+                return str(Path(root.name) / parent.relative_to(root))
+        return str(parent)
+
+    def _tag(self, episode_id: int, key: str) -> str | None:
+        with db.read(self.store.engine) as conn:
+            value = conn.execute(
+                text("SELECT value FROM tags WHERE episode_id = :e AND key = :k"), {"e": episode_id, "k": key}
+            ).scalar()
+        return None if value is None else str(value)
+
+    # -- 3: score -------------------------------------------------------------------------------
+    def _rows(self, keys: set[str]) -> dict[int, dict[str, Any]]:
+        """The stored members of ``keys``, with their scored and failed step counts."""
+        ids = sorted(
+            {
+                m.episode_id
+                for key in keys
+                for loc in self.groups.get(key, ())
+                if (m := self.members[loc]).episode_id is not None
+            }
+        )
+        conv = self.prep.spec["conversion"]
+        out: dict[int, dict[str, Any]] = {}
+        with db.read(self.store.engine) as conn:
+            for start in range(0, len(ids), SQL_CHUNK):
+                chunk = ids[start : start + SQL_CHUNK]
+                bind: dict[str, Any] = {f"i{n}": i for n, i in enumerate(chunk)}
+                sql = MEMBERS_SQL.format(ids=", ".join(f":{k}" for k in bind))
+                bind |= {
+                    "scorer": self.prep.scorer_id,
+                    "thinking": conv["include_thinking"],
+                    "tool_chars": conv["max_tool_result_chars"],
+                }
+                for r in conn.execute(text(sql), bind).mappings():
+                    out[int(r["id"])] = dict(r)
+        return out
+
+    def _score(self, rows: dict[int, dict[str, Any]], report: CycleReport) -> None:
+        todo = [c for c in rows.values() if c["is_current"] and c["scored"] + c["failed"] < c["num_steps"]]
         if not todo:
             return
         names = tuple(str(c["id"]) for c in todo)
@@ -295,72 +489,89 @@ class Follower:
             value = _source_field(bytes(raw) if raw is not None else b"", name)
             self._fields[episode_id] = value
             if value is None:
-                self.status.notices.append(f"episode {episode_id} has no field {name!r}: it is in no batch")
+                self.status.notice(f"episode {episode_id} has no field {name!r}: it is in no batch")
         return self._fields[episode_id]
 
-    def _key(self, c: dict[str, Any]) -> str | None:
-        if self.cfg.batch_by.startswith("tag:"):
-            return c.get("tag")
-        if self.cfg.batch_by.startswith("field:"):
-            return self._field(int(c["id"]), self.cfg.batch_by[6:])
-        source = Path(c["source_path"] or "")
-        parent = source.parent
-        for root in self.cfg.paths:
-            if parent == root or root in parent.parents:
-                return str(Path(root.name) / parent.relative_to(root))
-        return str(parent)
-
-    def _publish(self, candidates: list[dict[str, Any]], report: CycleReport) -> None:
-        groups: dict[str, list[dict[str, Any]]] = {}
-        for c in candidates:
-            key = self._key(c)
-            if key is not None:
-                groups.setdefault(key, []).append(c)
+    def _publish(self, rows: dict[int, dict[str, Any]], report: CycleReport) -> None:
         now = self.now()
-        for key, members in sorted(groups.items()):
-            done = all(m["scored"] + m["failed"] >= m["num_steps"] for m in members)
-            arrived = max(_parse_time(m["ingested_at"]) for m in members)
-            timed_out = self.cfg.batch_timeout is not None and (now - arrived).total_seconds() >= self.cfg.batch_timeout
-            if not done or (len(members) < self.cfg.group_size and not timed_out):
+        for key in sorted(self.open):
+            stored, failed = [], []
+            for loc in sorted(self.groups.get(key, ())):
+                m = self.members[loc]
+                if m.failure is not None:
+                    failed.append(m)
+                elif m.episode_id in rows and rows[m.episode_id]["is_current"]:
+                    stored.append(rows[m.episode_id])
+            if not stored and not failed:
+                self.open.discard(key)
                 continue
-            info = self._publish_one(key, members, arrived, now)
+            done = all(m["scored"] + m["failed"] >= m["num_steps"] for m in stored)
+            times = [_parse_time(m["ingested_at"]) for m in stored] + [m.arrived for m in failed if m.arrived]
+            arrived = max(times)
+            timed_out = self.cfg.batch_timeout is not None and (now - arrived).total_seconds() >= self.cfg.batch_timeout
+            if not done or (len(stored) + len(failed) < self.cfg.group_size and not timed_out):
+                continue  # open: members to come or steps to score
+            self.open.discard(key)
+            info = self._publish_one(key, stored, failed, arrived, now)
             if info is not None:
                 report.published.append(info)
                 report.busy = True
                 self.status.batches += 1
                 self.status.last_lag = info.lag_s
                 if info.failed_episodes:
-                    self.status.failures.append(
-                        f"batch {info.id} ({key}): failed episode(s) {', '.join(f.name for f in info.failed_episodes)}"
+                    self.status.fail(
+                        f"batch {info.id} ({key}): failed episode(s) "
+                        + ", ".join(f"{f.name} ({f.reason})" for f in info.failed_episodes)
                     )
 
+    def still_waiting(self) -> list[str]:
+        """What is not done, by name: inputs waiting for their end (no reward yet, a line being
+        written) and batches waiting for members (``key: n of group size``)."""
+        out = [f"{loc}: {why}" for loc, why in sorted(self.waiting.items())]
+        for key in sorted(self.open):
+            n = len(self.groups.get(key, ()))
+            if n:
+                out.append(f"batch {key}: {n} of {self.cfg.group_size} episode(s)")
+        return out
+
     def _publish_one(
-        self, key: str, members: list[dict[str, Any]], arrived: dt.datetime, complete: dt.datetime
+        self,
+        key: str,
+        members: list[dict[str, Any]],
+        failed_inputs: list[_Member],
+        arrived: dt.datetime,
+        complete: dt.datetime,
     ) -> BatchInfo | None:
         ids = sorted(int(m["id"]) for m in members)
         batch_hash = scoped_run_hash(self.prep.scorer_id, self.cfg.params, ids)
+        if failed_inputs:  # the same stored episodes with other failed arrivals: another batch
+            extra = canonical_json(sorted(m.name for m in failed_inputs))
+            batch_hash = hashlib.sha256(f"{batch_hash}\n{extra}".encode()).hexdigest()
         if _already_there(self.store, batch_hash):
             return None  # published already (by us before a restart, or by another follower)
-        failed = [
+        members = sorted(members, key=lambda m: m["name"])
+        failed = [FailedEpisode(m.name, m.failure or "", "ingest") for m in sorted(failed_inputs, key=lambda m: m.name)]
+        failed += [
             FailedEpisode(
                 m["name"], f"{m['failed']} of {m['num_steps']} step(s) failed for good", "score", m["external_id"]
             )
-            for m in sorted(members, key=lambda m: m["name"])
+            for m in members
             if m["failed"]
         ]
         run_name: str | None = None
         run_id: int | None = None
-        try:
-            result = _compute(self.store, self.cfg.params, f"batch-{batch_hash[:12]}", self.prep.scorer_id, ids)
-            run_id, run_name = result.run.id, result.run.name
-        except CreditError:  # every episode of the batch failed: the row says so, no run
-            pass
+        if ids:
+            try:
+                result = _compute(self.store, self.cfg.params, f"batch-{batch_hash[:12]}", self.prep.scorer_id, ids)
+                run_id, run_name = result.run.id, result.run.name
+            except CreditError:  # every episode of the batch failed: the row says so, no run
+                pass
         ready = self.now()
         row: dict[str, Any] = {
             "key": key,
             "h": batch_hash,
             "status": "ready" if run_id is not None else "failed",
-            "episodes": len(members),
+            "episodes": len(members) + len(failed_inputs),
             "steps": sum(int(m["num_steps"]) for m in members),
             "scored": sum(int(m["scored"]) for m in members),
             "failed": sum(int(m["failed"]) for m in members),
@@ -384,10 +595,11 @@ class Follower:
                     ),
                     row,
                 ).scalar_one()
-                conn.execute(
-                    text("INSERT INTO batch_episodes (batch_id, episode_id) VALUES (:b, :e)"),
-                    [{"b": new_id, "e": i} for i in ids],
-                )
+                if ids:
+                    conn.execute(
+                        text("INSERT INTO batch_episodes (batch_id, episode_id) VALUES (:b, :e)"),
+                        [{"b": new_id, "e": i} for i in ids],
+                    )
                 conn.execute(
                     text(
                         "UPDATE batches SET status = 'superseded', superseded_by = :new "
@@ -413,28 +625,42 @@ class Follower:
             row["complete_at"],
             row["ready_at"],
             row["lag"],
-            members=[
-                BatchMember(m["name"], m["external_id"], int(m["id"]), int(m["version"]))
-                for m in sorted(members, key=lambda m: m["name"])
-            ],
+            members=[BatchMember(m["name"], m["external_id"], int(m["id"]), int(m["version"])) for m in members],
         )
 
     # -- one round ------------------------------------------------------------------------------
     def cycle(self) -> CycleReport:
         report = CycleReport()
         self._ingest_changes(report)
-        candidates = self._candidates()
-        self._score(candidates, report)
+        if not self.open:
+            return report  # nothing left to do: no query at all
+        rows = self._rows(self.open)
+        self._score(rows, report)
         if report.score is not None and (report.score.scored or report.score.failed):
-            candidates = self._candidates()
-        self._publish(candidates, report)
+            rows = self._rows(self.open)
+        self._publish(rows, report)
         return report
+
+
+def _split_location(location: str) -> tuple[Path, int | None]:
+    """``file:line`` (a JSONL line) or a path."""
+    head, _, tail = location.rpartition(":")
+    if head and tail.isdigit() and not Path(location).exists():
+        return Path(head), int(tail)
+    return Path(location), None
+
+
+def _file_field(path: Path, name: str, roots: Sequence[Path] | None) -> str | None:
+    """A field of a failed episode directory's result.json, when it can be read at all."""
+    try:
+        data = read_regular(path / RESULT_FILE, MAX_RESULT_BYTES, roots=roots) if path.is_dir() else None
+    except IngestError:
+        return None
+    return None if data is None else _source_field(zlib.compress(data), name)
 
 
 def _source_field(raw: bytes, name: str) -> str | None:
     """A top-level field of an episode's result.json (episode directories) or JSONL line."""
-    import zlib
-
     try:
         doc = json.loads(zlib.decompress(raw))
         if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
@@ -493,6 +719,7 @@ class FollowResult:
     batches: int
     status: FollowStatus
     stopped: str  # "once" | "idle" | "signal"
+    waiting: list[str] = field(default_factory=list)  # at "idle": what was still waiting, by name
 
 
 class _Waiter:
@@ -561,7 +788,8 @@ def follow(
     poll_only: bool = False,
 ) -> FollowResult:
     """Cycle until stopped: ``once`` (one cycle, then every batch it can complete), ``until_idle``
-    (seconds with nothing new and nothing left to do), or ``stop`` (a ``threading.Event``, set
+    (seconds in which nothing new arrived and nothing was scored or published; what still
+    waits is named in ``FollowResult.waiting``), or ``stop`` (a ``threading.Event``, set
     by a signal handler). A server that stops answering pauses the loop with a growing wait
     (up to a minute) instead of ending it; the steps stay queued."""
     import threading
@@ -578,7 +806,7 @@ def follow(
             report = follower.cycle()
             backoff = 1.0
         except ServerDown as exc:
-            follower.status.notices.append(
+            follower.status.notice(
                 f"the scoring server stopped answering ({exc}); trying again in {backoff:.0f} s, nothing is lost"
             )
             report = CycleReport(busy=True)
@@ -595,8 +823,10 @@ def follow(
             return FollowResult(cycles, batches, follower.status, "once")
         if report.busy or report.changed:
             idle_since = clock()
-        elif until_idle is not None and not follower.waiting and clock() - idle_since >= until_idle:
-            return FollowResult(cycles, batches, follower.status, "idle")
+        elif until_idle is not None and clock() - idle_since >= until_idle:
+            # idle: exit even while inputs or batches wait (a collector that crashed sends
+            # nothing more); they are named, and the CLI exits 3 for them
+            return FollowResult(cycles, batches, follower.status, "idle", follower.still_waiting())
         assert waiter is not None
         waiter.wait()
     return FollowResult(cycles, batches, follower.status, "signal")
