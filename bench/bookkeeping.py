@@ -1,6 +1,9 @@
-"""Benchmark: scoring bookkeeping (claim → build prompt → request → verify → commit) in
-steps/s against a zero-latency server (budget: ≥ 500 steps/s, BENCHMARKS.md budgets).
+"""Benchmark: the scoring client's CPU per step (claim → build prompt → request → verify →
+commit) against a zero-latency server (budget: ≤ 1 ms of client CPU per step with
+``--prompt-layout episode``, preparation, bookkeeping and HTTP included: the end-to-end run;
+BENCHMARKS.md, issue 34 "The client budget, restated").
 
+    python bench/bookkeeping.py --episodes 16 --repeat 3 --prompt-layout episode
     python bench/bookkeeping.py --episodes 6 --repeat 3
     python bench/bookkeeping.py --episodes 6 --db postgresql://postgres@127.0.0.1:5432/postgres
     python bench/bookkeeping.py --episodes 6 --workers 4 --db postgresql://…   # + N worker processes
@@ -13,10 +16,11 @@ The server is a raw-asyncio HTTP/1.1 server in a child process (its own core): i
              20–27k ids as in production;
   synthetic  the older 15-step synthetic episodes with long thinking, at max_context 4096
              (~4k-id requests; every scored span 2048 tokens).
-The bookkeeping-only run is repeated ``--repeat`` times, each time paired with the same run
-with request and response bodies through the stdlib ``json`` (the baseline the orjson path
-replaces) and with requests sent through httpx's own transport (httpcore, the baseline
-``scoring/backends/wire.py`` replaces; still used behind a proxy), alternating the order. The real Scheduler runs through
+The end-to-end run (prompts planned during the run: the budget's figure) and the
+bookkeeping-only run (prompts planned beforehand) are each repeated ``--repeat`` times; each
+bookkeeping run is paired with the same run with request and response bodies through the
+stdlib ``json`` (the baseline the orjson path replaces), alternating the order. Requests go
+through httpx's own transport, as in production. The real Scheduler runs through
 ``scoring.prepare`` / ``run_scoring``; the time inside prompt building, the HTTP round trip
 (+ verification) and the database is measured by wrapping those calls (they overlap across
 the ``--concurrency`` workers, so they are shares of work, not of wall time).
@@ -60,7 +64,7 @@ QWEN3 = REPO.parent / "shared" / "tokenizers" / "qwen3"
 # --------------------------------------------------------------------------- the zero-latency server
 
 
-async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: bytes) -> None:
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: bytes, tokenizer: Any) -> None:
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -94,6 +98,10 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
                         },
                     }
                 )
+            elif path.startswith(b"/tokenize"):
+                req = _loads(body)
+                tokens = tokenizer(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))["input_ids"]
+                out = _dumps({"tokens": list(tokens), "count": len(tokens), "max_model_len": 1 << 20})
             elif path.startswith(b"/model_info") or path.startswith(b"/server_info"):
                 out = info
             else:
@@ -113,9 +121,12 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
 
 def _serve(sock: socket.socket, tokenizer_path: str) -> None:
     info = _dumps({"model_path": "bench-model", "tokenizer_path": tokenizer_path, "context_length": 1 << 20})
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)  # the client's probe text goes through /tokenize
 
     async def main() -> None:
-        server = await asyncio.start_server(lambda r, w: _handle(r, w, info), sock=sock)
+        server = await asyncio.start_server(lambda r, w: _handle(r, w, info, tokenizer), sock=sock)
         async with server:
             await server.serve_forever()
 
@@ -210,7 +221,7 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="bookkeeping runs, each paired with a stdlib-json run and an httpx-transport run (alternating order)",
+        help="end-to-end runs, and bookkeeping runs each paired with a stdlib-json run (alternating order)",
     )
     ap.add_argument("--max-logprob-tokens", type=int, default=2048)
     ap.add_argument(
@@ -304,8 +315,12 @@ def main() -> None:
 
     options = RunOptions(concurrency=args.concurrency)
     runs: dict[str, Any] = {}
+    end_to_end: list[dict[str, Any]] = []
     if not args.only_bookkeeping:
-        runs["end_to_end"] = _timed_run(store, prep, options, timers)
+        for rep in range(args.repeat):  # planned during each run: preparation is in the figure
+            _reset_scorer(store, prep.scorer_id)
+            end_to_end.append(_timed_run(store, prep, options, timers))
+            runs[f"end_to_end#{rep + 1}"] = end_to_end[-1]
     # The same run again with every request planned beforehand (prompts, grouping and the
     # episode's floor): claim → request → verify → commit only (client-side preparation has
     # its own budget, bench/prep.py).
@@ -313,7 +328,6 @@ def main() -> None:
     cases: dict[str, tuple[Any, Any, bool]] = {
         "bookkeeping": (store, prep, None),
         "bookkeeping_stdlib_json": (store, prep, "stdlib-json"),
-        "bookkeeping_httpx_transport": (store, prep, "httpx-transport"),
     }
     if args.baseline_input == "synthetic":
         # The old bench's ~4k-id requests, same code and server, paired in the same process.
@@ -335,7 +349,7 @@ def main() -> None:
         for mode in order:
             case_store, case_prep, variant = cases[mode]
             _reset_scorer(case_store, case_prep.scorer_id)
-            with _json_codec(stdlib=variant == "stdlib-json"), _httpx_transport(variant == "httpx-transport"):
+            with _json_codec(stdlib=variant == "stdlib-json"):
                 profile = args.profile if (rep == 0 and mode == "bookkeeping") else None
                 pairs[mode].append(_timed_run(case_store, case_prep, options, timers, profile=profile))
     for mode, results in pairs.items():
@@ -353,12 +367,10 @@ def main() -> None:
     summary["orjson_over_stdlib"] = _min_med_max(
         [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_stdlib_json"])]
     )
-    summary["ours_over_httpx_transport"] = _min_med_max(
-        [
-            (b["client_cpu_s"] / b["steps"]) / (a["client_cpu_s"] / a["steps"])
-            for a, b in zip(pairs["bookkeeping"], pairs["bookkeeping_httpx_transport"])
-        ]
-    )
+    if end_to_end:  # the budget's figure: preparation, bookkeeping and HTTP
+        summary["end_to_end_client_cpu_ms_per_step"] = _min_med_max(
+            [1000 * r["client_cpu_s"] / max(r["steps"], 1) for r in end_to_end]
+        )
     if "bookkeeping_synthetic_4k" in pairs:
         summary["client_cpu_real_over_synthetic_4k"] = _min_med_max(
             [
@@ -387,7 +399,7 @@ def main() -> None:
         "min_scored_tokens": tokens[0],
         "mean_scored_tokens": float(tokens[1] or 0),
         "mean_input_tokens": float(tokens[2] or 0),
-        "budget_steps_per_s": 500,
+        "budget_client_cpu_ms_per_step": 1.0,
         "setup_s": round(setup_s, 2),
         "ingested": report.new,
         "timing_hooks": not args.no_timers,
@@ -403,10 +415,9 @@ def main() -> None:
     )
     for mode, run in runs.items():
         label = {
-            "end_to_end": "end to end (prompts built during the run)",
+            "end_to_end": "end to end (prompts planned during the run)",
             "bookkeeping": "bookkeeping only (prompts prebuilt): claim, request, verify, commit",
             "bookkeeping_stdlib_json": "bookkeeping only, stdlib json bodies (baseline)",
-            "bookkeeping_httpx_transport": "bookkeeping only, httpx's own transport (baseline)",
             "bookkeeping_synthetic_4k": "bookkeeping only, old synthetic ~4k-id requests (baseline)",
         }.get(mode.split("#")[0], f"bookkeeping, {args.workers} worker processes sharing the queue (prompts prebuilt)")
         if "#" in mode:
@@ -428,7 +439,10 @@ def main() -> None:
             f"{mode}: min {unit}{lo:.2f} / median {unit}{med:.2f} / max {unit}{hi:.2f}"
             + ("" if unit else " ms" if mode.endswith("ms_per_step") else " steps/s")
         )
-    print("budget (BENCHMARKS.md budgets): >= 500 steps/s of bookkeeping; the timed parts overlap across workers")
+    print(
+        "budget (BENCHMARKS.md): <= 1 ms of client CPU per step end to end with --prompt-layout episode; "
+        "the timed parts overlap across workers"
+    )
 
 
 def _min_med_max(values: list[float]) -> tuple[float, float, float]:
@@ -452,30 +466,6 @@ class _json_codec:
         from hcapo_store.scoring.backends import http
 
         http.orjson = self.saved
-
-
-class _httpx_transport:
-    """Within the block, HttpClient sends through httpx's own transport (httpcore), the one it
-    uses when the environment names a proxy, instead of ``scoring/backends/wire.py``."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        import httpx
-
-        from hcapo_store.scoring.backends import http
-
-        self.saved = http.transport_for
-        if self.on:
-            http.transport_for = lambda url, *, max_connections, connect_timeout: httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        from hcapo_store.scoring.backends import http
-
-        http.transport_for = self.saved
 
 
 def _timed_run(store: Any, prep: Any, options: Any, timers: Timers, *, profile: str | None = None) -> dict[str, Any]:

@@ -1,12 +1,17 @@
-"""The scoring client's HTTP/1.1 transport (``scoring/backends/wire.py``) against real sockets:
-a scripted asyncio server on 127.0.0.1 answers each request with the bytes a test gives it,
-so framing (Content-Length, chunked, until close), keep-alive and reuse, and malformed or
-cut-off answers are seen exactly as a server would send them."""
+"""The scoring client's HTTP (``scoring/backends/http.py`` over httpx's own transport) against
+real sockets: a scripted asyncio server on 127.0.0.1 answers each request with the bytes a
+test gives it, so framing (Content-Length, chunked, until close), keep-alive and reuse,
+malformed, cut-off and hostile answers (stray bytes, bare LF line ends, Transfer-Encoding
+other than chunked, endless trailers, lenient chunk sizes, an early response, an encoding
+never asked for) are seen exactly as a server would send them. Every request runs under a
+deadline far above the test's life (``HANG_GUARD_S``): a hostile answer must end the request
+by itself, as a failure of its own kind, never as a timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import shutil
 import ssl
 import subprocess
@@ -14,13 +19,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpcore
 import pytest
 from _waiting import HANG_GUARD_S
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.http import HttpClient
-from hcapo_store.scoring.backends.wire import StreamTransport, transport_for
+from hcapo_store.scoring.backends.http import BAD_ENCODING, HttpClient, transport_for
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # (request head, writer) -> keep open?
 
@@ -81,6 +85,7 @@ class Scripted:
 def _run(answers: list[bytes | Answer], body: Callable[[Scripted, HttpClient], Awaitable[Any]], **kw: Any) -> Any:
     async def main() -> Any:
         async with Scripted(answers) as server:
+            kw.setdefault("timeout", HANG_GUARD_S)  # a hostile answer must end the request by itself
             client = HttpClient(kw.pop("url", None) or server.url, **kw)
             try:
                 return await body(server, client)
@@ -98,6 +103,7 @@ def test_content_length_answers_reuse_one_connection() -> None:
         assert [c for c, _ in server.requests] == [1, 1, 1]
         head = server.requests[0][1]
         assert head.startswith(b"POST /generate HTTP/1.1\r\n") and b"Content-Type: application/json" in head
+        assert b"Accept-Encoding: identity\r\n" in head  # bodies as sent, never to be inflated
 
     _run([_ok(b'{"n": %d}' % n) for n in range(3)], body)
 
@@ -154,19 +160,14 @@ def test_a_kept_connection_the_server_closed_meanwhile_is_not_used() -> None:
     async def answer_then_close(head: bytes, writer: asyncio.StreamWriter) -> bool:
         writer.write(_ok(b"{}"))
         await writer.drain()
+        writer.close()
+        await writer.wait_closed()  # the FIN is sent before the next request is
         closed.set()
         return False  # the server closes the idle connection (a keep-alive timeout)
 
     async def body(server: Scripted, client: HttpClient) -> None:
         assert await client.post_json("/generate", {}) == {}
         await closed.wait()
-        transport = client._transport
-        assert isinstance(transport, StreamTransport)
-        kept = [c for conns in transport._idle.values() for c in conns]
-        deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
-        while kept[0].usable():  # until the client's loop has seen the server close it
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)
         assert await client.post_json("/generate", {}) == {}
         assert server.connections == 2 and client.connections_opened == 2
 
@@ -176,13 +177,13 @@ def test_a_kept_connection_the_server_closed_meanwhile_is_not_used() -> None:
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
-        (b"SPDY/3 200 OK\r\n\r\n{}", "not an HTTP/1.x status line"),
-        (b"HTTP/1.1 2000 OK\r\n\r\n", "not an HTTP/1.x status line"),
-        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed response header line"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "bad Content-Length"),
+        (b"SPDY/3 200 OK\r\n\r\n{}", "illegal status line"),
+        (b"HTTP/1.1 2000 OK\r\n\r\n", "illegal status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "illegal header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", "conflicting Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk-size line"),
-        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * (70 << 10) + b"\r\n\r\n", "response head longer than"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "illegal chunk header"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * (200 << 10) + b"\r\n\r\n", "Receive buffer too long"),
     ],
     ids=["status-line", "status-code", "header-line", "two-lengths", "negative-length", "chunk-size", "huge-head"],
 )
@@ -198,9 +199,9 @@ def test_malformed_answers_are_connection_failures(answer: bytes, message: str) 
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", "after 2 of 10 body bytes"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc", "in the middle of the response body"),
-        (b"HTTP/1.1 200 OK\r\nContent-", "in the middle of the response head"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", "received 2 bytes, expected 10"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc", "incomplete chunked read"),
+        (b"HTTP/1.1 200 OK\r\nContent-", "without sending a response"),
         (b"", "without sending a response"),
     ],
     ids=["short-body", "short-chunk", "short-head", "nothing"],
@@ -279,10 +280,9 @@ def test_at_most_max_connections_requests_at_once() -> None:
         calls = [asyncio.ensure_future(client.post_json("/generate", {})) for _ in range(5)]
         while len(started) < 2:
             await asyncio.sleep(0.01)
-        transport = client._transport
-        assert isinstance(transport, StreamTransport)
-        assert transport._slots.locked()  # both slots taken: the other three wait for one
-        assert len(started) == 2
+        for _ in range(200):  # every other call gets as far as it can: a free slot would connect
+            await asyncio.sleep(0)
+        assert len(started) == 2 and server.connections == 2  # the other three wait for a slot
         release.set()
         assert await asyncio.gather(*calls) == [{}] * 5
         assert server.connections == 2
@@ -302,12 +302,15 @@ def test_a_proxy_from_the_environment_goes_through_httpx(monkeypatch: pytest.Mon
         "NO_PROXY",
     ):
         monkeypatch.delenv(name, raising=False)
-    assert isinstance(transport_for("http://10.0.0.1:30000", max_connections=4, connect_timeout=1), StreamTransport)
+
+    def pool(url: str) -> object:
+        return transport_for(url, max_connections=4)._pool
+
+    assert isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncConnectionPool)
     monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
-    proxied = transport_for("http://10.0.0.1:30000", max_connections=4, connect_timeout=1)
-    assert isinstance(proxied, httpx.AsyncHTTPTransport)
+    assert isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncHTTPProxy)
     monkeypatch.setenv("no_proxy", "10.0.0.1")
-    assert isinstance(transport_for("http://10.0.0.1:30000", max_connections=4, connect_timeout=1), StreamTransport)
+    assert not isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncHTTPProxy)
 
 
 def test_a_refused_connection_is_a_connect_failure() -> None:
@@ -381,3 +384,177 @@ def test_https_with_the_certificate_checked(trusted: bool, tmp_path: Path, monke
             await scripted.__aexit__()
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- hostile answers
+
+
+def _later_ok(n: int) -> bytes:
+    return _ok(b'{"n": %d}' % n)
+
+
+@pytest.mark.parametrize("when", ["with-the-answer", "after-the-answer"])
+def test_stray_bytes_after_an_answer_drop_the_connection(when: str) -> None:
+    """Bytes past the end of an answer poison its connection: it is dropped, and every later
+    request gets its own answer (the wire.py transport kept it, and each later one failed)."""
+    read = asyncio.Event()
+    sent = asyncio.Event()
+
+    async def stray(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        if when == "with-the-answer":
+            writer.write(_ok(b'{"n": 0}') + b"garbage!")
+        else:
+            writer.write(_ok(b'{"n": 0}'))
+            await writer.drain()
+            await read.wait()  # the client has the whole answer; then the stray bytes come
+            writer.write(b"garbage!")
+        await writer.drain()
+        sent.set()
+        return True
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        assert await client.post_json("/generate", {}) == {"n": 0}
+        read.set()
+        await sent.wait()
+        answers = []
+        for _ in range(3):
+            try:
+                answers.append(await client.post_json("/generate", {}))
+            except InferenceError as exc:  # the bytes sat in the parser's buffer: this request fails
+                assert exc.kind == "connect" and exc.retryable and "illegal status line" in str(exc)
+                answers.append(None)
+        if when == "with-the-answer":  # its answer came after the stray bytes, unread
+            assert answers == [None, {"n": 2}, {"n": 3}]
+            assert [c for c, _ in server.requests] == [1, 1, 2, 2]
+        else:  # seen on the idle socket before reuse: no request fails at all
+            assert answers == [{"n": 1}, {"n": 2}, {"n": 3}]
+            assert [c for c, _ in server.requests] == [1, 2, 2, 2]
+
+    _run([stray, *[_later_ok(n) for n in (1, 2, 3)]], body)
+
+
+def test_bare_lf_line_ends_are_read_at_once() -> None:
+    """RFC 9112 §2.2 lets a recipient take a bare LF as a line end; h11 does, so such an
+    answer is read at once (wire.py waited for a CRLF until the request timeout)."""
+    bare = b'HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: 8\n\n{"n": 0}'
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        assert await client.post_json("/generate", {}) == {"n": 0}
+        assert await client.post_json("/generate", {}) == {"n": 1}
+        assert server.connections == 1
+
+    _run([bare, _later_ok(1)], body)
+
+
+def _endless_trailers(head: bytes, writer: asyncio.StreamWriter) -> Awaitable[bool]:
+    async def write() -> bool:
+        writer.write(b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8\r\n{"n": 0}\r\n0\r\n')
+        for k in range(1_000_000):  # bounded: ~20 MB of trailer lines, unless the client leaves
+            writer.write(b"X-Trailer-%d: more\r\n" % k)
+            await writer.drain()
+        return False
+
+    return write()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n{"n": 0}', "Only Transfer-Encoding: chunked"),
+        (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n{"n": 0}', "Only Transfer-Encoding: chunked"),
+        (_endless_trailers, "Receive buffer too long"),
+        (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n 8\r\n{"n": 0}\r\n0\r\n\r\n', "illegal chunk header"),
+        (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x8\r\n{"n": 0}\r\n0\r\n\r\n', "illegal chunk header"),
+        (b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+8\r\n{"n": 0}\r\n0\r\n\r\n', "illegal chunk header"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-0\r\n\r\n", "illegal chunk header"),
+    ],
+    ids=[
+        "te-identity",
+        "te-not-chunked-last",
+        "endless-trailers",
+        "chunk-space",
+        "chunk-0x",
+        "chunk-plus",
+        "chunk-minus",
+    ],
+)
+def test_framing_httpx_refuses_fails_the_request_at_once(answer: bytes | Answer, message: str) -> None:
+    """Each is refused as it arrives (a connection failure the run records and retries), and
+    the next request goes on a new connection and gets its answer."""
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        with pytest.raises(InferenceError) as info:
+            await client.post_json("/generate", {})
+        assert info.value.kind == "connect" and info.value.retryable and message in str(info.value)
+        assert await client.post_json("/generate", {}) == {"n": 1}
+        assert server.connections == 2
+
+    _run([answer, _later_ok(1)], body)
+
+
+@pytest.mark.parametrize("ids", [10, 2_000_000], ids=["small-request", "large-request"])
+def test_an_early_answer_is_taken_without_waiting(ids: int) -> None:
+    """A server that answers (413) before it has read the request's body, then closes: the
+    answer is reported (or, when the unread body made the server's kernel reset the
+    connection, a connection failure), never a request held until its deadline."""
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        with pytest.raises(InferenceError) as info:
+            await client.post_json("/generate", {"input_ids": list(range(ids))})
+        if ids == 10:
+            assert info.value.kind == "http_413" and not info.value.retryable and "too large" in str(info.value)
+        else:
+            assert info.value.kind in ("http_413", "connect"), info.value
+        assert not str(info.value).rstrip().endswith(":"), "a failure says what happened"
+
+    async def main() -> None:
+        async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")  # the head only: the body stays unread
+            answer = b'{"error": {"message": "request too large"}}'
+            writer.write(
+                b"HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(answer)
+            )
+            writer.write(answer)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(early, "127.0.0.1", 0)
+        scripted = Scripted([])
+        scripted.server = server
+        client = HttpClient(scripted.url, timeout=HANG_GUARD_S)
+        try:
+            await body(scripted, client)
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def _gzip_bomb() -> bytes:
+    """A few KB that inflate to 256 MB through two layers of gzip (the issue's 2.9 GB, smaller)."""
+    return gzip.compress(gzip.compress(bytes(256 << 20), compresslevel=9), compresslevel=9)
+
+
+def test_an_encoding_not_asked_for_is_refused_unread() -> None:
+    bomb = _gzip_bomb()
+    assert len(bomb) < 64 << 10
+    answer = _ok(bomb, b"Content-Encoding: gzip, gzip")
+    error = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb) + bomb
+    )
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        with pytest.raises(InferenceError) as info:
+            await client.post_json("/generate", {})
+        assert info.value.kind == BAD_ENCODING and not info.value.retryable
+        assert "Content-Encoding 'gzip, gzip' was not asked for" in str(info.value)
+        with pytest.raises(InferenceError) as info:  # an error status keeps its kind; its body is not read
+            await client.post_json("/generate", {})
+        assert (
+            info.value.kind == "http_503" and info.value.retryable and "(a body in gzip, not read)" in str(info.value)
+        )
+        assert await client.post_json("/generate", {}) == {"n": 1}
+        assert all(b"Accept-Encoding: identity\r\n" in head for _, head in server.requests)
+
+    _run([answer, error, _later_ok(1)], body)

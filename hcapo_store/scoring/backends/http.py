@@ -1,10 +1,11 @@
 """The HTTP side of every server backend: requests, timeouts, and error classification.
 
-Backends build payloads and parse responses; this module sends httpx requests through the
-transport (``wire.py``, which owns the connection pool) and turns transport failures and
-HTTP statuses into ``InferenceError`` with a ``retryable`` flag (docs/SCORING.md: retry
-connect errors, timeouts, 408/429/5xx and "queue full"; fail fast on other 4xx). The retry loop itself lives in the scheduler, which records
-every failed attempt.
+Backends build payloads and parse responses; this module sends them through httpx's own
+transport (httpcore and h11: HTTP/1.1 parsing is security-boundary work a well-kept library
+does, so none of it is written here) and turns transport failures and HTTP statuses into
+``InferenceError`` with a ``retryable`` flag (docs/SCORING.md: retry connect errors,
+timeouts, 408/429/5xx and "queue full"; fail fast on other 4xx). The retry loop itself lives
+in the scheduler, which records every failed attempt.
 
 A score must come from the model the scorer was registered with. The client counts the
 connections it opens; a response that arrived after a new connection was opened (the
@@ -13,9 +14,10 @@ once the served model has been read again and found unchanged (``verify_model``)
 
 A server is not trusted to behave: a timeout per read would let one byte a second keep a
 request alive for ever; each request therefore runs under one overall deadline (the
-request timeout; the transport, ``wire.py``, bounds only the connect), and its body is
-read in chunks and given up beyond what the request can need (``response_cap``), so a
-runaway body cannot exhaust memory.
+request timeout), and its body is read raw, in chunks, and given up beyond what the request
+can need (``response_cap``), so a runaway body cannot exhaust memory. Every request asks
+for ``Accept-Encoding: identity`` and a body in any other Content-Encoding is refused
+unread: a few KB of nested gzip would otherwise inflate to gigabytes before any cap.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +36,6 @@ from hcapo_store.errors import InferenceError
 from hcapo_store.masking import mask_credentials, mask_url, register_secret, register_url_secrets, split_query_token
 from hcapo_store.rendering.requests import GroupPrompt
 from hcapo_store.scoring.backends.base import BackendScore, split_score
-from hcapo_store.scoring.backends.wire import transport_for
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 MODEL_CHANGED = "model_changed"  # InferenceError kind: the server now serves another model
@@ -46,7 +48,9 @@ RESPONSE_BYTES_PER_REQUEST_BYTE = 256
 RESPONSE_SLACK_BYTES = 1 << 20
 GET_CAP_BYTES = 16 << 20  # model_info, server_info, /v1/models: small documents
 ERROR_BODY_BYTES = 4096  # of a non-200 answer, what an error message may quote
+BAD_ENCODING = "bad_encoding"  # InferenceError kind: a Content-Encoding the client did not ask for
 _JSON = {"Content-Type": "application/json"}
+_IDENTITY = {"Accept-Encoding": "identity"}  # bodies as sent: nothing to inflate past a cap
 
 
 def response_cap(request_bytes: int) -> int:
@@ -59,6 +63,19 @@ def overall_deadline(timeout: httpx.Timeout | float) -> float | None:
     if isinstance(timeout, httpx.Timeout):
         return timeout.read
     return float(timeout)
+
+
+def transport_for(url: str, *, max_connections: int) -> httpx.AsyncHTTPTransport:
+    """httpx's transport for requests to ``url``, through the proxy the environment names for
+    it (``http_proxy`` / ``https_proxy`` / ``all_proxy``, minus ``no_proxy``), as httpx's
+    client would; ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` are honoured by the transport itself."""
+    parsed = httpx.URL(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parsed.scheme) or proxies.get("all")
+    if proxy and urllib.request.proxy_bypass(parsed.host):
+        proxy = None
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    return httpx.AsyncHTTPTransport(limits=limits, proxy=proxy or None)
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -92,7 +109,7 @@ class HttpClient:
         self.connections_opened = 0  # counted by the trace hook; see HttpBackend.verify_model
         self.verified_connections = 0  # connections opened when the served model was last read
         url = httpx.URL(self.base_url)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**_IDENTITY, "Authorization": f"Bearer {api_key}"} if api_key else dict(_IDENTITY)
         if url.username or url.password:  # as httpx's client does: the URL's credentials win
             token = base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
             self._headers["Authorization"] = f"Basic {token}"
@@ -101,9 +118,9 @@ class HttpClient:
         if not isinstance(timeout, httpx.Timeout):
             timeout = httpx.Timeout(timeout)
         self._extensions = {"timeout": timeout.as_dict(), "trace": self._trace}
-        # Requests go straight to the transport: httpx's client layer (URL merging, cookies,
+        # Requests go straight to httpx's transport: its client layer (URL merging, cookies,
         # auth and redirect hooks) cost 0.5 ms per request and none of it is used here.
-        self._transport = transport_for(self._root, max_connections=max_connections, connect_timeout=timeout.connect)
+        self._transport = transport_for(self._root, max_connections=max_connections)
 
     async def close(self) -> None:
         await self._transport.aclose()
@@ -144,8 +161,9 @@ class HttpClient:
         except httpx.TimeoutException as exc:
             raise InferenceError("timeout", f"{where}: {type(exc).__name__}", retryable=True) from exc
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            detail = str(exc) or "the server closed or reset the connection"  # httpcore's ReadError may say nothing
             raise InferenceError(
-                "connect", mask_credentials(f"{where}: {type(exc).__name__}: {exc}"), retryable=True
+                "connect", mask_credentials(f"{where}: {type(exc).__name__}: {detail}"), retryable=True
             ) from exc
         except httpx.HTTPError as exc:
             raise InferenceError("http", mask_credentials(f"{where}: {exc}"), retryable=True) from exc
@@ -179,12 +197,24 @@ class HttpClient:
         try:
             if response.status_code != 200:
                 cap = ERROR_BODY_BYTES  # only quoted in a message: the rest is not read
+            encoding = response.headers.get("content-encoding", "").strip().lower()
+            if encoding not in ("", "identity"):  # never inflated: refused unread
+                if response.status_code != 200:
+                    return response.status_code, response.headers, f"(a body in {encoding}, not read)".encode()
+                raise InferenceError(
+                    BAD_ENCODING,
+                    mask_credentials(
+                        f"{method} {self.display_url}{path}: response refused: Content-Encoding "
+                        f"{encoding[:80]!r} was not asked for (the client asks for identity)"
+                    ),
+                    retryable=False,
+                )
             declared = response.headers.get("content-length")
             if response.status_code == 200 and declared and declared.isdigit() and int(declared) > cap:
                 raise self._too_large(method, path, cap, f"it declares {int(declared)} bytes")
             chunks: list[bytes] = []
             size = 0
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.aiter_raw():  # as sent: no decoder ever runs
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > cap:
@@ -320,6 +350,22 @@ class HttpBackend:
                 return str(exc)
             raise
         return None
+
+    async def _tokenize(self, payload: dict[str, Any]) -> list[int] | None:
+        """The ids of the server's own ``POST /tokenize`` (SGLang and vLLM alike), or None when
+        it has none or cannot tokenize (a 4xx: an older server, or one without a tokenizer)."""
+        try:
+            body = await self._open().post_json("/tokenize", payload)
+        except InferenceError as exc:
+            if exc.kind.startswith("http_4"):
+                return None
+            raise
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise InferenceError(
+                "bad_response", f"POST /tokenize: no list of token ids in {str(body)[:200]!r}", retryable=False
+            )
+        return tokens
 
     async def score_group(self, group: GroupPrompt) -> list[BackendScore]:
         """One request from the first member's first scored token to the end (SGLang:
