@@ -1,0 +1,352 @@
+"""TRL's ``GRPOTrainer`` on per-token advantages: HCAPO's credits, or any (B, T) you compute.
+
+    from trl import GRPOConfig
+    from hcapo_store.training.trl_grpo import HCAPOGRPOTrainer, StoreAdvantages
+
+    source = StoreAdvantages(store, tokenizer=MODEL_DIR, workdir="rollouts/")
+    trainer = HCAPOGRPOTrainer(model=MODEL_DIR, reward_funcs=reward, args=GRPOConfig(...),
+                               train_dataset=prompts, advantages=source)
+    trainer.train()
+
+TRL generates and rewards the completions as usual; then, instead of one group-normalised
+advantage per completion (B,), the trainer asks ``advantages`` for one float per completion
+token and trains on that (B, T) tensor. TRL's loss takes (B, T) advantages as they are (it
+unsqueezes only a (B,) one); upstream does not plan per-token advantages (trl #7182/#7331), so
+this subclass overrides ``_generate_and_score_completions`` as TRL's maintainers advise (trl
+#4525) and ``_calculate_rewards`` to see each batch's completions and rewards. Both are private:
+``TRL_VERSIONS`` is the range tested, ``check_trl()`` refuses another TRL loudly, and
+tests/test_trl_grpo.py holds their signatures and the keys of the returned dict against the
+installed TRL.
+
+``advantages`` is a callable ``(RolloutBatch) -> one sequence of floats per row, one per
+completion token``. ``StoreAdvantages`` is HCAPO's: it adds the batch's rollouts to the store,
+scores them with the policy itself at weight version ``step-N`` (``score_live``), computes the
+batch's credits (GRPO groups as ``group_by`` groups) and places them on the rollouts' own ids
+with a ``Handoff``. Whatever the source, values land only on completion tokens the loss trains
+(``completion_mask`` × ``tool_mask``), and a NaN or inf is refused with the row and position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import trl
+from trl import GRPOTrainer
+
+from hcapo_store.credits.params import CreditParams
+from hcapo_store.errors import HandoffError
+
+# The TRL releases whose private methods this subclass was checked against (pyproject pins the same).
+TRL_VERSIONS = ((1, 16), (1, 17))  # [low, high) as (major, minor)
+GROUP_TAG = "group"  # the ingest tag naming a rollout's GRPO group (CreditParams.group_by)
+
+
+def check_trl(version: str | None = None) -> None:
+    """Refuses a TRL outside ``TRL_VERSIONS``: the overridden methods may have changed."""
+    text = version or trl.__version__
+    match = re.match(r"(\d+)\.(\d+)", text)
+    low, high = TRL_VERSIONS
+    if match is None or not low <= (int(match[1]), int(match[2])) < high:
+        pin = f"trl>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+        raise RuntimeError(
+            f"hcapo_store.training.trl_grpo supports {pin} (it overrides GRPOTrainer's private "
+            f"_generate_and_score_completions and _calculate_rewards); trl {text} is installed: pip install '{pin}'"
+        )
+
+
+@dataclass
+class RolloutBatch:
+    """One generation batch as TRL produced and rewarded it (this process's rows)."""
+
+    step: int  # trainer.state.global_step when it was generated
+    prompts: list[Any]  # TRL's prompts: message lists (conversational) or text
+    completions: list[Any]  # TRL's decoded completions: message lists or text
+    prompt_ids: list[list[int]]  # unpadded
+    completion_ids: list[list[int]]  # unpadded, as the policy generated them
+    loss_mask: list[list[int]]  # per completion token: 1 where the loss trains it (not a tool result, not masked)
+    rewards: list[float]  # the weighted sum of the reward functions; NaN when none scored the row
+    groups: list[int]  # rows with one group index share a prompt (GRPO's num_generations)
+    inputs: list[dict[str, Any]] = field(repr=False)  # the dataset rows
+    model: Any = field(default=None, repr=False)  # the policy that generated them (unwrapped)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rows": len(self.completion_ids),
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "loss_mask": self.loss_mask,
+            "rewards": self.rewards,
+            "groups": self.groups,
+        }
+
+
+AdvantageSource = Callable[[RolloutBatch], Sequence[Sequence[float]]]
+
+
+def place(batch: RolloutBatch, values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """(B, width) float32: row i's values on its completion tokens the loss trains, 0 elsewhere
+    (padding, tool results, masked completions). Refuses a wrong length, NaN or inf."""
+    if len(values) != len(batch.completion_ids):
+        raise HandoffError(f"the advantage source gave {len(values)} rows for a batch of {len(batch.completion_ids)}")
+    out = np.zeros((len(values), width), dtype=np.float32)
+    for i, (row, ids, mask) in enumerate(zip(values, batch.completion_ids, batch.loss_mask)):
+        adv = np.asarray(row, dtype=np.float64)
+        if adv.shape != (len(ids),):
+            raise HandoffError(
+                f"row {i} (group {batch.groups[i]}): the advantage source gave {adv.shape} values "
+                f"for {len(ids)} completion tokens"
+            )
+        bad = ~np.isfinite(adv)
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            raise HandoffError(
+                f"row {i} (group {batch.groups[i]}): advantage {adv[at]} at completion token {at}: "
+                "a NaN or inf never reaches the trainer"
+            )
+        out[i, : len(ids)] = adv * np.asarray(mask, dtype=np.float64)
+    return torch.from_numpy(out)
+
+
+class HCAPOGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` that trains on per-token advantages from ``advantages`` (a callable
+    ``RolloutBatch -> per-row floats per completion token``, e.g. ``StoreAdvantages``)."""
+
+    def __init__(self, *args: Any, advantages: AdvantageSource, **kwargs: Any) -> None:
+        check_trl()
+        if not callable(advantages):
+            raise TypeError(
+                "advantages= must be a callable RolloutBatch -> per-token advantages (e.g. StoreAdvantages)"
+            )
+        self.advantage_source = advantages
+        self._rollouts: tuple[list[Any], list[Any], list[list[int]], torch.Tensor] | None = None
+        self.last_batch: RolloutBatch | None = None  # the batch the last advantages were placed on
+        super().__init__(*args, **kwargs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # the one place TRL hands over prompts, completions and unpadded ids together: keep them
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rollouts = (
+            list(prompts),
+            list(completions),
+            [list(map(int, c)) for c in completion_ids_list],
+            rewards_per_func,
+        )
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._rollouts = None
+        output = super()._generate_and_score_completions(inputs)
+        if self._rollouts is None:
+            raise RuntimeError("TRL did not call _calculate_rewards: this TRL is not one hcapo-store supports")
+        prompts, completions, completion_ids, rewards_per_func = self._rollouts
+        self._rollouts = None
+        n = len(completion_ids)
+        local = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
+        weighted = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        weighted[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # as TRL: no function scored it
+        prompt_mask = output["prompt_mask"].bool().cpu()
+        loss_mask = output["completion_mask"]
+        if "tool_mask" in output:
+            loss_mask = loss_mask * output["tool_mask"]
+        loss_mask = loss_mask.cpu()
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        first = self.accelerator.process_index * n
+        batch = RolloutBatch(
+            step=int(self.state.global_step),
+            prompts=prompts,
+            completions=completions,
+            prompt_ids=[row[m].tolist() for row, m in zip(output["prompt_ids"].cpu(), prompt_mask)],
+            completion_ids=completion_ids,
+            loss_mask=[loss_mask[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)],
+            rewards=[float(r) for r in weighted[local].tolist()],
+            groups=[(first + i) // num_generations for i in range(n)],
+            inputs=list(inputs),
+            model=self.accelerator.unwrap_model(self.model),
+        )
+        values = self.advantage_source(batch)
+        advantages = place(batch, values, output["completion_ids"].size(1))
+        output["advantages"] = advantages.to(output["completion_ids"].device)
+        self.last_batch = batch
+        trained = loss_mask.bool()
+        if trained.any():
+            self._metrics[mode]["hcapo/advantage_mean"].append(float(advantages[trained].mean()))
+            self._metrics[mode]["hcapo/advantage_abs_max"].append(float(advantages[trained].abs().max()))
+        return output
+
+
+class StoreAdvantages:
+    """HCAPO's per-token advantages for a GRPO batch, from the store.
+
+    Per batch: each group's rollouts are written as a JSONL file under ``workdir`` (prompt
+    messages + the completion's messages, TRL's reward) and ingested with the tag
+    ``group=step-N/gK`` (files and episode ids carry ``RUN``); the policy that generated them scores them in process at weight
+    version ``RUN/step-N`` (``score_live``, ``RUN`` is ``run_id``, default a random one); the batch's credits are computed over exactly those
+    episodes (``params``, default the paper's estimator per GRPO group); and a ``Handoff`` places
+    each step's advantage on the rollout's own prompt + completion ids, of which the completion
+    part is returned. A row the loss does not train (a masked truncated completion) is stored
+    but not looked up; a row no reward function scored is left out (0, listed in ``skipped``).
+
+    ``strict`` (default): a step whose own tokens are not in the rollout's ids, or an action
+    token the loss does not train, raises a ``HandoffError`` naming the row, episode and step;
+    ``strict=False`` leaves that step at 0 and lists it in ``refused``.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        tokenizer: str | Path,
+        workdir: str | Path,
+        params: CreditParams | None = None,
+        strict: bool = True,
+        run_id: str | None = None,
+    ) -> None:
+        import uuid
+
+        self.store = store
+        # in every episode id, file name and weight version: JSONL ids are scoped by file name, and a
+        # restarted training run must not make its step 0 a new version of the last run's step 0
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        self.tokenizer = str(tokenizer)
+        self.workdir = Path(workdir)
+        self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
+        self.strict = strict
+        self.runs: dict[int, str] = {}  # step -> credit run name
+        self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
+        self.episodes: dict[int, list[str | None]] = {}  # step -> store episode name per row (None: left out)
+        self.refused: dict[tuple[int, int], dict[int, str]] = {}  # (step, row) -> {step_index: why}
+        self.skipped: dict[tuple[int, int], str] = {}  # (step, row) -> why
+
+    def _external_id(self, step: int, row: int) -> str:
+        return f"{self.run_id}-s{step}-r{row}"
+
+    def _messages(self, batch: RolloutBatch, i: int) -> list[dict[str, Any]]:
+        prompt, completion = batch.prompts[i], batch.completions[i]
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise HandoffError(
+                "StoreAdvantages needs a conversational dataset (a `prompt` column of messages): the store renders "
+                "episodes with the chat template, as TRL does for conversational prompts"
+            )
+        return [dict(m) for m in prompt] + [dict(m) for m in completion]
+
+    def _write(self, batch: RolloutBatch) -> dict[int, list[tuple[int, Path]]]:
+        """Each group's rows as a JSONL file of episodes; which rows went into which file."""
+        folder = self.workdir / self.run_id / f"step_{batch.step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        files: dict[int, list[tuple[int, Path]]] = {}
+        lines: dict[int, list[str]] = {}
+        for i, group in enumerate(batch.groups):
+            if not math.isfinite(batch.rewards[i]):
+                self.skipped[(batch.step, i)] = "no reward function scored it (TRL gives it no advantage either)"
+                continue
+            path = folder / f"{self.run_id}_step{batch.step:06d}_g{group:05d}.jsonl"
+            episode = {
+                "episode_id": self._external_id(batch.step, i),
+                "reward": batch.rewards[i],
+                "messages": self._messages(batch, i),
+            }
+            lines.setdefault(group, []).append(json.dumps(episode, ensure_ascii=False))
+            files.setdefault(group, []).append((i, path))
+        for group, group_lines in lines.items():
+            files[group][0][1].write_text("".join(line + "\n" for line in group_lines), encoding="utf-8")
+        return files
+
+    def __call__(self, batch: RolloutBatch) -> list[np.ndarray]:
+        from hcapo_store.credits.runs import compute_credits
+        from hcapo_store.ingestion.pipeline import ingest
+        from hcapo_store.scoring.live import score_live
+        from hcapo_store.training.handoff import Handoff
+
+        if batch.model is None:
+            raise HandoffError("StoreAdvantages scores rollouts with the policy: the batch carries no model")
+        out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
+        files = self._write(batch)
+        if not files:
+            return out
+        names: dict[int, str] = {}
+        episode_ids: list[int] = []
+        for group, rows in files.items():
+            path = rows[0][1]
+            report = ingest(self.store, [path], tags={GROUP_TAG: f"step-{batch.step}/g{group}"}, jobs=1)
+            # a rollout the store refuses (e.g. an empty completion) is left at 0 and listed, never the batch
+            why = {src.rsplit(":", 1)[-1]: reason for src, reason in [*report.skips, *report.failures]}
+            found = self.store.query(
+                "SELECT id, name, external_id FROM episodes WHERE source_path = :p AND is_current",
+                {"p": str(path.resolve())},
+            )[1]
+            by_row = {str(ext): name for _, name, ext in found}
+            episode_ids += [int(i) for i, _, _ in found]
+            for line, (i, _) in enumerate(rows, 1):
+                if self._external_id(batch.step, i) in by_row:
+                    names[i] = by_row[self._external_id(batch.step, i)]
+                else:
+                    self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
+        self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
+        if not names:
+            return out
+        version = f"{self.run_id}/step-{batch.step}"
+        live = score_live(
+            self.store, batch.model, tokenizer=self.tokenizer, weight_version=version, episodes=list(names.values())
+        )
+        if live.report.failed:
+            raise HandoffError(f"step {batch.step}: scoring the rollouts failed: {live.report.first_errors}")
+        run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
+        self.runs[batch.step] = run.run.name
+        self.scorers[batch.step] = live.scorer_id
+        handoff = Handoff(self.store, run.run.name, tokenizer=self.tokenizer)
+        for i, name in names.items():
+            if not any(batch.loss_mask[i]):
+                continue  # nothing of it is trained (e.g. a masked truncated completion)
+            out[i] = self._row(handoff, batch, i, name)
+        return out
+
+    def _row(self, handoff: Any, batch: RolloutBatch, i: int, name: str) -> np.ndarray:
+        prompt, completion = batch.prompt_ids[i], batch.completion_ids[i]
+        start = len(prompt)
+        try:
+            credit = handoff.advantages(name, [*prompt, *completion], strict=self.strict)
+        except HandoffError as exc:
+            truncated = " (its completion was cut at max_completion_length: mask_truncated_completions=True leaves such rows out)"
+            raise HandoffError(
+                f"step {batch.step}, row {i}: {exc}{truncated if self._truncated(completion) else ''}"
+            ) from exc
+        if credit.refused:
+            self.refused[(batch.step, i)] = dict(credit.refused)
+        trained = np.asarray(batch.loss_mask[i], dtype=bool)
+        untrained = credit.mask[start:] & ~trained
+        if untrained.any():
+            at = int(np.flatnonzero(untrained)[0])
+            step = next((k for k, (a, b) in credit.spans.items() if a <= start + at < b), None)
+            why = f"step {step}'s token at completion position {at} is an action token the loss does not train"
+            if self.strict:
+                raise HandoffError(f"step {batch.step}, row {i}, episode {name}: {why}")
+            self.refused.setdefault((batch.step, i), {})[int(step or -1)] = why
+        return credit.advantages[start:].astype(np.float64) * trained
+
+    def _truncated(self, completion: Sequence[int]) -> bool:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.tokenizer)
+        return not completion or completion[-1] not in {tok.eos_token_id, tok.pad_token_id}
+
+
+__all__ = [
+    "GROUP_TAG",
+    "TRL_VERSIONS",
+    "AdvantageSource",
+    "HCAPOGRPOTrainer",
+    "RolloutBatch",
+    "StoreAdvantages",
+    "check_trl",
+    "place",
+]

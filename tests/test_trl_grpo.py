@@ -1,0 +1,333 @@
+"""TRL's GRPOTrainer on per-token advantages (training/trl_grpo.py): real TRL, a tiny Qwen3 model
+built from a config on the CPU, the demo tokenizer, a real store. The loss moves each token the
+way its advantage says, advantages fall only on trained completion tokens, the store's are the
+Handoff's own, a NaN never reaches the trainer, and the TRL methods it overrides are held against
+the installed TRL."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tomllib
+
+pytest.importorskip("trl")
+import torch
+from conftest import REPO
+from datasets import Dataset
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from hcapo_store.errors import HandoffError
+from hcapo_store.storage.store import Store
+from hcapo_store.training.handoff import Handoff
+from hcapo_store.training.trl_grpo import (
+    TRL_VERSIONS,
+    HCAPOGRPOTrainer,
+    RolloutBatch,
+    StoreAdvantages,
+    check_trl,
+)
+
+# Single-character tokens of the demo vocabulary that no merge joins: any sequence of them
+# decodes and re-tokenizes to itself, so the store's rendering of a completion is the policy's ids.
+CANONICAL = "!#$%(+"
+# The keys of TRL's returned dict this subclass reads or replaces.
+READ_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
+
+
+@pytest.fixture
+def tok(demo_tokenizer_dir: Path):
+    return AutoTokenizer.from_pretrained(str(demo_tokenizer_dir))
+
+
+def qwen3(tok, seed: int = 0) -> Qwen3ForCausalLM:
+    """A 2-layer Qwen3 (q/k norms, GQA, head_dim) of the tokenizer's vocabulary, random weights."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return Qwen3ForCausalLM(config).float()
+
+
+def config(tmp_path: Path, tok, allowed: str = CANONICAL, **kw: Any) -> GRPOConfig:
+    keep = {tok.convert_tokens_to_ids(c) for c in allowed} | {tok.eos_token_id}
+    assert all(tok.encode(c, add_special_tokens=False) == [tok.convert_tokens_to_ids(c)] for c in allowed)
+    base: dict[str, Any] = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        mask_truncated_completions=True,
+        seed=0,
+        # the policy writes only `allowed` and its end-of-turn token (a random model would write anything)
+        generation_kwargs={"suppress_tokens": [t for t in range(len(tok)) if t not in keep]},
+    )
+    return GRPOConfig(**{**base, **kw})
+
+
+def prompts(n: int, history: bool = False) -> Dataset:
+    first = [{"role": "user", "content": "Write some signs."}]
+    if history:  # an earlier turn of the agent sits in the prompt: its tokens are not this completion's
+        first += [{"role": "assistant", "content": "!!#"}, {"role": "user", "content": "More."}]
+    return Dataset.from_list([{"prompt": first}] * n)
+
+
+def bangs(completions: list, **_: Any) -> list[float]:
+    return [float(c[0]["content"].count("!")) for c in completions]
+
+
+def record(trainer: GRPOTrainer) -> list[dict[str, Any]]:
+    """Every dict ``_generate_and_score_completions`` hands to the loss, as it is handed."""
+    seen: list[dict[str, Any]] = []
+    inner = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        out = inner(inputs)
+        seen.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in out.items()})
+        return out
+
+    trainer._generate_and_score_completions = wrapped  # type: ignore[method-assign]
+    return seen
+
+
+def completion_logps(model, batch: dict[str, Any]) -> torch.Tensor:
+    """log pi(completion token) at every completion position, computed plainly."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    width = batch["completion_ids"].size(1)
+    logp = torch.log_softmax(logits[:, -width - 1 : -1], -1)
+    return logp.gather(-1, batch["completion_ids"][..., None])[..., 0]
+
+
+# ---- TRL's methods, held against the installed TRL ---------------------------------------------
+
+
+def test_the_overridden_methods_are_the_installed_trls() -> None:
+    """Fails loudly when TRL renames, re-signs or re-shapes what the subclass overrides."""
+    check_trl()  # the installed TRL is in the supported range
+    for outside in ("1.15.2", f"{TRL_VERSIONS[1][0]}.{TRL_VERSIONS[1][1]}.0", "2.0.0"):
+        with pytest.raises(RuntimeError, match=r"supports trl>=1\.16,<1\.17"):
+            check_trl(outside)
+    assert list(inspect.signature(GRPOTrainer._generate_and_score_completions).parameters) == ["self", "inputs"]
+    assert list(inspect.signature(GRPOTrainer._calculate_rewards).parameters) == [
+        "self",
+        "inputs",
+        "prompts",
+        "completions",
+        "completion_ids_list",
+    ]
+    # the loss takes a (B, T) advantage as it is: it unsqueezes only a (B,) one
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert "if advantages.dim() == 1:" in loss and "advantages.unsqueeze(1)" in loss
+    # both pins in pyproject (the trl extra and the test extra) are TRL_VERSIONS
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pin = f"trl>={TRL_VERSIONS[0][0]}.{TRL_VERSIONS[0][1]},<{TRL_VERSIONS[1][0]}.{TRL_VERSIONS[1][1]}"
+    for extra in ("trl", "test"):
+        assert [r for r in extras[extra] if re.match(r"trl\b", r)] == [pin], extra
+
+
+def test_trls_returned_dict_has_the_keys_read(tmp_path: Path, tok) -> None:
+    """A plain GRPOTrainer on a real batch: the keys read and their shapes, (B,) advantages."""
+    trainer = GRPOTrainer(
+        model=qwen3(tok), reward_funcs=bangs, args=config(tmp_path, tok), train_dataset=prompts(4), processing_class=tok
+    )
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    out = trainer._generate_and_score_completions(batch)
+    assert READ_KEYS <= set(out), sorted(set(out))
+    b, width = out["completion_ids"].shape
+    assert out["advantages"].shape == (b,)
+    assert out["completion_mask"].shape == (b, width) and out["prompt_mask"].shape == out["prompt_ids"].shape
+
+
+# ---- the direction of the loss -------------------------------------------------------------------
+
+
+def test_tokens_gain_or_lose_log_probability_as_their_advantage_says(tmp_path: Path, tok) -> None:
+    plus, minus = tok.convert_tokens_to_ids("!"), tok.convert_tokens_to_ids("#")
+    batches: list[RolloutBatch] = []
+
+    def by_token(batch: RolloutBatch) -> list[list[float]]:
+        batches.append(batch)
+        return [[1.0 if t == plus else -1.0 if t == minus else 0.0 for t in ids] for ids in batch.completion_ids]
+
+    model = qwen3(tok)
+    before = qwen3(tok)
+    before.load_state_dict(model.state_dict())
+    args = config(tmp_path, tok, max_steps=3, per_device_train_batch_size=8, num_generations=8, max_completion_length=6)
+    trainer = HCAPOGRPOTrainer(
+        model=model,
+        reward_funcs=bangs,
+        args=args,
+        train_dataset=prompts(24),
+        processing_class=tok,
+        advantages=by_token,
+    )
+    seen = record(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(seen) == 3 and len(batches) == 3
+    first = seen[0]
+    trained = (first["completion_mask"] == 1) & (first["advantages"] != 0)
+    assert trained.any()
+    delta = completion_logps(trainer.model.eval(), first) - completion_logps(before.eval(), first)
+    ids = first["completion_ids"]
+    up = delta[(ids == plus) & (first["completion_mask"] == 1)]
+    down = delta[(ids == minus) & (first["completion_mask"] == 1)]
+    assert up.numel() and down.numel()
+    assert float(up.mean()) > 0 > float(down.mean())
+    # exactly the source's values on trained completion tokens, 0 on padding
+    for out, batch in zip(seen, batches):
+        for i, ids_i in enumerate(batch.completion_ids):
+            want = [(1.0 if t == plus else -1.0 if t == minus else 0.0) * m for t, m in zip(ids_i, batch.loss_mask[i])]
+            assert out["advantages"][i, : len(ids_i)].tolist() == want
+            assert not out["advantages"][i, len(ids_i) :].any()
+        assert out["advantages"].shape == out["completion_ids"].shape
+
+
+# ---- HCAPO from the store -------------------------------------------------------------------------
+
+
+def test_store_advantages_are_the_handoffs_on_completion_tokens_only(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+) -> None:
+    with Store.open(str(tmp_path / "grpo.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "rollouts", run_id="t")
+        batches: list[RolloutBatch] = []
+
+        def keep(batch: RolloutBatch):
+            batches.append(batch)
+            return source(batch)
+
+        trainer = HCAPOGRPOTrainer(
+            model=qwen3(tok),
+            reward_funcs=bangs,
+            args=config(tmp_path, tok),
+            train_dataset=prompts(8, history=True),
+            processing_class=tok,
+            advantages=keep,
+        )
+        seen = record(trainer)
+        trainer.train()
+        assert trainer.state.global_step == 2 and sorted(source.runs) == [0, 1]
+        assert len(set(source.scorers.values())) == 2  # each step scored by the policy of that step
+        checked = 0
+        for out, batch in zip(seen, batches):
+            handoff = Handoff(store, source.runs[batch.step], tokenizer=demo_tokenizer_dir)  # read back independently
+            for i, name in enumerate(source.episodes[batch.step]):
+                width = len(batch.completion_ids[i])
+                placed = out["advantages"][i].numpy()
+                assert np.isfinite(placed).all() and not placed[width:].any()
+                if name is None or not any(batch.loss_mask[i]):
+                    assert not placed.any()
+                    continue
+                ids = batch.prompt_ids[i] + batch.completion_ids[i]
+                credit = handoff.advantages(name, ids)
+                start = len(batch.prompt_ids[i])
+                assert credit.mask[:start].any()  # the earlier turn's tokens, in the prompt: not trained here
+                # the completion is a step of its own, unless it is empty (the end-of-turn token alone)
+                assert credit.mask[start:].any() or batch.completions[i][0]["content"] == ""
+                np.testing.assert_array_equal(placed[:width], credit.advantages[start:] * np.array(batch.loss_mask[i]))
+                checked += 1
+        assert checked >= 4
+        assert not source.refused
+
+
+def test_a_rollout_the_store_renders_otherwise_is_refused_by_name(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+) -> None:
+    """' the' tokens: the store keeps the completion's text stripped, so its tokens are not the
+    policy's. Strict: one line naming the step, the row and the episode; else 0 and listed."""
+    words = " the"
+    assert len(tok.encode(words, add_special_tokens=False)) == 1
+    keep = {tok.encode(words, add_special_tokens=False)[0], tok.eos_token_id}
+    gen = {"suppress_tokens": [t for t in range(len(tok)) if t not in keep]}
+    with Store.open(str(tmp_path / "grpo.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r1", run_id="a")
+        trainer = HCAPOGRPOTrainer(
+            model=qwen3(tok),
+            reward_funcs=lambda completions, **_: [float(len(c[0]["content"])) for c in completions],
+            args=config(tmp_path, tok, allowed="", generation_kwargs=gen, mask_truncated_completions=False),
+            train_dataset=prompts(4),
+            processing_class=tok,
+            advantages=source,
+        )
+        with pytest.raises(
+            HandoffError, match=r"step 0, row \d+: episode a_step000000_g00000\.jsonl#a-s0-r\d+: step 0's own"
+        ):
+            trainer.train()
+        lenient = StoreAdvantages(
+            store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r2", run_id="b", strict=False
+        )
+        trainer = HCAPOGRPOTrainer(
+            model=qwen3(tok),
+            reward_funcs=lambda completions, **_: [float(len(c[0]["content"])) for c in completions],
+            args=config(
+                tmp_path, tok, allowed="", generation_kwargs=gen, mask_truncated_completions=False, max_steps=1
+            ),
+            train_dataset=prompts(4),
+            processing_class=tok,
+            advantages=lenient,
+        )
+        seen = record(trainer)
+        trainer.train()
+        assert lenient.refused and all(why for steps in lenient.refused.values() for why in steps.values())
+        for (_, row), _steps in lenient.refused.items():
+            assert not seen[0]["advantages"][row].any()
+
+
+# ---- what never reaches the trainer --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "short"])
+def test_a_nan_inf_or_misshapen_advantage_never_reaches_the_trainer(tmp_path: Path, tok, bad) -> None:
+    def broken(batch: RolloutBatch) -> list[list[float]]:
+        rows = [[0.5] * len(ids) for ids in batch.completion_ids]
+        if bad == "short":
+            rows[2] = rows[2][:-1]
+        else:
+            rows[2][0] = bad
+        return rows
+
+    model = qwen3(tok)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = HCAPOGRPOTrainer(
+        model=model,
+        reward_funcs=bangs,
+        args=config(tmp_path, tok, max_steps=1),
+        train_dataset=prompts(4),
+        processing_class=tok,
+        advantages=broken,
+    )
+    message = (
+        r"row 2 \(group 0\): the advantage source gave"
+        if bad == "short"
+        else r"row 2 \(group 0\): advantage (nan|inf) at completion token 0"
+    )
+    with pytest.raises(HandoffError, match=message):
+        trainer.train()
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())  # no step was taken
