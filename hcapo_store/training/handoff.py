@@ -3,6 +3,7 @@
     from hcapo_store.training.handoff import Handoff
     handoff = Handoff(store, "default", tokenizer="/models/Qwen3-8B")
     credit = handoff.advantages("pg-01/episode_001", token_ids)   # one float per trainer token
+    credit = handoff.advantages("3-1", token_ids)   # the collector's own id (JSONL episode_id, Pi session id)
 
 The trainer tokenized the conversation its own way; the store knows, per step, the policy's
 own tokens (``outputs/alignment.py``: its reasoning, text, tool calls and end-of-turn token,
@@ -11,6 +12,10 @@ renderings the tokenized export writes (``turns`` or ``whole``), the spans are t
 each step's own tokens are looked up in order in the trainer's ids, right after the same
 header tokens the rendering puts before them; a step whose tokens are not there exactly is
 refused with a ``HandoffError`` naming it — never moved to a near match.
+
+A run that no longer matches the store is refused unless the caller allows it
+(``allow_stale=True``): a ``follow`` batch's run that a newer batch of the same key replaced
+(the message names that batch and its run), or a run with superseded or missing episodes.
 
 Which advantage: the run's stored one (``step_credits.advantage``): the Eq. 8 weight for an
 ``original`` run over its training selection (episodes under its ``min_reward`` get zeros and
@@ -38,7 +43,7 @@ from hcapo_store.storage.store import Store
 CONTEXT_TOKENS = 3  # header tokens that must precede a step's tokens in the trainer's ids
 
 RUN_EPISODES_SQL = """
-SELECT DISTINCT e.id, e.name FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
+SELECT DISTINCT e.id, e.name, e.external_id FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
 WHERE c.run_id = :run ORDER BY e.name
 """
 
@@ -61,31 +66,46 @@ class Handoff:
     """Per-token advantages of one credit run, on the token ids of a trainer.
 
     ``tokenizer``: the directory of the tokenizer the run's scorer used (checked against the
-    scorer's fingerprint, as the tokenized export does)."""
+    scorer's fingerprint, as the tokenized export does). ``allow_stale``: take a superseded
+    batch's run or a stale run anyway (the reason stays in ``warnings``); by default it is
+    refused with a ``HandoffError`` naming what replaced it."""
 
-    def __init__(self, store: Store, run: str | None = None, *, tokenizer: str | Path) -> None:
+    def __init__(
+        self, store: Store, run: str | None = None, *, tokenizer: str | Path, allow_stale: bool = False
+    ) -> None:
         self.store = store
         self.run: RunInfo = get_run(store, run)
+        self.warnings: list[str] = [self.run.stale] if self.run.stale else []
+        with db.read(store.engine) as conn:
+            replaced = superseded_batch(conn, self.run.id)
+        if replaced:
+            self.warnings.insert(0, replaced)
+        if self.warnings and not allow_stale:
+            raise HandoffError(f"{self.warnings[0]}; or pass allow_stale=True to train on it anyway")
         self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
         self.renderer = EpisodeRenderer(self.tokenizer)
-        self.warnings: list[str] = [self.run.stale] if self.run.stale else []
         with db.read(store.engine) as conn:
             rw = run_weights(conn, self.run, self.warnings)
             add_step_indices(conn, rw.episodes, self.run)
-            self._names = {int(i): n for i, n in conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id})}
+            rows = conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id}).all()
+        self._names = {int(i): n for i, n, _ in rows}
+        self._external = {int(i): str(x) for i, _, x in rows if x is not None}  # the collector's ids
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
 
     # ---- lookup --------------------------------------------------------------------------------
     def episode_id(self, episode: str | int) -> int:
-        """The run's episode meant by ``episode``: its name, its id, or a unique name ending."""
+        """The run's episode meant by ``episode``: its store name, its row id, the id the
+        collector wrote (the JSONL ``episode_id``, the Pi session id), or a unique name ending."""
         if isinstance(episode, (int, np.integer)) and int(episode) in self._names:
             return int(episode)
         value = str(episode)
         exact = [i for i, n in self._names.items() if n == value]
         if not exact and value.isdigit() and int(value) in self._names:
             exact = [int(value)]
+        if not exact:
+            exact = [i for i, x in self._external.items() if x == value]
         if not exact:
             exact = [i for i, n in self._names.items() if n.endswith("/" + value)]
         if len(exact) == 1:
@@ -192,6 +212,22 @@ class Handoff:
             adv[a:b] = step_adv.get(index, 0.0)
             mask[a:b] = True
         return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
+
+
+def superseded_batch(conn: Any, run_id: int) -> str | None:
+    """Why a ``follow`` batch's run must not be trained on any more: a newer batch of the same
+    key replaced its batch (named, with its run), or None."""
+    row = conn.execute(
+        text("SELECT id, key, superseded_by FROM batches WHERE credit_run_id = :r AND status = 'superseded'"),
+        {"r": run_id},
+    ).first()
+    if row is None:
+        return None
+    new = conn.execute(
+        text("SELECT id, credit_run, status FROM batches WHERE id = :b"), {"b": row.superseded_by}
+    ).first()
+    by = f"batch {new.id} (credit run {new.credit_run!r}, {new.status})" if new is not None else "a newer batch"
+    return f"credit run of batch {row.id} ({row.key}) was superseded by {by}: an episode of it changed"
 
 
 def _find_after(ids: list[int], own: list[int], before: list[int], pos: int) -> tuple[int, int] | None:

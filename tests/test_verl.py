@@ -1,0 +1,259 @@
+"""HCAPO inside the real verl 0.9.1 (issue 33): rollouts written as JSONL by uid, followed and
+scored against the reference server, a verl batch built from them, and verl's own
+``compute_advantage`` (legacy) and ``compute_advantage_for_multi_trajectories`` (v1) with
+``algorithm.adv_estimator=hcapo`` — equal to ``Handoff.advantages`` on every token, 0 on
+every token that is not an action. verl pins transformers<5.11, so it runs in its own venv
+(built once under the temp dir, like tests/test_notorch.py; ``HCAPO_VERL_VENV`` names a
+ready one) with this checkout on its path."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.synth import words
+from hcapo_store.storage.store import Store
+from hcapo_store.training.handoff import Handoff
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow]
+VERL_REQUIREMENTS = ["verl==0.9.1", "cachetools", "uvicorn", "fastapi", "TransferQueue==0.1.11"]
+PIP_TIMEOUT_S = 1800  # a hang guard: the first build downloads verl and ray
+VERSION = "step-1"  # the weight version the step's rollouts (and their scores) come from
+
+
+def _pip(venv: Path, *args: str) -> None:
+    r = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=PIP_TIMEOUT_S,
+    )
+    assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def verl_python() -> Path:
+    """The python of a venv with torch 2.13.0, verl 0.9.1 and this package's dependencies."""
+    ready = os.environ.get("HCAPO_VERL_VENV")
+    if ready:
+        return Path(ready) / "bin" / "python"
+    key = hashlib.sha256(
+        (" ".join(VERL_REQUIREMENTS) + sys.version + (ROOT / "pyproject.toml").read_text()).encode()
+    ).hexdigest()[:16]
+    cached = Path(tempfile.gettempdir()) / f"hcapo-store-verl-venv-{key}"
+    if not (cached / "ok").exists():
+        building = Path(tempfile.mkdtemp(prefix="hcapo-store-verl-build-"))
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
+        _pip(building, "torch==2.13.0")
+        _pip(building, *VERL_REQUIREMENTS)
+        _pip(building, str(ROOT))  # the dependencies; the code itself comes from the checkout (PYTHONPATH)
+        (building / "ok").write_text("")
+        shutil.rmtree(cached, ignore_errors=True)
+        building.rename(cached)
+        # a venv is not relocatable, but its python resolves by the symlink and pyvenv.cfg: fine to run
+    return cached / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        server.weight_version = VERSION
+        yield server
+
+
+def _rollout(rng: random.Random, turns: int) -> list[dict]:
+    """A multi-turn conversation as an agent loop writes it: task, then action / tool result."""
+    messages = [{"role": "user", "content": f"Task: {words(rng, 6)}"}]
+    for t in range(turns):
+        messages.append({"role": "assistant", "content": words(rng, rng.randint(2, 7))})
+        if t < turns - 1:
+            messages.append({"role": "user", "content": f"tool: {words(rng, 4)}"})
+    return messages
+
+
+def write_step(root: Path, groups: dict[str, int], seed: int) -> dict[str, dict]:
+    """One training step's rollouts as the agent loop writes them: one JSONL line per sample
+    (``episode_id``, ``uid``, ``reward``, ``messages``), a file per GRPO group."""
+    rng = random.Random(seed)
+    step = root / "step_0001"
+    step.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for uid, n in groups.items():
+        lines = []
+        for k in range(n):
+            line = {
+                "episode_id": f"{uid}-{k}",
+                "uid": uid,
+                "reward": round(rng.random(), 3),
+                "messages": _rollout(rng, rng.randint(2, 3)),
+            }
+            written[line["episode_id"]] = line
+            lines.append(json.dumps(line))
+        (step / f"{uid}.jsonl").write_text("\n".join(lines) + "\n")
+    return written
+
+
+def verl_sample(tok, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
+    """What verl's multi-turn agent loop holds for a conversation: the first prompt's ids, then
+    the response's ids (every turn after it) and its mask, 0 on what the policy did not write
+    (tool results and the next generation prompt), from prefix renders of the chat template."""
+
+    def ids(msgs: list[dict], gen: bool) -> list[int]:
+        return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=False))
+
+    full = ids(messages, False)
+    prompt = ids(messages[:1], True)
+    assert full[: len(prompt)] == prompt
+    mask = [1] * (len(full) - len(prompt))
+    for j in range(2, len(messages)):
+        if messages[j]["role"] == "user":  # a tool result and the generation prompt after it
+            a, b = len(ids(messages[:j], False)), len(ids(messages[: j + 1], True))
+            assert full[:b] == ids(messages[: j + 1], True)
+            for t in range(a, b):
+                mask[t - len(prompt)] = 0
+    return prompt, full[len(prompt) :], mask
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory: pytest.TempPathFactory, ref: ReferenceServer, tiny_model_dir: Path) -> dict:
+    """A step of 3 GRPO groups (2, 2 and 3 samples) followed and scored by uid."""
+    tmp = tmp_path_factory.mktemp("verl")
+    root = tmp / "rollouts"
+    written = write_step(root, {"u-a": 2, "u-b": 2, "u-c": 3}, seed=5)
+    db = tmp / "store.db"
+    r = CliRunner().invoke(
+        cli,
+        ["--db", str(db), "follow", str(root), "--batch-by", "field:uid", "--group-size", "2", "--once"]
+        + ["--variant", "paper", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--max-context", "2048"],
+        catch_exceptions=False,
+    )
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["--db", str(db), "batches", "--json"])
+    batches = json.loads(r.output)
+    assert {b["key"] for b in batches} == {"u-a", "u-b", "u-c"}
+    assert all(b["status"] == "ready" and b["weight_version"] == VERSION for b in batches)
+    assert {b["key"]: b["episodes"] for b in batches} == {"u-a": 2, "u-b": 2, "u-c": 3}
+    return {"db": db, "written": written, "batches": {b["key"]: b for b in batches}}
+
+
+def _case(scored: dict, tok_dir: Path, tmp: Path) -> tuple[Path, dict]:
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    good: dict = {"prompts": [], "responses": [], "masks": [], "uids": [], "ids": [], "expected": []}
+    with Store.open(str(scored["db"])) as store:
+        for eid, line in sorted(scored["written"].items()):
+            prompt, response, mask = verl_sample(tok, line["messages"])
+            handoff = Handoff(store, scored["batches"][line["uid"]]["credit_run"], tokenizer=tok_dir)
+            credit = handoff.advantages(eid, prompt + response)  # by the collector's own id
+            good["prompts"].append(prompt)
+            good["responses"].append(response)
+            good["masks"].append(mask)
+            good["uids"].append(line["uid"])
+            good["ids"].append(eid)
+            good["expected"].append(
+                {"advantages": credit.advantages[len(prompt) :].tolist(), "mask": credit.mask[len(prompt) :].tolist()}
+            )
+    one = {
+        k: [list(v) if isinstance(v, list) else v for v in good[k]] for k in ("prompts", "responses", "masks", "uids")
+    }
+    # sample 1's second action token +1: a rollout whose ids differ from the stored episode by one token
+    at = next(t for t, a in enumerate(good["expected"][1]["mask"]) if a)
+    one["responses"][1][at] += 1
+    unknown = {k: list(good[k][:2]) for k in ("prompts", "responses", "masks")}
+    unknown["uids"] = ["u-a", "u-never-seen"]
+    case = {
+        "db": str(scored["db"]),
+        "tokenizer": str(tok_dir),
+        "weight_version": VERSION,
+        "good": {k: good[k] for k in ("prompts", "responses", "masks", "uids")},
+        "shuffle": list(reversed(range(len(good["uids"])))),
+        "one_token": one,
+        "unknown_uid": unknown,
+    }
+    path = tmp / "case.json"
+    path.write_text(json.dumps(case))
+    return path, good
+
+
+def _run_verl(verl_python: Path, case: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run(
+        [str(verl_python), str(ROOT / "tests" / "_verl_driver.py"), str(case)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**env, "HF_HUB_OFFLINE": "1", "RAY_DISABLE_IMPORT_WARNING": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_verl_trains_on_the_stores_advantages(
+    verl_python: Path, scored: dict, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    case, good = _case(scored, tiny_model_dir, tmp_path)
+    out = _run_verl(verl_python, case)
+    assert out["registered"] == ["HcapoRewardManager", "hcapo_advantage", "0.9.1"]
+
+    # version drift: a verl whose names moved is refused by an ImportError naming 0.9.1
+    assert "supports verl 0.9.1" in out["drift"]["error"] and "register_adv_est" in out["drift"]["error"]
+
+    # legacy and v1: every token equal to Handoff.advantages, 0 off the actions and the padding
+    for path in ("legacy", "v1"):
+        assert "value" in out[path], out[path]
+        adv = out[path]["value"]["advantages"]
+        for i, want in enumerate(good["expected"]):
+            row = np.array(adv[i], dtype=np.float32)
+            n = len(want["advantages"])
+            assert np.array_equal(row[:n], np.array(want["advantages"], dtype=np.float32)), (path, i)
+            assert not row[n:].any()
+            assert not row[:n][~np.array(want["mask"], dtype=bool)].any()  # non-action tokens: 0
+            assert row[:n][np.array(want["mask"], dtype=bool)].any() or not want["mask"]
+    assert out["legacy"]["value"]["returns"] == out["legacy"]["value"]["advantages"]
+    # the paper's signed advantages reached the trainer: some negative, some positive
+    flat = np.concatenate([np.array(r) for r in out["legacy"]["value"]["advantages"]])
+    assert flat.min() < 0 < flat.max()
+
+    # the same samples in reverse order: each finds its own member within its group
+    order = list(reversed(range(len(good["uids"]))))  # the permutation the driver applied
+    assert out["shuffled"]["value"] == [out["legacy"]["value"]["advantages"][i] for i in order]
+
+    # bad input: one line each, naming the sample (its row, its uid) and the step
+    e = out["one_token"]["error"]
+    assert e.startswith("sample 1 (uid ") and "step " in e and "differ from the stored episode" in e, e
+    assert "\n" not in e
+    e = out["unknown_uid"]["error"]
+    assert e.startswith("sample 1 (uid u-never-seen): the store has no batch for this uid"), e
+    e = out["other_version"]["error"]
+    assert e.startswith("sample 0 (uid ") and f"weight version '{VERSION}'" in e and "some-other-version" in e, e
+    assert "(+2 more: sample 2 (uid u-b)" in e  # every group of the step is named, not only the first
+    # the estimator passes on nothing it did not get from the store, and never a NaN
+    assert "token-level reward is nan: refused" in out["nan"]["error"]
+    for case_name in ("kl_in_reward", "naive_rewards"):
+        e = out[case_name]["error"]
+        assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo reward manager wrote" in e, e
+
+
+def test_the_plug_is_refused_without_verl() -> None:
+    """This environment has no verl: the import names the version the plug supports."""
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed in this environment")
+    with pytest.raises(ImportError, match=r"supports verl 0\.9\.1 \(installed: none\)"):
+        import hcapo_store.training.verl  # noqa: F401
