@@ -174,5 +174,83 @@ def test_slime_and_prime_rl_samples(store: Store, samples: Path, demo_tokenizer_
     assert len(got) == len(tokens) - cut and np.allclose(got, row["advantages"][cut:], atol=1e-6)
     with pytest.raises(HandoffError, match="loss_mask has"):
         slime_advantages(handoff, row["episode"], tokens, len(tokens) - cut, loss_mask[:-1])
-    full = prime_rl_advantages(handoff, row["episode"], tokens[:cut], tokens[cut:], [1] * (len(tokens) - cut))
+    full = prime_rl_advantages(handoff, row["episode"], tokens, [0] * cut + [1] * (len(tokens) - cut))
     assert len(full) == len(tokens) and np.allclose(full, row["advantages"], atol=1e-6)
+
+
+def test_an_episode_is_found_by_the_id_its_collector_wrote(
+    store: Store, samples: Path, demo_tokenizer_dir: Path
+) -> None:
+    """The Pi session id (and the JSONL ``episode_id``) reach the same episode as its store name."""
+    scored_with(store, samples, demo_tokenizer_dir)
+    handoff = Handoff(store, "r", tokenizer=demo_tokenizer_dir)
+    rows = store.query("SELECT id, name, external_id FROM episodes WHERE is_current", read_only=True)[1]
+    assert rows and all(ext for _, _, ext in rows)
+    for ep_id, name, ext in rows:
+        assert "/" not in ext or ext != name
+        assert handoff.episode_id(ext) == handoff.episode_id(name) == ep_id
+        ids = handoff._alignment(ep_id, "turns").input_ids
+        by_ext, by_name = handoff.advantages(ext, ids), handoff.advantages(name, ids)
+        assert by_ext.episode == name and np.array_equal(by_ext.advantages, by_name.advantages)
+
+
+def test_a_stale_run_is_refused_unless_allowed(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from hcapo_store.ingestion.pipeline import ingest
+
+    scored_with(store, samples, demo_tokenizer_dir)
+    copy = tmp_path / "again"
+    shutil.copytree(samples, copy)
+    first = sorted(p for p in copy.iterdir() if (p / "result.json").is_file())[0]
+    result = json.loads((first / "result.json").read_text())
+    result["episode_reward"] = 0.123 if result.get("episode_reward") != 0.123 else 0.321  # a new version
+    (first / "result.json").write_text(json.dumps(result))
+    assert ingest(store, [copy]).changed >= 1
+    with pytest.raises(
+        HandoffError, match=r"credit run 'r' is stale: 1 credited episode\(s\) have a newer version.*allow_stale=True"
+    ):
+        Handoff(store, "r", tokenizer=demo_tokenizer_dir)
+    handoff = Handoff(store, "r", tokenizer=demo_tokenizer_dir, allow_stale=True)
+    assert handoff.warnings and "is stale" in handoff.warnings[0]
+
+
+def test_a_superseded_batch_is_refused_naming_the_batch_that_replaced_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from hcapo_store.cli import cli
+    from hcapo_store.devkit.refserver import make_server
+    from hcapo_store.devkit.synth import write_standard_episodes
+
+    root = tmp_path / "rollouts"
+    group = write_standard_episodes(root / "step_0000", 2, seed=30, steps_per_subtask=1, output_words=5)
+    db = tmp_path / "s.db"
+
+    def follow() -> list[dict]:
+        args = ["--db", str(db), "follow", str(root), "--group-size", "2", "--once", "--server", server.url]
+        r = CliRunner().invoke(cli, [*args, "--tokenizer", str(tiny_model_dir), "--max-context", "2048"])
+        assert r.exit_code == 0, r.output
+        return json.loads(CliRunner().invoke(cli, ["--db", str(db), "batches", "--json"]).output)
+
+    with make_server(tiny_model_dir) as server:
+        (first,) = follow()
+        result = json.loads((group[0] / "result.json").read_text())
+        result["episode_reward"] = 0.99  # a corrected reward: a new version, the batch published again
+        (group[0] / "result.json").write_text(json.dumps(result))
+        old, new = follow()
+    assert old["id"] == first["id"] and old["status"] == "superseded"
+    with Store.open(str(db)) as store:
+        Handoff(store, new["credit_run"], tokenizer=tiny_model_dir)  # the current batch: fine
+        with pytest.raises(HandoffError) as refused:
+            Handoff(store, old["credit_run"], tokenizer=tiny_model_dir)
+        msg = str(refused.value)
+        assert msg.startswith(
+            f"credit run of batch {old['id']} (rollouts/step_0000) was superseded by batch {new['id']}"
+        )
+        assert f"credit run {new['credit_run']!r}" in msg and msg.endswith(
+            "or pass allow_stale=True to train on it anyway"
+        )
+        allowed = Handoff(store, old["credit_run"], tokenizer=tiny_model_dir, allow_stale=True)
+        assert allowed.warnings[0].startswith(f"credit run of batch {old['id']}")
