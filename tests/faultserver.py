@@ -2,8 +2,8 @@
 
 It wraps a real :class:`hcapo_store.devkit.refserver.ReferenceServer` *in-process*: correct
 answers come from ``ref.generate(body)`` (real logprobs of a real model), and faults are
-injected around them on a deterministic schedule. ``/model_info``, ``/server_info`` and
-``/health`` are served from the reference server.
+injected around them on a deterministic schedule. ``/model_info``, ``/server_info``,
+``/health``, ``/tokenize`` and ``/detokenize`` are served from the reference server, without faults.
 
 Every ``/generate`` request is logged, keyed by a hash of its ``input_ids`` and
 ``logprob_start_len`` (:func:`input_key`), so that tests can count requests per distinct
@@ -177,6 +177,7 @@ class FaultServer(BackgroundHTTPServer):
         self.gate = threading.Event()
         self.gate.set()
         self.hold_answers: threading.Event | None = None
+        self.tokenize_route = True  # False: no /tokenize (an older SGLang), a 404 as SGLang gives
         self.generation = 0  # bumped by swap(): connections of an older generation are dropped
         self.log: list[LogEntry] = []
         self.counts: Counter[str] = Counter()  # /generate requests per input key
@@ -318,13 +319,23 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if self._stale() or server.dead.is_set():
                 self.close_connection = True
                 return
-            if self.path.split("?", 1)[0] != "/generate":
+            path = self.path.split("?", 1)[0]
+            routes = ("/generate", "/tokenize", "/detokenize") if server.tokenize_route else ("/generate",)
+            if path not in routes:
                 self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"Not Found: {self.path}"}})
                 return
             try:
                 body = json.loads(raw)
             except ValueError as exc:
                 self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed JSON body: {exc}"}})
+                return
+            if path != "/generate":  # the server's own tokenizer, as the reference server has it: no faults
+                try:
+                    answer = server.ref.tokenize(body) if path == "/tokenize" else server.ref.detokenize(body)
+                except ValueError as exc:
+                    self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+                    return
+                self._json(HTTPStatus.OK, answer)
                 return
             if not body.get("return_logprob"):  # the client's vocabulary probe: no faults, not logged
                 self._answer(body, None)

@@ -78,6 +78,7 @@ def test_build_payload() -> None:
         "max_tokens": 1,
         "temperature": 0.0,
         "prompt_logprobs": 1,
+        "detokenize": False,
         "stream": False,
         "model": "served",
     }

@@ -2,8 +2,9 @@
 
 It gives tests, the demo and CPU-only users a real endpoint with real log-probabilities.
 It speaks the scoring subset of SGLang's native ``POST /generate`` (and of vLLM's
-``POST /v1/completions`` with ``prompt_logprobs``) with the same JSON shapes, so the HTTP
-backends are exercised exactly as against the real servers. Generation is limited to one
+``POST /v1/completions`` with ``prompt_logprobs``), and the ``POST /tokenize`` /
+``/detokenize`` both servers have, with the same JSON shapes, so the HTTP backends are
+exercised exactly as against the real servers. Generation is limited to one
 greedy token: this server scores, it does not chat.
 
 Standard library only (``http.server``); one forward pass at a time.
@@ -80,6 +81,8 @@ class ReferenceServer(BackgroundHTTPServer):
         self.sequences = 0
         self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
         self.sequences_seen: list[list[int]] = []  # the ids of every scored sequence, in order (for tests)
+        # (path, body without its token ids or text) of every scoring request: what a client asked for
+        self.requests_seen: list[tuple[str, JSON]] = []
         self._count_lock = threading.Lock()
         self.thread_name = "hcapo-refserver"
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
@@ -154,7 +157,10 @@ class ReferenceServer(BackgroundHTTPServer):
             raise BadRequest("sample logprobs are not supported by the reference server; use prompt_logprobs")
         if body.get("stream"):
             raise BadRequest("prompt_logprobs are not available when stream=True")
-        choices = [self._completion_choice(i, ids, k) for i, ids in enumerate(prompts)]
+        detokenize = body.get("detokenize", True)
+        if not isinstance(detokenize, bool):
+            raise BadRequest(f"detokenize must be a boolean, got {detokenize!r}")
+        choices = [self._completion_choice(i, ids, k, detokenize) for i, ids in enumerate(prompts)]
         prompt_tokens = sum(len(ids) for ids in prompts)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -275,7 +281,7 @@ class ReferenceServer(BackgroundHTTPServer):
             self._check_ids(ids)
         return prompts
 
-    def _completion_choice(self, index: int, ids: list[int], k: int | None) -> JSON:
+    def _completion_choice(self, index: int, ids: list[int], k: int | None, detokenize: bool = True) -> JSON:
         # Without prompt_logprobs only the last position (the generated token) is needed.
         first_scored = 1 if k is not None else len(ids)
         scores = self._run(ids, first_scored, top_k=k or 0, ranks=k is not None, next_token=True)
@@ -285,12 +291,12 @@ class ReferenceServer(BackgroundHTTPServer):
         if k is not None:
             tops = scores.top or [[] for _ in scores.logprobs]
             prompt_logprobs = [None] + [
-                self._vllm_position(tok, lp, rank, top)
+                self._vllm_position(tok, lp, rank, top, detokenize)
                 for tok, lp, rank, top in zip(ids[1:], scores.logprobs, scores.ranks or [], tops)
             ]
         return {
             "index": index,
-            "text": self._decode([token]),
+            "text": self._decode([token]) if detokenize else "",
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
@@ -299,16 +305,44 @@ class ReferenceServer(BackgroundHTTPServer):
             "prompt_token_ids": ids,
         }
 
-    def _vllm_position(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> JSON:
+    def _vllm_position(
+        self, token: int, logprob: float, rank: int, top: list[tuple[int, float]], detokenize: bool
+    ) -> JSON:
         """One prompt_logprobs entry: the actual token first, then the top-k (vLLM order)."""
-        entry = {str(token): self._vllm_logprob(token, logprob, rank)}
+        entry = {str(token): self._vllm_logprob(token, logprob, rank, detokenize)}
         for r, (tok, lp) in enumerate(top, start=1):
-            entry.setdefault(str(tok), self._vllm_logprob(tok, lp, r))
+            entry.setdefault(str(tok), self._vllm_logprob(tok, lp, r, detokenize))
         return entry
 
-    def _vllm_logprob(self, token: int, logprob: float, rank: int) -> JSON:
+    def _vllm_logprob(self, token: int, logprob: float, rank: int, detokenize: bool) -> JSON:
         value = logprob if math.isfinite(logprob) else VLLM_LOGPROB_FLOOR
-        return {"logprob": value, "rank": rank, "decoded_token": self._decode_one(token)}
+        # detokenize: false leaves decoded_token null, as vLLM does
+        return {"logprob": value, "rank": rank, "decoded_token": self._decode_one(token) if detokenize else None}
+
+    # --- /tokenize, /detokenize (SGLang and vLLM alike) --------------------------------
+
+    def tokenize(self, body: JSON) -> JSON:
+        """``{"prompt": text, "add_special_tokens": bool}`` → ``{"tokens", "count", "max_model_len"}``."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string (chat messages are not supported by the reference server)")
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise BadRequest(f"add_special_tokens must be a boolean, got {add_special!r}")
+        tokens = list(self._tokenizer_or_refuse()(prompt, add_special_tokens=add_special)["input_ids"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self._advertised()}
+
+    def detokenize(self, body: JSON) -> JSON:
+        """``{"tokens": [ids]}`` → ``{"text"}`` (SGLang) and ``{"prompt"}`` (vLLM): the same text."""
+        tokens = body.get("tokens")
+        self._check_ids(tokens)
+        text = self._tokenizer_or_refuse().decode(tokens, skip_special_tokens=bool(body.get("skip_special_tokens")))
+        return {"text": text, "prompt": text}
+
+    def _tokenizer_or_refuse(self) -> Any:
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer (started without one, as --skip-tokenizer-init)")
+        return self.tokenizer
 
     # --- shared ------------------------------------------------------------------------
 
@@ -394,12 +428,18 @@ _GET_ROUTES: dict[str, Callable[[ReferenceServer], JSON]] = {
 _POST_ROUTES: dict[str, Callable[[ReferenceServer, JSON], JSON | list[JSON]]] = {
     "/generate": ReferenceServer.generate,
     "/v1/completions": ReferenceServer.completions,
+    "/tokenize": ReferenceServer.tokenize,
+    "/detokenize": ReferenceServer.detokenize,
 }
+_TOKEN_FIELDS = ("input_ids", "prompt", "text")  # left out of requests_seen: the ids are in sequences_seen
 
 
 def _wants_logprobs(body: JSON) -> bool:
-    """A scoring request (SGLang return_logprob, vLLM prompt_logprobs), not a vocabulary probe."""
-    return isinstance(body, dict) and bool(body.get("return_logprob") or body.get("prompt_logprobs") is not None)
+    """A scoring request: token ids sent with logprobs asked for (SGLang return_logprob, vLLM
+    prompt_logprobs), not a vocabulary probe (no logprobs) or a tokenizer probe (text)."""
+    if not isinstance(body, dict) or not (body.get("return_logprob") or body.get("prompt_logprobs") is not None):
+        return False
+    return isinstance(body.get("input_ids"), list) or isinstance(body.get("prompt"), list)
 
 
 def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
@@ -423,6 +463,7 @@ def _make_handler(server: ReferenceServer) -> type[BaseHTTPRequestHandler]:
                 route = _POST_ROUTES.get(path)
                 if route is not None and _wants_logprobs(body):
                     server.routing_keys.append(self.headers.get("X-SMG-Routing-Key"))
+                    server.requests_seen.append((path, {k: v for k, v in body.items() if k not in _TOKEN_FIELDS}))
                 if route is None:
                     self._send_error(HTTPStatus.NOT_FOUND, f"Not Found: {path}")
                     return

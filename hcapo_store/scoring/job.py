@@ -31,10 +31,11 @@ from hcapo_store.rendering.prompts import (
     template_hash,
 )
 from hcapo_store.rendering.requests import PromptFailure
+from hcapo_store.rendering.template import TemplateRejected, render_chat
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
-from hcapo_store.scoring.fingerprint import library_versions, rendering_fingerprint
+from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
 from hcapo_store.scoring.grouping import Grouping, plan_requests
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
@@ -367,8 +368,10 @@ def dry_run(
 
 
 async def check_vocabulary(prep: Prepared) -> None:
-    """Refuse a tokenizer whose ids the model does not have, before any step is sent
-    (otherwise every step fails with the server's HTTP 400)."""
+    """Refuse a tokenizer the server does not use, before any step is sent: its highest id
+    must be one the model has (otherwise every step fails with the server's HTTP 400), and a
+    probe text must come out of the server's own tokenizer as the same ids (a tokenizer of
+    another vocabulary whose ids all fit would otherwise score every step, silently wrong)."""
     check = getattr(prep.backend, "check_token_id", None)
     if check is None:  # a backend that cannot tell
         return
@@ -385,6 +388,51 @@ async def check_vocabulary(prep: Prepared) -> None:
             f"rejects its token id {top} ({reason[:300]}); pass --tokenizer with the served model's "
             "tokenizer"
         )
+    await check_server_tokenizer(prep)
+
+
+def probe_text(tokenizer: Any) -> str:
+    """A text to compare two tokenizers on: the fingerprint's probe conversation as this
+    tokenizer's chat template renders it (its special tokens, reasoning and tool-call markup,
+    non-ASCII letters, runs of spaces), else the conversation's plain text."""
+    try:
+        return render_chat(tokenizer, PROBE_MESSAGES, generation=False)
+    except TemplateRejected:
+        return "\n".join(str(m["content"]) for m in PROBE_MESSAGES)
+
+
+async def check_server_tokenizer(prep: Prepared) -> None:
+    """The probe text through the server's own tokenization (``/tokenize``, or SGLang's
+    ``/generate`` with text) must give the ids our tokenizer gives it. A server that cannot
+    tokenize (no tokenizer loaded) is left to the highest-id check."""
+    read = getattr(prep.backend, "server_tokens", None)
+    if read is None:
+        return
+    text = probe_text(prep.builder.tokenizer)
+    try:
+        got = await read(text)
+    except InferenceError as exc:
+        raise ScoringError(f"cannot reach the {prep.backend.kind} backend: {exc}; is the server up?") from exc
+    if got is None:
+        return
+    theirs, special = got
+    ours = list(prep.builder.tokenizer(text, add_special_tokens=special)["input_ids"])
+    if ours == theirs:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    name = prep.spec["tokenizer"]["name"]
+    served = getattr(prep.backend, "tokenizer_path", lambda: None)() or "its model's tokenizer"
+    where = getattr(prep.backend, "display_url", None) or prep.backend.kind
+    raise ScoringError(
+        f"tokenizer {name!r} is not the one the {prep.backend.kind} server at {where} uses ({served!r}): "
+        f"a probe text is {len(ours)} ids with ours and {len(theirs)} with the server's, first different at "
+        f"id {at} ({_id_at(ours, at)} vs {_id_at(theirs, at)}); nothing was sent to score: pass --tokenizer "
+        "with the served model's tokenizer"
+    )
+
+
+def _id_at(ids: list[int], i: int) -> str:
+    return str(ids[i]) if i < len(ids) else "the end"
 
 
 def run_scoring(

@@ -104,6 +104,10 @@ class MultiServerBackend:
         read = getattr(self.backends[self._live()[0]], "tokenizer_path", None)
         return read() if callable(read) else None
 
+    async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
+        read = getattr(self.backends[self._live()[0]], "server_tokens", None)
+        return await read(text) if read is not None else None
+
     async def check_token_id(self, token_id: int) -> str | None:
         check = getattr(self.backends[self._live()[0]], "check_token_id", None)
         return await check(token_id) if check is not None else None

@@ -311,6 +311,35 @@ class SGLangBackend(HttpBackend):
             if expected is not None and got is not None and got != expected:
                 self._compare_served({**(self.served or {}), "weight_version": got}, "in a response")
 
+    async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
+        """``text`` as the server's own tokenizer encodes it, and whether special tokens (a BOS)
+        were added: ``/tokenize`` without them where the server has it, else ``/generate`` with
+        ``text`` (which adds them: SGLang calls its tokenizer with the defaults) and the ids
+        read back from the input logprobs of a prefill-only request. None when the server
+        cannot tokenize (started with ``--skip-tokenizer-init``)."""
+        tokens = await self._tokenize({"prompt": text, "add_special_tokens": False})
+        if tokens is not None:
+            return tokens, False
+        payload = {
+            "text": text,
+            "return_logprob": True,
+            "logprob_start_len": 0,  # every position's id comes back
+            "sampling_params": {"max_new_tokens": 0},
+            "stream": False,
+            "rid": uuid.uuid4().hex,
+        }
+        try:
+            body = await self._open().post_json("/generate", payload)
+        except InferenceError as exc:
+            if exc.kind.startswith("http_4"):
+                return None
+            raise
+        meta = body.get("meta_info") if isinstance(body, dict) else None
+        entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) >= 2 for e in entries):
+            raise _bad("POST /generate with text: no input_token_logprobs to read the server's token ids from")
+        return [e[1] for e in entries], True
+
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason. SGLang reports no
         vocabulary size, but rejects ids outside it: a prefill-only request that computes nothing."""

@@ -2,8 +2,10 @@
 
 Pure payload building and response parsing, plus a thin Backend over ``HttpClient``.
 We send the token ids as ``prompt`` (no tokenizer runs, so no BOS is added),
-``max_tokens: 1`` (vLLM rejects 0 outside the echo path), ``temperature: 0`` and
-``prompt_logprobs``. vLLM computes logprobs for the whole prompt (there is no start
+``max_tokens: 1`` (vLLM rejects 0 outside the echo path), ``temperature: 0``,
+``prompt_logprobs`` and ``detokenize: false`` (otherwise vLLM decodes every returned
+candidate token to text on its event loop and stalls the engine; we read ids only:
+SERVERS.md, "Late-2026 notes"). vLLM computes logprobs for the whole prompt (there is no start
 offset): entry 0 is null, and entry ``i`` is a dict keyed by token id *as a string*
 that always contains the prompt token at ``i`` (plus the top-k). We keep entries
 ``first_scored:`` and check everything we can: the count, every position's token id,
@@ -38,6 +40,7 @@ def build_payload(
         "max_tokens": 1,
         "temperature": 0.0,
         "prompt_logprobs": prompt_logprobs,
+        "detokenize": False,  # ids are all we read; decoding each candidate stalls vLLM's loop
         "stream": False,
     }
     if model is not None:
@@ -227,6 +230,12 @@ class VLLMBackend(HttpBackend):
             latency_s=time.monotonic() - started,
             model_id=self.server_model_id(),
         )
+
+    async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
+        """``text`` as the served model's tokenizer encodes it (``POST /tokenize``, without
+        special tokens); None when the server cannot tokenize (no tokenizer, or no such route)."""
+        tokens = await self._tokenize({"model": self.model, "prompt": text, "add_special_tokens": False})
+        return None if tokens is None else (tokens, False)
 
     async def check_token_id(self, token_id: int) -> str | None:
         """None when the server accepts ``token_id``, else its reason (vLLM rejects prompt ids
