@@ -30,8 +30,15 @@ Faults (``FAULTS``)::
     trickle                      200 with the right answer, one byte every half second (timeout)
     huge_body                    200 with no length, bytes without end until the client leaves
                                  (permanent: too_large)
+    te_identity                  the answer framed by ``Transfer-Encoding: identity`` (connect)
+    endless_trailers             the answer chunked, then trailer lines without end (connect)
+    lenient_chunk                the answer chunked with a chunk size `` 0x…`` (connect)
+    gzip_bomb                    200 in ``Content-Encoding: gzip, gzip``, a few KB that inflate
+                                 to 64 MB (permanent: bad_encoding)
+    stray_bytes                  the right answer and then bytes past its end on the kept
+                                 connection (answered; the next request on it fails: connect)
 
-The last five are not in the random pool (``FAULTS``). Every request's path and
+These are not in the random pool (``FAULTS``). Every request's path and
 Authorization header are kept in ``seen`` (a test checks where credentials went).
 
 A schedule is ``schedule(key, n) -> fault name | None`` where ``n`` counts the earlier
@@ -44,6 +51,8 @@ request on a connection still open is closed without an answer.
 from __future__ import annotations
 
 import copy
+import functools
+import gzip
 import hashlib
 import json
 import random
@@ -91,7 +100,13 @@ HOSTILE = {
     "echo_key": "http_401",
     "trickle": "timeout",
     "huge_body": "too_large",
+    "te_identity": "connect",
+    "endless_trailers": "connect",
+    "lenient_chunk": "connect",
+    "gzip_bomb": "bad_encoding",
 }
+# Answered as asked, but the connection that carried it is poisoned for the next request.
+STRAY = "stray_bytes"
 # fault -> the error kind the client must record for it
 FAULTS = tuple(k for k in {**RETRYABLE, **PERMANENT} if k != "hang")  # the random pool: a hang never ends by itself
 ERROR_KIND = {**RETRYABLE, **PERMANENT, **HOSTILE}
@@ -253,6 +268,12 @@ class _QuietServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+@functools.cache
+def _gzip_bomb() -> bytes:
+    """A few KB that inflate to 64 MB through two layers of gzip."""
+    return gzip.compress(gzip.compress(bytes(64 << 20), compresslevel=9), compresslevel=9)
+
+
 def _corrupt(fault: str, response: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(response)
     meta = out["meta_info"]
@@ -370,6 +391,9 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
             if fault == "huge_body":
                 self._endless_body()
                 return
+            if fault in ("te_identity", "endless_trailers", "lenient_chunk", "gzip_bomb", STRAY):
+                self._raw_answer(fault, json.dumps(server.ref.generate(body)).encode())
+                return
             if fault in ("http_500", "http_503"):
                 code = int(fault[5:])
                 self._json(
@@ -438,6 +462,32 @@ def _make_handler(server: FaultServer) -> type[BaseHTTPRequestHandler]:
                     self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+        def _raw_answer(self, fault: str, data: bytes) -> None:
+            """The right answer, framed or followed as ``fault`` says, written as raw bytes."""
+            self.close_connection = fault != STRAY  # stray bytes: the connection stays open
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            if fault == "te_identity":
+                wire = head + b"Transfer-Encoding: identity\r\n\r\n" + data
+            elif fault == "lenient_chunk":
+                wire = head + b"Transfer-Encoding: chunked\r\n\r\n 0x%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+            elif fault == "gzip_bomb":
+                bomb = _gzip_bomb()
+                wire = head + b"Content-Encoding: gzip, gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb) + bomb
+            elif fault == STRAY:
+                wire = head + b"Content-Length: %d\r\n\r\n" % len(data) + data + b"garbage after the answer"
+            else:  # endless_trailers
+                wire = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(data) + data + b"\r\n0\r\n"
+            try:
+                self.wfile.write(wire)
+                self.wfile.flush()
+                deadline = time.monotonic() + HOLD_LIMIT_S
+                n = 0
+                while fault == "endless_trailers" and time.monotonic() < deadline and not server.unhang.is_set():
+                    self.wfile.write(b"X-Trailer-%d: more\r\n" % n)  # until the client leaves
+                    n += 1
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
 
         def _endless_body(self) -> None:
             """200 without a length, and bytes until the client leaves (ends at HOLD_LIMIT_S)."""

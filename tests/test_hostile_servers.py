@@ -189,3 +189,55 @@ def test_a_model_label_the_server_does_not_serve_is_refused_before_any_request(
     r = runner.invoke(cli, [*base, "--model", Path(ref.model_info()["model_path"]).name], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert fault_server.requests > 0
+
+
+def test_framing_faults_and_an_encoding_never_asked_for_end_at_once_as_failures(
+    tmp_path, episodes_dir, ref, fault_server, tiny_model_dir
+):
+    """Issue 34 item 4, in a real run: each hostile answer is a failed attempt of its own kind,
+    recorded at once (the request timeout is far above the test's life), and retried where a
+    retry can help; a connection that carried stray bytes is dropped and the run goes on."""
+    from _waiting import HANG_GUARD_S
+    from faultserver import STRAY
+
+    store = _store(tmp_path, episodes_dir)
+    prep = prepare(store, _cfg(fault_server.url, tiny_model_dir, request_timeout=HANG_GUARD_S))
+    requests = step_requests(store, prep.builder)
+    faults = ["te_identity", "endless_trailers", "lenient_chunk", "gzip_bomb", STRAY]
+    assert len(requests) > len(faults), "the episodes should give more requests than faults"
+    plans = {rk: [faults[i]] if i < len(faults) else [] for i, rk in enumerate(sorted(requests))}
+    fault_server.reset(plan_schedule(plans))
+    clean = _clean_values(store, prep, ref)
+
+    report = run_scoring(store, prep, OPTIONS)
+
+    rows = _errors(store, prep.scorer_id)
+    stored = stored_scores(store, prep.scorer_id)
+    stray_errors = []
+    for rk, steps in requests.items():
+        fault = plans[rk][0] if plans[rk] else None
+        for step in steps:
+            status, kinds, messages = rows[step]
+            if fault == "gzip_bomb":  # permanent: refused unread, never stored
+                assert (status, kinds) == ("failed", ["bad_encoding"]), (step, rows[step])
+                assert "Content-Encoding 'gzip, gzip' was not asked for" in messages[0]
+                assert step not in stored
+                continue
+            assert status == "done", (step, fault, rows[step])
+            got = np.frombuffer(stored[step][1], "<f4")
+            np.testing.assert_allclose(got, clean[step], atol=1e-5, rtol=0, err_msg=str(step))
+            if fault in ("te_identity", "endless_trailers", "lenient_chunk"):
+                assert kinds == ["connect"], (step, fault, rows[step])  # then answered on retry
+                reason = {
+                    "te_identity": "Only Transfer-Encoding: chunked",
+                    "endless_trailers": "Receive buffer too long",
+                    "lenient_chunk": "illegal chunk header",
+                }[fault]
+                assert reason in messages[0], messages
+            else:  # an answered request; at most the one after the stray bytes saw them
+                if any(k == "connect" and "illegal status line" in m for k, m in zip(kinds, messages)):
+                    stray_errors.append(rk)
+                assert set(kinds) <= {"connect"}, (step, rows[step])
+    assert len(set(stray_errors)) <= 1, stray_errors  # one request, not every later one on that connection
+    assert report.failed == len(requests[next(rk for rk in plans if plans[rk] == ["gzip_bomb"])])
+    store.close()
