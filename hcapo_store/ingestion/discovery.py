@@ -86,11 +86,16 @@ def iter_sources(
             for p, why in odd:
                 yield IngestError(why, path=str(p))
             if not children and not jsonl and not odd:
-                yield IngestError(NO_EPISODES, path=str(path))
+                yield NoEpisodesHere(NO_EPISODES, path=str(path))
             for child in children:
                 yield _safe_dir_source(child, options, root, roots)
             for file in jsonl:
                 yield from _jsonl_sources(file, options, root, cursors, roots)
+
+
+class NoEpisodesHere(IngestError):
+    """A folder without any input: a failure of the path given, but no episode (a progress
+    count of episodes leaves it out)."""
 
 
 NO_EPISODES = f"no episodes here: expected {RESULT_FILE} + {SESSION_FILE}, episode_* directories, or *.jsonl files"
@@ -212,8 +217,12 @@ def _episode_dir_source(
     result_bytes = _canonical(read_regular(directory / RESULT_FILE, MAX_RESULT_BYTES, roots=roots), lines=False)
     session_bytes = _canonical(read_regular(directory / SESSION_FILE, MAX_SESSION_BYTES, roots=roots), lines=True)
     digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
+    try:
+        key = episode_keys.session_key(session_bytes)
+    except episode_keys.BadEpisodeId as exc:
+        raise IngestError(str(exc), path=str(directory / SESSION_FILE), line=1) from None
     return Source(
-        key=episode_keys.session_key(session_bytes),
+        key=key,
         name=episode_keys.label(directory, root),
         path=str(directory),
         location=str(directory),

@@ -46,7 +46,21 @@ def _session_header_id(data: bytes) -> str | None:
     if not isinstance(header, dict) or header.get("type") != "session":
         return None
     ident = header.get("id")
+    if isinstance(ident, str):
+        _storable(ident, "the session header's id")
     return ident.strip() if isinstance(ident, str) and ident.strip() else None
+
+
+def _storable(text: str, what: str) -> None:
+    """An identity must be text every database and hash can hold: a lone UTF-16 surrogate
+    (``\\ud800`` in the JSON, e.g. an id cut inside an emoji) is refused, naming it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadEpisodeId(
+            f"{what} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x} at character {exc.start}): "
+            "not text a database can store; write the id as valid text"
+        ) from None
 
 
 def normalise_id(value: Any) -> str | None:
@@ -54,6 +68,7 @@ def normalise_id(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
+        _storable(value, "episode_id")
         return value.strip() or None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadEpisodeId(f"episode_id must be a string or an integer, got {type(value).__name__}")

@@ -29,7 +29,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError, SQLAlche
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import IngestError, SkipEpisode, UsageError
 from hcapo_store.ingestion import episode_keys
-from hcapo_store.ingestion.discovery import JsonlCursor, Source, iter_sources
+from hcapo_store.ingestion.discovery import JsonlCursor, NoEpisodesHere, Source, iter_sources
 from hcapo_store.ingestion.parallel import default_jobs, parse_ahead
 from hcapo_store.ingestion.parsing import ConvertOptions, MessageRow, ParsedEpisode
 from hcapo_store.storage import db
@@ -228,7 +228,7 @@ def _ingest_batch(
         result = _ingest_one(conn, item, options, tags, report, pending, seen)
         pending.outcomes.append(result)
         outcome = result.outcome
-        if on_episode is not None:
+        if on_episode is not None and not isinstance(item, NoEpisodesHere):
             on_episode(item.location if isinstance(item, Source) else str(item.path or item), outcome)
         if outcome in ("new", "changed"):
             written += 1
@@ -415,6 +415,11 @@ def check_tags(tags: dict[str, str]) -> None:
             )
         if "\x00" in key + value:
             raise UsageError(f"tag {key[:40]!r} contains a NUL character, which databases cannot store")
+        try:
+            (key + value).encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are no UTF-8 (surrogate-escaped)
+            shown = key.encode("utf-8", "backslashreplace").decode()[:40]
+            raise UsageError(f"tag {shown!r} is not valid UTF-8 text; databases store text: pass it as UTF-8") from None
 
 
 def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:

@@ -197,9 +197,8 @@ def scan(paths: Sequence[Path], *, follow_links: bool = False) -> Scan:
             return
         try:
             children = sorted(os.scandir(path), key=lambda e: e.name)
-        except OSError as exc:
-            if top:
-                out.refused[path] = f"cannot list this folder: {exc.strerror}"
+        except OSError as exc:  # mode 000: one entry's failure, never the scan's
+            out.refused[path] = f"cannot list this folder: {exc.strerror}"
             return
         for child in children:
             try:
