@@ -49,3 +49,31 @@ def test_weighted_training_step_lowers_the_loss(
     losses = json.loads(out.stdout)["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
     assert losses[-1] < losses[0]
+
+
+def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path) -> None:
+    """examples/train_grpo_hcapo.py: TRL's GRPO steps whose advantages come from the store."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_grpo_hcapo.py"),
+            "--steps",
+            "2",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    steps = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [s["step"] for s in steps] == [0, 1]
+    assert all(math.isfinite(s["loss"]) and s["advantage_abs_max"] > 0 for s in steps)
+    assert steps[0]["scorer_id"] != steps[1]["scorer_id"]  # each step scored by the policy at its own weights
+    with Store.open(str(tmp_path / "hcapo.db")) as store:
+        runs = {name for (name,) in store.query("SELECT name FROM credit_runs")[1]}
+        episodes = store.query("SELECT count(*) FROM episodes WHERE is_current")[1][0][0]
+    assert {s["credit_run"] for s in steps} <= runs and episodes >= 6
