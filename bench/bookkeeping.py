@@ -256,6 +256,7 @@ def main() -> None:
     from hcapo_store.scoring.backends.sglang import SGLangBackend
     from hcapo_store.scoring.job import ScoreConfig, prepare
     from hcapo_store.scoring.scheduler import RunOptions
+    from hcapo_store.scoring.writer import ResultWriter
     from hcapo_store.storage.store import Store
 
     tmp = Path(tempfile.mkdtemp(prefix="hcapo-bench-bookkeeping-"))
@@ -311,7 +312,7 @@ def main() -> None:
         timers.wrap_sync(work_queue, "write_results", "DB commit (write_results)")
         timers.wrap_sync(work_queue, "heartbeat", "DB heartbeat")
         timers.wrap_sync(scheduler_mod, "score_row", "score_row (numpy)")
-        timers.wrap_sync(scheduler_mod.Scheduler, "_flush", "flush (commit + progress)")
+        timers.wrap_sync(ResultWriter, "_write", "flush (one commit, in the writer thread)")
 
     options = RunOptions(concurrency=args.concurrency)
     runs: dict[str, Any] = {}

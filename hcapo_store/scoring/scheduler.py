@@ -3,18 +3,19 @@
 - ``concurrency`` episodes are in flight at once; the steps of one episode go in order,
   consecutive steps whose prompts are exact prefixes of one another in one request
   (``grouping.py``; ``RunOptions.grouping = "per-step"`` sends one request per step).
-- Results are written by one writer in short transactions (a batch every
-  ``FLUSH_SECONDS`` or ``FLUSH_RESULTS``); a score is durable once it is counted. A
-  failed write (database locked, disk full) keeps the batch and is retried with backoff;
-  after ``FLUSH_ATTEMPTS`` failures the run stops and raises ``StoreError``: results are
-  never dropped silently.
+- Results go to one writer (``writer.py``), which commits them in short transactions; a
+  score is durable once it is counted. When it cannot store them (``FLUSH_ATTEMPTS``
+  failed writes in a row) the run stops and raises ``StoreError``: results are never
+  dropped silently. Leases are renewed by ``heartbeat.py``, which outlives database errors.
 - Every failed attempt is recorded; retryable failures are retried with bounded,
   jittered backoff (honouring Retry-After); after ``max_attempts`` the step is failed.
+  The wait after a connection failure ends as soon as the server answers a probe
+  (``health.py``: a restarted server is used again at once).
 - Stopping (Ctrl-C or ``stop()``) stops claiming, lets in-flight requests finish for
   ``stop_grace_seconds`` (then cancels them), commits, and gives leased steps back to the queue.
 - A dead server is not a reason to fail steps: after ``down_after`` consecutive transport
   failures (or a step's last attempt failing with one) the server is probed; when it does
-  not answer, the run stops and the rest stays pending.
+  not answer, the run stops and the rest stays pending (``health.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import contextlib
 import gc
 import hashlib
 import logging
-import random
 import signal
 import threading
 import time
@@ -42,27 +42,24 @@ from hcapo_store.rendering.requests import GroupPrompt, PromptFailure, StepPromp
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
+from hcapo_store.scoring.backoff import backoff_delay
 from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
+from hcapo_store.scoring.health import ServerHealth
+from hcapo_store.scoring.heartbeat import keep_leases
+from hcapo_store.scoring.writer import (  # noqa: F401 - FLUSH_SECONDS re-exported (tests pace writes by it)
+    FLUSH_ATTEMPTS,
+    FLUSH_BACKOFF_BASE,
+    FLUSH_BACKOFF_CAP,
+    FLUSH_SECONDS,
+    ResultWriter,
+)
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.models import WORKER_ID_LENGTH
 from hcapo_store.storage.store import Store
 
-FLUSH_SECONDS = 0.2
-FLUSH_RESULTS = 256
-FLUSH_ATTEMPTS = 5  # writes of one batch before the run gives up (each waits the busy timeout)
-FLUSH_BACKOFF_BASE, FLUSH_BACKOFF_CAP = 0.5, 10.0
-
 log = logging.getLogger(__name__)
 FIRST_ERRORS = 5  # distinct final errors kept in the report, to print
-TRANSPORT_KINDS = frozenset({"connect", "timeout"})  # no HTTP answer at all
-
-
-def backoff_delay(attempt: int, *, base: float = 0.5, cap: float = 30.0, retry_after: float | None = None) -> float:
-    """Exponential backoff with full jitter; a server's Retry-After wins (bounded by cap)."""
-    if retry_after is not None:
-        return min(max(retry_after, 0.0), cap)
-    return random.uniform(0, min(cap, base * 2 ** max(attempt - 1, 0)))
 
 
 @dataclass(frozen=True)
@@ -206,21 +203,14 @@ class Scheduler:
         self.worker = options.worker_id or work_queue.default_worker_id()
         self.on_progress = on_progress
         self.report = ScoreReport(scorer_id=scorer_id, worker_id=self.worker)
-        self._pending: list[work_queue.StepResult] = []
-        self._inflight: tuple[asyncio.Future[tuple[int, int, int]], _Batch] | None = None  # a write off the loop
-        self._flush_now: asyncio.Event | None = None  # set when a full batch waits
-        self._pending_floors: list[tuple[int, int]] = []  # (episode id, conversation tokens)
-        self._pending_tokens = 0
+        self.writer = ResultWriter(store, scorer_id, self.worker, self._landed, on_give_up=self.stop)
+        self.health: ServerHealth | None = None  # made in the run's event loop
         self._stopping = threading.Event()
         self._announced: dict[str, int] = {}  # other workers' lease counts already reported
-        self._flush_failures = 0  # consecutive failed writes of the pending batch
-        self._write_error: StoreError | None = None
-        self._gave_up: StoreError | None = None  # the writer stopped the run
+        self._claim_error: StoreError | None = None  # claiming kept failing: the run stopped
         self._model_error: ScoringError | None = None  # another model answered: the run stopped
         self._stop_requested: asyncio.Event | None = None  # set in the loop when _stopping is
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._transport_failures = 0  # consecutive, across episodes
-        self._probe_lock: asyncio.Lock | None = None
         self._claimed = 0
         # The per-step layout's token caches are not thread-safe; the episode layout keeps none
         # and tokenizes through the backend alone, so episodes are prepared side by side (the
@@ -258,13 +248,17 @@ class Scheduler:
             self.report.planned = min(self.report.planned, self.options.limit)
         work_queue.register_worker(self.store, self.worker, self.scorer_id)
         loop = asyncio.get_running_loop()
-        self._loop, self._stop_requested, self._probe_lock = loop, asyncio.Event(), asyncio.Lock()
-        self._flush_now = asyncio.Event()
+        self._loop, self._stop_requested = loop, asyncio.Event()
+        self.health = ServerHealth(self.backend, down_after=self.options.down_after, on_down=self.stop)
         if self._stopping.is_set():
             self._stop_requested.set()
         installed = _install_sigint(loop, self.stop)
-        flusher = asyncio.create_task(self._flush_loop())
-        beats = asyncio.create_task(self._heartbeat_loop())
+        flusher = asyncio.create_task(self.writer.run())
+        beats = asyncio.create_task(
+            keep_leases(
+                self.store, self.worker, self.options.lease_seconds, lambda: (self.report.scored, self.report.failed)
+            )
+        )
         state = "finished"
         write_error: StoreError | None = None
         try:
@@ -275,10 +269,11 @@ class Scheduler:
         finally:
             flusher.cancel()
             beats.cancel()
-            await self._settle()
-            write_error = self._drain() or self._gave_up
+            await asyncio.gather(flusher, beats, return_exceptions=True)
+            write_error = await self.writer.close() or self._claim_error
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
+            self.report.server_down = self.health.down if self.health is not None else None
             self.report.interrupted = (
                 self._stopping.is_set() and self.report.server_down is None and not (write_error or self._model_error)
             )
@@ -310,9 +305,10 @@ class Scheduler:
             else f"its leases could not be released and expire within {self.options.lease_seconds:g}s "
             "(a `score` on this host releases them at once)"
         )
+        pending = len(self.writer.pending)
         lost = (
-            f"{len(self._pending)} result(s) could not be stored after {self._flush_failures} attempts"
-            if self._pending
+            f"{pending} result(s) could not be stored after {self.writer.failures} attempts"
+            if pending
             else f"writing results failed {FLUSH_ATTEMPTS} times in a row"
         )
         return f"scoring stopped: {lost} ({error}); {self.report.scored} result(s) stored, {leases}"
@@ -355,7 +351,7 @@ class Scheduler:
             except StoreError as exc:
                 # The database keeps refusing (locked, full): stop claiming; the writer stores
                 # or gives up on what is pending, and the run ends with one line.
-                self._gave_up = self._gave_up or exc
+                self._claim_error = self._claim_error or exc
                 self.stop()
                 return
             self._claimed += (len(claim.leases) if claim is not None else 0) - (remaining or 0)
@@ -415,7 +411,7 @@ class Scheduler:
 
     async def _score_episode(self, claim: work_queue.Claim) -> None:
         requests, floor = await asyncio.to_thread(self._requests_for, claim)
-        self._pending_floors.append((claim.episode_id, floor))
+        self.writer.floor(claim.episode_id, floor)
         leases = {lease.step_index: lease for lease in claim.leases}
         for request in requests:
             if self._stopping.is_set():
@@ -474,7 +470,8 @@ class Scheduler:
                     self._model_changed(leases, exc)
                     return
                 final = not exc.retryable or attempt >= self.options.max_attempts
-                if await self._server_is_down(exc, final):
+                assert self.health is not None
+                if await self.health.is_down(exc, final):
                     final = False  # not the steps' fault: they stay pending for the next run
                 for lease in leases:
                     self._record(
@@ -485,23 +482,20 @@ class Scheduler:
                 if final or self._stopping.is_set():
                     return
                 self.report.retried += len(leases)
-                await asyncio.sleep(
-                    backoff_delay(
-                        attempt,
-                        base=self.options.backoff_base,
-                        cap=self.options.backoff_cap,
-                        retry_after=exc.retry_after,
-                    )
+                delay = backoff_delay(
+                    attempt, base=self.options.backoff_base, cap=self.options.backoff_cap, retry_after=exc.retry_after
                 )
+                await self.health.wait_before_retry(delay, exc, self._stopping.is_set)
                 if self._stopping.is_set():
                     return  # stopped while waiting: the step goes back to the queue
                 continue
-            self._transport_failures = 0
+            assert self.health is not None
+            self.health.answered()
             shares = request_shares(group, results[0].cached_tokens)
             for lease, prompt, result, (sent, cached) in zip(leases, group.members, results, shares):
                 row = score_row(prompt, result, sent_tokens=sent, sent_cached_tokens=cached)
                 self._record(work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=row))
-            self._pending_tokens += len(group.input_ids)
+            self.writer.tokens(len(group.input_ids))
             return
 
     def _model_changed(self, leases: list[work_queue.Lease], exc: InferenceError) -> None:
@@ -519,193 +513,22 @@ class Scheduler:
             )
         self.stop()
 
-    async def _server_is_down(self, exc: InferenceError, final: bool) -> bool:
-        """After a transport failure: is the server gone? Probed (one probe at a time) after
-        ``down_after`` in a row, or before a step would fail for good because of one."""
-        if exc.kind not in TRANSPORT_KINDS:
-            self._transport_failures = 0  # the server answered
-            return False
-        self._transport_failures += 1
-        if self.report.server_down is not None:
-            return True
-        if not final and self._transport_failures < self.options.down_after:
-            return False
-        ping = getattr(self.backend, "ping", None)
-        if ping is None:
-            return False
-        assert self._probe_lock is not None
-        async with self._probe_lock:
-            if self.report.server_down is None and not await ping():
-                self.report.server_down = (
-                    f"the server stopped answering ({self._transport_failures} transport "
-                    f"failure(s) in a row, then a probe: {exc})"
-                )
-                self.stop()
-            else:
-                self._transport_failures = 0
-        return self.report.server_down is not None
-
-    # -- the single writer -------------------------------------------------------
+    # -- results go to the writer -----------------------------------------------------
 
     def _record(self, outcome: work_queue.StepResult) -> None:
         if outcome.error_kind is not None and outcome.final:
             self.report.failure_kinds[outcome.error_kind] += 1
             self.report.note_error(outcome.error_kind, outcome.error or "")
-        self._pending.append(outcome)
-        if len(self._pending) >= FLUSH_RESULTS and not self._flush_failures and self._flush_now is not None:
-            self._flush_now.set()  # the flush loop writes them (off this thread) at once
+        self.writer.record(outcome)
 
-    # The pending batch is taken on the event loop's thread and written in a worker thread:
-    # a database lock held for seconds (another writer, a checkpoint) never stops the loop
-    # from sending requests and reading answers. A batch whose write fails goes back in
-    # front of what arrived meanwhile.
-
-    def _take(self) -> _Batch:
-        batch = _Batch(self._pending, self._pending_floors, self._pending_tokens)
-        self._pending, self._pending_floors, self._pending_tokens = [], [], 0
-        return batch
-
-    def _write(self, batch: _Batch) -> tuple[int, int, int]:
-        """One transaction (any thread): (scored, failed, discarded)."""
-        with db.write(self.store.engine) as conn:
-            counts = work_queue.write_results(conn, self.scorer_id, self.worker, batch.results)
-            work_queue.write_floors(conn, self.scorer_id, batch.floors)
-        return counts
-
-    def _put_back(self, batch: _Batch) -> None:
-        self._pending[:0] = batch.results
-        self._pending_floors[:0] = batch.floors
-        self._pending_tokens += batch.tokens
-
-    def _landed(self, batch: _Batch, counts: tuple[int, int, int]) -> None:
-        scored, failed, discarded = counts
+    def _landed(self, scored: int, failed: int, discarded: int, tokens: int) -> None:
+        """A batch was committed: count it."""
         self.report.scored += scored
         self.report.failed += failed
         self.report.discarded += discarded
-        self.report.prompt_tokens += batch.tokens
+        self.report.prompt_tokens += tokens
         if self.on_progress is not None:
             self.on_progress(self.report)
-
-    def _flush(self) -> None:
-        """Write the pending batch here, in one transaction; on failure it stays pending."""
-        if not self._pending and not self._pending_floors:
-            return
-        batch = self._take()
-        try:
-            counts = self._write(batch)
-        except BaseException:
-            self._put_back(batch)
-            raise
-        self._landed(batch, counts)
-
-    async def _flush_off_loop(self) -> None:
-        """:meth:`_flush` with the write in a worker thread. Cancelled while it writes, the
-        write goes on: :meth:`_settle` (before the last write) waits for its outcome."""
-        if not self._pending and not self._pending_floors:
-            return
-        batch = self._take()
-        future = asyncio.get_running_loop().run_in_executor(None, self._write, batch)
-        self._inflight = (future, batch)
-        try:
-            counts = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            self._inflight = None
-            self._put_back(batch)
-            raise
-        self._inflight = None
-        self._landed(batch, counts)
-
-    async def _settle(self) -> None:
-        """The outcome of a write the cancelled flush loop left running."""
-        if self._inflight is None:
-            return
-        future, batch = self._inflight
-        self._inflight = None
-        try:
-            counts = await future
-        except Exception:
-            self._put_back(batch)
-            return
-        self._landed(batch, counts)
-
-    def _failed_write(self, exc: StoreError) -> None:
-        self._flush_failures += 1
-        self._write_error = exc
-        log.warning(
-            "writing %d result(s) failed (%d time(s) in a row; the run stops after %d): %s",
-            len(self._pending),
-            self._flush_failures,
-            FLUSH_ATTEMPTS,
-            exc,
-        )
-
-    async def _try_flush_off_loop(self) -> bool:
-        try:
-            await self._flush_off_loop()
-        except StoreError as exc:
-            self._failed_write(exc)
-            return False
-        self._flush_failures, self._write_error = 0, None
-        return True
-
-    def _try_flush(self) -> bool:
-        try:
-            self._flush()
-        except StoreError as exc:
-            self._failed_write(exc)
-            return False
-        self._flush_failures, self._write_error = 0, None
-        return True
-
-    def _flush_backoff(self) -> float:
-        return backoff_delay(self._flush_failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP)
-
-    async def _flush_loop(self) -> None:
-        assert self._flush_now is not None
-        delay = FLUSH_SECONDS
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._flush_now.wait(), delay)
-            self._flush_now.clear()
-            if await self._try_flush_off_loop():
-                delay = FLUSH_SECONDS
-            elif self._flush_failures >= FLUSH_ATTEMPTS:
-                self._gave_up = self._write_error
-                self.stop()  # results cannot be stored: stop computing more
-                return
-            else:
-                delay = self._flush_backoff()
-
-    def _drain(self) -> StoreError | None:
-        """The last write of the run, retried like the others; the error if it gave up."""
-        while not self._try_flush():
-            if self._flush_failures >= FLUSH_ATTEMPTS:
-                return self._write_error
-            time.sleep(self._flush_backoff())
-        return None
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(max(self.options.lease_seconds / 3, 0.05))
-            await asyncio.to_thread(
-                work_queue.heartbeat,
-                self.store,
-                self.worker,
-                lease_seconds=self.options.lease_seconds,
-                scored=self.report.scored,
-                failed=self.report.failed,
-            )
-
-
-@dataclass
-class _Batch:
-    """Results taken from the pending list for one write."""
-
-    results: list[work_queue.StepResult]
-    floors: list[tuple[int, int]]
-    tokens: int
 
 
 def _install_sigint(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> bool:
