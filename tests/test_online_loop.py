@@ -1,5 +1,6 @@
-"""examples/online_loop.py: three on-policy iterations where the policy scores itself; every
-iteration's scores carry its weight version and the advantages fall on action tokens only."""
+"""examples/online_loop.py: on-policy iterations the way verl runs them — rollouts written by
+GRPO group, followed and scored by the policy itself under each iteration's weight version,
+advantages found by each sample's own ids; the same numbers through verl 0.9.1 itself."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _verl_venv
 import pytest
 from transformers import AutoTokenizer
 
@@ -16,43 +18,45 @@ from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow]
 
 
-@pytest.mark.slow
-def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
-    work = tmp_path / "work"
+def _loop(python: str, work: Path, dump: Path, *extra: str, env: dict | None = None) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "online_loop.py"), "--workdir", str(work), "--iterations", "3"]
-        + ["--group-size", "4", "--json", "--dump", str(tmp_path / "dump.jsonl")],
+        [python, str(REPO / "examples" / "online_loop.py"), "--workdir", str(work), "--iterations", "3"]
+        + ["--groups", "2", "--group-size", "3", "--json", "--dump", str(dump), *extra],
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env=env or {**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    assert out.returncode == 0, out.stderr
-    iterations = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    iterations = _loop(sys.executable, work, tmp_path / "dump.jsonl")
     assert [i["weight_version"] for i in iterations] == ["iter-0", "iter-1", "iter-2"]
     assert len({i["scorer_id"] for i in iterations}) == 3
     with Store.open(str(work / "online.db")) as store:
         for it in iterations:
             assert scorer_spec(store, it["scorer_id"])["weight_version"] == it["weight_version"]
-            # the run's credits come from this iteration's scores alone
-            (scorer,) = store.query(
-                "SELECT DISTINCT r.scorer_id FROM credit_runs r WHERE r.name = :n",
-                {"n": it["credit_run"]},
-                read_only=True,
-            )[1]
-            assert scorer[0] == it["scorer_id"]
-            n = store.query(
-                "SELECT count(*) FROM step_credits c JOIN scores s ON s.step_id = c.step_id AND s.scorer_id = :s "
-                "WHERE c.run = :n",
-                {"s": it["scorer_id"], "n": it["credit_run"]},
-                read_only=True,
-            )[1][0][0]
-            assert n == it["steps"] > 0
+            # one batch per GRPO group, every sample found in its own group by its own ids
+            assert it["batches"] == 2 and len(it["credit_runs"]) == 2 and it["samples"] == 6
+            n = it["iteration"]
+            assert it["episodes"] == [f"it{n}-g{g}-{k}" for g in range(2) for k in range(3)]
+            for run in it["credit_runs"]:
+                # each run's credits come from this iteration's scores alone
+                (scorer,) = store.query(
+                    "SELECT DISTINCT r.scorer_id FROM credit_runs r WHERE r.name = :n", {"n": run}, read_only=True
+                )[1]
+                assert scorer[0] == it["scorer_id"]
+                (key,) = store.query("SELECT key FROM batches WHERE credit_run = :n", {"n": run}, read_only=True)[1]
+                assert key[0].startswith(f"it{n}-g")
     tok = AutoTokenizer.from_pretrained(str(work / "model"))
     rows = [json.loads(line) for line in (tmp_path / "dump.jsonl").read_text().splitlines()]
-    assert len(rows) == 4
+    assert len(rows) == 6
     weighted = 0
     for row in rows:
         actions = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
@@ -70,3 +74,19 @@ def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
             assert any(text and text in action for action in actions), (text, actions)
             weighted += 1
     assert weighted > 0
+
+
+def test_through_verl_the_loop_trains_on_the_same_numbers(tmp_path: Path) -> None:
+    """``--verl``: verl 0.9.1's compute_advantage with the hcapo reward manager and estimator
+    (its own venv) gives the same advantages, hence the same losses, as the plain hand-off."""
+    python = str(_verl_venv.verl_python())
+    plain = _loop(sys.executable, tmp_path / "plain", tmp_path / "plain.jsonl")
+    verl = _loop(python, tmp_path / "verl", tmp_path / "verl.jsonl", "--verl", env=_verl_venv.run_env())
+    assert [i["through"] for i in verl] == ["verl"] * 3
+    for a, b in zip(plain, verl):
+        assert (a["scorer_id"], a["episodes"], a["credit_runs"]) == (b["scorer_id"], b["episodes"], b["credit_runs"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    plain_rows = [json.loads(x) for x in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    verl_rows = [json.loads(x) for x in (tmp_path / "verl.jsonl").read_text().splitlines()]
+    assert [r["ids"] for r in plain_rows] == [r["ids"] for r in verl_rows]
+    assert [r["advantages"] for r in plain_rows] == pytest.approx([r["advantages"] for r in verl_rows], abs=1e-7)

@@ -8,18 +8,14 @@ ready one) with this checkout on its path."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
 import random
-import shutil
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import _verl_venv
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -33,42 +29,12 @@ from hcapo_store.training.handoff import Handoff
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow]
-VERL_REQUIREMENTS = ["verl==0.9.1", "cachetools", "uvicorn", "fastapi", "TransferQueue==0.1.11"]
-PIP_TIMEOUT_S = 1800  # a hang guard: the first build downloads verl and ray
 VERSION = "step-1"  # the weight version the step's rollouts (and their scores) come from
-
-
-def _pip(venv: Path, *args: str) -> None:
-    r = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
-        capture_output=True,
-        text=True,
-        timeout=PIP_TIMEOUT_S,
-    )
-    assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
 @pytest.fixture(scope="module")
 def verl_python() -> Path:
-    """The python of a venv with torch 2.13.0, verl 0.9.1 and this package's dependencies."""
-    ready = os.environ.get("HCAPO_VERL_VENV")
-    if ready:
-        return Path(ready) / "bin" / "python"
-    key = hashlib.sha256(
-        (" ".join(VERL_REQUIREMENTS) + sys.version + (ROOT / "pyproject.toml").read_text()).encode()
-    ).hexdigest()[:16]
-    cached = Path(tempfile.gettempdir()) / f"hcapo-store-verl-venv-{key}"
-    if not (cached / "ok").exists():
-        building = Path(tempfile.mkdtemp(prefix="hcapo-store-verl-build-"))
-        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
-        _pip(building, "torch==2.13.0")
-        _pip(building, *VERL_REQUIREMENTS)
-        _pip(building, str(ROOT))  # the dependencies; the code itself comes from the checkout (PYTHONPATH)
-        (building / "ok").write_text("")
-        shutil.rmtree(cached, ignore_errors=True)
-        building.rename(cached)
-        # a venv is not relocatable, but its python resolves by the symlink and pyvenv.cfg: fine to run
-    return cached / "bin" / "python"
+    return _verl_venv.verl_python()
 
 
 @pytest.fixture(scope="module")
@@ -192,14 +158,12 @@ def _case(scored: dict, tok_dir: Path, tmp: Path) -> tuple[Path, dict]:
 
 
 def _run_verl(verl_python: Path, case: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
-    env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run(
         [str(verl_python), str(ROOT / "tests" / "_verl_driver.py"), str(case)],
         capture_output=True,
         text=True,
         timeout=900,
-        env={**env, "HF_HUB_OFFLINE": "1", "RAY_DISABLE_IMPORT_WARNING": "1"},
+        env=_verl_venv.run_env(),
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -257,3 +221,40 @@ def test_the_plug_is_refused_without_verl() -> None:
         pytest.skip("verl is installed in this environment")
     with pytest.raises(ImportError, match=r"supports verl 0\.9\.1 \(installed: none\)"):
         import hcapo_store.training.verl  # noqa: F401
+
+
+def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path: Path) -> None:
+    """examples/verl_hcapo.py's overrides are valid in verl 0.9.1's Hydra config (printed by
+    ``--cfg job``, nothing is trained), and the Ray setup hook it names is importable there."""
+    r = subprocess.run(
+        [str(verl_python), str(ROOT / "examples" / "verl_hcapo.py"), "--store", str(tmp_path / "s.db")]
+        + ["--tokenizer", str(tmp_path), "--weight-version", "v7", "--", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_verl_venv.run_env(),
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = r.stdout
+    for line in (
+        "adv_estimator: hcapo",
+        "use_kl_in_reward: false",
+        "worker_process_setup_hook: hcapo_store.training.verl.setup",
+        f"HCAPO_STORE: {tmp_path / 's.db'}",
+        "HCAPO_WEIGHT_VERSION: v7",
+    ):
+        assert line in config, line
+    assert "RewardManagerConfig\n    source: register\n    name: hcapo\n" in config
+    hook = subprocess.run(
+        [
+            str(verl_python),
+            "-c",
+            "import importlib; print(callable(importlib.import_module('hcapo_store.training.verl').setup))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_verl_venv.run_env(),
+    )
+    assert hook.stdout.strip() == "True", hook.stderr[-2000:]

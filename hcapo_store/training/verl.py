@@ -188,3 +188,9 @@ def hcapo_advantage(
         raise VerlBatchError(problems)
     advantages = token_level_rewards * response_mask
     return advantages, advantages.clone()
+
+
+def setup() -> None:
+    """Ray's ``worker_process_setup_hook``: every Ray process of the run (verl's TaskRunner, its
+    reward workers) imports this module, so ``hcapo`` is registered there (verl looks both names
+    up in the process that uses them); the store is named by ``HCAPO_STORE`` / ``HCAPO_TOKENIZER``."""

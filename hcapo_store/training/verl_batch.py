@@ -28,9 +28,12 @@ the step; nothing is zeroed in silence, and no NaN or inf is returned.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +43,32 @@ from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff, TokenCredit
 
 
+def write_rollout(
+    root: str | Path,
+    step: int,
+    uid: str,
+    episode_id: str,
+    reward: float,
+    messages: list[dict[str, Any]],
+    **fields: Any,
+) -> Path:
+    """What the agent loop calls once per finished rollout: one JSONL line in
+    ``root/step_NNNN/<uid>.jsonl`` (``episode_id``, ``uid``, ``reward``, ``messages`` and any
+    ``fields``), written whole in one ``write`` so ``follow`` never reads half a line."""
+    if not uid or "/" in uid or uid.startswith("."):
+        raise HandoffError(f"uid {uid!r} cannot name a rollout file: give each GRPO group a plain id")
+    path = Path(root) / f"step_{step:04d}" / f"{uid}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = {"episode_id": episode_id, "uid": uid, "reward": reward, "messages": messages, **fields}
+    data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return path
+
+
 @dataclass
 class SampleCredit:
     """Where one verl sample's advantages came from."""
@@ -47,6 +76,7 @@ class SampleCredit:
     row: int
     uid: str
     batch: int  # the ``batches`` row id of its group
+    credit_run: str  # that batch's credit run
     episode: str  # the store's name of the member it is
     external_id: str | None  # the collector's id of that member
     weight_version: str | None
@@ -212,7 +242,14 @@ class VerlHandoff:
                     continue
                 self.last.append(
                     SampleCredit(
-                        i, uid, info.id, member.name, member.external_id, info.weight_version, len(credit.spans)
+                        i,
+                        uid,
+                        info.id,
+                        str(info.credit_run),
+                        member.name,
+                        member.external_id,
+                        info.weight_version,
+                        len(credit.spans),
                     )
                 )
         if problems:
