@@ -38,8 +38,9 @@ def main() -> None:
         env["HCAPO_WEIGHT_VERSION"] = args.weight_version
     os.environ.update(env)  # this process, and (below) every Ray worker of the run
     forwarded = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env.items()]
-    import hcapo_store.training.verl  # noqa: F401  (registers hcapo here as well)
     from verl.trainer.main_ppo import main as verl_main
+
+    import hcapo_store.training.verl  # noqa: F401  (registers hcapo here as well)
 
     sys.argv = [sys.argv[0], *PLUG, *forwarded, *[a for a in verl_args if a != "--"]]
     verl_main()
