@@ -17,7 +17,7 @@ import tomllib
 
 pytest.importorskip("trl")
 import torch
-from conftest import REPO
+from conftest import REPO, TOKENIZERS
 from datasets import Dataset
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -331,3 +331,45 @@ def test_a_nan_inf_or_misshapen_advantage_never_reaches_the_trainer(tmp_path: Pa
     with pytest.raises(HandoffError, match=message):
         trainer.train()
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())  # no step was taken
+
+
+def test_store_advantages_with_the_real_qwen3_tokenizer(tmp_path: Path) -> None:
+    """The real Qwen3 tokenizer and chat template (no thinking: TRL's prompt then ends in the
+    empty think block the template puts before a final answer). Digits: Qwen3 never merges them."""
+    directory = TOKENIZERS / "qwen3"
+    if not directory.is_dir():
+        pytest.skip(f"{directory} is not here (../shared absent)")
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    sevens = lambda completions, **_: [float(c[0]["content"].count("7")) for c in completions]  # noqa: E731
+    with Store.open(str(tmp_path / "grpo.db")) as store:
+        source = StoreAdvantages(store, tokenizer=directory, workdir=tmp_path / "rollouts", run_id="q")
+        batches: list[RolloutBatch] = []
+
+        def keep(batch: RolloutBatch):
+            batches.append(batch)
+            return source(batch)
+
+        trainer = HCAPOGRPOTrainer(
+            model=qwen3(tok),
+            reward_funcs=sevens,
+            args=config(tmp_path, tok, allowed="0123456789", chat_template_kwargs={"enable_thinking": False}),
+            train_dataset=prompts(8),
+            processing_class=tok,
+            advantages=keep,
+        )
+        seen = record(trainer)
+        trainer.train()
+        assert trainer.state.global_step == 2 and not source.refused
+        placed = 0
+        for out, batch in zip(seen, batches):
+            assert batch.prompt_ids[0][-4:] == tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+            handoff = Handoff(store, source.runs[batch.step], tokenizer=directory)
+            for i, name in enumerate(source.episodes[batch.step]):
+                if name is None or not any(batch.loss_mask[i]):
+                    continue
+                credit = handoff.advantages(name, batch.prompt_ids[i] + batch.completion_ids[i])
+                start, width = len(batch.prompt_ids[i]), len(batch.completion_ids[i])
+                want = credit.advantages[start:] * np.array(batch.loss_mask[i])
+                np.testing.assert_array_equal(out["advantages"][i, :width].numpy(), want)
+                placed += int(credit.mask[start:].any())
+        assert placed >= 2
