@@ -373,3 +373,40 @@ def test_store_advantages_with_the_real_qwen3_tokenizer(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(out["advantages"][i, :width].numpy(), want)
                 placed += int(credit.mask[start:].any())
         assert placed >= 2
+
+
+def test_unrewarded_rows_are_listed_and_several_processes_refused(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+) -> None:
+    """A completion no reward function scored (TRL: NaN) is not stored, gets 0 and is listed;
+    a batch of several training processes is refused (a group's rows would be split)."""
+
+    def some(completions: list, **_: Any) -> list[float | None]:
+        return [float(c[0]["content"].count("!")) if "!" in c[0]["content"] else None for c in completions]
+
+    with Store.open(str(tmp_path / "grpo.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "rollouts", run_id="u")
+        batches: list[RolloutBatch] = []
+
+        def keep(batch: RolloutBatch):
+            batches.append(batch)
+            return source(batch)
+
+        trainer = HCAPOGRPOTrainer(
+            model=qwen3(tok),
+            reward_funcs=some,
+            args=config(tmp_path, tok, max_steps=1, per_device_train_batch_size=8, num_generations=8),
+            train_dataset=prompts(8),
+            processing_class=tok,
+            advantages=keep,
+        )
+        seen = record(trainer)
+        trainer.train()
+        batch = batches[0]
+        unrewarded = [i for i, r in enumerate(batch.rewards) if r != r]
+        assert unrewarded, "the seed gave every completion a '!': pick another"
+        for i in unrewarded:
+            assert "no reward function scored it" in source.skipped[(0, i)]
+            assert source.episodes[0][i] is None and not seen[0]["advantages"][i].any()
+        with pytest.raises(HandoffError, match="one training process, not 2"):
+            source(RolloutBatch(**{**batch.__dict__, "processes": 2}))

@@ -43,6 +43,7 @@ from trl import GRPOTrainer
 
 from hcapo_store.credits.params import CreditParams
 from hcapo_store.errors import HandoffError
+from hcapo_store.storage.store import Store
 
 # The TRL releases whose private methods this subclass was checked against (pyproject pins the same).
 TRL_VERSIONS = ((1, 16), (1, 17))  # [low, high) as (major, minor)
@@ -76,6 +77,7 @@ class RolloutBatch:
     groups: list[int]  # rows with one group index share a prompt (GRPO's num_generations)
     inputs: list[dict[str, Any]] = field(repr=False)  # the dataset rows
     model: Any = field(default=None, repr=False)  # the policy that generated them (unwrapped)
+    processes: int = 1  # training processes: each holds its own rows of the generation batch
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +88,7 @@ class RolloutBatch:
             "loss_mask": self.loss_mask,
             "rewards": self.rewards,
             "groups": self.groups,
+            "processes": self.processes,
         }
 
 
@@ -172,6 +175,7 @@ class HCAPOGRPOTrainer(GRPOTrainer):
             groups=[(first + i) // num_generations for i in range(n)],
             inputs=list(inputs),
             model=self.accelerator.unwrap_model(self.model),
+            processes=int(self.accelerator.num_processes),
         )
         values = self.advantage_source(batch)
         advantages = place(batch, values, output["completion_ids"].size(1))
@@ -189,9 +193,10 @@ class StoreAdvantages:
 
     Per batch: each group's rollouts are written as a JSONL file under ``workdir`` (prompt
     messages + the completion's messages, TRL's reward) and ingested with the tag
-    ``group=step-N/gK`` (files and episode ids carry ``RUN``); the policy that generated them scores them in process at weight
-    version ``RUN/step-N`` (``score_live``, ``RUN`` is ``run_id``, default a random one); the batch's credits are computed over exactly those
-    episodes (``params``, default the paper's estimator per GRPO group); and a ``Handoff`` places
+    ``group=step-N/gK`` (files and episode ids carry ``RUN``: ``run_id``, default a random one);
+    the policy that generated them scores them in process at weight version ``RUN/step-N``
+    (``score_live``); the batch's credits are computed over exactly those episodes
+    (``params``, default the paper's estimator per GRPO group); and a ``Handoff`` places
     each step's advantage on the rollout's own prompt + completion ids, of which the completion
     part is returned. A row the loss does not train (a masked truncated completion) is stored
     but not looked up; a row no reward function scored is left out (0, listed in ``skipped``).
@@ -203,7 +208,7 @@ class StoreAdvantages:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         *,
         tokenizer: str | Path,
         workdir: str | Path,
@@ -269,6 +274,13 @@ class StoreAdvantages:
 
         if batch.model is None:
             raise HandoffError("StoreAdvantages scores rollouts with the policy: the batch carries no model")
+        if batch.processes != 1:
+            # a GRPO group's rows may sit in several processes: per-process credits would have
+            # per-process group statistics
+            raise HandoffError(
+                f"StoreAdvantages runs in one training process, not {batch.processes}: pass advantages= a "
+                "callable that gathers the batch first"
+            )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
         files = self._write(batch)
         if not files:
