@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpcore
 import pytest
 from _waiting import HANG_GUARD_S
 
@@ -303,14 +302,14 @@ def test_a_proxy_from_the_environment_goes_through_httpx(monkeypatch: pytest.Mon
     ):
         monkeypatch.delenv(name, raising=False)
 
-    def pool(url: str) -> object:
-        return transport_for(url, max_connections=4)._pool
+    def pool(url: str) -> str:  # httpcore's pool class, by name (httpcore is httpx's, not ours to import)
+        return type(transport_for(url, max_connections=4)._pool).__name__
 
-    assert isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncConnectionPool)
+    assert pool("http://10.0.0.1:30000") == "AsyncConnectionPool"
     monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
-    assert isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncHTTPProxy)
+    assert pool("http://10.0.0.1:30000") == "AsyncHTTPProxy"
     monkeypatch.setenv("no_proxy", "10.0.0.1")
-    assert not isinstance(pool("http://10.0.0.1:30000"), httpcore.AsyncHTTPProxy)
+    assert pool("http://10.0.0.1:30000") == "AsyncConnectionPool"
 
 
 def test_a_refused_connection_is_a_connect_failure() -> None:
