@@ -27,6 +27,7 @@ from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff
 from hcapo_store.training.trl_grpo import (
     TRL_VERSIONS,
+    HandoffAdvantages,
     HCAPOGRPOTrainer,
     RolloutBatch,
     StoreAdvantages,
@@ -255,6 +256,17 @@ def test_store_advantages_are_the_handoffs_on_completion_tokens_only(
                 checked += 1
         assert checked >= 4
         assert not source.refused
+        # the same rollouts looked up in the store (HandoffAdvantages: rollouts an agent loop stored)
+        lookup = HandoffAdvantages(
+            lambda batch: Handoff(store, source.runs[batch.step], tokenizer=demo_tokenizer_dir), source.episode_name
+        )
+        looked_up = 0
+        for out, batch in zip(seen, batches):
+            if None not in source.episodes[batch.step]:
+                for i, row in enumerate(lookup(batch)):
+                    np.testing.assert_array_equal(out["advantages"][i, : len(row)].numpy(), row.astype(np.float32))
+                looked_up += 1
+        assert looked_up >= 1
 
 
 def test_a_rollout_the_store_renders_otherwise_is_refused_by_name(

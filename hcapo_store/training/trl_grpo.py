@@ -188,7 +188,63 @@ class HCAPOGRPOTrainer(GRPOTrainer):
         return output
 
 
-class StoreAdvantages:
+class HandoffAdvantages:
+    """Per-token advantages of rollouts already in the store (e.g. written by an agent loop and
+    credited by ``follow``): ``handoff`` (a ``Handoff``, or ``RolloutBatch -> Handoff``) places
+    each row's credit run advantages on the row's own prompt + completion ids, found as episode
+    ``episode_of(batch, row)``; the completion part is returned. ``strict`` as in ``Handoff``:
+    a step whose own tokens are not in the rollout's ids, or an action token the loss does not
+    train, raises a ``HandoffError`` naming the row, episode and step; ``strict=False`` leaves
+    that step at 0 and lists it in ``refused``."""
+
+    def __init__(
+        self,
+        handoff: Any,
+        episode_of: Callable[[RolloutBatch, int], str | int],
+        *,
+        strict: bool = True,
+    ) -> None:
+        self.handoff = handoff
+        self.episode_of = episode_of
+        self.strict = strict
+        self.refused: dict[tuple[int, int], dict[int, str]] = {}  # (step, row) -> {step_index: why}
+
+    def __call__(self, batch: RolloutBatch) -> list[np.ndarray]:
+        from hcapo_store.training.handoff import Handoff
+
+        handoff = self.handoff if isinstance(self.handoff, Handoff) else self.handoff(batch)
+        out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
+        for i in range(len(out)):
+            if any(batch.loss_mask[i]):  # nothing of a row is trained otherwise (a masked truncated completion)
+                out[i] = self.row(handoff, batch, i, self.episode_of(batch, i))
+        return out
+
+    def row(self, handoff: Any, batch: RolloutBatch, i: int, episode: str | int) -> np.ndarray:
+        """Row ``i``'s advantages on its completion tokens the loss trains."""
+        prompt, completion = batch.prompt_ids[i], batch.completion_ids[i]
+        start = len(prompt)
+        try:
+            credit = handoff.advantages(episode, [*prompt, *completion], strict=self.strict)
+        except HandoffError as exc:
+            ends = {handoff.tokenizer.eos_token_id, handoff.tokenizer.pad_token_id}
+            cut = not completion or completion[-1] not in ends
+            hint = " (its completion was cut at max_completion_length: mask_truncated_completions=True leaves such rows out)"
+            raise HandoffError(f"step {batch.step}, row {i}: {exc}{hint if cut else ''}") from exc
+        if credit.refused:
+            self.refused[(batch.step, i)] = dict(credit.refused)
+        trained = np.asarray(batch.loss_mask[i], dtype=bool)
+        untrained = credit.mask[start:] & ~trained
+        if untrained.any():
+            at = int(np.flatnonzero(untrained)[0])
+            step = next((k for k, (a, b) in credit.spans.items() if a <= start + at < b), None)
+            why = f"step {step}'s token at completion position {at} is an action token the loss does not train"
+            if self.strict:
+                raise HandoffError(f"step {batch.step}, row {i}, episode {episode}: {why}")
+            self.refused.setdefault((batch.step, i), {})[int(step if step is not None else -1)] = why
+        return credit.advantages[start:].astype(np.float64) * trained
+
+
+class StoreAdvantages(HandoffAdvantages):
     """HCAPO's per-token advantages for a GRPO batch, from the store.
 
     Per batch: each group's rollouts are written as a JSONL file under ``workdir`` (prompt
@@ -225,12 +281,20 @@ class StoreAdvantages:
         self.tokenizer = str(tokenizer)
         self.workdir = Path(workdir)
         self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
-        self.strict = strict
+        super().__init__(None, self.episode_name, strict=strict)  # its handoff is per batch: see __call__
         self.runs: dict[int, str] = {}  # step -> credit run name
         self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
         self.episodes: dict[int, list[str | None]] = {}  # step -> store episode name per row (None: left out)
-        self.refused: dict[tuple[int, int], dict[int, str]] = {}  # (step, row) -> {step_index: why}
         self.skipped: dict[tuple[int, int], str] = {}  # (step, row) -> why
+
+    def episode_name(self, batch: RolloutBatch, row: int) -> str:
+        """The store's name of a row's episode (after ``__call__`` stored it)."""
+        name = self.episodes.get(batch.step, [])[row] if row < len(self.episodes.get(batch.step, [])) else None
+        if name is None:
+            raise HandoffError(
+                f"step {batch.step}, row {row}: not in the store ({self.skipped.get((batch.step, row))})"
+            )
+        return name
 
     def _external_id(self, step: int, row: int) -> str:
         return f"{self.run_id}-s{step}-r{row}"
@@ -319,41 +383,13 @@ class StoreAdvantages:
         for i, name in names.items():
             if not any(batch.loss_mask[i]):
                 continue  # nothing of it is trained (e.g. a masked truncated completion)
-            out[i] = self._row(handoff, batch, i, name)
+            out[i] = self.row(handoff, batch, i, name)
         return out
-
-    def _row(self, handoff: Any, batch: RolloutBatch, i: int, name: str) -> np.ndarray:
-        prompt, completion = batch.prompt_ids[i], batch.completion_ids[i]
-        start = len(prompt)
-        try:
-            credit = handoff.advantages(name, [*prompt, *completion], strict=self.strict)
-        except HandoffError as exc:
-            truncated = " (its completion was cut at max_completion_length: mask_truncated_completions=True leaves such rows out)"
-            raise HandoffError(
-                f"step {batch.step}, row {i}: {exc}{truncated if self._truncated(completion) else ''}"
-            ) from exc
-        if credit.refused:
-            self.refused[(batch.step, i)] = dict(credit.refused)
-        trained = np.asarray(batch.loss_mask[i], dtype=bool)
-        untrained = credit.mask[start:] & ~trained
-        if untrained.any():
-            at = int(np.flatnonzero(untrained)[0])
-            step = next((k for k, (a, b) in credit.spans.items() if a <= start + at < b), None)
-            why = f"step {step}'s token at completion position {at} is an action token the loss does not train"
-            if self.strict:
-                raise HandoffError(f"step {batch.step}, row {i}, episode {name}: {why}")
-            self.refused.setdefault((batch.step, i), {})[int(step or -1)] = why
-        return credit.advantages[start:].astype(np.float64) * trained
-
-    def _truncated(self, completion: Sequence[int]) -> bool:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(self.tokenizer)
-        return not completion or completion[-1] not in {tok.eos_token_id, tok.pad_token_id}
 
 
 __all__ = [
     "GROUP_TAG",
+    "HandoffAdvantages",
     "TRL_VERSIONS",
     "AdvantageSource",
     "HCAPOGRPOTrainer",
