@@ -32,6 +32,7 @@ from hcapo_store.training.trl_grpo import (
     RolloutBatch,
     StoreAdvantages,
     check_trl,
+    trl_advantages,
 )
 
 # Single-character tokens of the demo vocabulary that no merge joins: any sequence of them
@@ -422,3 +423,33 @@ def test_unrewarded_rows_are_listed_and_several_processes_refused(
             assert source.episodes[0][i] is None and not seen[0]["advantages"][i].any()
         with pytest.raises(HandoffError, match="one training process, not 2"):
             source(RolloutBatch(**{**batch.__dict__, "processes": 2}))
+
+
+def test_trls_own_advantage_as_the_source_is_plain_grpo(tmp_path: Path, tok) -> None:
+    """The override changes nothing else: fed TRL's own advantage on every completion token, the
+    subclass trains exactly as a plain GRPOTrainer (same generations, losses and weights)."""
+    runs = []
+    for cls, extra in ((GRPOTrainer, {}), (HCAPOGRPOTrainer, {"advantages": trl_advantages})):
+        trainer = cls(
+            model=qwen3(tok),
+            reward_funcs=bangs,
+            args=config(tmp_path / cls.__name__, tok, max_steps=3),
+            train_dataset=prompts(12),
+            processing_class=tok,
+            **extra,
+        )
+        seen = record(trainer)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs.append((seen, losses, trainer.model.state_dict()))
+    (plain, plain_losses, plain_weights), (ours, our_losses, our_weights) = runs
+    assert len(plain) == len(ours) == 3 and len(plain_losses) == 3
+    for a, b in zip(plain, ours):
+        assert torch.equal(a["completion_ids"], b["completion_ids"])
+        assert a["advantages"].dim() == 1 and b["advantages"].shape == b["completion_ids"].shape
+        expect = a["advantages"][:, None] * b["completion_mask"]
+        assert torch.equal(b["advantages"], expect.float())
+    assert our_losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-7)
+    assert any(loss != 0 for loss in plain_losses)
+    for key, value in plain_weights.items():
+        torch.testing.assert_close(our_weights[key], value, rtol=1e-5, atol=1e-6)

@@ -75,6 +75,7 @@ class RolloutBatch:
     loss_mask: list[list[int]]  # per completion token: 1 where the loss trains it (not a tool result, not masked)
     rewards: list[float]  # the weighted sum of the reward functions; NaN when none scored the row
     groups: list[int]  # rows with one group index share a prompt (GRPO's num_generations)
+    trl_advantages: list[float]  # TRL's own advantage of each row (group-normalised reward), for reference
     inputs: list[dict[str, Any]] = field(repr=False)  # the dataset rows
     model: Any = field(default=None, repr=False)  # the policy that generated them (unwrapped)
     processes: int = 1  # training processes: each holds its own rows of the generation batch
@@ -88,11 +89,18 @@ class RolloutBatch:
             "loss_mask": self.loss_mask,
             "rewards": self.rewards,
             "groups": self.groups,
+            "trl_advantages": self.trl_advantages,
             "processes": self.processes,
         }
 
 
 AdvantageSource = Callable[[RolloutBatch], Sequence[Sequence[float]]]
+
+
+def trl_advantages(batch: RolloutBatch) -> list[list[float]]:
+    """TRL's own advantage of each row on every completion token: plain GRPO, as a source (the
+    yardstick the tests and the benchmark hold this trainer to)."""
+    return [[a] * len(ids) for a, ids in zip(batch.trl_advantages, batch.completion_ids)]
 
 
 def place(batch: RolloutBatch, values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -173,6 +181,7 @@ class HCAPOGRPOTrainer(GRPOTrainer):
             loss_mask=[loss_mask[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)],
             rewards=[float(r) for r in weighted[local].tolist()],
             groups=[(first + i) // num_generations for i in range(n)],
+            trl_advantages=[float(a) for a in output["advantages"].reshape(-1).tolist()],
             inputs=list(inputs),
             model=self.accelerator.unwrap_model(self.model),
             processes=int(self.accelerator.num_processes),
@@ -397,4 +406,5 @@ __all__ = [
     "StoreAdvantages",
     "check_trl",
     "place",
+    "trl_advantages",
 ]
