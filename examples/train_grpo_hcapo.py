@@ -7,7 +7,8 @@ Per training step TRL generates ``--group-size`` completions per prompt and rewa
 ``StoreAdvantages`` then adds them to the store (``--workdir``/hcapo.db), scores them with the
 policy itself at that step's weights, computes the batch's HCAPO credits per GRPO group (the
 paper's estimator) and hands back one advantage per completion token, which
-``HCAPOGRPOTrainer`` trains on instead of GRPO's one-per-completion advantage.
+``HCAPOGRPOTrainer`` trains on instead of GRPO's one-per-completion advantage
+(``--advantages grpo``: TRL's own advantage instead, the same training as a plain GRPOTrainer).
 
 The toy task: write signs; the reward is the number of ``!`` in the completion. With no model
 given, the policy is a randomly initialised 2-layer Qwen3 on the demo tokenizer, writing only a
@@ -32,7 +33,7 @@ from trl import GRPOConfig
 
 from hcapo_store.errors import HcapoError
 from hcapo_store.storage.store import Store
-from hcapo_store.training.trl_grpo import HCAPOGRPOTrainer, StoreAdvantages
+from hcapo_store.training.trl_grpo import HCAPOGRPOTrainer, StoreAdvantages, trl_advantages
 
 
 def tiny_qwen3(tok, seed: int) -> Qwen3ForCausalLM:
@@ -67,6 +68,12 @@ def main() -> None:
     parser.add_argument("--signs", default="!#$%(+", help="the tiny model writes only these (and its end token)")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--advantages",
+        choices=("hcapo", "grpo"),
+        default="hcapo",
+        help="hcapo: the store's per-token credits; grpo: TRL's own advantage on every token (the yardstick)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     args = parser.parse_args()
 
@@ -111,7 +118,7 @@ def main() -> None:
             args=config,
             train_dataset=prompts,
             processing_class=tok,
-            advantages=hcapo,
+            advantages=hcapo if args.advantages == "hcapo" else trl_advantages,
         )
         if args.json:
             from transformers import PrinterCallback
@@ -131,6 +138,8 @@ def main() -> None:
                 "reward": log.get("reward"),
                 "advantage_abs_max": log.get("hcapo/advantage_abs_max"),
                 "skipped": sum(1 for s, _ in hcapo.skipped if s == step),
+                "step_seconds": log.get("step_time"),  # TRL's: generation, rewards, advantages, update
+                "advantages_seconds": log.get("hcapo/advantages_seconds"),  # of which the advantage source
             }
             if not math.isfinite(result["loss"]):
                 sys.exit(f"step {step}: the loss is not finite: {result['loss']}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,8 +187,10 @@ class HCAPOGRPOTrainer(GRPOTrainer):
             model=self.accelerator.unwrap_model(self.model),
             processes=int(self.accelerator.num_processes),
         )
+        started = time.perf_counter()
         values = self.advantage_source(batch)
         advantages = place(batch, values, output["completion_ids"].size(1))
+        self._metrics[mode]["hcapo/advantages_seconds"].append(time.perf_counter() - started)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         self.last_batch = batch
         trained = loss_mask.bool()
