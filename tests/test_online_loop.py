@@ -89,4 +89,4 @@ def test_through_verl_the_loop_trains_on_the_same_numbers(tmp_path: Path) -> Non
     plain_rows = [json.loads(x) for x in (tmp_path / "plain.jsonl").read_text().splitlines()]
     verl_rows = [json.loads(x) for x in (tmp_path / "verl.jsonl").read_text().splitlines()]
     assert [r["ids"] for r in plain_rows] == [r["ids"] for r in verl_rows]
-    assert [r["advantages"] for r in plain_rows] == pytest.approx([r["advantages"] for r in verl_rows], abs=1e-7)
+    assert [r["advantages"] for r in plain_rows] == [r["advantages"] for r in verl_rows]  # float32, passed on as is

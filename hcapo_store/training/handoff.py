@@ -73,6 +73,28 @@ class Handoff:
     def __init__(
         self, store: Store, run: str | None = None, *, tokenizer: str | Path, allow_stale: bool = False
     ) -> None:
+        self._open(store, run, allow_stale)
+        self.tokenizer_dir = tokenizer
+        self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
+        self.renderer = EpisodeRenderer(self.tokenizer)
+        self._load()
+
+    def for_run(self, run: str, *, allow_stale: bool = False) -> Handoff:
+        """The hand-off of another run of this store. When its scorer is this run's, the
+        tokenizer loaded and checked for this one is shared (a trainer takes one run per GRPO
+        group each step: loading it once per run cost more than placing the group)."""
+        other = object.__new__(Handoff)
+        other._open(self.store, run, allow_stale)
+        other.tokenizer_dir = self.tokenizer_dir
+        if other.run.scorer_id == self.run.scorer_id:
+            other.tokenizer, other.fingerprint, other.renderer = self.tokenizer, self.fingerprint, self.renderer
+        else:
+            other.tokenizer, other.fingerprint = scorer_tokenizer(self.store, other.run.scorer_id, self.tokenizer_dir)
+            other.renderer = EpisodeRenderer(other.tokenizer)
+        other._load()
+        return other
+
+    def _open(self, store: Store, run: str | None, allow_stale: bool) -> None:
         self.store = store
         self.run: RunInfo = get_run(store, run)
         self.warnings: list[str] = [self.run.stale] if self.run.stale else []
@@ -82,9 +104,9 @@ class Handoff:
             self.warnings.insert(0, replaced)
         if self.warnings and not allow_stale:
             raise HandoffError(f"{self.warnings[0]}; or pass allow_stale=True to train on it anyway")
-        self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
-        self.renderer = EpisodeRenderer(self.tokenizer)
-        with db.read(store.engine) as conn:
+
+    def _load(self) -> None:
+        with db.read(self.store.engine) as conn:
             rw = run_weights(conn, self.run, self.warnings)
             add_step_indices(conn, rw.episodes, self.run)
             rows = conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id}).all()
@@ -93,6 +115,11 @@ class Handoff:
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
+
+    def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
+        """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
+        ``whole`` rendering: what ``advantages`` places exactly, without a search."""
+        return self._alignment(self.episode_id(episode), rendering).input_ids
 
     # ---- lookup --------------------------------------------------------------------------------
     def episode_id(self, episode: str | int) -> int:

@@ -125,7 +125,12 @@ class VerlHandoff:
 
     def _handoff(self, run: str) -> Handoff:
         if run not in self._handoffs:
-            self._handoffs[run] = Handoff(self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale)
+            first = next(iter(self._handoffs.values()), None)
+            self._handoffs[run] = (
+                first.for_run(run, allow_stale=self.allow_stale)
+                if first is not None
+                else Handoff(self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale)
+            )
         return self._handoffs[run]
 
     def _batches(self, uids: Sequence[str], rows: dict[str, list[int]], problems: list[str]) -> dict[str, BatchInfo]:
@@ -168,6 +173,16 @@ class VerlHandoff:
         self, handoff: Handoff, members: list[BatchMember], ids: list[int], where: str
     ) -> tuple[BatchMember, TokenCredit]:
         """The member of the group whose every credited step is in ``ids`` (exact renderings first)."""
+        for rendering in ("turns", "whole"):  # the sample is a member's rendering exactly: no search
+            for m in members:
+                try:
+                    if handoff.rendered_ids(m.episode_id, rendering) != ids:
+                        continue
+                except EpisodeLookupError:  # a member the run does not credit
+                    continue
+                credit = handoff.advantages(m.episode_id, ids, strict=False)
+                if not credit.refused and credit.spans:
+                    return m, credit
         fits: list[tuple[BatchMember, TokenCredit]] = []
         best: tuple[int, int, str] | None = None  # (steps placed, first refused step, why) of the nearest miss
         for m in members:
