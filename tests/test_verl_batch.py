@@ -1,0 +1,154 @@
+"""VerlHandoff without verl: the fast match (a sample equal to a member's rendering) against
+the plain rule (place every member's steps in the sample's ids, keep the one that fits), the
+tokenizer shared across a step's runs against fresh hand-offs, write_rollout, and
+bench/verl_handoff.py end to end at a small size. Real store, real follow, the tiny model
+scoring in process."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hcapo_store.credits.equations import CreditParams
+from hcapo_store.devkit.synth import words
+from hcapo_store.errors import HandoffError
+from hcapo_store.online.batches import find_batch
+from hcapo_store.online.follow import FollowConfig, Follower, follow
+from hcapo_store.scoring.backends.inprocess import LiveModelBackend
+from hcapo_store.scoring.job import ScoreConfig, prepare
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.storage.store import Store
+from hcapo_store.training.handoff import Handoff
+from hcapo_store.training.verl_batch import VerlHandoff, write_rollout
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow]
+
+
+def _sample(tok, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
+    def ids(msgs: list[dict], gen: bool) -> list[int]:
+        return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=False))
+
+    full, prompt = ids(messages, False), ids(messages[:1], True)
+    mask = [1] * (len(full) - len(prompt))
+    for j in range(2, len(messages)):
+        if messages[j]["role"] == "user":
+            for t in range(len(ids(messages[:j], False)), len(ids(messages[: j + 1], True))):
+                mask[t - len(prompt)] = 0
+    return prompt, full[len(prompt) :], mask
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict:
+    """3 groups of 3 rollouts, followed by uid; two samples of u1 share their first turn."""
+    tmp = tmp_path_factory.mktemp("verl-batch")
+    rng = random.Random(3)
+    samples = []
+    for g in range(3):
+        uid = f"u{g}"
+        first = {"role": "assistant", "content": words(rng, 5)}
+        for k in range(3):
+            msgs = [{"role": "user", "content": f"Task {uid}: {words(rng, 8)}"}] if k == 0 else [samples[-1][2][0]]
+            msgs = [*msgs, first if (g == 1 and k < 2) else {"role": "assistant", "content": words(rng, 6)}]
+            msgs += [
+                {"role": "user", "content": f"tool: {words(rng, 5)}"},
+                {"role": "assistant", "content": words(rng, 4)},
+            ]
+            write_rollout(tmp / "rollouts", 1, uid, f"{uid}-{k}", round(rng.random(), 3), msgs)
+            samples.append((uid, f"{uid}-{k}", msgs))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    store = Store.open(str(tmp / "s.db"))
+    backend = LiveModelBackend(model, weight_version="v1")
+    prep = prepare(
+        store, ScoreConfig(backend=LiveModelBackend.kind, tokenizer=str(tiny_model_dir), weight_version="v1"), backend
+    )
+    cfg = FollowConfig([tmp / "rollouts"], 3, "field:uid", params=CreditParams(variant="paper"))
+    assert follow(Follower(store, prep, cfg, RunOptions(concurrency=1)), once=True).batches == 3
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [(uid, eid, *_sample(tok, msgs)) for uid, eid, msgs in samples]
+    yield {"store": store, "rows": rows, "tmp": tmp}
+    store.close()
+
+
+def _arrays(rows) -> tuple[list, list, np.ndarray, np.ndarray]:
+    width = max(len(r[3]) for r in rows) + 4
+    resp = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros_like(resp)
+    for i, (_, _, _, r, m) in enumerate(rows):
+        resp[i, : len(r)], mask[i, : len(m)] = r, m
+    return [r[0] for r in rows], [r[2] for r in rows], resp, mask
+
+
+def test_the_fast_match_agrees_with_placing_every_member(step: dict, tiny_model_dir: Path) -> None:
+    store, rows = step["store"], step["rows"]
+    uids, prompts, resp, mask = _arrays(rows)
+    plug = VerlHandoff(store, tiny_model_dir, weight_version="v1")
+    got = plug.advantages(uids, prompts, resp, mask)
+    assert [s.external_id for s in plug.last] == [r[1] for r in rows]  # each sample is its own member
+    for i, (uid, eid, prompt, response, m) in enumerate(rows):
+        info = find_batch(store, uid)
+        assert info is not None and info.credit_run
+        fresh = Handoff(store, info.credit_run, tokenizer=tiny_model_dir)  # its own tokenizer load
+        ids = prompt + response
+        # the plain rule: every member's steps placed in the ids; exactly the ones that all fit
+        fits = []
+        for member in info.members:
+            credit = fresh.advantages(member.episode_id, ids, strict=False)
+            if credit.spans and not credit.refused:
+                fits.append((member.external_id, credit))
+        assert [f[0] for f in fits] == [eid], (eid, [f[0] for f in fits])
+        want = fits[0][1].advantages[len(prompt) :] * np.asarray(m, dtype=bool)
+        assert np.array_equal(got[i, : len(response)], want) and not got[i, len(response) :].any()
+        assert np.array_equal(want != 0, fits[0][1].mask[len(prompt) :] & (want != 0))
+
+
+def test_a_sample_found_in_another_group_is_not_taken(step: dict, tiny_model_dir: Path) -> None:
+    """uid u0 with u1's ids: the uid names the group, the ids must be one of its members."""
+    rows = step["rows"]
+    uids, prompts, resp, mask = _arrays([rows[0], rows[3]])
+    uids = ["u0", "u0"]
+    with pytest.raises(HandoffError, match=r"^sample 1 \(uid u0\): step 0 is not in its ids for any member"):
+        VerlHandoff(step["store"], tiny_model_dir, weight_version="v1").advantages(uids, prompts, resp, mask)
+
+
+def test_a_mask_that_leaves_out_an_action_is_refused(step: dict, tiny_model_dir: Path) -> None:
+    uids, prompts, resp, mask = _arrays(step["rows"][:1])
+    mask[0, 0] = 0  # the first response token is the policy's own
+    with pytest.raises(HandoffError, match=r"^sample 0 \(uid u0\): step 0's token at response position 0"):
+        VerlHandoff(step["store"], tiny_model_dir, weight_version="v1").advantages(uids, prompts, resp, mask)
+
+
+def test_write_rollout_refuses_a_uid_that_is_no_file_name(tmp_path: Path) -> None:
+    path = write_rollout(tmp_path, 7, "abc", "abc-0", 0.5, [{"role": "user", "content": "x"}], extra=1)
+    assert path == tmp_path / "step_0007" / "abc.jsonl"
+    assert json.loads(path.read_text()) == {
+        "episode_id": "abc-0",
+        "uid": "abc",
+        "reward": 0.5,
+        "messages": [{"role": "user", "content": "x"}],
+        "extra": 1,
+    }
+    for bad in ("", "../x", ".hidden"):
+        with pytest.raises(HandoffError, match="cannot name a rollout file"):
+            write_rollout(tmp_path, 7, bad, "e", 0.5, [])
+
+
+def test_the_bench_runs_small(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "verl_handoff.py"), "--workdir", str(tmp_path)]
+        + ["--groups", "2", "--group-size", "2", "--turns", "2", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["batches"], out["samples"], out["groups"]) == (2, 4, 2) and out["cold_s_median"] > 0
