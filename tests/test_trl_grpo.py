@@ -425,15 +425,17 @@ def test_unrewarded_rows_are_listed_and_several_processes_refused(
             source(RolloutBatch(**{**batch.__dict__, "processes": 2}))
 
 
-def test_trls_own_advantage_as_the_source_is_plain_grpo(tmp_path: Path, tok) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_trls_own_advantage_as_the_source_is_plain_grpo(tmp_path: Path, tok, accumulate: int) -> None:
     """The override changes nothing else: fed TRL's own advantage on every completion token, the
-    subclass trains exactly as a plain GRPOTrainer (same generations, losses and weights)."""
+    subclass trains exactly as a plain GRPOTrainer (same generations, losses and weights), also
+    when one generation batch is split, shuffled, over accumulation steps."""
     runs = []
     for cls, extra in ((GRPOTrainer, {}), (HCAPOGRPOTrainer, {"advantages": trl_advantages})):
         trainer = cls(
             model=qwen3(tok),
             reward_funcs=bangs,
-            args=config(tmp_path / cls.__name__, tok, max_steps=3),
+            args=config(tmp_path / cls.__name__, tok, max_steps=3, gradient_accumulation_steps=accumulate),
             train_dataset=prompts(12),
             processing_class=tok,
             **extra,
