@@ -2,9 +2,10 @@
 from a ``Handoff``. Plain lists and numpy arrays: no framework is imported here (slime's hook
 makes torch tensors, importing torch when slime calls it).
 
-- verl: a custom estimator (``@register_adv_est``) returns ``advantages`` shaped like
-  ``response_mask`` (batch, response_length); the rows are found by uid, so the caller maps
-  each row's uid to its episode. ``verl_advantages`` fills that array.
+- verl: ``advantages`` shaped like ``response_mask`` (batch, response_length).
+  ``verl_advantages`` fills that array for rows whose episodes the caller already knows; inside
+  verl itself (``algorithm.adv_estimator=hcapo``) use ``training/verl.py``, which finds each
+  row's group by its uid and the row by its own ids (``training/verl_batch.py``).
 - slime (checked against THUDM/slime @624b824a, ``slime/backends/megatron_utils/loss.py``
   ``compute_advantages_and_returns`` and ``get_responses``): ``--custom-advantage-function-path
   my_module.fn`` (a dotted path: ``slime/utils/misc.py load_function`` splits at the last dot, so
