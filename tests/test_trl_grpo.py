@@ -32,6 +32,7 @@ from hcapo_store.training.trl_grpo import (
     RolloutBatch,
     StoreAdvantages,
     check_trl,
+    place,
     trl_advantages,
 )
 
@@ -455,3 +456,23 @@ def test_trls_own_advantage_as_the_source_is_plain_grpo(tmp_path: Path, tok, acc
     assert any(loss != 0 for loss in plain_losses)
     for key, value in plain_weights.items():
         torch.testing.assert_close(our_weights[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_place_drops_values_on_tokens_the_loss_does_not_train() -> None:
+    """A tool result inside a completion (TRL's tool_mask 0) or a masked completion gets 0, and
+    padding stays 0, whatever the source returned there."""
+    batch = RolloutBatch(
+        step=0,
+        prompts=[[], []],
+        completions=[[], []],
+        prompt_ids=[[1, 2], [1, 2]],
+        completion_ids=[[5, 6, 7, 8], [5, 6]],
+        loss_mask=[[1, 0, 0, 1], [0, 0]],  # row 0: a tool result at 1-2; row 1: masked (truncated)
+        rewards=[1.0, 0.0],
+        groups=[0, 0],
+        trl_advantages=[0.5, -0.5],
+        inputs=[{}, {}],
+    )
+    placed = place(batch, [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0]], width=5)
+    assert placed.dtype == torch.float32
+    assert placed.tolist() == [[1.0, 0.0, 0.0, 4.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]
