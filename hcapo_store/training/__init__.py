@@ -1,2 +1,4 @@
-"""Training on a tokenized export: the rows' checks (``data``, no torch) and the loss and
-trainers (``loss`` needs torch; ``trl_sft`` needs TRL)."""
+"""Training on the store's credits: a tokenized export's checks (``data``, no torch), the loss
+and TRL trainers (``loss`` needs torch; ``trl_sft`` and ``trl_grpo`` need TRL), the hand-off of
+a credit run's advantages onto a trainer's ids (``handoff``) and the shapes other frameworks
+take them in (``adapters``)."""
