@@ -207,6 +207,32 @@ def test_the_demo_tokenizer_against_a_qwen3_vocabulary_server_is_refused(
         assert _scores(db) > 0
 
 
+def test_qwen25_against_qwen3_is_refused_and_qwen3_saved_again_is_not(
+    tmp_path, runner, episodes_dir, tiny_model_dir, qwen3_server
+):
+    """Qwen2.5's ids all fit a Qwen3 model, but its added tokens stop short of Qwen3's
+    (``<tool_response>``, ``<think>``): refused. The same Qwen3 tokenizer saved again elsewhere
+    (as a trainer re-saves it into each checkpoint) encodes the same ids: accepted."""
+    from transformers import AutoTokenizer
+
+    qwen25 = SHARED / "tokenizers" / "qwen2.5"
+    if not qwen25.is_dir():
+        pytest.skip("../shared/tokenizers/qwen2.5 is not here")
+    resaved = tmp_path / "qwen3-resaved"
+    AutoTokenizer.from_pretrained(qwen3_server.tokenizer_path).save_pretrained(str(resaved))
+    db = _db(tmp_path, episodes_dir)
+    with FaultServer(qwen3_server) as fault:
+        base = ["--db", db, "score", "--server", fault.url, "--max-context", MAX_CONTEXT]
+        r = runner.invoke(cli, [*base, "--tokenizer", str(qwen25)])
+        assert r.exit_code == 1, r.output
+        assert "is not the one the sglang server at" in _refused_line(r.output)
+        assert fault.requests == 0 and _scores(db) == 0
+
+        r = runner.invoke(cli, [*base, "--tokenizer", str(resaved)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        assert _scores(db) > 0
+
+
 # --------------------------------------------------------------------------- request bodies
 
 
