@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,10 +136,12 @@ class VerlHandoff:
 
     def _batches(self, uids: Sequence[str], rows: dict[str, list[int]], problems: list[str]) -> dict[str, BatchInfo]:
         found: dict[str, BatchInfo] = {}
+        deadline = time.monotonic() + self.wait  # one wait for the whole step, not one per group
         for uid in uids:
             first = rows[uid][0]
             try:
-                info = wait_for_batch(self.store, uid, timeout=self.wait, poll=self.poll)
+                left = max(0.0, deadline - time.monotonic())
+                info = wait_for_batch(self.store, uid, timeout=left, poll=self.poll)
             except BatchNotReady:
                 problems.append(
                     f"sample {first} (uid {uid}): the store has no batch for this uid after {self.wait:g} s "
