@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TOKENIZERS
+from sqlalchemy import text
 from test_tokenized import scored_with
 
 from hcapo_store.credits.equations import CreditParams
@@ -254,3 +255,27 @@ def test_a_superseded_batch_is_refused_naming_the_batch_that_replaced_it(tmp_pat
         )
         allowed = Handoff(store, old["credit_run"], tokenizer=tiny_model_dir, allow_stale=True)
         assert allowed.warnings[0].startswith(f"credit run of batch {old['id']}")
+
+
+def test_a_stored_advantage_that_is_not_finite_never_reaches_a_trainer(
+    store: Store, samples: Path, demo_tokenizer_dir: Path
+) -> None:
+    scored_with(store, samples, demo_tokenizer_dir)
+    compute_credits(store, CreditParams(variant="paper"), name="p")
+    name, step = store.query(
+        "SELECT episode, step_index FROM step_credits WHERE run = 'p' ORDER BY episode, step_index LIMIT 1",
+        read_only=True,
+    )[1][0]
+    with store.engine.begin() as conn:  # a damaged row: the database's NULL is numpy's NaN
+        conn.execute(
+            text(
+                "UPDATE credits SET advantage = NULL WHERE run_id = (SELECT id FROM credit_runs WHERE name = 'p') "
+                "AND step_id = (SELECT s.id FROM steps s JOIN episodes e ON e.id = s.episode_id "
+                "WHERE e.name = :n AND s.step_index = :i AND e.is_current)"
+            ),
+            {"n": name, "i": step},
+        )
+    handoff = Handoff(store, "p", tokenizer=demo_tokenizer_dir)
+    ids = handoff.rendered_ids(name, "whole")
+    with pytest.raises(HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is nan"):
+        handoff.advantages(name, ids, strict=False)

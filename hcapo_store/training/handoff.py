@@ -236,7 +236,13 @@ class Handoff:
             ep, weights = self._weights[ep_id]
             step_adv = {int(i): float(w) for i, w in zip(ep["step_indices"], weights)}
         for index, (a, b) in spans.items():
-            adv[a:b] = step_adv.get(index, 0.0)
+            value = step_adv.get(index, 0.0)
+            if not np.isfinite(value):  # a NaN or inf never reaches a trainer, placed or not
+                raise HandoffError(
+                    f"episode {self._names[ep_id]}: step {index}'s stored advantage is {value}: "
+                    f"recompute credit run {self.run.name!r} (`hcapo-store credits compute --recompute`)"
+                )
+            adv[a:b] = value
             mask[a:b] = True
         return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
 
