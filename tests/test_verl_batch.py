@@ -152,3 +152,20 @@ def test_the_bench_runs_small(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["batches"], out["samples"], out["groups"]) == (2, 4, 2) and out["cold_s_median"] > 0
+
+
+def test_exact_refuses_a_sample_whose_tool_result_differs(step: dict, tiny_model_dir: Path) -> None:
+    """A token changed inside a tool result: every action is still there (found by search,
+    said in ``how``); ``exact=True`` refuses it by sample."""
+    rows = step["rows"][:1]
+    uids, prompts, resp, mask = _arrays(rows)
+    plain = VerlHandoff(step["store"], tiny_model_dir, weight_version="v1")
+    before = plain.advantages(uids, prompts, resp, mask)
+    assert plain.last[0].how in ("turns", "whole")
+    tool = int(np.flatnonzero(mask[0] == 0)[2])  # inside the tool result (mask 0 there)
+    resp[0, tool] += 1
+    after = plain.advantages(uids, prompts, resp, mask)
+    assert plain.last[0].how == "search" and np.array_equal(before, after)
+    strict = VerlHandoff(step["store"], tiny_model_dir, weight_version="v1", exact=True)
+    with pytest.raises(HandoffError, match=r"^sample 0 \(uid u0\): its ids are no member's rendering"):
+        strict.advantages(uids, prompts, resp, mask)
