@@ -140,6 +140,18 @@ def main() -> None:
         scalar[torch.arange(len(data)), ends] = 1.0
         data.batch["token_level_rewards"] = scalar
 
+    def without_uid():  # v1's colocated reward path: prompts, responses, attention_mask, no uid
+        data = proto(good["prompts"], good["responses"], good["masks"], good["uids"])
+        data.non_tensor_batch.pop("uid")
+        del data.batch["response_mask"]
+        scores = hv.HcapoRewardManager.assemble_rm_scores(data, [0.0] * len(data))
+        return {"rm_scores": scores.tolist(), "uids": [s.uid for s in hv.handoff().last]}
+
+    attempt("no_uid", without_uid)
+    hv.configure(case["db"], tokenizer=case["tokenizer"])  # no weight version: a row without uid is refused
+    attempt("no_uid_no_version", without_uid)
+    hv.configure(case["db"], tokenizer=case["tokenizer"], weight_version=case["weight_version"])
+
     attempt("nan", lambda: estimator_sees(nan))
     attempt("kl_in_reward", lambda: estimator_sees(kl))
     attempt("naive_rewards", lambda: estimator_sees(naive))

@@ -208,6 +208,16 @@ def test_verl_trains_on_the_stores_advantages(
     e = out["other_version"]["error"]
     assert e.startswith("sample 0 (uid ") and f"weight version '{VERSION}'" in e and "some-other-version" in e, e
     assert "(+2 more: sample 2 (uid u-b)" in e  # every group of the step is named, not only the first
+    # v1's colocated reward path drops the uid: each row found by its ids among the step's batches
+    no_uid = out["no_uid"]["value"]
+    assert no_uid["uids"] == good["uids"]
+    for i, want in enumerate(good["expected"]):
+        row = np.array(no_uid["rm_scores"][i], dtype=np.float32)
+        n = len(want["advantages"])
+        # without a response_mask the attention mask trains every response id: the actions alone carry values
+        assert np.array_equal(row[:n], np.array(want["advantages"], dtype=np.float32)) and not row[n:].any()
+    e = out["no_uid_no_version"]["error"]
+    assert e.startswith("sample 0 (no uid): a row without its uid is looked up") and "give weight_version" in e, e
     # the estimator passes on nothing it did not get from the store, and never a NaN
     assert "token-level reward is nan: refused" in out["nan"]["error"]
     for case_name in ("kl_in_reward", "naive_rewards"):

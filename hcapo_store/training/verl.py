@@ -137,11 +137,8 @@ def _remember(rows: np.ndarray) -> None:
 def batch_advantages(data: DataProto) -> torch.Tensor:
     """(batch, response_length) advantages of a verl batch from the store: ``prompts``
     (left-padded), ``responses``, ``attention_mask`` and ``response_mask`` (else the
-    response's attention mask) in ``data.batch``, ``uid`` in ``data.non_tensor_batch``."""
-    if "uid" not in data.non_tensor_batch:
-        raise HandoffError(
-            "the verl batch has no 'uid' column: a sample's group is found by its uid (this reward path drops it)"
-        )
+    response's attention mask) in ``data.batch``, ``uid`` in ``data.non_tensor_batch`` (without
+    it, each row is found by its ids among the batches of the configured weight version)."""
     prompts = data.batch["prompts"].cpu().numpy()
     responses = data.batch["responses"]
     width = prompts.shape[1]
@@ -151,8 +148,10 @@ def batch_advantages(data: DataProto) -> torch.Tensor:
     else:
         mask = attention[:, width:]
     prompt_ids = [row[attention[i, :width].astype(bool)].tolist() for i, row in enumerate(prompts)]
-    uids = list(data.non_tensor_batch["uid"])
-    values = handoff().advantages(uids, prompt_ids, responses.cpu().numpy(), mask)
+    lengths = attention[:, width:].sum(axis=1).tolist()
+    # v1's colocated reward path drops the uid: such rows are found among the step's batches
+    uids = list(data.non_tensor_batch["uid"]) if "uid" in data.non_tensor_batch else [None] * len(data)
+    values = handoff().advantages(uids, prompt_ids, responses.cpu().numpy(), mask, lengths)
     _remember(values)
     return torch.as_tensor(values, dtype=torch.float32, device=responses.device)
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from hcapo_store.errors import BatchNotReady, EpisodeLookupError, HandoffError
-from hcapo_store.online.batches import BatchInfo, BatchMember, wait_for_batch
+from hcapo_store.online.batches import BatchInfo, BatchMember, list_batches, wait_for_batch
 from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff, TokenCredit
 
@@ -227,30 +227,122 @@ class VerlHandoff:
                 raise HandoffError(f"{where}: its ids fit several members of its group ({names}) with other advantages")
         return fits[0]
 
+    def _without_uid(
+        self,
+        orphans: list[int],
+        prompt_ids: Sequence[Sequence[int]],
+        sample: Callable[[int], tuple[list[int], int, np.ndarray]],
+        out: np.ndarray,
+        problems: list[str],
+    ) -> None:
+        expected = self._expected_version()
+        if expected is None:
+            problems.append(
+                f"sample {orphans[0]} (no uid): a row without its uid is looked up among the batches of this "
+                "step's weight version: give weight_version"
+            )
+            return
+        infos = [
+            b
+            for b in list_batches(self.store)
+            if b.status == "ready" and b.credit_run and b.weight_version == expected and b.superseded_by is None
+        ]
+        # every member's exact renderings, once: a row is found by its ids alone, never guessed
+        index: dict[tuple[int, ...], dict[tuple[int, int], tuple[BatchInfo, BatchMember]]] = {}
+        for info in infos:
+            handoff = self._handoff(str(info.credit_run))
+            for m in info.members:
+                for rendering in ("turns", "whole"):
+                    try:
+                        key = tuple(handoff.rendered_ids(m.episode_id, rendering))
+                    except EpisodeLookupError:
+                        continue
+                    index.setdefault(key, {})[(info.id, m.episode_id)] = (info, m)
+        for i in orphans:
+            where = f"sample {i} (no uid)"
+            ids, length, valid = sample(i)
+            hits = list(index.get(tuple(ids), {}).values())
+            if not hits:
+                problems.append(
+                    f"{where}: its ids are no episode's rendering in the {len(infos)} ready batch(es) of weight "
+                    f"version {expected!r}: the rollout's ids differ from the stored episodes, or its batch is not published"
+                )
+                continue
+            placed = []
+            for info, m in hits:
+                credit = self._handoff(str(info.credit_run)).advantages(m.episode_id, ids, strict=False)
+                placed.append((info, m, credit))
+            first = placed[0][2]
+            if any(not np.array_equal(c.advantages, first.advantages) for _, _, c in placed[1:]):
+                names = ", ".join(f"{m.external_id or m.name} (batch {b.id})" for b, m, _ in placed[:4])
+                problems.append(
+                    f"{where}: its ids are the rendering of several episodes with other advantages: {names}"
+                )
+                continue
+            info, m, credit = placed[0]
+            try:
+                out[i, :length] = self._place(credit, len(prompt_ids[i]), valid[:length], where)
+            except HandoffError as exc:
+                problems.append(str(exc))
+                continue
+            self.last.append(
+                SampleCredit(
+                    i,
+                    info.key,
+                    info.id,
+                    str(info.credit_run),
+                    m.name,
+                    m.external_id,
+                    info.weight_version,
+                    len(credit.spans),
+                    credit.how,
+                )
+            )
+
     def advantages(
         self,
         uids: Sequence[object],
         prompt_ids: Sequence[Sequence[int]],
         response_ids: np.ndarray | Sequence[Sequence[int]],
         response_mask: np.ndarray | Sequence[Sequence[int]],
+        response_lengths: Sequence[int] | None = None,
     ) -> np.ndarray:
         """(batch, response_length) float32: row i's step advantages on its response's action
-        tokens (``prompt_ids[i]`` unpadded, ``response_ids[i]`` right-padded, ``response_mask``
-        1 on the policy's own tokens). Raises ``VerlBatchError`` naming every refused sample."""
+        tokens (``prompt_ids[i]`` unpadded, ``response_ids[i]`` right-padded to
+        ``response_lengths[i]`` real ids (default: up to the last masked-in one), ``response_mask``
+        1 on the policy's own tokens). Raises ``VerlBatchError`` naming every refused sample.
+
+        A row whose uid is None (verl's v1 colocated reward path drops the uid) is looked up
+        among every ready batch scored under this step's weight version, which must then be
+        known: its ids must be one member's rendering exactly, and one only."""
         responses = np.asarray(response_ids)
         masks = np.asarray(response_mask)
         if responses.ndim != 2 or responses.shape != masks.shape:
             raise HandoffError(f"responses {responses.shape} and response_mask {masks.shape} must be one (B, T) shape")
         if not len(uids) == len(prompt_ids) == len(responses):
             raise HandoffError(f"{len(uids)} uids, {len(prompt_ids)} prompts, {len(responses)} responses")
-        keys = [str(u) for u in uids]
         rows: dict[str, list[int]] = {}
-        for i, uid in enumerate(keys):
-            rows.setdefault(uid, []).append(i)
+        orphans: list[int] = []  # rows without a uid
+        for i, u in enumerate(uids):
+            if u is None:
+                orphans.append(i)
+            else:
+                rows.setdefault(str(u), []).append(i)
         problems: list[str] = []
         batches = self._batches(list(rows), rows, problems)
         out = np.zeros(responses.shape, dtype=np.float32)
         self.last = []
+
+        def sample(i: int) -> tuple[list[int], int, np.ndarray]:
+            valid = masks[i].astype(bool)
+            if response_lengths is not None:
+                length = int(response_lengths[i])
+            else:
+                length = int(np.flatnonzero(valid).max()) + 1 if valid.any() else 0
+            return [int(t) for t in prompt_ids[i]] + [int(t) for t in responses[i, :length]], length, valid
+
+        if orphans:
+            self._without_uid(orphans, prompt_ids, sample, out, problems)
         for uid, info in batches.items():
             try:
                 handoff = self._handoff(str(info.credit_run))
@@ -259,10 +351,8 @@ class VerlHandoff:
                 continue
             for i in rows[uid]:
                 where = f"sample {i} (uid {uid})"
-                valid = masks[i].astype(bool)
-                length = int(np.flatnonzero(valid).max()) + 1 if valid.any() else 0
+                ids, length, valid = sample(i)
                 start = len(prompt_ids[i])
-                ids = [int(t) for t in prompt_ids[i]] + [int(t) for t in responses[i, :length]]
                 try:
                     member, credit = self._match(handoff, info.members, ids, where)
                     out[i, :length] = self._place(credit, start, valid[:length], where)
