@@ -186,7 +186,8 @@ def hcapo_advantage(
         elif _fingerprint(row) not in _written:
             problems.append(
                 f"sample {i}{uid}: its token_level_rewards are not the advantages the hcapo reward manager wrote "
-                "(set reward.reward_manager.name=hcapo and algorithm.use_kl_in_reward=False)"
+                "(set reward.reward_manager.name=hcapo and algorithm.use_kl_in_reward=False; rewards computed in "
+                "verl's agent loop, its streaming reward path, never reach assemble_rm_scores)"
             )
     if problems:
         raise VerlBatchError(problems)
