@@ -169,3 +169,15 @@ def test_exact_refuses_a_sample_whose_tool_result_differs(step: dict, tiny_model
     strict = VerlHandoff(step["store"], tiny_model_dir, weight_version="v1", exact=True)
     with pytest.raises(HandoffError, match=r"^sample 0 \(uid u0\): its ids are no member's rendering"):
         strict.advantages(uids, prompts, resp, mask)
+
+
+def test_a_long_run_keeps_only_the_current_steps_hand_offs(step: dict, tiny_model_dir: Path) -> None:
+    """Every step brings new groups: the hand-offs (and their cached renderings) of groups no
+    longer asked for are dropped, the tokenizer loaded once is kept."""
+    plug = VerlHandoff(step["store"], tiny_model_dir, weight_version="v1")
+    rows = step["rows"]
+    for g in range(3):
+        group = [r for r in rows if r[0] == f"u{g}"]
+        plug.advantages(*_arrays(group))
+        assert set(plug._handoffs) == {find_batch(step["store"], f"u{g}").credit_run}
+    assert plug._base is not None and all(h.tokenizer is plug._base.tokenizer for h in plug._handoffs.values())

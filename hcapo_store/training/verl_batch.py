@@ -124,6 +124,7 @@ class VerlHandoff:
         self.poll = poll
         self.allow_stale = allow_stale
         self._handoffs: dict[str, Handoff] = {}  # credit run name -> its hand-off (renderings cached)
+        self._base: Handoff | None = None  # the first hand-off: its tokenizer is shared with the others
         self.last: list[SampleCredit] = []  # the samples of the last call, for logs and tests
 
     def _expected_version(self) -> str | None:
@@ -132,12 +133,11 @@ class VerlHandoff:
 
     def _handoff(self, run: str) -> Handoff:
         if run not in self._handoffs:
-            first = next(iter(self._handoffs.values()), None)
-            self._handoffs[run] = (
-                first.for_run(run, allow_stale=self.allow_stale)
-                if first is not None
-                else Handoff(self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale)
-            )
+            if self._base is None:
+                self._base = Handoff(self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale)
+                self._handoffs[run] = self._base
+            else:
+                self._handoffs[run] = self._base.for_run(run, allow_stale=self.allow_stale)
         return self._handoffs[run]
 
     def _batches(self, uids: Sequence[str], rows: dict[str, list[int]], problems: list[str]) -> dict[str, BatchInfo]:
@@ -372,6 +372,9 @@ class VerlHandoff:
                         credit.how,
                     )
                 )
+        # a training run brings new groups every step: keep only this call's hand-offs (and renderings)
+        used = {s.credit_run for s in self.last}
+        self._handoffs = {run: h for run, h in self._handoffs.items() if run in used}
         if problems:
             raise VerlBatchError(problems)
         return out
