@@ -34,9 +34,15 @@ def _loop(python: str, work: Path, dump: Path, *extra: str, env: dict | None = N
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    tmp = tmp_path_factory.mktemp("online")
+    return tmp, _loop(sys.executable, tmp / "work", tmp / "dump.jsonl")
+
+
+def test_three_iterations_of_the_policy_scoring_itself(plain: tuple[Path, list[dict]]) -> None:
+    tmp_path, iterations = plain
     work = tmp_path / "work"
-    iterations = _loop(sys.executable, work, tmp_path / "dump.jsonl")
     assert [i["weight_version"] for i in iterations] == ["iter-0", "iter-1", "iter-2"]
     assert len({i["scorer_id"] for i in iterations}) == 3
     with Store.open(str(work / "online.db")) as store:
@@ -76,17 +82,16 @@ def test_three_iterations_of_the_policy_scoring_itself(tmp_path: Path) -> None:
     assert weighted > 0
 
 
-def test_through_verl_the_loop_trains_on_the_same_numbers(tmp_path: Path) -> None:
+def test_through_verl_the_loop_trains_on_the_same_numbers(plain: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """``--verl``: verl 0.9.1's compute_advantage with the hcapo reward manager and estimator
     (its own venv) gives the same advantages, hence the same losses, as the plain hand-off."""
     python = str(_verl_venv.verl_python())
-    plain = _loop(sys.executable, tmp_path / "plain", tmp_path / "plain.jsonl")
     verl = _loop(python, tmp_path / "verl", tmp_path / "verl.jsonl", "--verl", env=_verl_venv.run_env())
     assert [i["through"] for i in verl] == ["verl"] * 3
-    for a, b in zip(plain, verl):
+    for a, b in zip(plain[1], verl):
         assert (a["scorer_id"], a["episodes"], a["credit_runs"]) == (b["scorer_id"], b["episodes"], b["credit_runs"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
-    plain_rows = [json.loads(x) for x in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    plain_rows = [json.loads(x) for x in (plain[0] / "dump.jsonl").read_text().splitlines()]
     verl_rows = [json.loads(x) for x in (tmp_path / "verl.jsonl").read_text().splitlines()]
     assert [r["ids"] for r in plain_rows] == [r["ids"] for r in verl_rows]
     assert [r["advantages"] for r in plain_rows] == [r["advantages"] for r in verl_rows]  # float32, passed on as is
