@@ -93,6 +93,7 @@ def test_the_fast_match_agrees_with_placing_every_member(step: dict, tiny_model_
     plug = VerlHandoff(store, tiny_model_dir, weight_version="v1")
     got = plug.advantages(uids, prompts, resp, mask)
     assert [s.external_id for s in plug.last] == [r[1] for r in rows]  # each sample is its own member
+    assert plug.last[0].as_dict()["external_id"] == rows[0][1] and plug.last[0].as_dict()["how"] in ("turns", "whole")
     for i, (uid, eid, prompt, response, m) in enumerate(rows):
         info = find_batch(store, uid)
         assert info is not None and info.credit_run

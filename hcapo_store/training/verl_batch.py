@@ -32,7 +32,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,9 @@ class SampleCredit:
     weight_version: str | None
     steps: int  # steps placed in its ids
     how: str  # "turns" / "whole": the ids are that rendering of the member; "search": found in them
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class VerlBatchError(HandoffError):
