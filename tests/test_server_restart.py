@@ -46,9 +46,7 @@ def test_a_restarted_server_is_used_again_as_soon_as_it_answers(tmp_path, ref, t
     try:
         ingest(store, [root])
         steps = count(store, "SELECT COUNT(*) FROM steps")
-        prep = prepare(
-            store, ScoreConfig(server=first.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT)
-        )
+        prep = prepare(store, ScoreConfig(server=first.url, tokenizer=str(tiny_model_dir), max_context=MAX_CONTEXT))
         first.hold_answers = threading.Event()  # the first request arrives and waits: then the server dies
         # Never "down" and never out of attempts: only the backoff decides when the retry goes out.
         options = RunOptions(concurrency=1, backoff_base=HOUR, backoff_cap=HOUR, max_attempts=1000, down_after=1000)
@@ -57,7 +55,7 @@ def test_a_restarted_server_is_used_again_as_soon_as_it_answers(tmp_path, ref, t
         def score() -> None:
             try:
                 outcome["report"] = run_scoring(store, prep, options)
-            except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
+            except BaseException as exc:  # shown by the assertion below
                 outcome["error"] = exc
 
         worker = threading.Thread(target=score, name="score")
