@@ -2,8 +2,13 @@
 
 SQLite: an authorizer callback (``sqlite3.Connection.set_authorizer``) on top of
 ``PRAGMA query_only``: the engine asks it about every action while compiling a
-statement, and it allows only reads, functions, transactions and introspection pragmas.
-``ATTACH`` (which creates files anywhere, and is how ``VACUUM INTO`` writes) is denied.
+statement, and it allows only reads, transactions, introspection pragmas and functions from
+a list of known-safe ones (``SAFE_SQLITE_FUNCTIONS``: the core, date, math, window and JSON
+functions). Anything else is refused by name: ``fts3_tokenizer()`` registers a tokenizer at
+a pointer of the query's choosing (and leaks a heap address), ``load_extension()`` loads
+code, and a function an extension or a later SQLite adds is not trusted before it is
+looked at. ``ATTACH`` (which creates files anywhere, and is how ``VACUUM INTO`` writes) is
+denied.
 
 PostgreSQL: a ``READ ONLY`` transaction that is always rolled back, never committed, so
 transactional side effects that a read-only transaction still allows (large objects made
@@ -31,11 +36,29 @@ WRITE_HINT = "read-only: {what} is not allowed (add --write to modify the databa
 _ALLOWED_ACTIONS = {
     sqlite3.SQLITE_SELECT,
     sqlite3.SQLITE_READ,
-    sqlite3.SQLITE_FUNCTION,
     sqlite3.SQLITE_RECURSIVE,
     sqlite3.SQLITE_TRANSACTION,
     sqlite3.SQLITE_SAVEPOINT,
 }
+# Functions that only compute a value from their arguments (or read the clock, the version or
+# a random number). Out on purpose: fts3_tokenizer, load_extension, the FTS3/4/5 and R-Tree
+# helpers (they parse blobs the query supplies), sqlite_log, and anything not named here.
+SAFE_SQLITE_FUNCTIONS = frozenset(
+    """
+    abs changes char coalesce concat concat_ws format glob hex ifnull iif if instr last_insert_rowid length
+    like likelihood likely lower ltrim max min nullif octet_length printf quote random randomblob replace
+    round rtrim sign soundex substr substring total_changes trim typeof unhex unicode unlikely upper zeroblob
+    sqlite_version sqlite_source_id sqlite_compileoption_get sqlite_compileoption_used
+    avg count group_concat string_agg sum total median
+    row_number rank dense_rank percent_rank cume_dist ntile lag lead first_value last_value nth_value
+    date time datetime julianday unixepoch strftime timediff current_date current_time current_timestamp
+    acos acosh asin asinh atan atan2 atanh ceil ceiling cos cosh degrees exp floor ln log log10 log2 mod pi
+    pow power radians sin sinh sqrt tan tanh trunc
+    json json_array json_array_length json_error_position json_extract json_group_array json_group_object
+    json_insert json_object json_patch json_pretty json_quote json_remove json_replace json_set json_type
+    json_valid json_each json_tree -> ->>
+    """.split()
+)
 # Pragmas that only describe the schema or check it; any argument is a table/index name.
 _INTROSPECTION_PRAGMAS = {
     "table_info",
@@ -90,7 +113,9 @@ class _SqliteGuard:
         self.denied: str | None = None
 
     def __call__(self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None) -> int:
-        if action in _ALLOWED_ACTIONS and not (action == sqlite3.SQLITE_FUNCTION and arg2 == "load_extension"):
+        if action in _ALLOWED_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in SAFE_SQLITE_FUNCTIONS:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_UPDATE and arg1 in ("sqlite_master", "sqlite_temp_master"):
             # Asked while SQLite reloads its schema (e.g. for pragma_table_info()); changing the
@@ -102,7 +127,7 @@ class _SqliteGuard:
                 return sqlite3.SQLITE_OK
             what = f"PRAGMA {name}" + (f" = {arg2}" if arg2 is not None else "")
         elif action == sqlite3.SQLITE_FUNCTION:
-            what = f"{arg2}()"
+            what = f"{arg2}() (not on the list of functions read-only SQL may call)"
         else:
             what = _ACTION_NAMES.get(action, f"action {action}") + (f" {arg1}" if arg1 else "")
         self.denied = self.denied or what  # the first refusal is the statement's own
