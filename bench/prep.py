@@ -546,8 +546,8 @@ def main_synthetic(args: argparse.Namespace) -> None:
     """The older single-pass synthetic run (both on the same generated messages)."""
     tokenizer = load_tokenizer(args.tokenizer)
     episodes = [synthetic_episode(seed, args.steps) for seed in range(args.episodes)]
-    # The original runs first: PromptBuilder memoizes the shared template's sandbox checks,
-    # which would speed up the original's renders too.
+    # The original runs first (PromptBuilder renders in its own sandbox: the original's
+    # apply_chat_template renders are not sped up either way).
     originals, orig_ms = [], []
     for episode in episodes:
         start = time.perf_counter()
