@@ -7,6 +7,9 @@
   to the tokenizer;
 * ``own_tokens``: the policy's own characters of an action inside a rendering;
 * ``placement``: every step's own tokens placed in one rendering of the whole conversation;
-* ``prompts``: the per-step hindsight prompts (``requests``: what a prompt is in ids);
+* ``prompts``: the per-step hindsight prompts (``requests``: what a prompt is in ids), built
+  from ``hindsight`` (the outcome block) and ``messages`` (normalized, flattened);
+* ``prompt_rule``: the per-step rule stated plainly (whole history; whole turns), which the
+  fast strategies equal: ``bounded`` (long sliding/window sessions) and ``turn_windows``;
 * ``episode_layout``: one rendering per episode, cut into windowed requests.
 """
