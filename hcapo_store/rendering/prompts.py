@@ -134,6 +134,7 @@ class PromptBuilder:
         self.max_logprob_tokens = max_logprob_tokens
         self.encoder = SegmentEncoder(tokenizer)
         self._known: PlainCache | None = None  # set while build_episode renders one episode
+
         # the fast strategies (each tested equal to the rule: prompt_rule.py)
         # (they render through the builder's _render as it is when they call it)
         def render(messages: list[dict], *, generation: bool) -> str:
