@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,11 +154,13 @@ def _driver_error(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.Error) or type(exc).__module__.startswith("psycopg")
 
 
-def store_error(exc: BaseException, url: str) -> StoreError:
+def store_error(exc: BaseException, url: str, waited: float | None = None) -> StoreError:
     """The library's error for a SQLAlchemy or driver error on the database at ``url``.
 
     The errors the first one caused are looked through too: after SQLITE_FULL SQLite rolls
     the transaction back itself, and the failing ``ROLLBACK TO SAVEPOINT`` hides the cause.
+    ``waited``: seconds the failed block ran, so a lock error says whether SQLite waited out
+    its busy timeout or gave up at once.
     """
     chain: list[BaseException] = []
     seen: BaseException | None = exc
@@ -165,7 +168,7 @@ def store_error(exc: BaseException, url: str) -> StoreError:
         chain.append(seen)
         seen = seen.__context__
     for error in chain:
-        specific = _specific_error(error, display_url(url))
+        specific = _specific_error(error, display_url(url), waited)
         if specific is not None:
             return specific
     orig = getattr(exc, "orig", None) or exc
@@ -173,7 +176,7 @@ def store_error(exc: BaseException, url: str) -> StoreError:
     return StoreError(f"database error on {display_url(url)}: {first}")
 
 
-def _specific_error(exc: BaseException, where: str) -> StoreError | None:
+def _specific_error(exc: BaseException, where: str, waited: float | None = None) -> StoreError | None:
     orig = getattr(exc, "orig", None) or exc
     if not (_driver_error(orig) or isinstance(exc, SQLAlchemyError)):
         return None
@@ -186,6 +189,15 @@ def _specific_error(exc: BaseException, where: str) -> StoreError | None:
             "the transaction was rolled back, rerun it"
         )
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in message:
+        timeout_s = busy_timeout_ms() / 1000
+        if waited is not None and waited < timeout_s * 0.9:
+            # SQLite answers BUSY at once, without waiting, when waiting could deadlock (a
+            # reader that wants to write while another process writes): not a long-held lock.
+            return DatabaseLocked(
+                f"database {where} is busy: another process wrote to it at the same moment, and SQLite "
+                f"gave up after {waited:.1f}s instead of waiting (its busy timeout, {timeout_s:g}s, cannot help "
+                "a transaction that read before it wrote); the transaction was rolled back, rerun it"
+            )
         return DatabaseLocked(
             f"database {where} is locked: another process held its write lock longer than "
             f"{busy_timeout_ms() / 1000:g}s (env {ENV_BUSY_TIMEOUT}); the transaction was rolled back, "
@@ -208,15 +220,16 @@ def mapped_errors(url: str) -> Iterator[None]:
     Constraint violations stay ``IntegrityError``: the callers that expect them (workers
     racing to insert the same row) handle them; anywhere else they are bugs.
     """
+    started = time.monotonic()
     try:
         yield
     except IntegrityError:
         raise
     except SQLAlchemyError as exc:
-        raise store_error(exc, url) from exc
+        raise store_error(exc, url, time.monotonic() - started) from exc
     except Exception as exc:
         if _driver_error(exc):
-            raise store_error(exc, url) from exc
+            raise store_error(exc, url, time.monotonic() - started) from exc
         raise
 
 
@@ -293,8 +306,19 @@ def _refuse_foreign_tables(tables: set[str], shown: str) -> None:
         )
 
 
+# PostgreSQL: the transaction-level advisory lock that serialises migrations of one database.
+MIGRATION_LOCK_KEY = 0x68636170  # "hcap"
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Upgrade in one transaction; SQLite foreign keys are off during table rebuilds."""
+    """Upgrade in one transaction; SQLite foreign keys are off during table rebuilds.
+
+    Processes that open a new or old store together (two ``follow`` or ``ingest`` started at
+    once) are serialised: the transaction takes the write lock before Alembic reads the
+    revision (SQLite ``BEGIN IMMEDIATE``, waiting the busy timeout; PostgreSQL an advisory
+    lock), so the first migrates and the others find the head and change nothing. A
+    deferred transaction would read first and then fail at once on the lock upgrade.
+    """
     sqlite = engine.dialect.name == "sqlite"
     with read(engine) as conn:
         # The pragma is a no-op inside a transaction, so it goes to the raw connection.
@@ -302,7 +326,9 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         if raw is not None:
             raw.execute("PRAGMA foreign_keys = OFF")
         try:
-            with conn.begin():
+            with conn.execution_options(immediate=True).begin():
+                if not sqlite:
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
                 command.upgrade(alembic_config(conn), revision)
                 if sqlite:
                     bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
