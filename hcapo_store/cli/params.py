@@ -35,6 +35,21 @@ def int_range(lo: int | None = None, hi: int = INT32_MAX) -> click.IntRange:
     return click.IntRange(lo, hi)
 
 
+class ServerURL(click.ParamType):
+    """An inference server's URL an HTTP client can connect to (``scoring/server_url.py``)."""
+
+    name = "URL"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from hcapo_store.errors import UsageError
+        from hcapo_store.scoring.server_url import check_server_url
+
+        try:
+            return check_server_url(str(value))
+        except UsageError as exc:
+            self.fail(str(exc).removeprefix("--server "), param, ctx)
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -12,7 +12,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import INT32_MAX, FiniteFloat, conversion_options, int_range
+from hcapo_store.cli.params import INT32_MAX, FiniteFloat, ServerURL, conversion_options, int_range
 from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 from hcapo_store.scoring import defaults
 
@@ -22,6 +22,7 @@ SCORER_OPTIONS = [
         "--server",
         "servers",
         multiple=True,
+        type=ServerURL(),
         metavar="URL",
         help="Inference server (SGLang /generate, or vLLM with --backend vllm). Repeat it for several servers of "
         "one model: each episode goes to one server (consistent hashing), moved to the others if it dies. "
