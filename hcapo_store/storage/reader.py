@@ -12,6 +12,14 @@ the SQL could set the role back (``set_config('role', …)``).
 Which URL ``sql`` uses: ``HCAPO_STORE_READER_URL`` when set; else, when the role
 ``hcapo_store_reader`` exists, the store's URL with that user (and
 ``HCAPO_STORE_READER_PASSWORD`` as its password, when set); else the URL's own role.
+
+A role is not trusted by its name: anyone with CREATEROLE can make one called
+``hcapo_store_reader``. Before ``sql`` runs as it, :func:`check_reader` asks the server,
+through the store's own connection, what the role can do, and refuses (one line) a role
+that can do more than read the store or cannot read it, and a reader URL that reaches
+another database or server. Its ``search_path`` does not matter: every user query runs with
+the store's schema pinned (``Store.query``), so tables of another schema cannot stand in
+for the store's.
 """
 
 from __future__ import annotations
@@ -54,6 +62,86 @@ def reader_url(engine: Engine, url: str) -> str | None:
     if not _role_exists(engine, READER_ROLE):
         return None
     return _as_role(url, READER_ROLE, os.environ.get(ENV_READER_PASSWORD))
+
+
+# What a reader may not do to any table of the store (has_table_privilege takes the list).
+_WRITE_PRIVILEGES = "INSERT, UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER"
+
+
+def store_schema(engine: Engine) -> str:
+    """The schema the store's tables are in: the owner connection's current schema."""
+    with db.read(engine) as conn:
+        return str(conn.execute(text("SELECT current_schema()")).scalar_one())
+
+
+def _where(conn) -> tuple:
+    """What identifies one database on one running server."""
+    return tuple(
+        conn.execute(
+            text(
+                "SELECT (SELECT oid FROM pg_database WHERE datname = current_database()), "
+                "pg_postmaster_start_time(), current_database()"
+            )
+        ).one()
+    )
+
+
+def check_reader(owner: Engine, reader: Engine, schema: str) -> str:
+    """The reader engine's role, when it can only read the store's tables; else ``StoreError``
+    naming what it can do. Asked through ``owner`` (the store's own connection), not the role."""
+    with db.read(reader) as conn:
+        role = str(conn.execute(text("SELECT current_user")).scalar_one())
+        theirs = _where(conn)
+    problems: list[str] = []
+    with db.read(owner) as conn:
+        if _where(conn) != theirs:
+            problems.append(f"reaches database {theirs[2]!r} on another server or database than the store's")
+        facts = conn.execute(
+            text(
+                "SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls "
+                "FROM pg_roles WHERE rolname = :r"
+            ),
+            {"r": role},
+        ).one()
+        powers = ["SUPERUSER", "CREATEROLE", "CREATEDB", "REPLICATION", "BYPASSRLS"]
+        problems += [f"has {p}" for p, held in zip(powers, facts, strict=True) if held]
+        member_of = (
+            conn.execute(
+                text(
+                    "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid "
+                    "JOIN pg_roles r ON r.oid = m.member WHERE r.rolname = :r ORDER BY 1"
+                ),
+                {"r": role},
+            )
+            .scalars()
+            .all()
+        )
+        if member_of:
+            problems.append("is a member of " + ", ".join(member_of))
+        tables = (
+            conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = :s ORDER BY 1"), {"s": schema})
+            .scalars()
+            .all()
+        )
+        for table in tables:
+            qualified = '"' + schema.replace('"', '""') + '"."' + table.replace('"', '""') + '"'
+            can_read, can_write = conn.execute(
+                text("SELECT has_table_privilege(:r, :t, 'SELECT'), has_table_privilege(:r, :t, :w)"),
+                {"r": role, "t": qualified, "w": _WRITE_PRIVILEGES},
+            ).one()
+            if can_write:
+                problems.append(f"may write to {table}")
+            if not can_read and table in db.CORE_TABLES:
+                problems.append(f"may not read {table}")
+        if conn.execute(text("SELECT has_schema_privilege(:r, :s, 'CREATE')"), {"r": role, "s": schema}).scalar():
+            problems.append(f"may create tables in schema {schema}")
+    if problems:
+        raise StoreError(
+            f"read-only SQL would run as the role {role!r}, which {'; '.join(problems[:6])}: `sql` does not use it. "
+            f"Recreate it with `hcapo-store db reader-role` as the store's owner, drop it, or set {ENV_READER_URL} "
+            "to a role that can only read the store"
+        )
+    return role
 
 
 def _as_role(url: str, name: str, password: str | None) -> str:

@@ -22,6 +22,7 @@ class Store:
     # User SQL's own connection on PostgreSQL (``reader.py``): opened at the first such query.
     _reader: Engine | None = field(default=None, repr=False)
     _reader_checked: bool = field(default=False, repr=False)
+    _schema: str | None = field(default=None, repr=False)  # PostgreSQL: the store's tables' schema
 
     @classmethod
     def open(cls, location: str | None = None, *, create: bool = True) -> Store:
@@ -78,15 +79,23 @@ class Store:
         PostgreSQL, run it as the role that can only read the store when there is one
         (``storage/reader.py``)."""
         engine = self.engine
-        if read_only and self.dialect == "postgresql":
-            readonly.pg_check(sql)
-            if as_reader:
-                engine = self._reader_engine() or self.engine
+        schema = None
+        if self.dialect == "postgresql":
+            schema = self.schema
+            if read_only:
+                readonly.pg_check(sql)
+                if as_reader:
+                    engine = self._reader_engine() or self.engine
         guard = None
         try:
             with _connect(engine, self) as conn, readonly.stoppable(conn, timeout) as stop:
                 if read_only:
                     guard = _enter_read_only(conn)
+                if schema is not None:
+                    # The store's schema, whatever the role's own search_path says (a role made by
+                    # someone else could point it at look-alike tables); pg_temp last, never first.
+                    quoted = '"' + schema.replace('"', '""') + '"'
+                    conn.exec_driver_sql(f"SET LOCAL search_path TO {quoted}, pg_catalog, pg_temp")
                 try:
                     cols, rows = stop.run(lambda: _run(conn, sql, params, read_only=read_only))
                     # Read-only work is never committed: what a READ ONLY transaction still
@@ -104,12 +113,31 @@ class Store:
                 raise StoreError(f"SQL error: {exc}") from exc
             raise
 
+    @property
+    def schema(self) -> str:
+        """PostgreSQL: the schema of the store's tables (the owner connection's current schema)."""
+        if self._schema is None:
+            from hcapo_store.storage.reader import store_schema
+
+            self._schema = store_schema(self.engine)
+        return self._schema
+
     def _reader_engine(self) -> Engine | None:
+        """The reader role's engine, once the role is checked by what it can do (``reader.py``)."""
         if not self._reader_checked:
-            from hcapo_store.storage.reader import reader_url
+            from hcapo_store.storage.reader import check_reader, reader_url
 
             url = reader_url(self.engine, self.url)
-            self._reader = None if url is None else db.make_engine(url)
+            engine = None if url is None else db.make_engine(url)
+            if engine is not None:
+                try:
+                    with _connect(engine, self):
+                        pass  # a role that cannot connect: the one line of _connect
+                    check_reader(self.engine, engine, self.schema)
+                except BaseException:
+                    engine.dispose()
+                    raise
+            self._reader = engine
             self._reader_checked = True
         return self._reader
 
