@@ -254,6 +254,10 @@ class _GenerationTag(jinja2.ext.Extension):
 
 # Every attribute a dict instance has: all of them come from its type (a dict has no __dict__).
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+# jinja2's own lookup and call, for everything the fast paths leave to the sandbox (named
+# once: a template makes tens of thousands of these calls per render, super() each time adds up)
+_sandboxed_getattr = ImmutableSandboxedEnvironment.getattr
+_sandboxed_call = ImmutableSandboxedEnvironment.call
 
 
 class ChatSandbox(ImmutableSandboxedEnvironment):
@@ -306,7 +310,7 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
                     return self.undefined(obj=obj, name=attribute)
             if type(obj) is str and attribute in self._safe_str:
                 return getattr(obj, attribute)
-        return super().getattr(obj, attribute)
+        return _sandboxed_getattr(self, obj, attribute)
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         # positional-only, as jinja2's: a call's own keyword arguments may be named obj or context
@@ -314,4 +318,4 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
             kwargs.pop("_block_vars", None)
             kwargs.pop("_loop_vars", None)
             return obj(*args, **kwargs)
-        return super().call(context, obj, *args, **kwargs)
+        return _sandboxed_call(self, context, obj, *args, **kwargs)
