@@ -17,10 +17,24 @@ from hcapo_store.ingestion.sources import ConvertOptions
 INT32_MAX = 2**31 - 1
 
 
+def _bounds_text(lo: float | None, hi: float | None) -> str:
+    """The help's range: only the bounds the option really has (Click prints ``x<=None``)."""
+    if lo is not None and hi is not None:
+        return f"{lo}<=x<={hi}"
+    if lo is not None:
+        return f"x>={lo}"
+    if hi is not None:
+        return f"x<={hi}"
+    return ""
+
+
 class FiniteFloat(click.FloatRange):
     """A finite float, optionally within [min, max]."""
 
     name = "finite float"
+
+    def _describe_range(self) -> str:
+        return _bounds_text(self.min, self.max)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = click.FLOAT.convert(value, param, ctx)
@@ -30,9 +44,29 @@ class FiniteFloat(click.FloatRange):
         return super().convert(number, param, ctx)
 
 
-def int_range(lo: int | None = None, hi: int = INT32_MAX) -> click.IntRange:
-    """An int in [lo, hi]: every int option has a maximum (no 10**30 reaching SQL or asyncio)."""
-    return click.IntRange(lo, hi)
+class GuardedInt(click.IntRange):
+    """An int within the option's own bounds and always within int32, so no 10**30 reaches SQL
+    or asyncio. The help shows only the option's own bounds; a refusal names the whole range."""
+
+    def __init__(self, lo: int | None, hi: int | None) -> None:
+        super().__init__(-INT32_MAX if lo is None else lo, INT32_MAX if hi is None else hi)
+        self.own_min, self.own_max = lo, hi
+        if lo is None and hi is None:
+            self.name = "integer"  # not "integer range": it has none of its own
+
+    def _describe_range(self) -> str:
+        return _bounds_text(self.own_min, self.own_max)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.INT.convert(value, param, ctx)
+        if not self.min <= number <= self.max:  # type: ignore[operator]
+            self.fail(f"{number} is not in the range {self.min}<=x<={self.max}.", param, ctx)
+        return number
+
+
+def int_range(lo: int | None = None, hi: int | None = None) -> click.IntRange:
+    """An int in [lo, hi] (None: no bound of its own, int32's limit still holds)."""
+    return GuardedInt(lo, hi)
 
 
 class ServerURL(click.ParamType):

@@ -12,7 +12,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import INT32_MAX, FiniteFloat, ServerURL, conversion_options, int_range
+from hcapo_store.cli.params import FiniteFloat, ServerURL, conversion_options, int_range
 from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 from hcapo_store.scoring import defaults
 
@@ -58,7 +58,7 @@ SCORER_OPTIONS = [
     ),
     click.option(
         "--max-logprob-tokens",
-        type=int_range(-INT32_MAX),
+        type=int_range(),
         default=DEFAULT_MAX_LOGPROB_TOKENS,
         show_default=True,
         help="Score only the last N action tokens (<= 0: all).",
