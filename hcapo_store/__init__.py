@@ -8,6 +8,16 @@ implementation module. In a notebook (a running event loop) ``prepare`` and
 ``run_scoring`` run in a worker thread; ``await prepare_async(...)`` /
 ``await run_scoring_async(...)`` run on the notebook's loop.
 
+Online (HCAPO scores its own rollouts between rollout and update): ``follow`` a collection
+with a ``Follower`` (``FollowConfig``), ``score_live`` with the policy in process, and hand a
+credit run's advantages onto a trainer's ids with ``Handoff``; ``verl_advantages``,
+``slime_advantages``/``slime_advantage_function`` and ``prime_rl_advantages``/
+``prime_rl_sampled_advantages`` put them in those frameworks' shapes (no framework imported).
+
+Provisional, imported by their deep path and free to change with the trainers they track
+(TRL's and verl's private hooks move between releases): the trainer integrations in
+``hcapo_store.training.trl_grpo``, ``.trl_sft``, ``.verl`` and ``.verl_batch``.
+
 Names load on first use, so ``import hcapo_store`` (and ``hcapo-store --help``) does not
 pull in SQLAlchemy, Alembic, numpy or transformers.
 """
@@ -91,12 +101,33 @@ _EXPORTS: dict[str, str] = {
     "BatchNotReady": "hcapo_store.errors",
     "list_batches": "hcapo_store.online.batches",
     "wait_for_batch": "hcapo_store.online.batches",
+    # online: follow a collection, score in process, hand advantages to a trainer
+    "follow": "hcapo_store.online.follow",
+    "Follower": "hcapo_store.online.follow",
+    "FollowConfig": "hcapo_store.online.follow",
+    "FollowResult": "hcapo_store.online.follow",
+    "score_live": "hcapo_store.scoring.live",
+    "Handoff": "hcapo_store.training.handoff",
+    "TokenCredit": "hcapo_store.training.handoff",
+    "verl_advantages": "hcapo_store.training.adapters",
+    "slime_advantages": "hcapo_store.training.adapters",
+    "slime_advantage_function": "hcapo_store.training.adapters",
+    "prime_rl_advantages": "hcapo_store.training.adapters",
+    "prime_rl_sampled_advantages": "hcapo_store.training.adapters",
     "status": "hcapo_store.status_report",
     "StoreStatus": "hcapo_store.status_report",
     "WorkerStatus": "hcapo_store.status_report",
 }
 
 __all__ = sorted(_EXPORTS)
+
+# Modules that are usable but not yet the supported surface: they track trainers' private hooks.
+_PROVISIONAL: tuple[str, ...] = (
+    "hcapo_store.training.trl_grpo",
+    "hcapo_store.training.trl_sft",
+    "hcapo_store.training.verl",
+    "hcapo_store.training.verl_batch",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -151,6 +182,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.ingestion.pipeline import IngestReport, ingest
     from hcapo_store.ingestion.sources import ConvertOptions
     from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, list_batches, wait_for_batch
+    from hcapo_store.online.follow import FollowConfig, Follower, FollowResult, follow
     from hcapo_store.outputs.episode_view import EpisodePage, write_episode_page
     from hcapo_store.outputs.export import DatasetExport, HindsightExport, export_dataset, export_hindsight_json
     from hcapo_store.outputs.report import ReportResult, write_report
@@ -166,6 +198,15 @@ if TYPE_CHECKING:  # static tools see the real names
         run_scoring,
         run_scoring_async,
     )
+    from hcapo_store.scoring.live import score_live
     from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
     from hcapo_store.status_report import StoreStatus, WorkerStatus, status
     from hcapo_store.storage.store import Store
+    from hcapo_store.training.adapters import (
+        prime_rl_advantages,
+        prime_rl_sampled_advantages,
+        slime_advantage_function,
+        slime_advantages,
+        verl_advantages,
+    )
+    from hcapo_store.training.handoff import Handoff, TokenCredit

@@ -61,3 +61,29 @@ def test_python_dash_m_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "hcapo_store", "--help"], capture_output=True, text=True, check=True)
     assert "Usage:" in out.stdout and "ingest" in out.stdout
     assert importlib.util.find_spec("hcapo_store.__main__") is not None
+
+
+def test_the_online_loop_and_the_trainer_handoff_are_public():
+    """The README's online section used deep paths for these (issue 35 item 7)."""
+    from hcapo_store.online.follow import follow
+    from hcapo_store.scoring.live import score_live
+    from hcapo_store.training import adapters
+    from hcapo_store.training.handoff import Handoff
+
+    assert hcapo_store.follow is follow and hcapo_store.score_live is score_live
+    assert hcapo_store.Handoff is Handoff
+    for name in ("verl_advantages", "slime_advantages", "slime_advantage_function", "prime_rl_advantages"):
+        assert getattr(hcapo_store, name) is getattr(adapters, name)
+
+
+def test_provisional_modules_are_named_and_kept_out_of_the_surface():
+    """The trainer integrations track TRL's and verl's private hooks: provisional, deep path only."""
+    provisional = hcapo_store._PROVISIONAL
+    assert provisional
+    doc = hcapo_store.__doc__ or ""
+    assert "Provisional" in doc
+    for module in provisional:
+        assert importlib.util.find_spec(module) is not None, module
+        assert module.rsplit(".", 1)[-1] in doc, f"{module} is not named provisional in the package docstring"
+        exported_from = {m for m in hcapo_store._EXPORTS.values()}
+        assert module not in exported_from, module
