@@ -13,7 +13,15 @@ import pytest
 from sqlalchemy import text
 
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits, diff_runs, get_run, iter_step_deltas, list_runs, show_run
+from hcapo_store.credits.runs import (
+    compute_credits,
+    diff_runs,
+    get_run,
+    iter_step_deltas,
+    list_runs,
+    scoped_run_hash,
+    show_run,
+)
 from hcapo_store.devkit.original_math import compute_ratios_and_qh
 from hcapo_store.errors import CreditError
 from hcapo_store.ingestion.pipeline import ingest
@@ -399,3 +407,44 @@ def test_list_show_diff(scored: Store) -> None:
     assert same.delta_rho["max"] == 0 and same.delta_q_h_smoothed["min"] == 0
     with pytest.raises(CreditError, match="no credit run named 'nope'"):
         show_run(scored, "nope")
+
+
+# ---- batch run names -------------------------------------------------------------------------
+
+
+def test_a_batch_run_name_names_the_same_episodes_in_every_database(tmp_path: Path, samples: Path) -> None:
+    """The name hashed database-local ids: batch-f574620f4f91 named other episodes in three
+    databases. Two stores ingest the same episodes in opposite orders (ids differ) and one
+    other episode first: the same episodes give the same run hash and name, other ones do not."""
+    episodes = sorted(p for p in samples.iterdir() if p.is_dir())
+    assert len(episodes) >= 3
+    stores = []
+    for db_name, order in (("a.db", episodes), ("b.db", episodes[::-1])):
+        store = Store.open(str(tmp_path / db_name), create=True)
+        for episode in order:
+            ingest(store, [episode])
+        add_scorer(store, "scorer-a", "model-a")
+        add_scores(store, "scorer-a", seed=1)
+        stores.append(store)
+
+    def ids_of(store: Store, names: list[str]) -> list[int]:
+        rows = store.query("SELECT id, name FROM episodes WHERE is_current")[1]
+        by_name = {name: i for i, name in rows}
+        return [by_name[n] for n in names]
+
+    names = sorted(n for (n,) in stores[0].query("SELECT name FROM episodes WHERE is_current")[1])
+    shared = names[:2]
+    a_ids, b_ids = ids_of(stores[0], shared), ids_of(stores[1], shared)
+    assert sorted(a_ids) != sorted(b_ids)  # the ids differ, so the old hash differed too
+    hashes = []
+    for store, ids in zip(stores, (a_ids, b_ids)):
+        with db.read(store.engine) as conn:
+            hashes.append(scoped_run_hash(conn, "scorer-a", CreditParams(), ids))
+        run = compute_credits(store, CreditParams(), scorer="scorer-a", episodes=ids).run
+        assert run.run_hash == hashes[-1] and run.episodes == 2
+    assert hashes[0] == hashes[1]
+    other = ids_of(stores[0], names[1:3])
+    with db.read(stores[0].engine) as conn:
+        assert scoped_run_hash(conn, "scorer-a", CreditParams(), other) != hashes[0]
+        with pytest.raises(CreditError, match="not in this store"):
+            scoped_run_hash(conn, "scorer-a", CreditParams(), [10**6])

@@ -281,7 +281,7 @@ def compute_credits(
     scope = None if episodes is None else sorted({int(i) for i in episodes})
     with db.write(store.engine) as conn:
         scorer_id, _ = resolve_scorer(conn, scorer)
-        h = run_hash(scorer_id, params) if scope is None else scoped_run_hash(scorer_id, params, scope)
+        h = run_hash(scorer_id, params) if scope is None else scoped_run_hash(conn, scorer_id, params, scope)
         existing = _find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
@@ -355,9 +355,31 @@ def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: st
     return f"run-{h[:8]}"
 
 
-def scoped_run_hash(scorer_id: str, params: CreditParams, scope: Sequence[int]) -> str:
-    """A run over a set of episodes (a batch): the set is part of its identity."""
-    return content_hash({"scorer_id": scorer_id, "params": params.as_dict(), "episodes": list(scope)}, ascii_only=True)
+def scope_identities(conn: Connection, scope: Sequence[int]) -> list[str]:
+    """The episode versions' content identities (ingestion's episode key and content hash),
+    sorted: the same episodes give the same list in any database, whatever ids they got."""
+    ids = sorted({int(i) for i in scope})
+    found: dict[int, str] = {}
+    for start in range(0, len(ids), 500):  # bind-parameter limits of SQLite and PostgreSQL
+        chunk = ids[start : start + 500]
+        listed = ", ".join(str(i) for i in chunk)  # ints
+        rows = conn.execute(text(f"SELECT id, source_key, content_hash FROM episodes WHERE id IN ({listed})"))
+        found.update((int(i), f"{key}\n{h}") for i, key, h in rows)
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise CreditError(
+            f"episode id(s) {missing[:5]} are not in this store: give ids of stored episodes "
+            "(hcapo-store episodes lists them)"
+        )
+    return sorted(found.values())
+
+
+def scoped_run_hash(conn: Connection, scorer_id: str, params: CreditParams, scope: Sequence[int]) -> str:
+    """A run over a set of episodes (a batch): the set is part of its identity, by content
+    (episode key and content hash), never by the database-local ids, so a batch's run name
+    means the same episodes in every database."""
+    episodes = scope_identities(conn, scope)
+    return content_hash({"scorer_id": scorer_id, "params": params.as_dict(), "episodes": episodes}, ascii_only=True)
 
 
 def _insert_run(

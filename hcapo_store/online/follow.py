@@ -542,7 +542,8 @@ class Follower:
         complete: dt.datetime,
     ) -> BatchInfo | None:
         ids = sorted(int(m["id"]) for m in members)
-        batch_hash = scoped_run_hash(self.prep.scorer_id, self.cfg.params, ids)
+        with db.read(self.store.engine) as conn:  # the hash names episodes by content, not by id
+            batch_hash = scoped_run_hash(conn, self.prep.scorer_id, self.cfg.params, ids)
         if failed_inputs:  # the same stored episodes with other failed arrivals: another batch
             extra = canonical_json(sorted(m.name for m in failed_inputs))
             batch_hash = hashlib.sha256(f"{batch_hash}\n{extra}".encode()).hexdigest()
