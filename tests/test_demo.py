@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.diagnose import diagnose_run
+from hcapo_store.storage.store import Store
 
 
 def test_demo_end_to_end(runner, tmp_path):
@@ -34,3 +36,8 @@ def test_demo_end_to_end(runner, tmp_path):
         f"hcapo-store --db {db} score --server http://127.0.0.1:30000 --tokenizer {model_dir} --max-context 8192"
     ) in r.output
     assert again["commands"][1].startswith(f"hcapo-store --db {db} score")
+    # It ends with diagnose's verdict on the run it computed, not with ρ per subtask.
+    verdict = diagnose_run(Store.open(str(db), create=False), "default")["verdict"]
+    assert verdict.startswith("verdict: ") and out["verdict"] == again["verdict"] == verdict
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith(verdict + " (run 'default'") and "diagnose" in last

@@ -13,7 +13,14 @@ from sqlalchemy import text
 from test_credit_variants import _store_with, add_score
 
 from hcapo_store.cli import cli
-from hcapo_store.credits.diagnose import CLIPPED_SHARE, INERT_STD, LENGTH_CORR, diagnose_run, spearman
+from hcapo_store.credits.diagnose import (
+    CLIPPED_SHARE,
+    INERT_STD,
+    LENGTH_CORR,
+    NO_WARNING,
+    diagnose_run,
+    spearman,
+)
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import CreditError
@@ -71,6 +78,7 @@ def test_healthy_run_numbers_and_no_warning(tmp_path):
     assert got["micro_sign_flips"] == pytest.approx(sum(flips) / len(flips))
     assert got["rho_raw_std"] > INERT_STD and got["clipped_low"] + got["clipped_high"] < CLIPPED_SHARE
     assert abs(got["corr_rho_action_tokens"]) < LENGTH_CORR and got["warnings"] == []
+    assert got["verdict"] == f"verdict: usable: {NO_WARNING}"
     json.dumps(got, allow_nan=False)  # valid JSON: no NaN anywhere
 
 
@@ -82,6 +90,10 @@ def test_inert_ratio_warns(tmp_path):
     assert got["rho_raw_std"] == pytest.approx(0.0, abs=1e-12) and got["corr_rho_action_tokens"] is None
     assert _codes(got) == {"inert"}
     assert "hindsight template" in got["warnings"][0]["message"]
+    assert got["verdict"] == (
+        f"verdict: inert: ρ_raw hardly varies (std 0.0000 < {INERT_STD}): the hindsight ratio carries almost no "
+        "information, so the credit is GRPO plus a positional discount"
+    )
 
 
 def test_length_channel_warns(tmp_path):
@@ -160,6 +172,7 @@ def test_cli_json_and_one_line_errors(tmp_path, runner):
         assert key in data
     r = runner.invoke(cli, ["--db", db_path, "diagnose", "r"], catch_exceptions=False)
     assert r.exit_code == 0 and "ρ_raw" in r.output and "no warning" in r.output
+    assert r.output.splitlines()[0] == data["verdict"] == f"verdict: usable: {NO_WARNING}"  # the answer first
     for args, needle in (
         (["nope"], "nope"),
         (["r", "--group-by", "nope"], "--group-by nope"),

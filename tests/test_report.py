@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from sqlalchemy import text
 from test_credits import add_scorer, add_scores
 
+from hcapo_store.credits.diagnose import diagnose_run
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
@@ -60,6 +62,11 @@ def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path)
     assert "trajectories/episode_003" in page  # listed as incomplete
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert re.search(r"<td>t_temp</td><td>5.0</td>", page)
+    # The page opens with diagnose's verdict, before the hyperparameters and the histograms.
+    verdict = diagnose_run(store, "tight")["verdict"]
+    assert verdict.startswith("verdict: ")
+    opens = page.index(f'<p class="verdict" id="verdict"><strong>{html.escape(verdict)}</strong>')
+    assert opens < page.index('id="run"') < page.index('id="hyperparameters"') < page.index("<svg")
 
 
 def test_report_without_failures(store: Store, samples: Path, tmp_path: Path) -> None:

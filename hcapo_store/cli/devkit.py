@@ -98,3 +98,5 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     click.echo("score by hand against it (two shells):")
     for command in commands:
         click.echo(f"  {command}")
+    if result.verdict:  # the demo ends with the answer: is this hindsight signal usable?
+        click.echo(f"\n{result.verdict} (run 'default'; the numbers: hcapo-store --db {store.display} diagnose)")

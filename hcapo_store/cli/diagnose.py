@@ -62,7 +62,10 @@ def _num(value: Any, spec: str = ".3f") -> str:
 
 
 def _text(d: dict[str, Any]) -> str:
-    lines = [f"credit run {d['run']!r} ({d['variant']}), {d.get('steps', 0)} step(s), scorer {d['scorer_label']}"]
+    lines = [
+        d["verdict"],  # the answer first, the numbers behind it after
+        f"credit run {d['run']!r} ({d['variant']}), {d.get('steps', 0)} step(s), scorer {d['scorer_label']}",
+    ]
     if d.get("steps"):
         q = d["rho_raw_quantiles"]
         lines += [

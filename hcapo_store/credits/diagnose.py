@@ -202,6 +202,22 @@ def _warnings(s: dict[str, Any], c_min: float, c_max: float) -> list[dict[str, s
     return out
 
 
+NO_WARNING = "ρ has spread, is not tied to action length and is not mostly clipped"
+
+
+def verdict(d: dict[str, Any]) -> str:
+    """``diagnose``'s answer in one line: is the hindsight signal usable, and if not, why
+    (the first warning's first sentence; the others are counted, their advice is in diagnose)."""
+    if not d.get("steps"):
+        return f"verdict: credit run {d['run']!r} has no credited step: nothing to judge"
+    warnings = d["warnings"]
+    if not warnings:
+        return f"verdict: usable: {NO_WARNING}"
+    first = warnings[0]["message"].split(". ", 1)[0].rstrip(".")
+    more = f" (and {len(warnings) - 1} more warning(s): hcapo-store diagnose)" if len(warnings) > 1 else ""
+    return f"verdict: {warnings[0]['code']}: {first}{more}"
+
+
 def diagnose_run(
     store: Store,
     run_name: RunInfo | str | None,
@@ -230,6 +246,7 @@ def diagnose_run(
                 "this run was computed before advantages were stored (schema revision 0003): micro/macro "
                 "numbers are null; `credits compute --recompute` with its parameters stores them"
             )
+        result["verdict"] = verdict(result)
         if group_by:
             result["groups"] = _by_group(steps, group_by, params)
         if other_run:

@@ -41,6 +41,7 @@ class DemoResult:
     scorer_id: str
     subtasks: tuple[list[str], list[tuple]]
     credits: tuple[list[str], list[tuple]] | None
+    verdict: str | None = None  # diagnose's one line on the 'default' run
 
 
 def find_episodes(workdir: Path) -> Path:
@@ -71,8 +72,9 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
     finally:
         server.shutdown()
     subtasks = store.query(SUMMARY_SQL, {"scorer": prep.scorer_id})
-    credits = None
+    credits = verdict = None
     try:
+        from hcapo_store.credits.diagnose import diagnose_run
         from hcapo_store.credits.runs import compute_credits
 
         on_step("computing credits (Eq. 5-7, default hyperparameters)")
@@ -81,9 +83,10 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
             "SELECT subtask, COUNT(*) AS episodes, AVG(rho) AS rho, AVG(q_h_smoothed) AS q_h_smoothed "
             "FROM subtask_credits WHERE run = 'default' GROUP BY subtask ORDER BY subtask"
         )
+        verdict = diagnose_run(store, "default")["verdict"]
     except ImportError:  # pragma: no cover - credits ship with the package
         pass
-    return DemoResult(episodes, model_dir, ingested, scored, prep.scorer_id, subtasks, credits)
+    return DemoResult(episodes, model_dir, ingested, scored, prep.scorer_id, subtasks, credits, verdict)
 
 
 def manual_commands(result: DemoResult, db: str, port: int = 30000) -> list[str]:
@@ -105,4 +108,5 @@ def demo_summary(result: DemoResult) -> dict[str, Any]:
         "scorer_id": result.scorer_id,
         "subtasks": [dict(zip(cols, r)) for r in rows],
         "credits": [dict(zip(result.credits[0], r)) for r in result.credits[1]] if result.credits else None,
+        "verdict": result.verdict,
     }

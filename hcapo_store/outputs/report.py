@@ -37,6 +37,7 @@ CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .meta{color:#666;font-size:13px} .grid{display:flex;flex-wrap:wrap;gap:16px}
+.verdict{font-size:15px;padding:8px 12px;border-left:4px solid #555;background:#f5f5f5}
 figure{margin:0;border:1px solid #e5e5e5;border-radius:6px;padding:6px;background:#fff}
 figcaption{font-size:12px;color:#555;padding:2px 6px}
 table{border-collapse:collapse;font-size:13px;margin:8px 0} td,th{border:1px solid #ddd;padding:3px 10px;text-align:right}
@@ -441,6 +442,9 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
         f'<p class="meta">database {html.escape(store.display)} · scorer {html.escape(run.scorer_id)} '
         f"({html.escape(run.scorer_label or '')}) · run created {html.escape(run.created_at)} · "
         f"report generated {utcnow().isoformat(timespec='seconds')}</p>",
+        # the answer first: diagnose's one line, before the numbers it is drawn from
+        f'<p class="verdict" id="verdict"><strong>{html.escape(diag["verdict"])}</strong> '
+        '(<a href="#diagnostics">details</a>)</p>',
         '<h2 id="run">Credit run</h2>',
         _table(
             ["episodes", "steps", "incomplete episodes", "run hash"],
