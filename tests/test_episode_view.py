@@ -16,10 +16,12 @@ from test_credits import add_scorer, add_scores
 from test_tokenized import _rendered_action
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.runs import compute_credits
 from hcapo_store.devkit.refserver import make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
+from hcapo_store.outputs import colors
 from hcapo_store.outputs.episode_view import (
     episode_page,
     episode_view,
@@ -99,7 +101,9 @@ def test_episode_page_structure_and_heat_maps(scored: Store, tiny_model_dir: Pat
     for el, s in zip(steps, view.steps):
         assert f"rho {s.credit['rho']:.4g}" in el["attrs"]["title"]
         assert f"q_h_smoothed {s.credit['q_h_smoothed']:.4g}" in el["attrs"]["title"]
-        for m in ("rho", "q_h", "q_h_smoothed"):
+        a = s.credit["advantage"]  # NULL where the run gives the step no weight (reward < min_reward)
+        assert ("advantage –" if a is None else f"advantage {a:.4g}") in el["attrs"]["title"]
+        for m in ("rho", "q_h", "q_h_smoothed", "advantage"):
             assert f"--{m}:" in el["attrs"]["style"]
     # one boundary per change of subtask, labelled with the subtask id
     changes = [s.subtask for k, s in enumerate(view.steps) if k == 0 or s.subtask != view.steps[k - 1].subtask]
@@ -122,7 +126,7 @@ def test_episode_page_structure_and_heat_maps(scored: Store, tiny_model_dir: Pat
     titles = [float(e["attrs"]["title"]) for e in els if e["tag"] == "span" and any("heat" in p for p in e["parents"])]
     assert np.allclose(titles, np.concatenate([s.logprobs for s in view.steps]), atol=6e-4)
     assert "<script" not in page and "http://" not in page and "https://" not in page
-    assert {e["attrs"]["id"] for e in els if e["tag"] == "input"} == {"m-rho", "m-q_h", "m-q_h_smoothed"}
+    assert {e["attrs"]["id"] for e in els if e["tag"] == "input"} == {"m-rho", "m-q_h", "m-q_h_smoothed", "m-advantage"}
 
 
 def _credited_jsonl_episode(store: Store, tmp_path: Path, episode: dict) -> str:
@@ -316,3 +320,31 @@ def test_heat_maps_show_multibyte_characters_whole(tiny_model_dir: Path, tmp_pat
     ids = tok.encode("x 🦩𝔘龘 ꙮ end", add_special_tokens=False)
     pieces = whole_characters(tok, ids)
     assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) and "\ufffd" not in "".join(pieces)
+
+
+def test_steps_can_be_tinted_by_the_signed_advantage_the_trainer_receives(scored: Store) -> None:
+    """White at 0, purple above, orange below, full at the episode's largest |advantage|:
+    each step's colour is the stored advantage's (step_credits.advantage), sign and all."""
+    compute_credits(scored, CreditParams(variant="paper", dense=False), name="signed")  # signed advantages
+    seen: list[float] = []
+    for (name,) in scored.query("SELECT name FROM episodes WHERE is_current ORDER BY name")[1]:
+        view = episode_view(scored, name, "signed")
+        stored = dict(
+            scored.query(
+                "SELECT step_index, advantage FROM step_credits WHERE run = 'signed' AND episode = :e", {"e": name}
+            )[1]
+        )
+        advantages = [s.credit["advantage"] for s in view.steps]
+        assert advantages == [stored[s.step_index] for s in view.steps] and None not in advantages
+        seen += advantages
+        peak = max(abs(a) for a in advantages) or 1.0
+        page = episode_page(view)
+        styles = [e["attrs"]["style"] for e in parse(page) if "step" in _cls(e)]
+        for style, a in zip(styles, advantages, strict=True):
+            colour = dict(part.split(":") for part in style.split(";"))["--advantage"]
+            assert colour == colors.tint(a / peak)
+            r, b = int(colour[1:3], 16), int(colour[5:7], 16)
+            assert (r > b) if a < 0 else (b > r or a == 0)  # orange below zero, purple above
+        assert "#m-advantage:checked~.transcript .step{background:var(--advantage)}" in page
+        assert "red" not in page.split('class="controls"')[1].split("</div>")[0]  # the legend names the real colours
+    assert any(a < 0 for a in seen) and any(a > 0 for a in seen)

@@ -3,7 +3,8 @@
 ``episode_view`` loads one episode with its steps, credits and scores; ``episode_table``
 is the per-step table ``hcapo-store show`` prints; ``episode_page`` is a self-contained
 HTML page (no script): the transcript with each assistant step tinted by its credit
-(rho, q_h or q_h_smoothed, switched with CSS radio buttons), subtask boundaries, tool calls
+(rho, q_h, q_h_smoothed or the advantage the trainer receives, switched with CSS radio
+buttons), subtask boundaries, tool calls
 and results collapsed in ``<details>``, the step's numbers on hover, and for scored steps
 a heat map of the per-token hindsight logprobs over the decoded tokens.
 
@@ -34,7 +35,7 @@ from hcapo_store.storage import db
 from hcapo_store.storage.episodes import StoredEpisode, load_episode, resolve_episode
 from hcapo_store.storage.store import Store
 
-METRICS = ("rho", "q_h", "q_h_smoothed")
+METRICS = ("rho", "q_h", "q_h_smoothed", "advantage")  # advantage: what the trainer receives
 PREVIEW_CHARS = 60
 
 FIND_SQL = """
@@ -48,7 +49,7 @@ LIMIT 1
 
 STEPS_SQL = """
 SELECT s.step_index, c.mean_logprob, c.token_count, c.pi_hind, c.rho, c.q_h, c.q_h_smoothed,
-       sc.token_logprobs, sc.token_count
+       sc.token_logprobs, sc.token_count, c.advantage
 FROM steps s
 LEFT JOIN credits c ON c.step_id = s.id AND c.run_id = :run
 LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
@@ -123,6 +124,7 @@ def episode_view(
     for info in episode.steps:
         r = rows[info.step_index]
         credit = dict(zip(("mean_logprob", "token_count", "pi_hind", "rho", "q_h", "q_h_smoothed"), r[1:7]))
+        credit["advantage"] = r[9]  # NULL for runs computed before advantages were stored
         lps = np.frombuffer(bytes(r[7]), dtype="<f4") if r[7] is not None else None
         steps.append(
             StepView(info.step_index, info.message_index, info.phase, info.subtask_id, info.subtask_reward, credit, lps)
@@ -281,7 +283,8 @@ h1{font-size:20px;margin-bottom:4px} .meta{color:#666;font-size:13px} .note{colo
 .controls label{margin-right:8px;padding:2px 8px;border:1px solid #bbb;border-radius:4px;cursor:pointer}
 input[name=metric]{display:none}
 #m-rho:checked~.controls label[for=m-rho],#m-q_h:checked~.controls label[for=m-q_h],
-#m-q_h_smoothed:checked~.controls label[for=m-q_h_smoothed]{background:#4c78a8;color:#fff;border-color:#4c78a8} .legend{display:inline-block;width:160px;height:10px;vertical-align:middle;
+#m-q_h_smoothed:checked~.controls label[for=m-q_h_smoothed],
+#m-advantage:checked~.controls label[for=m-advantage]{background:#4c78a8;color:#fff;border-color:#4c78a8} .legend{display:inline-block;width:160px;height:10px;vertical-align:middle;
 background:"""
     + legend_gradient()
     + """;border:1px solid #ccc}
@@ -296,6 +299,7 @@ details{margin:4px 0} summary{cursor:pointer;font-size:12px;color:#555} pre{marg
 #m-rho:checked~.transcript .step{background:var(--rho)}
 #m-q_h:checked~.transcript .step{background:var(--q_h)}
 #m-q_h_smoothed:checked~.transcript .step{background:var(--q_h_smoothed)}
+#m-advantage:checked~.transcript .step{background:var(--advantage)}
 """
 )
 
@@ -310,8 +314,9 @@ def _num(v: Any) -> str:
 
 def _tints(view: EpisodeView) -> dict[str, list[str]]:
     """Per metric, one CSS colour per step (``colors.tint``). rho: white at 1, full purple at
-    c_max, full orange at c_min (the run's clip bounds); q_h, q_h_smoothed: white at 0, full
-    colour at the episode's largest |q| (purple above 0, orange below)."""
+    c_max, full orange at c_min (the run's clip bounds); q_h, q_h_smoothed and the signed
+    advantage the trainer receives: white at 0, full colour at the episode's largest |value|
+    (purple above 0, orange below)."""
     params = view.run.params if view.run else {}
     out: dict[str, list[str]] = {}
     for m in METRICS:
@@ -383,7 +388,8 @@ def _step_title(s: StepView) -> str:
     return (
         f"step {s.step_index} · {s.subtask} (r_t {_num(s.subtask_reward)}) · mean_logprob "
         f"{_num(c['mean_logprob'])} · tokens {_num(c['token_count'])} · pi_hind {_num(c['pi_hind'])} · "
-        f"rho {_num(c['rho'])} · q_h {_num(c['q_h'])} · q_h_smoothed {_num(c['q_h_smoothed'])}"
+        f"rho {_num(c['rho'])} · q_h {_num(c['q_h'])} · q_h_smoothed {_num(c['q_h_smoothed'])} · "
+        f"advantage {_num(c['advantage'])}"
     )
 
 
@@ -402,7 +408,8 @@ def _message_html(i: int, message: dict[str, Any], step: StepView | None, tint: 
             f"{content}{_tool_calls(message)}</div>"
         )
     style = ";".join(f"--{m}:{tint[m]}" for m in METRICS)
-    nums = f"rho {_num(step.credit['rho'])} · q_h {_num(step.credit['q_h'])} · q̃ {_num(step.credit['q_h_smoothed'])}"
+    c = step.credit
+    nums = f"rho {_num(c['rho'])} · q_h {_num(c['q_h'])} · q̃ {_num(c['q_h_smoothed'])} · A {_num(c['advantage'])}"
     heat = _heat(step) if step.tokens is not None else ""
     return (
         f'<div class="msg assistant step" id="step-{step.step_index}" style="{style}" '
@@ -449,7 +456,7 @@ def _assemble(back: str, title: str, meta: str, notes: str, controls: str, body:
         f'<p class="meta">{html.escape(meta)}</p>{notes}\n'
         f'{controls}<div class="controls">tint steps by: '
         + "".join(f'<label for="m-{m}">{m}</label>' for m in METRICS)
-        + '<span class="legend"></span> red = below (rho &lt; 1, q &lt; 0), green = above · '
+        + '<span class="legend"></span> orange = below (rho &lt; 1, q &lt; 0, advantage &lt; 0), purple = above · '
         "hover a step for its numbers</div>\n"
         '<div class="transcript">\n' + "\n".join(body) + "\n</div>\n</body></html>\n"
     )
