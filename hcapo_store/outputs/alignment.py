@@ -160,7 +160,7 @@ class EpisodeRenderer:
         except TemplateRejected:
             return None
         _, own_end = own_char_range(prompt, empty)
-        return own_end + self.locator.end_of_turn_length(prompt, own_end)
+        return self.locator.end_after_turn(prompt, own_end)
 
     def _align_prefix(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
         full = self.encoder.encode_whole(self._render(msgs, generation=False))

@@ -116,6 +116,19 @@ class OwnTokenLocator:
                 return len(token)
         return 0
 
+    def end_after_turn(self, text: str, own_end: int) -> int:
+        """Where the end-of-turn token that closes the own text ``[.., own_end)`` ends.
+
+        A character diff can end inside that token: an empty turn renders ``<|im_end|>``
+        right after the header's ``<``-free text while the own text starts with ``<think>``,
+        so the shared prefix takes the ``<`` and the own range ends one character into
+        ``<|im_end|>``. The token is whole or not at all: back off to its start first."""
+        for token in self._end_of_turn_texts:
+            for k in range(1, len(token)):
+                if own_end - k >= 0 and text.startswith(token, own_end - k):
+                    return own_end - k + len(token)
+        return own_end + self.end_of_turn_length(text, own_end)
+
     def offsets(self, text: str) -> tuple[list[int], Sequence[tuple[int, int]]]:
         if self.encoder is not None:
             return self.encoder.offsets(text)
