@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hcapo_store.credits.compute import compute_credits  # noqa: E402
 from hcapo_store.credits.equations import CreditParams  # noqa: E402
-from hcapo_store.credits.runs import compute_credits  # noqa: E402
 from hcapo_store.storage import db  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 

@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from credits import build  # noqa: E402  (bench/credits.py)
 
+from hcapo_store.credits.compute import compute_credits  # noqa: E402
 from hcapo_store.credits.diagnose import diagnose_run  # noqa: E402
 from hcapo_store.credits.equations import CreditParams  # noqa: E402
-from hcapo_store.credits.runs import compute_credits  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
 
 

@@ -51,7 +51,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) -> float:
     """ingest + score + credits of one group in this process, on a fresh database (start-up excluded)."""
-    from hcapo_store.credits.runs import compute_credits
+    from hcapo_store.credits.compute import compute_credits
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
     from hcapo_store.scoring.scheduler import RunOptions

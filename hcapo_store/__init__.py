@@ -65,17 +65,17 @@ _EXPORTS: dict[str, str] = {
     "ScoreReport": "hcapo_store.scoring.scheduler",
     # credits
     "CreditParams": "hcapo_store.credits.params",
-    "RunInfo": "hcapo_store.credits.runs",
-    "ComputeResult": "hcapo_store.credits.runs",
-    "compute_credits": "hcapo_store.credits.runs",
-    "list_runs": "hcapo_store.credits.runs",
-    "get_run": "hcapo_store.credits.runs",
-    "show_run": "hcapo_store.credits.runs",
-    "RunDetails": "hcapo_store.credits.runs",
-    "SubtaskSummary": "hcapo_store.credits.runs",
-    "diff_runs": "hcapo_store.credits.runs",
-    "RunDiff": "hcapo_store.credits.runs",
-    "MovedStep": "hcapo_store.credits.runs",
+    "RunInfo": "hcapo_store.credits.lookup",
+    "ComputeResult": "hcapo_store.credits.compute",
+    "compute_credits": "hcapo_store.credits.compute",
+    "list_runs": "hcapo_store.credits.lookup",
+    "get_run": "hcapo_store.credits.lookup",
+    "show_run": "hcapo_store.credits.compare",
+    "RunDetails": "hcapo_store.credits.compare",
+    "SubtaskSummary": "hcapo_store.credits.compare",
+    "diff_runs": "hcapo_store.credits.compare",
+    "RunDiff": "hcapo_store.credits.compare",
+    "MovedStep": "hcapo_store.credits.compare",
     # outputs
     "export_dataset": "hcapo_store.outputs.export",
     "DatasetExport": "hcapo_store.outputs.export",
@@ -146,20 +146,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from hcapo_store.analysis.datasette import DatasetteMetadata, datasette_metadata
     from hcapo_store.analysis.frames import credits_frame, steps_frame
+    from hcapo_store.credits.compare import MovedStep, RunDetails, RunDiff, SubtaskSummary, diff_runs, show_run
+    from hcapo_store.credits.compute import ComputeResult, compute_credits
+    from hcapo_store.credits.lookup import RunInfo, get_run, list_runs
     from hcapo_store.credits.params import CreditParams
-    from hcapo_store.credits.runs import (
-        ComputeResult,
-        MovedStep,
-        RunDetails,
-        RunDiff,
-        RunInfo,
-        SubtaskSummary,
-        compute_credits,
-        diff_runs,
-        get_run,
-        list_runs,
-        show_run,
-    )
     from hcapo_store.errors import (
         BatchNotReady,
         CreditError,

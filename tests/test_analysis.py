@@ -18,7 +18,7 @@ from test_credits import add_scorer, add_scores, read_credits
 import hcapo_store as hs
 from hcapo_store.analysis.datasette import DOCUMENTED, QUERIES
 from hcapo_store.cli import cli
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest

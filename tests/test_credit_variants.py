@@ -16,8 +16,9 @@ from sqlalchemy import text
 from test_credits import add_scorer
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits, get_run
+from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.storage import db

@@ -12,16 +12,10 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from hcapo_store.credits.compare import diff_runs, iter_step_deltas, show_run
+from hcapo_store.credits.compute import compute_credits, scoped_run_hash
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import (
-    compute_credits,
-    diff_runs,
-    get_run,
-    iter_step_deltas,
-    list_runs,
-    scoped_run_hash,
-    show_run,
-)
+from hcapo_store.credits.lookup import get_run, list_runs
 from hcapo_store.devkit.original_math import compute_ratios_and_qh
 from hcapo_store.errors import CreditError
 from hcapo_store.ingestion.pipeline import ingest

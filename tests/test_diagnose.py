@@ -13,6 +13,7 @@ from sqlalchemy import text
 from test_credit_variants import _store_with, add_score
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.diagnose import (
     CLIPPED_SHARE,
     INERT_STD,
@@ -22,7 +23,6 @@ from hcapo_store.credits.diagnose import (
     spearman,
 )
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import CreditError
 from hcapo_store.storage import db
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from test_credits import add_scorer, add_scores
 
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.scores import export_scores
 from hcapo_store.storage.store import Store

@@ -22,7 +22,7 @@ from _waiting import wait_until
 from faultserver import FaultServer
 from sqlalchemy import event, text
 
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.refserver import make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import DatabaseFull, DatabaseLocked, StoreError

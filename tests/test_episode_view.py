@@ -16,8 +16,8 @@ from test_credits import add_scorer, add_scores
 from test_tokenized import _rendered_action
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.devkit.refserver import make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
@@ -248,11 +248,11 @@ def test_show_prints_the_step_table(scored: Store, runner, tmp_path: Path, tiny_
 
 
 def test_report_links_episode_pages(scored: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hcapo_store.credits import runs
+    from hcapo_store.credits import lookup
 
     scans: list[str] = []
-    real = runs.run_staleness
-    monkeypatch.setattr(runs, "run_staleness", lambda conn, run: scans.append(run.name) or real(conn, run))
+    real = lookup.run_staleness
+    monkeypatch.setattr(lookup, "run_staleness", lambda conn, run: scans.append(run.name) or real(conn, run))
     out = write_report(scored, tmp_path / "rep.html", "r", episode_pages=True)
     assert scans == ["r"]  # the run is resolved (and its staleness scanned) once, not once per page
     page = out.path.read_text()

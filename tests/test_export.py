@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from test_credits import add_scorer, add_scores, add_synthetic_episodes, read_credits
 
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.devkit.original_math import build_hcapo_rows
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_dataset, export_hindsight_json

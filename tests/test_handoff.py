@@ -13,8 +13,8 @@ from conftest import TOKENIZERS
 from sqlalchemy import text
 from test_tokenized import scored_with
 
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.storage.store import Store

@@ -11,7 +11,7 @@ from builders import EpisodeBuilder, write_standard_episodes
 from test_credits import add_scorer, add_scores
 
 from hcapo_store.cli import cli
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.errors import EpisodeLookupError
 from hcapo_store.ingestion.episode_keys import normalise_id
 from hcapo_store.ingestion.pipeline import ingest

@@ -74,13 +74,16 @@ def test_rendering_sits_below_scoring_outputs_and_training():
 
 
 def test_the_pipeline_never_imports_the_trainers():
-    """training/ reads exports and needs torch/TRL: nothing else may depend on it."""
+    """training/ reads exports and needs torch/TRL: nothing else may depend on it. The package's
+    facade (hcapo_store/__init__.py) names its framework-free hand-off for static tools only and
+    loads it on first use, so ``import hcapo_store`` stays light (test_public_api)."""
     users = [
         f"{name} -> {target}"
         for name, targets in _graph(top_level_only=False).items()
         if not name.startswith("hcapo_store.training")
         for target in targets
         if target.startswith("hcapo_store.training")
+        and not (name == "hcapo_store" and target in ("hcapo_store.training.handoff", "hcapo_store.training.adapters"))
     ]
     assert users == []
 

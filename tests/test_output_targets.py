@@ -22,8 +22,8 @@ from test_identity import jsonl_episode, write_jsonl
 from test_outputs_safety import credited  # noqa: F401 - the fixture
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 
 

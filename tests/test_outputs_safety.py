@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from test_credits import add_scorer, add_scores
 
 from hcapo_store.cli import cli
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits, get_run, list_runs
+from hcapo_store.credits.lookup import get_run, list_runs
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import CreditError, ExportError, StoreError
 from hcapo_store.formatting import table

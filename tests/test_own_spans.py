@@ -17,7 +17,7 @@ from sqlalchemy import text
 from test_credits import add_scorer, add_scores
 
 from hcapo_store.cli import cli
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.outputs.alignment import EpisodeRenderer

@@ -140,7 +140,7 @@ def test_missing_torch_is_one_line_naming_the_extra(tmp_path, command):
 def test_missing_pyarrow_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     from test_credits import add_scorer, add_scores
 
-    from hcapo_store.credits.runs import compute_credits
+    from hcapo_store.credits.compute import compute_credits
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.storage.store import Store
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from sqlalchemy import text
 from test_credits import add_scorer, add_scores
 
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.diagnose import diagnose_run
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.report import write_report
 from hcapo_store.storage import db

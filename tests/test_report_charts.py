@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from test_credits import add_scorer, add_scores
 
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.report import (
     PAD_L,

@@ -11,7 +11,7 @@ from test_credits import add_scorer, add_scores
 from test_export import _reference_inputs
 
 from hcapo_store.cli import cli
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.original_math import build_hcapo_rows
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.alignment import EpisodeRenderer

@@ -22,8 +22,8 @@ from test_tokenized import scored_with
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import TrainingDataError
 from hcapo_store.outputs.export import export_dataset

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 from hcapo_store.cli import cli
-from hcapo_store.credits.runs import compute_credits
+from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import ScoringError

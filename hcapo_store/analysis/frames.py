@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import text
 
-from hcapo_store.credits.runs import get_run
+from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import MissingExtra
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db

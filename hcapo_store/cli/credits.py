@@ -194,7 +194,7 @@ def credits_compute(
     Same scorer + same hyperparameters is the same run (returned, not recomputed).
     Episodes with missing or failed steps are listed as incomplete and get no credits.
     """
-    from hcapo_store.credits.runs import compute_credits
+    from hcapo_store.credits.compute import compute_credits
 
     params = credit_params(max_logprob_tokens=max_logprob_tokens, **credit_kw)
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
@@ -206,7 +206,7 @@ def credits_compute(
 @pass_ctx
 def credits_list(state: Ctx, as_json: bool) -> None:
     """List credit runs: name, scorer, hyperparameters, episodes, steps, incomplete."""
-    from hcapo_store.credits.runs import list_runs
+    from hcapo_store.credits.lookup import list_runs
 
     runs = list_runs(state.store(create=False))
     if as_json:
@@ -243,7 +243,7 @@ def credits_list(state: Ctx, as_json: bool) -> None:
 @pass_ctx
 def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
     """Show one run: hyperparameters, counts, and a per-subtask summary."""
-    from hcapo_store.credits.runs import show_run
+    from hcapo_store.credits.compare import show_run
 
     shown = show_run(state.store(create=False), name)
     data = shown.as_dict()  # the text lists every field the JSON has, in its order
@@ -271,7 +271,7 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
 @pass_ctx
 def credits_diff(state: Ctx, a: str, b: str, top: int, all_steps: bool, as_json: bool) -> None:
     """Compare two runs step by step: deltas of rho and q_h_smoothed (B - A)."""
-    from hcapo_store.credits.runs import diff_runs, iter_step_deltas
+    from hcapo_store.credits.compare import diff_runs, iter_step_deltas
 
     store = state.store(create=False)
     if as_json and all_steps:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credits.runs import RunInfo, get_run, resolve_run
+from hcapo_store.credits.lookup import RunInfo, get_run, resolve_run
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db

@@ -74,8 +74,8 @@ def run_demo(store: Store, workdir: Path, *, on_step: Callable[[str], None] = la
     subtasks = store.query(SUMMARY_SQL, {"scorer": prep.scorer_id})
     credits = verdict = None
     try:
+        from hcapo_store.credits.compute import compute_credits
         from hcapo_store.credits.diagnose import diagnose_run
-        from hcapo_store.credits.runs import compute_credits
 
         on_step("computing credits (Eq. 5-7, default hyperparameters)")
         compute_credits(store, scorer=prep.scorer_id, replace=True)

@@ -45,8 +45,8 @@ from sqlalchemy.exc import IntegrityError
 
 from hcapo_store.canonical import canonical_json
 from hcapo_store.clock import utcnow
+from hcapo_store.credits.compute import compute_credits, scoped_run_hash
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import compute_credits, scoped_run_hash
 from hcapo_store.errors import CreditError, InferenceError, IngestError, StoreError, UsageError
 from hcapo_store.ingestion.files import lstat_or_none, outside, read_regular, why_unreadable
 from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest

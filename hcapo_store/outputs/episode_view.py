@@ -27,7 +27,7 @@ from urllib.parse import quote
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.credits.runs import RunInfo, resolve_run
+from hcapo_store.credits.lookup import RunInfo, resolve_run
 from hcapo_store.outputs.colors import diverging, legend_gradient, tint
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_spec

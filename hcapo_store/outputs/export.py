@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 
 from hcapo_store.credits.equations import CreditParams
-from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.credits.lookup import RunInfo, get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (

@@ -21,7 +21,7 @@ from sqlalchemy import text
 
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.diagnose import diagnose_run
-from hcapo_store.credits.runs import RunInfo, get_run, resolve_run
+from hcapo_store.credits.lookup import RunInfo, get_run, resolve_run
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_counts
 from hcapo_store.storage import db

@@ -15,7 +15,7 @@ import numpy as np
 from sqlalchemy import Connection, text
 
 from hcapo_store.credits.equations import hcapo_weights
-from hcapo_store.credits.runs import RunInfo
+from hcapo_store.credits.lookup import RunInfo
 from hcapo_store.errors import ExportError, MissingExtra
 from hcapo_store.outputs.files import atomic_write
 

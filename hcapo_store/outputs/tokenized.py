@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hcapo_store.credits.runs import get_run
+from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.files import atomic_write, check_output

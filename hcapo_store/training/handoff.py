@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import text
 
-from hcapo_store.credits.runs import RunInfo, get_run
+from hcapo_store.credits.lookup import RunInfo, get_run
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.rows import add_step_indices, run_weights

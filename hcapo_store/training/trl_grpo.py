@@ -343,7 +343,7 @@ class StoreAdvantages(HandoffAdvantages):
         return files
 
     def __call__(self, batch: RolloutBatch) -> list[np.ndarray]:
-        from hcapo_store.credits.runs import compute_credits
+        from hcapo_store.credits.compute import compute_credits
         from hcapo_store.ingestion.pipeline import ingest
         from hcapo_store.scoring.live import score_live
         from hcapo_store.training.handoff import Handoff

@@ -75,7 +75,7 @@ def correct_reward(episode_dir: Path, reward: float) -> None:
 
 
 def main(out: Path) -> None:
-    from hcapo_store.credits.runs import compute_credits
+    from hcapo_store.credits.compute import compute_credits
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.scoring.scorer import register
     from hcapo_store.storage import db

@@ -1,11 +1,12 @@
-"""Credit runs over the database: compute, list, show, diff.
+"""Compute a credit run: ``compute_credits``.
 
-``compute_credits`` streams (episodes ⨝ steps ⟕ scores) for one scorer in a single
-ordered query, computes Eq. 5–7 per batch of whole episodes with numpy
-(``credit_math``), and bulk-inserts the credits with executemany, all inside one write
-transaction: a run either exists with all its credits or not at all. Episodes with a
-step that has no score under the scorer (missing or failed) are listed as incomplete and
-get no credits.
+It streams (episodes ⨝ steps ⟕ scores) for one scorer in a single ordered query, computes
+Eq. 5–7 per batch of whole episodes with numpy (``credits/equations.py``; the paper variant's
+advantages in ``credits/paper.py``), and bulk-inserts the credits with executemany, all inside
+one write transaction: a run either exists with all its credits or not at all. Episodes with a
+step that has no score under the scorer (missing or failed) are listed as incomplete and get
+no credits. A run's identity (``run_hash``) is its scorer and parameters, and for a batch's
+run the episodes' content identities (``scoped_run_hash``), never database-local ids.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from sqlalchemy import Connection, text
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, hcapo_weights, run_hash
+from hcapo_store.credits.lookup import RunInfo, find_run, run_staleness, scope_sql
 from hcapo_store.errors import CreditError
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
@@ -80,54 +82,6 @@ CREDIT_COLUMNS = (
 
 
 @dataclass
-class RunInfo:
-    id: int
-    name: str
-    scorer_id: str
-    scorer_label: str | None
-    params: dict[str, Any]
-    run_hash: str
-    episodes: int
-    steps: int
-    incomplete_episodes: int
-    incomplete: list[str]
-    created_at: str
-    variant: str = "original"
-    stored_advantages: bool = False  # False: a run from before revision 0003 (exports compute them)
-    episode_scope: list[int] | None = None  # a batch's run (follow): only these episode ids
-    # Staleness, filled by get_run / list_runs (see ``run_staleness``).
-    superseded_episodes: int = 0  # credited episodes that have a newer version since
-    uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
-    unscored_new_versions: int = 0  # new versions of credited episodes not yet completely scored
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stale": self.stale}
-
-    @property
-    def credit_params(self) -> CreditParams:
-        return CreditParams.from_dict(self.params)
-
-    @property
-    def stale(self) -> str | None:
-        """Why the run no longer matches the store, or None when it is fresh."""
-        why = []
-        if self.superseded_episodes:
-            why.append(f"{self.superseded_episodes} credited episode(s) have a newer version")
-        if self.uncredited_complete_episodes:
-            why.append(f"{self.uncredited_complete_episodes} completely scored episode(s) are not in it")
-        if not why:
-            return None
-        then = "run `hcapo-store credits compute --recompute` with its parameters"
-        if self.unscored_new_versions:
-            scorer = self.scorer_label or self.scorer_id[:12]
-            then = (
-                f"score the {self.unscored_new_versions} new version(s) first (`hcapo-store score` with the "
-                f"options of scorer {scorer}; `hcapo-store scorers list` shows them), then {then}"
-            )
-        return f"credit run {self.name!r} is stale: {'; '.join(why)}; {then}"
-
-
-@dataclass
 class ComputeResult:
     run: RunInfo
     created: bool  # False: an existing run with the same scorer + parameters was returned
@@ -143,121 +97,6 @@ class ComputeResult:
             "null_reward_steps": self.null_reward_steps,
             "seconds": round(self.seconds, 3),
         }
-
-
-# ---- scorer and run lookup ---------------------------------------------------------------
-
-
-RUN_SQL = """
-SELECT r.id, r.name, r.scorer_id, sc.label AS scorer_label, r.params, r.run_hash, r.episodes, r.steps,
-       r.incomplete_episodes, r.incomplete, r.created_at, r.variant, r.episode_scope,
-       CASE WHEN EXISTS (SELECT 1 FROM credits c WHERE c.run_id = r.id AND c.advantage IS NOT NULL)
-            THEN 1 ELSE 0 END AS stored
-FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
-"""
-
-
-def _run_from_row(row: Any) -> RunInfo:
-    r = row._mapping  # by name: a column added to RUN_SQL never shifts the others
-    return RunInfo(
-        id=r["id"],
-        name=r["name"],
-        scorer_id=r["scorer_id"],
-        scorer_label=r["scorer_label"],
-        params=json.loads(r["params"]),
-        run_hash=r["run_hash"],
-        episodes=r["episodes"],
-        steps=r["steps"],
-        incomplete_episodes=r["incomplete_episodes"],
-        incomplete=json.loads(r["incomplete"]) if r["incomplete"] else [],
-        created_at=r["created_at"],
-        variant=r["variant"],
-        stored_advantages=bool(r["stored"]),
-        episode_scope=json.loads(r["episode_scope"]) if r["episode_scope"] else None,
-    )
-
-
-def _find_run(conn: Connection, where: str, **params: Any) -> RunInfo | None:
-    row = conn.execute(text(RUN_SQL + " WHERE " + where), params).first()
-    return _run_from_row(row) if row is not None else None
-
-
-STALE_SUPERSEDED_SQL = """
-SELECT COUNT(DISTINCT s.episode_id)
-FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
-WHERE c.run_id = :run AND e.is_current IS NOT TRUE
-"""
-
-STALE_UNSCORED_SQL = """
-SELECT COUNT(*) FROM episodes e
-WHERE e.is_current IS TRUE
-  AND e.source_key IN (SELECT o.source_key FROM credits c JOIN steps s ON s.id = c.step_id
-                       JOIN episodes o ON o.id = s.episode_id
-                       WHERE c.run_id = :run AND o.is_current IS NOT TRUE)
-  AND EXISTS (SELECT 1 FROM steps s LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
-              WHERE s.episode_id = e.id AND sc.id IS NULL)
-"""
-
-STALE_UNCREDITED_SQL = """
-SELECT COUNT(*) FROM episodes e
-WHERE e.is_current IS TRUE
-  AND EXISTS (SELECT 1 FROM steps s WHERE s.episode_id = e.id)
-  AND NOT EXISTS (SELECT 1 FROM steps s JOIN credits c ON c.step_id = s.id AND c.run_id = :run
-                  WHERE s.episode_id = e.id)
-  AND NOT EXISTS (SELECT 1 FROM steps s LEFT JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
-                  WHERE s.episode_id = e.id AND sc.id IS NULL)
-"""
-
-
-def _scope_sql(scope: Sequence[int] | None) -> str:
-    if scope is None:
-        return ""
-    ids = ", ".join(str(int(i)) for i in scope)  # integers we stored ourselves
-    return f" AND e.id IN ({ids})" if ids else " AND 1 = 0"
-
-
-def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
-    """Fill in what changed since the run was computed: credited episodes superseded by a
-    new version, and episodes completely scored (e.g. after the run) that it lacks."""
-    bind = {"run": run.id, "scorer": run.scorer_id}
-    run.superseded_episodes = int(conn.execute(text(STALE_SUPERSEDED_SQL), bind).scalar() or 0)
-    uncredited = STALE_UNCREDITED_SQL + _scope_sql(run.episode_scope)  # a batch's run: its own episodes only
-    run.uncredited_complete_episodes = int(conn.execute(text(uncredited), bind).scalar() or 0)
-    if run.superseded_episodes:
-        run.unscored_new_versions = int(conn.execute(text(STALE_UNSCORED_SQL), bind).scalar() or 0)
-    return run
-
-
-def get_run(store: Store, name: str | None = None) -> RunInfo:
-    """A run by name (with its staleness); with no name, the only run (else an error listing them)."""
-    with db.read(store.engine) as conn:
-        if name is not None:
-            run = _find_run(conn, "r.name = :name", name=name)
-            if run is not None:
-                return run_staleness(conn, run)
-        names = [r[0] for r in conn.execute(text("SELECT name FROM credit_runs ORDER BY id"))]
-    if name is None and len(names) == 1:
-        return get_run(store, names[0])
-    known = ", ".join(names) if names else "none; run `credits compute` first"
-    if name is None:
-        raise CreditError(f"several credit runs, pick one: {known}")
-    raise CreditError(f"no credit run named {name!r} (runs: {known})")
-
-
-def resolve_run(store: Store, run: RunInfo | str | None) -> RunInfo:
-    """``run`` itself when it is already resolved, else :func:`get_run` (callers that show a
-    run in several places resolve it once and pass it down: each lookup scans for staleness)."""
-    return run if isinstance(run, RunInfo) else get_run(store, run)
-
-
-def list_runs(store: Store) -> list[RunInfo]:
-    """Every credit run, oldest first."""
-    with db.read(store.engine) as conn:
-        runs = [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
-        return [run_staleness(conn, r) for r in runs]
-
-
-# ---- compute -------------------------------------------------------------------------------
 
 
 def compute_credits(
@@ -282,7 +121,7 @@ def compute_credits(
     with db.write(store.engine) as conn:
         scorer_id, _ = resolve_scorer(conn, scorer)
         h = run_hash(scorer_id, params) if scope is None else scoped_run_hash(conn, scorer_id, params, scope)
-        existing = _find_run(conn, "r.run_hash = :h", h=h)
+        existing = find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
             return ComputeResult(
@@ -313,7 +152,7 @@ def compute_credits(
                 "id": run_id,
             },
         )
-        run = _find_run(conn, "r.id = :id", id=run_id)
+        run = find_run(conn, "r.id = :id", id=run_id)
     assert run is not None
     verb = "recomputed" if existing is not None else "computed"
     msg = (
@@ -338,7 +177,7 @@ def _existing_message(run: RunInfo, name: str | None) -> str:
 
 def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: str, existing: RunInfo | None) -> str:
     def taken(n: str) -> bool:
-        other = _find_run(conn, "r.name = :n", n=n)
+        other = find_run(conn, "r.name = :n", n=n)
         return other is not None and other.run_hash != h
 
     if name is not None:
@@ -429,7 +268,7 @@ def _fill_run(
     n = params.max_logprob_tokens
     # The blob is fetched only for scores the suffix re-aggregation actually changes.
     blob = "CASE WHEN sc.token_count > :n THEN sc.token_logprobs END" if n else "NULL"
-    sql = text(STREAM_SQL.format(blob=blob, scope=_scope_sql(scope)))
+    sql = text(STREAM_SQL.format(blob=blob, scope=scope_sql(scope)))
     bind: dict[str, Any] = {"scorer": scorer_id, **({"n": n} if n else {})}
     totals = _Totals()
     parts: list[_Columns] = []
@@ -715,194 +554,4 @@ def _group_codes(subtask_ids: Sequence[str | None], phases: Sequence[str]) -> np
     codes: dict[str, int] = {}
     return np.fromiter(
         (codes.setdefault(s or p, len(codes)) for s, p in zip(subtask_ids, phases)), dtype=np.int64, count=len(phases)
-    )
-
-
-# ---- show and diff ---------------------------------------------------------------------------
-
-SUBTASK_SUMMARY_SQL = """
-SELECT COALESCE(s.subtask_id, s.phase) AS subtask, COUNT(*) AS steps,
-       COUNT(DISTINCT s.episode_id) AS episodes, AVG(s.subtask_reward) AS subtask_reward,
-       AVG(c.mean_logprob) AS mean_logprob, AVG(c.pi_hind) AS pi_hind, AVG(c.rho) AS rho,
-       SUM(CASE WHEN c.rho_raw < c.rho THEN 1 ELSE 0 END) AS clipped_low,
-       SUM(CASE WHEN c.rho_raw > c.rho THEN 1 ELSE 0 END) AS clipped_high,
-       AVG(c.q_h) AS q_h, AVG(c.q_h_smoothed) AS q_h_smoothed
-FROM credits c JOIN steps s ON s.id = c.step_id
-WHERE c.run_id = :run
-GROUP BY COALESCE(s.subtask_id, s.phase)
-"""
-
-
-@dataclass(frozen=True)
-class SubtaskSummary:
-    """One subtask's (or planning's) steps in a credit run: counts and means of its credits."""
-
-    subtask: str  # subtask id, or the phase of a step outside every subtask ("planning")
-    steps: int
-    episodes: int
-    subtask_reward: float | None  # None: no step of it has a reward
-    mean_logprob: float
-    pi_hind: float
-    rho: float
-    clipped_low: int  # steps whose rho_raw was raised to c_min
-    clipped_high: int  # steps whose rho_raw was lowered to c_max
-    q_h: float
-    q_h_smoothed: float
-
-
-@dataclass(frozen=True)
-class RunDetails:
-    """``show_run``: one credit run, its clipped steps and a per-subtask summary.
-
-    ``as_dict()`` is ``credits show --json``: the run's own fields (``RunInfo.as_dict``)
-    flat at the top, then the clip counts and the subtasks.
-    """
-
-    run: RunInfo
-    clipped_low: int  # all steps of the run raised to c_min
-    clipped_high: int  # all steps of the run lowered to c_max
-    subtasks: list[SubtaskSummary]  # planning first, then by subtask id
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **self.run.as_dict(),
-            "clipped_low": self.clipped_low,
-            "clipped_high": self.clipped_high,
-            "subtasks": [asdict(s) for s in self.subtasks],
-        }
-
-
-def show_run(store: Store, name: str | None = None) -> RunDetails:
-    """Parameters, counts and a per-subtask summary (planning first, then by subtask id)."""
-    run = get_run(store, name)
-    with db.read(store.engine) as conn:
-        rows = [SubtaskSummary(**r) for r in conn.execute(text(SUBTASK_SUMMARY_SQL), {"run": run.id}).mappings()]
-    rows.sort(key=lambda r: (r.subtask != "planning", str(r.subtask)))
-    clipped_low = sum(r.clipped_low for r in rows)
-    clipped_high = sum(r.clipped_high for r in rows)
-    return RunDetails(run, clipped_low, clipped_high, rows)
-
-
-DIFF_SQL = """
-SELECT a.step_id, a.rho AS rho_a, b.rho AS rho_b, a.q_h_smoothed AS q_a, b.q_h_smoothed AS q_b
-FROM credits a JOIN credits b ON b.step_id = a.step_id AND b.run_id = :b
-WHERE a.run_id = :a
-ORDER BY a.step_id
-"""
-
-STEP_DETAILS_SQL = """
-SELECT s.id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase) AS subtask
-FROM steps s JOIN episodes e ON e.id = s.episode_id
-WHERE s.id IN ({ids})
-"""
-
-
-STEP_DELTAS_SQL = """
-SELECT a.step_id, e.name, s.step_index, COALESCE(s.subtask_id, s.phase),
-       a.rho, b.rho, a.q_h_smoothed, b.q_h_smoothed
-FROM credits a
-JOIN credits b ON b.step_id = a.step_id AND b.run_id = :b
-JOIN steps s ON s.id = a.step_id
-JOIN episodes e ON e.id = s.episode_id
-WHERE a.run_id = :a
-ORDER BY e.id, s.step_index
-"""
-
-
-def iter_step_deltas(store: Store, a: str, b: str) -> Iterator[dict[str, Any]]:
-    """Every common step's rho and q_h_smoothed in runs A and B and the delta B − A."""
-    ra, rb = get_run(store, a), get_run(store, b)
-    with db.read(store.engine) as conn:
-        result = conn.execution_options(yield_per=FETCH_ROWS).execute(text(STEP_DELTAS_SQL), {"a": ra.id, "b": rb.id})
-        for step_id, episode, step_index, subtask, rho_a, rho_b, q_a, q_b in result:
-            yield {
-                "step_id": step_id,
-                "episode": episode,
-                "step_index": step_index,
-                "subtask": subtask,
-                "rho_a": rho_a,
-                "rho_b": rho_b,
-                "delta_rho": rho_b - rho_a,
-                "q_h_smoothed_a": q_a,
-                "q_h_smoothed_b": q_b,
-                "delta_q_h_smoothed": q_b - q_a,
-            }
-
-
-def _quantiles(x: np.ndarray) -> dict[str, float | None]:
-    keys = ("min", "p10", "p50", "p90", "max")
-    if len(x) == 0:
-        return dict.fromkeys(keys)
-    values = np.percentile(x, [0, 10, 50, 90, 100])
-    return {k: float(v) for k, v in zip(keys, values)}
-
-
-@dataclass(frozen=True)
-class MovedStep:
-    """One step's rho and q_h_smoothed in runs A and B, and the deltas B − A."""
-
-    episode: str
-    step_index: int
-    subtask: str  # subtask id, or the step's phase outside every subtask
-    rho_a: float
-    rho_b: float
-    delta_rho: float
-    q_h_smoothed_a: float
-    q_h_smoothed_b: float
-    delta_q_h_smoothed: float
-
-
-@dataclass(frozen=True)
-class RunDiff:
-    """``diff_runs``: how run B's credits differ from run A's on the steps both credit.
-
-    The deltas' quantiles are keyed ``min``, ``p10``, ``p50``, ``p90``, ``max`` (all None when
-    no step is common). ``as_dict()`` is ``credits diff --json``.
-    """
-
-    a: str
-    b: str
-    common_steps: int
-    only_a: int  # steps run A credits and run B does not
-    only_b: int
-    params_a: dict[str, Any]
-    params_b: dict[str, Any]
-    delta_rho: dict[str, float | None]
-    delta_q_h_smoothed: dict[str, float | None]
-    top_moved: list[MovedStep]  # by |delta q_h_smoothed|, largest first
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def diff_runs(store: Store, a: str, b: str, *, top: int = 10) -> RunDiff:
-    """Deltas B − A of rho and q_h_smoothed on the steps both runs credit: quantiles + top movers."""
-    ra, rb = get_run(store, a), get_run(store, b)
-    with db.read(store.engine) as conn:
-        data = conn.execute(text(DIFF_SQL), {"a": ra.id, "b": rb.id}).all()
-        step_ids = np.asarray([r.step_id for r in data], dtype=np.int64)
-        arr = np.asarray([(r.rho_a, r.rho_b, r.q_a, r.q_b) for r in data], dtype=np.float64).reshape(-1, 4)
-        d_rho, d_q = arr[:, 1] - arr[:, 0], arr[:, 3] - arr[:, 2]
-        order = np.argsort(-np.abs(d_q), kind="stable")[:top]
-        details = {}
-        if len(order):
-            ids = ", ".join(str(int(i)) for i in step_ids[order])
-            details = {r.id: r for r in conn.execute(text(STEP_DETAILS_SQL.format(ids=ids)))}
-    movers = []
-    for i in order:
-        d = details[int(step_ids[i])]
-        episode, step_index, subtask = d.name, d.step_index, d.subtask
-        rho_a, rho_b, q_a, q_b = (float(v) for v in arr[i])
-        movers.append(MovedStep(episode, step_index, subtask, rho_a, rho_b, float(d_rho[i]), q_a, q_b, float(d_q[i])))
-    return RunDiff(
-        a=ra.name,
-        b=rb.name,
-        common_steps=len(step_ids),
-        only_a=ra.steps - len(step_ids),
-        only_b=rb.steps - len(step_ids),
-        params_a=ra.params,
-        params_b=rb.params,
-        delta_rho=_quantiles(d_rho),
-        delta_q_h_smoothed=_quantiles(d_q),
-        top_moved=movers,
     )
