@@ -270,3 +270,15 @@ def test_an_idle_cycle_runs_no_query(tmp_path: Path, ref, tiny_model_dir: Path) 
         statements.clear()
         follower.cycle()
         assert statements == []
+
+
+def test_the_lists_kept_between_reports_are_bounded() -> None:
+    """A week of failures with nobody draining them keeps MAX_LISTED messages and counts the rest."""
+    from hcapo_store.online.follow import MAX_LISTED, FollowStatus
+
+    status = FollowStatus()
+    for i in range(MAX_LISTED + 50):
+        status.fail(f"input {i}: broken")
+        status.notice(f"input {i}: waiting")
+    assert len(status.failures) == len(status.notices) == MAX_LISTED
+    assert status.failures[-1] == f"input {MAX_LISTED - 1}: broken" and status.unlisted == 100
