@@ -45,7 +45,12 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
-from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.rendering.tokenizers import (
+    content_difference,
+    load_tokenizer,
+    tokenizer_content,
+    tokenizer_fingerprint,
+)
 from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
 from hcapo_store.storage.store import Store
 
@@ -223,11 +228,41 @@ def _checked_tokenizer(
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    for key in ("files_sha256", "chat_template_sha256"):
-        if theirs.get(key) != mine[key]:
-            raise ExportError(
-                f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used "
-                f"({key} differs; the scorer used {theirs.get('name', '?')!r}): pass that tokenizer directory"
-            )
+    same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
+    if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy
+        _check_content(store, scorer_id, theirs, tokenizer, tokenizer_dir)
     remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
     return tokenizer, mine
+
+
+def _check_content(
+    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer: Any, tokenizer_dir: str | Path
+) -> None:
+    """Accept ``tokenizer`` when its content (vocabulary, merges, added tokens, pipeline, chat
+    template) equals that of the scorer's tokenizer, found where it was loaded before with its
+    bytes unchanged (stored fingerprints hold file hashes only, so the content is computed on load).
+    A trainer's ``save_pretrained`` copy passes; one changed merge does not."""
+    used = f"the scorer used {theirs.get('name', '?')!r}"
+    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
+        if not candidate.is_dir():
+            continue
+        try:
+            reference = load_tokenizer(candidate)
+        except (OSError, ValueError):
+            continue
+        ref_print = tokenizer_fingerprint(reference, candidate)
+        if any(theirs.get(key) != ref_print[key] for key in ("files_sha256", "chat_template_sha256")):
+            continue  # changed since it was remembered
+        differs = content_difference(tokenizer_content(tokenizer), tokenizer_content(reference))
+        if not differs:
+            return
+        raise ExportError(
+            f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used: its "
+            f"{', '.join(d.replace('_', ' ') for d in differs)} differ from {candidate} ({used}): "
+            "pass that tokenizer directory"
+        )
+    raise ExportError(
+        f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used (files_sha256 differs; {used}), "
+        "and that tokenizer is not where it was loaded before, so the two cannot be compared by content: "
+        "pass the scorer's tokenizer directory once (then re-saved copies of it are recognised)"
+    )

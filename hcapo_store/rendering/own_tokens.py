@@ -99,11 +99,10 @@ class OwnTokenLocator:
     def __init__(self, tokenizer: Any, encoder: SegmentEncoder | None = None) -> None:
         self.tokenizer = tokenizer
         self.encoder = encoder  # when given, long renderings are tokenized piece by piece
-        self.end_of_turn_ids = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+        specials = _special_tokens(tokenizer)
+        self.end_of_turn_ids = frozenset(specials.values())
         # Longest first, so a token that starts like a shorter one is matched whole.
-        self._end_of_turn_texts = sorted(
-            (str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [] if str(t)), key=len, reverse=True
-        )
+        self._end_of_turn_texts = sorted((t for t in specials if t), key=len, reverse=True)
 
     @property
     def available(self) -> bool:
@@ -195,6 +194,15 @@ class OwnTokenLocator:
         decode = self.encoder.decode if self.encoder is not None else self.tokenizer.decode
         if decode(ids[span.start : span.end]) != covered:
             raise NotOwn("alignment: the span's tokens do not decode to the text they cover")
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Text -> id of every special token: those named in the special-tokens map, and every added
+    token marked special (Llama-3's ``<|eot_id|>`` is only the latter)."""
+    out = {str(t): int(i) for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out.update({str(t.content): int(i) for i, t in decoder.items() if getattr(t, "special", False)})
+    return out
 
 
 def own_chars(text: str, empty: str, message: Mapping[str, Any]) -> tuple[int, int]:

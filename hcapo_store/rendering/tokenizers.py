@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,48 @@ def tokenizer_fingerprint(tokenizer: Any, path_or_name: str | Path) -> dict[str,
         "chat_template_sha256": None if template is None else _sha256(template.encode("utf-8")),
         "adds_bos": bos is not None and bool(probe) and probe[0] == bos,
     }
+
+
+def tokenizer_content(tokenizer: Any) -> dict[str, str]:
+    """What makes a tokenizer's ids and chat texts, part by part, as hashes: its vocabulary,
+    merges, added tokens, the pipeline around the model (normalizer, pre-tokenizer,
+    post-processor, decoder), the special tokens it names and its chat template.
+
+    Computed on load, never stored: a tokenizer re-saved with ``save_pretrained`` (trainers do
+    this into every checkpoint) has other bytes but the same content. Two tokenizers with the
+    same content turn the same messages into the same ids."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") if model else tokenizer.get_vocab()
+    try:
+        template: str | None = tokenizer.get_chat_template()
+    except ValueError:  # no chat template at all
+        template = None
+    parts: dict[str, Any] = {
+        "vocabulary": vocab,
+        "merges": [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []],
+        "model": {k: v for k, v in model.items() if k not in ("vocab", "merges")},
+        "added_tokens": sorted(
+            (
+                int(i),
+                t.content,
+                bool(t.special),
+                bool(t.lstrip),
+                bool(t.rstrip),
+                bool(t.normalized),
+                bool(t.single_word),
+            )
+            for i, t in tokenizer.added_tokens_decoder.items()
+        ),
+        "pipeline": {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder")},
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "chat_template": template,
+    }
+    return {
+        name: _sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()) for name, value in parts.items()
+    }
+
+
+def content_difference(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The parts (``tokenizer_content`` keys) in which two tokenizers differ."""
+    return [name for name in sorted(set(mine) | set(theirs)) if mine.get(name) != theirs.get(name)]
