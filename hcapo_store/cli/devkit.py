@@ -67,8 +67,8 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
 
     Builds a tiny random model and tokenizer (no download, no GPU), ingests the example
     episodes, scores every step through the reference server over HTTP, computes the
-    default credits, and prints the scored steps per subtask. Uses --db if given, else
-    DIR/demo.db.
+    default credits, prints the scored steps and credits per subtask, and ends with
+    diagnose's one-line verdict on the run. Uses --db if given, else DIR/demo.db.
     """
     from hcapo_store.devkit.demo import demo_summary, manual_commands, run_demo
 
