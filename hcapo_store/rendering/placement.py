@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars
+from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars, own_pieces
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
 
@@ -267,3 +267,62 @@ def place_with_fallback(
     except TemplateRejected:
         flat = flatten()
         return placer.place(flat, steps), flat, True
+
+
+def place_by_rule(tokenizer: Any, msgs: list[dict], steps: Steps, *, reasoning_required: bool = True) -> Placement:
+    """The placement rule, stated plainly and slowly: the reference :meth:`Placer.place` must equal.
+
+    The whole conversation rendered once by ``tokenizer.apply_chat_template`` and tokenized
+    once with offsets. For each step ``(index, m)``: the conversation rendered again with turn
+    ``m`` empty; the step's own characters are where the two differ (widened back over an
+    opening ``<think>``: :func:`own_chars`); its tokens are every token overlapping them, plus
+    the special token that starts right where they end (the end of turn). Refused, with a
+    reason, when the own text misses a piece of the message or is empty, or the tokens do
+    not decode to exactly the text they cover. Quadratic in the episode; tests only."""
+    whole = tokenizer.apply_chat_template(msgs, tokenize=False)
+    enc = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    specials = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
+    added = [t.content for t in tokenizer.added_tokens_decoder.values()]
+    out = Placement(whole, ids, offsets, linear=False)
+    for index, m in steps:
+        problem = _check_step(msgs, m)
+        if problem:
+            out.refused[index] = problem
+            continue
+        try:
+            empty = tokenizer.apply_chat_template([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], tokenize=False)
+        except Exception as exc:  # the template's own refusal (raise_exception): this step only
+            out.refused[index] = f"template: the template cannot render this turn empty ({exc})"
+            continue
+        cs, ce = own_chars(whole, empty, msgs[m])
+        # An added token is whole or not at all: a diff edge inside one (the shared "<" of an
+        # empty turn's "<|im_end|>" and the own text's "<think>") moves to the token's start.
+        cs, ce = _token_start(whole, cs, added), _token_start(whole, ce, added)
+        if ce <= cs:
+            out.refused[index] = "empty_action: the action renders to no tokens of its own"
+            continue
+        if any(p not in whole[cs:ce] for p in own_pieces(msgs[m], reasoning=reasoning_required)):
+            out.refused[index] = "rendering: the whole conversation leaves out part of this step's own text"
+            continue
+        covering = [i for i, (a, b) in enumerate(offsets) if a < ce and b > cs]
+        if not covering:
+            out.refused[index] = "alignment: no token covers the action's own characters"
+            continue
+        start, end = covering[0], covering[-1] + 1
+        eot = end < len(ids) and ids[end] in specials and offsets[end][0] == ce
+        end += eot
+        if tokenizer.decode(ids[start:end]) != whole[offsets[start][0] : offsets[end - 1][1]]:
+            out.refused[index] = "alignment: the span's tokens do not decode to the text they cover"
+            continue
+        out.spans[index] = OwnSpan(start, end, cs, ce, eot)
+    return out
+
+
+def _token_start(text: str, at: int, tokens: list[str]) -> int:
+    """``at``, or the start of the added token whose text ``at`` falls strictly inside."""
+    for token in tokens:
+        for k in range(1, len(token)):
+            if at - k >= 0 and text.startswith(token, at - k):
+                return at - k
+    return at
