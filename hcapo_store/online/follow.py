@@ -58,7 +58,7 @@ from hcapo_store.ingestion.sources import (
     JsonlCursor,
 )
 from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
-from hcapo_store.scoring.job import Prepared, run_scoring
+from hcapo_store.scoring.job import Prepared, run_scoring, run_sync
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
 from hcapo_store.scoring.work_queue import Filters
 from hcapo_store.storage import db
@@ -688,6 +688,35 @@ def _merge(total: IngestReport, part: IngestReport) -> None:
     total.steps += part.steps
 
 
+SERVER_PROBE_SECONDS = 0.5  # how often a paused follower asks whether the server is back
+
+
+def _wait_for_server(backend: Any, seconds: float, stop: Any) -> bool:
+    """Wait up to ``seconds`` for a server that stopped answering; True when it answered a
+    probe before that. Online loops restart the server at every weight sync: a blind wait grown
+    to a minute would leave the batch idle long after the server is back."""
+    import time
+
+    ping = getattr(backend, "ping", None)
+    end = time.monotonic() + seconds
+    while not stop.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if stop.wait(min(SERVER_PROBE_SECONDS, left)):
+            return False
+        if ping is not None and run_sync(lambda: _ping_once(backend)):
+            return True
+    return False
+
+
+async def _ping_once(backend: Any) -> bool:
+    try:
+        return bool(await backend.ping())
+    finally:
+        await backend.close()  # the probe's own client; the next cycle starts the backend afresh
+
+
 class ServerDown(Exception):
     """The scoring server stopped answering; ``follow`` waits and tries again."""
 
@@ -807,12 +836,14 @@ def follow(
             backoff = 1.0
         except ServerDown as exc:
             follower.status.notice(
-                f"the scoring server stopped answering ({exc}); trying again in {backoff:.0f} s, nothing is lost"
+                f"the scoring server stopped answering ({exc}); trying again as soon as it answers "
+                f"(at most {backoff:.0f} s), nothing is lost"
             )
             report = CycleReport(busy=True)
             if on_cycle is not None:
                 on_cycle(report, follower.status)
-            stop.wait(backoff)
+            if _wait_for_server(follower.prep.backend, backoff, stop):
+                follower.status.notice("the scoring server answers again: scoring goes on")
             backoff = min(backoff * 2, 60.0)
             continue
         cycles += 1
