@@ -53,12 +53,16 @@ class Filters:
     def sql(self, params: dict[str, Any]) -> str:
         parts = []
         if self.episodes:
-            keys = []
+            keys, ids = [], []
             for i, e in enumerate(self.episodes):
                 params[f"ep{i}"] = e
                 keys.append(f":ep{i}")
+                if e.isascii() and e.isdigit():  # an id compared as an integer: an index lookup, not
+                    params[f"epid{i}"] = int(e)  # a cast of every row's id (follow's cycles ask by id)
+                    ids.append(f":epid{i}")
             names = ", ".join(keys)
-            parts.append(f"(e.name IN ({names}) OR e.source_key IN ({names}) OR CAST(e.id AS TEXT) IN ({names}))")
+            by_id = f" OR e.id IN ({', '.join(ids)})" if ids else ""
+            parts.append(f"(e.name IN ({names}) OR e.source_key IN ({names}){by_id})")
         if self.min_reward is not None:
             params["min_reward"] = self.min_reward
             parts.append("e.reward >= :min_reward")
