@@ -151,6 +151,7 @@ def test_shared_option_sets_agree():
         "once",
         "poll_seconds",
         "poll_only",
+        "follow_links",
         "as_json",
     }
     assert {p.name for p in follow.params} == scorer | set(CREDIT_KEYWORDS) | own
