@@ -121,6 +121,7 @@ def test_rows_of_another_tokenizer_are_refused(exported: Path, tiny_model_dir: P
         WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
     for row in rows:
         row["provenance"]["tokenizer_files_sha256"] = "0" * 64
+        row["provenance"]["tokenizer_content_sha256"] = "0" * 64  # another tokenizer: other content too
     with pytest.raises(TrainingDataError, match="tokenizer_files_sha256 differs"):
         WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=Dataset.from_list(rows))
     # rows written by an older version (input_ids) say what to do
@@ -136,6 +137,22 @@ def test_a_real_tokenizer_is_not_the_rows_tokenizer(exported: Path, family: str)
         pytest.skip(f"{directory} is not here (../shared absent)")
     with pytest.raises(TrainingDataError, match="not the one in"):
         check_tokenizer(read_rows(exported), AutoTokenizer.from_pretrained(str(directory)), directory)
+
+
+def test_a_re_saved_tokenizer_is_the_rows_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Trainers save the tokenizer into every checkpoint: other bytes, the same content. It is
+    recognised by content; a copy with one more added token is not, and the refusal names it."""
+    rows = read_rows(exported)
+    copy = tmp_path / "checkpoint-10"
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(copy))
+    resaved = AutoTokenizer.from_pretrained(str(copy))
+    check_tokenizer(rows, resaved, copy)  # accepted
+    other = tmp_path / "other"
+    changed = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    changed.add_tokens(["<hcapo_extra>"], special_tokens=True)
+    changed.save_pretrained(str(other))
+    with pytest.raises(TrainingDataError, match="differs, and so does its content"):
+        check_tokenizer(rows, AutoTokenizer.from_pretrained(str(other)), other)
 
 
 def test_cutting_to_max_length_keeps_advantages_on_their_tokens(
@@ -187,6 +204,7 @@ def test_the_example_refuses_rows_of_another_tokenizer(exported: Path, tiny_mode
     rows = read_rows(exported)
     for row in rows:
         row["provenance"]["chat_template_sha256"] = "f" * 64
+        row["provenance"]["tokenizer_content_sha256"] = "f" * 64  # another tokenizer: other content too
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run(

@@ -36,6 +36,7 @@ from hcapo_store.outputs.rows import (
     write_parquet,
 )
 from hcapo_store.outputs.token_format import IGNORE_INDEX, TOKEN_IDS
+from hcapo_store.rendering.tokenizers import content_sha256
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -182,6 +183,8 @@ def export_tokenized(
             "tokenizer": fingerprint["name"],
             "tokenizer_files_sha256": fingerprint["files_sha256"],
             "chat_template_sha256": fingerprint["chat_template_sha256"],
+            # what the ids depend on, not the files' bytes: a trainer's re-saved copy matches it
+            "tokenizer_content_sha256": content_sha256(tok),
             "q": "q_h_smoothed" if rw.use_smoothed else "q_h",
             "omega": float(rw.omega),
             "rendering": rendering,
@@ -267,6 +270,7 @@ def _schema(id_type: Any) -> Any:
                 "tokenizer",
                 "tokenizer_files_sha256",
                 "chat_template_sha256",
+                "tokenizer_content_sha256",
                 "q",
                 "rendering",
                 "variant",

@@ -114,6 +114,11 @@ def tokenizer_content(tokenizer: Any) -> dict[str, str]:
     }
 
 
+def content_sha256(tokenizer: Any) -> str:
+    """One hash of :func:`tokenizer_content`: equal for a tokenizer and its re-saved copies."""
+    return _sha256(json.dumps(tokenizer_content(tokenizer), sort_keys=True).encode())
+
+
 def content_difference(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
     """The parts (``tokenizer_content`` keys) in which two tokenizers differ."""
     return [name for name in sorted(set(mine) | set(theirs)) if mine.get(name) != theirs.get(name)]

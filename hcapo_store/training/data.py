@@ -48,7 +48,14 @@ def rows_fingerprint(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         key = tuple(prov.get(k) for k in FINGERPRINT_KEYS)
         if key[0] is None:
             raise TrainingDataError(f"row {i} has no tokenizer fingerprint in its provenance")
-        seen.setdefault(key, {"tokenizer": prov.get("tokenizer"), **dict(zip(FINGERPRINT_KEYS, key))})
+        seen.setdefault(
+            key,
+            {
+                "tokenizer": prov.get("tokenizer"),
+                "tokenizer_content_sha256": prov.get("tokenizer_content_sha256"),  # rows of older versions: None
+                **dict(zip(FINGERPRINT_KEYS, key)),
+            },
+        )
     if not seen:
         raise TrainingDataError("no rows to train on")
     if len(seen) > 1:
@@ -63,7 +70,7 @@ def check_tokenizer(rows: Iterable[Mapping[str, Any]], tokenizer: Any, tokenizer
     ``tokenizer_dir`` is the directory the tokenizer was loaded from (default: its
     ``name_or_path``); the fingerprint hashes its files, as the scorer's does.
     """
-    from hcapo_store.rendering.tokenizers import tokenizer_fingerprint
+    from hcapo_store.rendering.tokenizers import content_sha256, tokenizer_fingerprint
 
     theirs = rows_fingerprint(rows)
     where = tokenizer_dir if tokenizer_dir is not None else getattr(tokenizer, "name_or_path", None)
@@ -75,9 +82,14 @@ def check_tokenizer(rows: Iterable[Mapping[str, Any]], tokenizer: Any, tokenizer
     mine = tokenizer_fingerprint(tokenizer, where)
     for key, ours in (("tokenizer_files_sha256", "files_sha256"), ("chat_template_sha256", "chat_template_sha256")):
         if theirs[key] != mine[ours]:
+            # other bytes, the same content: a re-saved copy (trainers save one into every checkpoint)
+            recorded = theirs.get("tokenizer_content_sha256")
+            if recorded is not None and recorded == content_sha256(tokenizer):
+                return
+            why = f"{key} differs" + (", and so does its content" if recorded is not None else "")
             raise TrainingDataError(
                 f"the rows were exported with tokenizer {theirs['tokenizer']!r}, not the one in {where} "
-                f"({key} differs): train the model whose tokenizer scored the run, or export again with "
+                f"({why}): train the model whose tokenizer scored the run, or export again with "
                 f"--tokenizer {where}"
             )
 
