@@ -121,9 +121,12 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     follower = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert follower.stderr is not None
-    started = follower.stderr.readline()  # its first look is done: start-up is not lag
-    if not started.startswith("follow:"):
-        raise SystemExit(f"follow did not start: {started}{follower.stderr.read()[-3000:]}")
+    started = ""  # its first look is done (the live line): start-up is not lag
+    while not started.startswith("follow:"):
+        line = follower.stderr.readline()  # before it, hints such as "nothing to follow yet"
+        if not line:
+            raise SystemExit(f"follow did not start: {started}{follower.stderr.read()[-3000:]}")
+        started = line
     landed: dict[str, float] = {}
     server_cpu = _cpu_seconds(server.pid)
     episodes = sorted(staging.iterdir())

@@ -64,4 +64,5 @@ def test_bookkeeping_bench_runs_against_its_server():
     out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [line for line in out.stdout.splitlines() if ", run 1: " in line]
-    assert len(runs) == 3 and all("15 steps (0 failed)" in line for line in runs), out.stdout  # + 2 baselines
+    # the runner and its one baseline (stdlib json bodies; the hand-written transport is gone)
+    assert len(runs) == 2 and all("15 steps (0 failed)" in line for line in runs), out.stdout
