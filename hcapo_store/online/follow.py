@@ -58,6 +58,7 @@ from hcapo_store.ingestion.sources import (
     JsonlCursor,
 )
 from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
+from hcapo_store.scoring.health import PROBE_SECONDS
 from hcapo_store.scoring.job import Prepared, run_scoring, run_sync
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
 from hcapo_store.scoring.work_queue import Filters
@@ -688,9 +689,6 @@ def _merge(total: IngestReport, part: IngestReport) -> None:
     total.steps += part.steps
 
 
-SERVER_PROBE_SECONDS = 0.5  # how often a paused follower asks whether the server is back
-
-
 def _wait_for_server(backend: Any, seconds: float, stop: Any) -> bool:
     """Wait up to ``seconds`` for a server that stopped answering; True when it answered a
     probe before that. Online loops restart the server at every weight sync: a blind wait grown
@@ -703,7 +701,7 @@ def _wait_for_server(backend: Any, seconds: float, stop: Any) -> bool:
         left = end - time.monotonic()
         if left <= 0:
             return False
-        if stop.wait(min(SERVER_PROBE_SECONDS, left)):
+        if stop.wait(min(PROBE_SECONDS, left)):  # as often as a scoring run's retry asks
             return False
         if ping is not None and run_sync(lambda: _ping_once(backend)):
             return True
