@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from _waiting import HANG_GUARD_S
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import DatabaseLocked
@@ -79,3 +79,30 @@ def test_an_immediate_busy_is_not_called_a_lock_held_for_the_busy_timeout(tmp_pa
     message = str(caught.value)
     assert "is busy" in message and "at the same moment" in message, message
     assert "longer than" not in message, message
+
+
+def test_a_migration_committed_between_two_schema_reads_is_not_taken_for_an_old_schema(tmp_path):
+    """The race CI once lost (1 round in 3): process B read "no revision" just before process A
+    committed the first migration, then read A's tables, and refused the store as behind head.
+    Here A's whole migration commits right after B's first schema read, every time; B must see
+    one consistent state (a blank file), wait for the lock and find the head."""
+    path = tmp_path / "straddle.db"
+    url = db.resolve_url(str(path))
+    db.preflight(url, create=True)
+    other = db.make_engine(url)  # process A's engine
+    engine = db.make_engine(url)  # process B's engine
+    fired: list[str] = []
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _migrate_elsewhere(_conn, _cursor, statement, *_args) -> None:
+        if not fired and not statement.lstrip().upper().startswith("BEGIN"):
+            fired.append(statement)
+            db.upgrade(other)  # A migrates and commits between B's reads
+
+    try:
+        db.check_schema(engine, create=True)
+        assert fired, "the hook never ran: the test did not interleave anything"
+        assert db.current_revision(engine) == db.head_revision()
+    finally:
+        engine.dispose()
+        other.dispose()

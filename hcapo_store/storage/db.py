@@ -395,8 +395,8 @@ def upgrade_database(db: str | os.PathLike[str] | None, *, take_backup: bool = T
     preflight(url, create=True)  # a new path is created at head, as `init` would
     engine = make_engine(url)
     try:
-        refuse_foreign(engine)
-        before = current_revision(engine)
+        before, tables = schema_state(engine)
+        _refuse_foreign_tables(tables, display_url(url))
         head = head_revision()
         refuse_unknown_revision(before, display_url(url), head)
         copy = None
@@ -409,15 +409,27 @@ def upgrade_database(db: str | os.PathLike[str] | None, *, take_backup: bool = T
         engine.dispose()
 
 
+def schema_state(engine: Engine) -> tuple[str | None, set[str]]:
+    """The schema revision and the table names, read in one transaction (one snapshot).
+
+    Two separate reads can straddle another process's first migration: the revision read
+    before its commit (none), the tables after it (all of them), a state no store is in.
+    """
+    with read(engine) as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+        tables = set(inspect(conn).get_table_names())
+    return current, tables
+
+
 def check_schema(engine: Engine, *, create: bool = True) -> None:
     """Refuse a database behind or ahead of head; initialise a blank one when allowed."""
     head = head_revision()
-    current = current_revision(engine)
+    current, tables = schema_state(engine)
     if current == head:
         return
-    refuse_foreign(engine)
     url = display_url(str(engine.url))
-    if current is None and is_blank(engine):
+    _refuse_foreign_tables(tables, url)
+    if current is None and not tables:
         if create:
             upgrade(engine)
             return
