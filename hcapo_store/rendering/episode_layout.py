@@ -42,6 +42,7 @@ from hcapo_store.rendering.prompts import (
     read_field,
 )
 from hcapo_store.rendering.requests import FailureReason, GroupPrompt, IdsPrefix, PromptFailure, StepPrompt
+from hcapo_store.rendering.strings import common_prefix
 from hcapo_store.rendering.template import TemplateRejected, render_chat
 
 # A window after the first starts this fraction of the budget before its first step.
@@ -98,7 +99,7 @@ class EpisodeLayout:
             text = render_chat(self.builder.tokenizer, placed[: through + 1], generation=False)
         except TemplateRejected:
             return None
-        cut = self.builder.encoder.clean_cut(placement.text, _common_prefix(text, placement.text))
+        cut = self.builder.encoder.clean_cut(placement.text, common_prefix(text, placement.text))
         if cut is None:
             return None
         n = len(placement.offsets)
@@ -196,13 +197,3 @@ def conversation_tokens(
         encoder = builder.encoder
         return len(encoder.encode(text, encoder.new_state()) if keep_pieces else encoder.encode_once(text))
     return 0
-
-
-def _common_prefix(a: str, b: str, block: int = 4096) -> int:
-    """How many characters ``a`` and ``b`` share at their start (compared a block at a time)."""
-    n, i = min(len(a), len(b)), 0
-    while i < n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return min(i, n)

@@ -22,11 +22,14 @@ reason, rather than a span over part of the action.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.strings import common_prefix, common_suffix
 
 EMPTY_TURN: dict[str, Any] = {"role": "assistant", "content": ""}
 
@@ -61,13 +64,8 @@ def own_char_range(text: str, empty: str) -> tuple[int, int]:
     The shared prefix is taken first and the shared suffix may not overlap it, so a text
     that ends like the template's tail ("ok\\n" before "<|im_end|>") keeps its own characters.
     """
-    limit = min(len(text), len(empty))
-    p = 0
-    while p < limit and text[p] == empty[p]:
-        p += 1
-    s = 0
-    while s < limit - p and text[-1 - s] == empty[-1 - s]:
-        s += 1
+    p = common_prefix(text, empty)
+    s = common_suffix(text, empty, min(len(text), len(empty)) - p)
     return p, len(text) - s
 
 
@@ -177,9 +175,7 @@ class OwnTokenLocator:
                 f"({_preview(missing[0])}); the template renders this turn without it"
             )
         start = _first_overlapping(offsets, cs, search_from)
-        end = start
-        while end < len(offsets) and offsets[end][0] < ce:
-            end += 1
+        end = bisect_left(offsets, ce, lo=start, key=_token_start)  # the first token at or after ce
         if start >= end:
             raise NotOwn("alignment: no token covers the action's own characters")
         eot = False
@@ -221,6 +217,9 @@ def _has_reasoning(message: Mapping[str, Any]) -> bool:
     return bool(message.get("reasoning_content")) or (
         isinstance(content, str) and content.lstrip().startswith(REASONING_OPEN)
     )
+
+
+_token_start = itemgetter(0)
 
 
 def _first_overlapping(offsets: Sequence[tuple[int, int]], char: int, lo: int) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars, own_pieces
 from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.strings import common_prefix
 from hcapo_store.rendering.template import TemplateRejected, render_chat
 
 # How many characters after a step's own text must agree in W and K to resume the walk there.
@@ -57,16 +58,6 @@ class _Mismatch(Exception):
     """The linear walk cannot vouch for a span: place the episode step by step."""
 
 
-def _agreement(a: str, i: int, b: str, j: int, cap: int) -> int:
-    x, y = a[i : i + cap], b[j : j + cap]
-    if x == y:
-        return len(x)
-    n = 0
-    while n < cap and i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
-        n += 1
-    return n
-
-
 def _resync(whole: str, end: int, skeleton: str, ka: int, most: int) -> int | None:
     """Where the skeleton goes on as ``whole`` does after a step's own text: past the short text
     the template writes for an empty turn (at most ``most`` characters). Of the places where the
@@ -78,7 +69,7 @@ def _resync(whole: str, end: int, skeleton: str, ka: int, most: int) -> int | No
     best, best_len = None, 0
     j = skeleton.find(probe, ka, ka + most + len(probe))
     while j >= 0:
-        n = _agreement(whole, end, skeleton, j, RESYNC_CHARS)
+        n = common_prefix(whole, skeleton, end, j, RESYNC_CHARS)
         if n > best_len:
             best, best_len = j, n
         j = skeleton.find(probe, j + 1, ka + most + len(probe))
