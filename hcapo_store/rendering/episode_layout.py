@@ -28,7 +28,9 @@ is a different scorer (``prompt_layout`` in the spec).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from hcapo_store.rendering.placement import Placement, Placer, place_with_fallback
@@ -102,9 +104,8 @@ class EpisodeLayout:
         cut = self.builder.encoder.clean_cut(placement.text, common_prefix(text, placement.text))
         if cut is None:
             return None
-        n = len(placement.offsets)
-        while n and placement.offsets[n - 1][0] >= cut:
-            n -= 1
+        # The ids that start before the cut (starts ascend).
+        n = bisect_left(placement.offsets, cut, key=itemgetter(0))
         return n + len(self.builder.encoder.encode_once(text[cut:]))
 
     def _requests(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from hcapo_store.rendering.segments import SegmentEncoder
+from hcapo_store.rendering.segments import PieceOffsets, SegmentEncoder
 from hcapo_store.rendering.strings import common_prefix, common_suffix
 
 EMPTY_TURN: dict[str, Any] = {"role": "assistant", "content": ""}
@@ -175,7 +175,7 @@ class OwnTokenLocator:
                 f"({_preview(missing[0])}); the template renders this turn without it"
             )
         start = _first_overlapping(offsets, cs, search_from)
-        end = bisect_left(offsets, ce, lo=start, key=_token_start)  # the first token at or after ce
+        end = _first_starting_from(offsets, ce, start)
         if start >= end:
             raise NotOwn("alignment: no token covers the action's own characters")
         eot = False
@@ -222,8 +222,17 @@ def _has_reasoning(message: Mapping[str, Any]) -> bool:
 _token_start = itemgetter(0)
 
 
+def _first_starting_from(offsets: Sequence[tuple[int, int]], char: int, lo: int) -> int:
+    """The first token (from ``lo``) whose characters start at or after ``char``; offsets ascend."""
+    if isinstance(offsets, PieceOffsets):  # found by piece, without reading every piece's ranges
+        return max(lo, offsets.first_starting_from(char))
+    return bisect_left(offsets, char, lo=lo, key=_token_start)
+
+
 def _first_overlapping(offsets: Sequence[tuple[int, int]], char: int, lo: int) -> int:
     """The first token (from ``lo``) whose characters end after ``char``; offsets ascend."""
+    if isinstance(offsets, PieceOffsets):
+        return max(lo, offsets.first_ending_after(char))
     hi = len(offsets)
     while lo < hi:
         mid = (lo + hi) // 2

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
+from operator import itemgetter
+from typing import Any, overload
 
 
 def _walk_json(node: Any) -> list[dict]:
@@ -162,25 +165,22 @@ class SegmentEncoder:
                 return match.end()
         return None
 
-    def offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def offsets(self, text: str) -> tuple[list[int], Sequence[tuple[int, int]]]:
         """The ids of ``text`` and each one's character range, equal to the tokenizer's
         ``return_offsets_mapping``: the pieces between added tokens are encoded in one batch
-        (the backend spreads a batch over its threads) and shifted to where they stand."""
+        (the backend spreads a batch over its threads); their ranges are read on demand
+        (:class:`PieceOffsets`)."""
         if self._splitter is None:
             enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         pieces, tokens = self._split(text)
+        encodings = self._backend.encode_batch(pieces, add_special_tokens=False)
         ids: list[int] = []
-        offsets: list[tuple[int, int]] = []
-        for n, enc in enumerate(self._backend.encode_batch(pieces, add_special_tokens=False)):
-            at = tokens[n - 1][1] if n else 0  # a piece starts where the added token before it ends
+        for n, enc in enumerate(encodings):
             ids.extend(enc.ids)
-            offsets += [(a + at, b + at) for a, b in enc.offsets]
             if n < len(tokens):
-                a, b, token = tokens[n]
-                ids.append(token)
-                offsets.append((a, b))
-        return ids, offsets
+                ids.append(tokens[n][2])
+        return ids, PieceOffsets(encodings, tokens)
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
         missing = list({p for p in pieces if p not in self.pieces})
@@ -212,3 +212,88 @@ class RenderState:
     def push(self, piece: str, token: str, count: int) -> None:
         self.pairs.append(piece + token)
         self.counts.append(count)
+
+
+_START, _END = itemgetter(0), itemgetter(1)
+
+
+class PieceOffsets(Sequence[tuple[int, int]]):
+    """Each id's character range in a text encoded piece by piece (:meth:`SegmentEncoder.offsets`),
+    made on demand: a piece's ranges are taken from its encoding and shifted to where the
+    piece stands only when one of them is read. A placement reads those around each step's
+    span; making all ~70k pairs of a real-size episode cost more than placing its steps.
+
+    ``encodings``: one per piece; ``tokens``: the (start, end, id) of the added token after
+    each piece but the last. Indexed like a list (negative indexes and slices too)."""
+
+    def __init__(self, encodings: Sequence[Any], tokens: Sequence[tuple[int, int, int]]) -> None:
+        self._encodings = encodings
+        self._tokens = tokens
+        self._counts = [len(enc) for enc in encodings]
+        self._firsts: list[int] = []  # the index of each piece's first id
+        n = 0
+        for count in self._counts:
+            self._firsts.append(n)
+            n += count + 1  # the piece's ids, then its added token
+        self._len = n - 1 if encodings else 0  # no added token after the last piece
+        self._shifted: dict[int, list[tuple[int, int]]] = {}
+        self._starts: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _piece(self, p: int) -> list[tuple[int, int]]:
+        got = self._shifted.get(p)
+        if got is None:
+            at = self._tokens[p - 1][1] if p else 0  # a piece starts where the added token before it ends
+            got = self._shifted[p] = [(a + at, b + at) for a, b in self._encodings[p].offsets]
+        return got
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[int, int]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("offset index out of range")
+        p = bisect_right(self._firsts, i) - 1
+        local = i - self._firsts[p]
+        if local < self._counts[p]:
+            return self._piece(p)[local]
+        a, b, _ = self._tokens[p]
+        return (a, b)
+
+    def first_ending_after(self, char: int) -> int:
+        """The first id whose characters end after ``char`` (len(self) when none): the piece or
+        added token that holds ``char`` is found by its characters, then the piece's own ranges
+        are searched. Equal to a bisection over the whole list (ends ascend)."""
+        return self._first(char, end=True)
+
+    def first_starting_from(self, char: int) -> int:
+        """The first id whose characters start at or after ``char`` (len(self) when none)."""
+        return self._first(char, end=False)
+
+    def _first(self, char: int, *, end: bool) -> int:
+        if not self._len:
+            return 0
+        if self._starts is None:  # where each piece's text starts
+            self._starts = [0] + [b for _, b, _ in self._tokens]
+        p = max(bisect_right(self._starts, char) - 1, 0)
+        if p < len(self._tokens) and char >= self._tokens[p][0]:  # in (or at) the added token after piece p
+            a, b, _ = self._tokens[p]
+            if (b > char) if end else (a >= char):
+                return self._firsts[p] + self._counts[p]
+            return self._firsts[p + 1]  # the next piece's first id, or its added token
+        ranges = self._piece(p)
+        local = bisect_right(ranges, char, key=_END) if end else bisect_left(ranges, char, key=_START)
+        return self._firsts[p] + local  # past the piece's ids: its added token (or the end)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for p in range(len(self._encodings)):
+            yield from self._piece(p)
+            if p < len(self._tokens):
+                yield self._tokens[p][:2]
