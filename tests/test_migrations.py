@@ -185,7 +185,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0006" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0007" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

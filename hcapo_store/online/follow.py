@@ -244,12 +244,14 @@ class _Member:
     arrived: dt.datetime | None = None  # when a failure was seen
 
 
+# The counts walk the episode's steps and look each one up (EXISTS): as joins, SQLite's planner
+# walked every score of the scorer (ix_scores_scorer_step) to find the episode's few.
 MEMBERS_SQL = """
 SELECT e.id, e.name, e.external_id, e.version, e.is_current, e.source_path, e.ingested_at, e.num_steps,
-       (SELECT COUNT(*) FROM steps s JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = :scorer
-        WHERE s.episode_id = e.id) AS scored,
-       (SELECT COUNT(*) FROM steps s JOIN attempts a ON a.step_id = s.id AND a.scorer_id = :scorer
-        WHERE s.episode_id = e.id AND a.status = 'failed') AS failed
+       (SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id AND EXISTS
+          (SELECT 1 FROM scores sc WHERE sc.step_id = s.id AND sc.scorer_id = :scorer)) AS scored,
+       (SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id AND EXISTS
+          (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status = 'failed')) AS failed
 FROM episodes e
 WHERE e.id IN ({ids}) AND e.include_thinking = :thinking AND e.max_tool_result_chars = :tool_chars
 """

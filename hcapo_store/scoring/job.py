@@ -443,7 +443,8 @@ def run_scoring(
     retry_failed: bool = False,
     on_progress: Callable[[ScoreReport], None] | None = None,
 ) -> ScoreReport:
-    """Queue every unscored step of the scorer and score them; returns the run's report.
+    """Queue every unscored step of the scorer (of the episodes ``options.filters`` selects) and
+    score them; returns the run's report.
 
     Works inside a running event loop too (it then runs in a worker thread and blocks that
     loop until done); from async code, ``await run_scoring_async(...)`` instead.
@@ -470,7 +471,7 @@ async def run_scoring_async(
         register(store, prep.spec)
         if prep.tokenizer_dir is not None:
             remember_tokenizer(store, prep.spec["tokenizer"]["files_sha256"], prep.tokenizer_dir)
-        work_queue.enqueue(store, prep.scorer_id, **conv)
+        work_queue.enqueue(store, prep.scorer_id, **conv, filters=options.filters)  # the run's episodes only
         if retry_failed:
             work_queue.requeue_failed(store, prep.scorer_id, options.filters)
         return await scheduler.run()

@@ -25,16 +25,16 @@ from hcapo_store.storage.store import Store
 PENDING, LEASED, DONE, FAILED = "pending", "leased", "done", "failed"
 
 # The steps a scorer may score: those of current episodes converted with its options.
-ELIGIBLE_STEPS = """FROM steps s JOIN episodes e ON e.id = s.episode_id
-WHERE e.is_current AND e.include_thinking = :include_thinking
+ELIGIBLE = """e.is_current AND e.include_thinking = :include_thinking
   AND e.max_tool_result_chars = :max_tool_result_chars"""
+ELIGIBLE_STEPS = f"FROM steps s JOIN episodes e ON e.id = s.episode_id\nWHERE {ELIGIBLE}"
 
 # :scorer_value is :scorer again under another name: PostgreSQL infers one type per
 # parameter, and the select list (text) and the comparison (varchar) disagree.
-ENQUEUE_SQL = f"""
+ENQUEUE_SQL = """
 INSERT INTO attempts (step_id, scorer_id, episode_id, step_index, status, attempt_count, updated_at)
 SELECT s.id, :scorer_value, s.episode_id, s.step_index, 'pending', 0, :now
-{ELIGIBLE_STEPS}
+{steps}{where}
   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer)
 -- workers starting together race to enqueue the same steps (PostgreSQL, READ COMMITTED)
 ON CONFLICT (step_id, scorer_id) DO NOTHING
@@ -68,6 +68,23 @@ class Filters:
             parts.append("e.reward >= :min_reward")
         return "".join(f" AND {p}" for p in parts)
 
+    # A filter by episode names a few episodes: its queries walk those episodes (by their
+    # indexes) and then their rows (by episode id), never the store's. SQLite keeps a CROSS
+    # JOIN's left table as the outer loop; left to itself, its planner walked every queued row
+    # of the scorer through ix_attempts_claim (the one-new-episode follow cycle grew with the
+    # store). PostgreSQL plans a CROSS JOIN with a WHERE like any inner join.
+    def steps_from(self) -> str:
+        """The FROM and WHERE of the eligible steps ``s`` of episodes ``e`` (filter not included)."""
+        if self.episodes:
+            return f"FROM episodes e CROSS JOIN steps s\nWHERE s.episode_id = e.id AND {ELIGIBLE}"
+        return ELIGIBLE_STEPS
+
+    def attempts_from(self) -> str:
+        """The FROM and WHERE of the queue rows ``a`` of current episodes ``e`` (filter not included)."""
+        if self.episodes:
+            return "FROM episodes e CROSS JOIN attempts a WHERE a.episode_id = e.id AND e.is_current"
+        return "FROM attempts a JOIN episodes e ON e.id = a.episode_id WHERE e.is_current"
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -87,20 +104,28 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def enqueue(store: Store, scorer_id: str, *, include_thinking: bool, max_tool_result_chars: int) -> int:
-    """Create queue rows for steps of current episodes that have none (set-based)."""
+def enqueue(
+    store: Store,
+    scorer_id: str,
+    *,
+    include_thinking: bool,
+    max_tool_result_chars: int,
+    filters: Filters = Filters(),
+) -> int:
+    """Create queue rows for steps of current episodes that have none (set-based), of the
+    episodes ``filters`` selects (a run only claims those: the others' rows can wait for a run
+    that wants them, and a filtered run does not read the whole store to queue them)."""
+    params: dict[str, Any] = {
+        "scorer": scorer_id,
+        "scorer_value": scorer_id,
+        "include_thinking": include_thinking,
+        "max_tool_result_chars": max_tool_result_chars,
+    }
+    where = filters.sql(params)
+    sql = ENQUEUE_SQL.format(steps=filters.steps_from(), where=where)
     with db.write(store.engine) as conn:
-        result = conn.execute(
-            text(ENQUEUE_SQL),
-            {
-                "scorer": scorer_id,
-                "scorer_value": scorer_id,
-                "now": db.sql_now(conn),
-                "include_thinking": include_thinking,
-                "max_tool_result_chars": max_tool_result_chars,
-            },
-        )
-        return result.rowcount or 0
+        params["now"] = db.sql_now(conn)
+        return conn.execute(text(sql), params).rowcount or 0
 
 
 def unscored_steps(
@@ -120,13 +145,14 @@ def unscored_steps(
     }
     where = filters.sql(params)
     sql = (
-        f"SELECT s.episode_id, s.step_index {ELIGIBLE_STEPS}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
+        f"SELECT s.episode_id, s.step_index {filters.steps_from()}{where} AND NOT EXISTS (SELECT 1 FROM attempts a "
         "WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status IN ('done', 'failed')) "
         "ORDER BY s.episode_id, s.step_index"
     )
+    if limit is not None:  # the database stops at the limit ("is there any?" reads one row)
+        sql += f" LIMIT {int(limit)}"
     with db.read(store.engine) as conn:
-        rows = [(ep, idx) for ep, idx in conn.execute(text(sql), params)]
-    return rows if limit is None else rows[:limit]
+        return [(ep, idx) for ep, idx in conn.execute(text(sql), params)]
 
 
 def requeue_failed(store: Store, scorer_id: str, filters: Filters) -> int:
@@ -154,10 +180,7 @@ def count_claimable(store: Store, scorer_id: str, filters: Filters) -> int:
         params["now"] = db.sql_now(conn)
         return int(
             conn.execute(
-                text(
-                    f"SELECT COUNT(*) FROM attempts a JOIN episodes e ON e.id = a.episode_id "
-                    f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where}"
-                ),
+                text(f"SELECT COUNT(*) {filters.attempts_from()} AND a.scorer_id = :scorer AND {CLAIMABLE}{where}"),
                 params,
             ).scalar_one()
         )
@@ -189,9 +212,8 @@ def claim(
         else:  # SQLite: BEGIN IMMEDIATE already serialises claimers
             row = conn.execute(
                 text(
-                    f"SELECT a.episode_id FROM attempts a JOIN episodes e ON e.id = a.episode_id "
-                    f"WHERE a.scorer_id = :scorer AND e.is_current AND {CLAIMABLE}{where} "
-                    f"ORDER BY a.episode_id, a.step_index LIMIT 1"
+                    f"SELECT a.episode_id {filters.attempts_from()} AND a.scorer_id = :scorer AND {CLAIMABLE}{where} "
+                    "ORDER BY a.episode_id, a.step_index LIMIT 1"
                 ),
                 params,
             ).first()
@@ -310,9 +332,9 @@ def leases_of_others(store: Store, scorer_id: str, worker: str, filters: Filters
         params["now"] = db.sql_now(conn)
         rows = conn.execute(
             text(
-                "SELECT a.lease_owner, COUNT(*), MAX(a.lease_expires_at) FROM attempts a "
-                "JOIN episodes e ON e.id = a.episode_id WHERE a.scorer_id = :scorer AND e.is_current "
-                f"AND a.status = 'leased' AND a.lease_expires_at >= :now AND a.lease_owner <> :me{where} "
+                f"SELECT a.lease_owner, COUNT(*), MAX(a.lease_expires_at) {filters.attempts_from()} "
+                "AND a.scorer_id = :scorer AND a.status = 'leased' AND a.lease_expires_at >= :now "
+                f"AND a.lease_owner <> :me{where} "
                 "GROUP BY a.lease_owner ORDER BY a.lease_owner"
             ),
             params,

@@ -211,6 +211,9 @@ class Attempt(Base):
     __table_args__ = (
         UniqueConstraint("step_id", "scorer_id"),
         Index("ix_attempts_claim", "scorer_id", "status", "lease_expires_at"),
+        # An episode filter's rows and a worker's leases, by index (migration 0007).
+        Index("ix_attempts_episode", "episode_id", "scorer_id", "status", "lease_expires_at"),
+        Index("ix_attempts_lease_owner", "lease_owner"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
