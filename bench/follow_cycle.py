@@ -2,6 +2,7 @@
 
     python bench/follow_cycle.py --sizes 1000 10000 100000 --rounds 10
     python bench/follow_cycle.py --sizes 100000 --repo /path/to/another/checkout   # pair two commits
+    python bench/follow_cycle.py --sizes 100000 --queued   # the others' steps queued by an earlier run
 
 The store holds N episodes (one synthetic episode, its rows cloned by bulk insert: no
 ingest, no scoring) that lie outside the followed folder; the followed folder holds one
@@ -11,6 +12,10 @@ published batch. Measured, per cycle, in this process:
   engine's pool: statements and fetching their rows) and the number of statements;
 - a **one-new-episode** cycle: a new episode lands in its own step folder (group size 1),
   is ingested, scored against a zero-latency server (bench/bookkeeping.py's) and published.
+
+With ``--queued``, every stored episode's steps are queued for the scorer first (what a
+whole-store ``score`` run leaves behind when it is stopped), so the queue holds the store's
+rows too.
 
 Budget: the database work of an idle cycle stays flat, at most 50 ms at 100k episodes.
 ``--repo`` imports hcapo_store from another checkout (e.g. ``git archive COMMIT``), so the same
@@ -42,6 +47,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=10, help="cycles measured of each kind")
     ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose hcapo_store is measured")
     ap.add_argument("--json", action="store_true", help="one JSON object per size")
+    ap.add_argument("--queued", action="store_true", help="queue every stored episode's steps before following")
     return ap.parse_args()
 
 
@@ -109,12 +115,14 @@ def _clone(store: Any, n: int) -> None:
             conn.execute(insert_step, [{**s, "episode_id": i} for i in ids for s in steps])
 
 
-def _one_size(n: int, url: str, tokenizer: str, rounds: int) -> dict[str, Any]:
+def _one_size(n: int, url: str, tokenizer: str, rounds: int, queued: bool) -> dict[str, Any]:
     from hcapo_store.devkit.synth import EpisodeBuilder
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.online.follow import FollowConfig, Follower
+    from hcapo_store.scoring import work_queue
     from hcapo_store.scoring.job import ScoreConfig, prepare
     from hcapo_store.scoring.scheduler import RunOptions
+    from hcapo_store.scoring.scorer import register
     from hcapo_store.storage.store import Store
 
     def episode(directory: Path, i: int) -> None:
@@ -130,6 +138,15 @@ def _one_size(n: int, url: str, tokenizer: str, rounds: int) -> dict[str, Any]:
         root = Path(tmp) / "rollouts"
         episode(root / "step_0000" / "episode_000", 1)
         prep = prepare(store, ScoreConfig(server=url, tokenizer=tokenizer, max_context=2048))
+        if queued:
+            register(store, prep.spec)
+            conv = prep.spec["conversion"]
+            work_queue.enqueue(
+                store,
+                prep.scorer_id,
+                include_thinking=conv["include_thinking"],
+                max_tool_result_chars=conv["max_tool_result_chars"],
+            )
         follower = Follower(store, prep, FollowConfig(paths=[root], group_size=1), RunOptions(concurrency=1))
         first = follower.cycle()
         assert len(first.published) == 1, "the first batch was not published"
@@ -165,6 +182,7 @@ def _one_size(n: int, url: str, tokenizer: str, rounds: int) -> dict[str, Any]:
         "new_episode_db_ms": ms(new_db),
         "new_episode_statements": statistics.median(new_statements),
         "rounds": rounds,
+        "queued": queued,
     }
 
 
@@ -194,7 +212,7 @@ def main() -> None:
     sock.close()
     try:
         for n in args.sizes:
-            result = {"repo": str(args.repo), **_one_size(n, url, tokenizer, args.rounds)}
+            result = {"repo": str(args.repo), **_one_size(n, url, tokenizer, args.rounds, args.queued)}
             if args.json:
                 print(json.dumps(result), flush=True)
             else:
