@@ -81,14 +81,15 @@ def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
     )
 
 
-def write_synthetic_episodes(root: Path, n: int) -> int:
-    """The older synthetic 99-step episodes (~40-word tool outputs, no thinking)."""
+def write_synthetic_episodes(root: Path, n: int, output_words: int = 40) -> int:
+    """The older synthetic 99-step episodes (~40-word tool outputs, no thinking; about 9k Qwen3
+    tokens each, ~25k with ``output_words=215``)."""
     sys.path.insert(0, str(ROOT))
     from hcapo_store.devkit.synth import EpisodeBuilder
 
     bases = []
     for seed in range(8):
-        b = EpisodeBuilder(seed=seed).standard(steps_per_subtask=22, output_words=40)
+        b = EpisodeBuilder(seed=seed).standard(steps_per_subtask=22, output_words=output_words)
         bases.append((*_split(b.session_text()), b.result()))
     return _write_copies(
         root, n, bases, lambda result, i: json.dumps({**result, "episode_id": i, "episode_reward": (i % 997) / 997})

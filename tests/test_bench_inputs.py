@@ -66,3 +66,25 @@ def test_bookkeeping_bench_runs_against_its_server():
     runs = [line for line in out.stdout.splitlines() if ", run 1: " in line]
     # the runner and its one baseline (stdlib json bodies; the hand-written transport is gone)
     assert len(runs) == 2 and all("15 steps (0 failed)" in line for line in runs), out.stdout
+
+
+def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end():
+    """`--input budget` is what BENCHMARKS.md's client-budget row reads: 99-step episodes, every
+    step scored end to end in the episode layout, and the GPU time it is set against reported."""
+    import json
+
+    from _shared import TOKENIZERS
+
+    bench = BENCH_INGEST.parent / "bookkeeping.py"
+    args = ["--input", "budget", "--episodes", "1", "--prompt-layout", "episode", "--no-timers", "--json"]
+    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    run = report["end_to_end#1"]
+    assert (run["steps"], run["failed"]) == (99, 0), run
+    assert report["sent_tokens_per_step"] > 0 and report["gpu_ms_per_step_at_prefill_rate"] > 0
+    if (
+        TOKENIZERS / "qwen3"
+    ).is_dir():  # (else the demo tokenizer counts otherwise) one request per 99-step episode of ~25k tokens: its share per step
+        assert 200 <= report["sent_tokens_per_step"] <= 300, report["sent_tokens_per_step"]
+    assert report["summary"]["gpus_per_client_core"][1] > 0
