@@ -5,7 +5,9 @@ malformed, cut-off and hostile answers (stray bytes, bare LF line ends, Transfer
 other than chunked, endless trailers, lenient chunk sizes, an early response, an encoding
 never asked for) are seen exactly as a server would send them. Every request runs under a
 deadline far above the test's life (``HANG_GUARD_S``): a hostile answer must end the request
-by itself, as a failure of its own kind, never as a timeout."""
+by itself, as a failure of its own kind, never as a timeout. A server that stops reading a
+request's body ends it by the write-stall bound, a slow reader does not (raw sockets with a
+small receive buffer)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,19 @@ import asyncio
 import base64
 import gzip
 import shutil
+import socket
 import ssl
 import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from _waiting import HANG_GUARD_S
 
 from hcapo_store.errors import InferenceError
-from hcapo_store.scoring.backends.http import BAD_ENCODING, HttpClient, transport_for
+from hcapo_store.scoring.backends.http import BAD_ENCODING, WRITE_PIECE, HttpClient, transport_for
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # (request head, writer) -> keep open?
 
@@ -394,8 +398,10 @@ def _later_ok(n: int) -> bytes:
 
 @pytest.mark.parametrize("when", ["with-the-answer", "after-the-answer"])
 def test_stray_bytes_after_an_answer_drop_the_connection(when: str) -> None:
-    """Bytes past the end of an answer poison its connection: it is dropped, and every later
-    request gets its own answer (the wire.py transport kept it, and each later one failed)."""
+    """Bytes past the end of an answer belong to no request: the answer is kept, its
+    connection is dropped, and every later request gets its own answer on a new one. Sent
+    with the answer, they are in h11's buffer, not on the socket httpcore checks before reuse:
+    the client closes that connection itself (else the next request failed on them)."""
     read = asyncio.Event()
     sent = asyncio.Event()
 
@@ -415,19 +421,10 @@ def test_stray_bytes_after_an_answer_drop_the_connection(when: str) -> None:
         assert await client.post_json("/generate", {}) == {"n": 0}
         read.set()
         await sent.wait()
-        answers = []
-        for _ in range(3):
-            try:
-                answers.append(await client.post_json("/generate", {}))
-            except InferenceError as exc:  # the bytes sat in the parser's buffer: this request fails
-                assert exc.kind == "connect" and exc.retryable and "illegal status line" in str(exc)
-                answers.append(None)
-        if when == "with-the-answer":  # its answer came after the stray bytes, unread
-            assert answers == [None, {"n": 2}, {"n": 3}]
-            assert [c for c, _ in server.requests] == [1, 1, 2, 2]
-        else:  # seen on the idle socket before reuse: no request fails at all
-            assert answers == [{"n": 1}, {"n": 2}, {"n": 3}]
-            assert [c for c, _ in server.requests] == [1, 2, 2, 2]
+        answers = [await client.post_json("/generate", {}) for _ in range(3)]  # none fails
+        assert answers == [{"n": 1}, {"n": 2}, {"n": 3}]
+        assert [c for c, _ in server.requests] == [1, 2, 2, 2]  # nothing more sent on the first
+        assert client.connections_opened == 2
 
     _run([stray, *[_later_ok(n) for n in (1, 2, 3)]], body)
 
@@ -501,8 +498,9 @@ def test_an_early_answer_is_taken_without_waiting(ids: int, close: bool) -> None
     keeps the connection (reading nothing more): the answer is reported (or, when the unread
     body made the server's kernel reset the connection, a connection failure), never a
     request held until its deadline. (A server that keeps the connection, reads nothing and
-    leaves a body larger than the sockets' buffers unsent is bounded by the deadline alone:
-    HTTP/1.1 clients, httpx's included, finish sending before they read.)"""
+    leaves a body larger than the sockets' buffers unsent is not read from: HTTP/1.1 clients,
+    httpx's included, finish sending before they read; the write stall ends that request, see
+    test_a_server_that_stops_reading_the_body_fails_the_write_not_the_deadline.)"""
 
     async def body(server: Scripted, client: HttpClient) -> None:
         with pytest.raises(InferenceError) as info:
@@ -565,3 +563,113 @@ def test_an_encoding_not_asked_for_is_refused_unread() -> None:
         assert all(b"Accept-Encoding: identity\r\n" in head for _, head in server.requests)
 
     _run([answer, error, _later_ok(1)], body)
+
+
+# --------------------------------------------------------------------------- a server that stops reading
+
+
+def _kernel_send_buffer_max() -> int:
+    """The most a sending socket's kernel buffer grows to (Linux: tcp_wmem's max; on one
+    host's loopback it starts near that): a body must be larger to stall a write at all."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 16 << 20  # elsewhere: generous
+
+
+async def _listen_small(rcvbuf: int) -> socket.socket:
+    """A listening socket whose connections take at most ~``rcvbuf`` unread bytes."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # inherited by accepted sockets
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    return listener
+
+
+def test_a_server_that_stops_reading_the_body_fails_the_write_not_the_deadline() -> None:
+    """A server that accepts, never reads and never closes: once the body has filled the
+    kernels' buffers the write makes no progress, and the request fails as a ``timeout``
+    (retried) after ``write_stall``, not after the request's deadline (600 s here)."""
+    payload = {"text": "x" * (_kernel_send_buffer_max() + (1 << 20))}
+
+    async def main() -> None:
+        listener = await _listen_small(4096)
+        accepted: list[socket.socket] = []
+
+        async def accept() -> None:
+            conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+            accepted.append(conn)  # held open, never read
+
+        server = asyncio.ensure_future(accept())
+        client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=0.5)
+        try:
+            with pytest.raises(InferenceError) as info:
+                await client.post_json("/generate", payload)
+        finally:
+            await client.close()
+            await server
+            for conn in accepted:
+                conn.close()
+            listener.close()
+        assert info.value.kind == "timeout" and info.value.retryable
+        assert "WriteTimeout: the server took no more of the request body for 0.5 s" in str(info.value)
+        assert len(accepted) == 1
+
+    asyncio.run(main())
+
+
+def test_a_slow_body_that_progresses_is_not_a_stall() -> None:
+    """The write bound is per piece (``WRITE_PIECE``), not for the whole body: a server that
+    reads a piece, pauses, and reads on takes far longer than ``write_stall`` over the whole
+    body, and the request is answered. The body goes with its Content-Length, not chunked."""
+    pause, write_stall, rcvbuf = 0.05, 3.0, 256 << 10
+    # what the kernels (Linux doubles SO_RCVBUF) and asyncio's buffer (64 KiB) can hold unread
+    buffered = _kernel_send_buffer_max() + 2 * rcvbuf + 4 * WRITE_PIECE
+    payload = {"text": "x" * (buffered + 72 * WRITE_PIECE)}  # the write lasts at least 72 pauses
+    waits_in_write = 0  # pauses taken while the client cannot have finished writing
+
+    async def main() -> dict[str, Any]:
+        nonlocal waits_in_write
+        listener = await _listen_small(rcvbuf)
+        loop = asyncio.get_running_loop()
+
+        async def serve() -> None:
+            nonlocal waits_in_write
+            conn, _ = await loop.sock_accept(listener)
+            assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) <= 2 * rcvbuf
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await loop.sock_recv(conn, 4096)
+            head, _, body = data.partition(b"\r\n\r\n")
+            lines = head.lower().split(b"\r\n")
+            assert not any(line.startswith(b"transfer-encoding") for line in lines)
+            length = int(next(line for line in lines if line.startswith(b"content-length:")).split(b":")[1])
+            while len(body) < length:
+                target = min(length, len(body) + WRITE_PIECE)
+                while len(body) < target:
+                    more = await loop.sock_recv(conn, target - len(body))
+                    if not more:  # the client gave up: its error is the test's failure
+                        conn.close()
+                        return
+                    body += more
+                if length - len(body) > buffered:  # the client is still writing: a slow reader
+                    waits_in_write += 1
+                    await asyncio.sleep(pause)
+            answer = b'{"received": %d}' % len(body)
+            await loop.sock_sendall(conn, _ok(answer))
+            conn.close()
+
+        server = asyncio.ensure_future(serve())
+        client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=write_stall)
+        try:
+            answer = await client.post_json("/generate", payload)
+        finally:
+            await client.close()
+            await server
+            listener.close()
+        return answer
+
+    answer = asyncio.run(main())
+    assert answer == {"received": len(orjson.dumps(payload))}
+    assert waits_in_write * pause > write_stall  # the whole write outlasted the bound

@@ -18,6 +18,17 @@ request timeout), and its body is read raw, in chunks, and given up beyond what 
 can need (``response_cap``), so a runaway body cannot exhaust memory. Every request asks
 for ``Accept-Encoding: identity`` and a body in any other Content-Encoding is refused
 unread: a few KB of nested gzip would otherwise inflate to gigabytes before any cap.
+
+A server that stops taking a request's body (it neither reads it nor closes) is not waited
+for until the deadline: the body goes to the transport in ``WRITE_PIECE`` pieces, each under
+httpx's write timeout (``write_stall``), so a write that makes no progress for that long fails
+(a ``timeout``, retried) while a slow one that progresses does not. The kernels' socket
+buffers take a body without the server reading it: only a body larger than they are can
+stall; a smaller one waits for the answer, under the deadline, like a slow answer.
+
+Bytes past the end of a complete answer belong to no request: the answer is kept, and a
+connection that carried them is closed instead of going back to the pool (h11 would read
+them as the start of the next answer and fail that request).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import asyncio
 import base64
 import json
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -40,6 +51,11 @@ from hcapo_store.scoring.backends.base import BackendScore, split_score
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 MODEL_CHANGED = "model_changed"  # InferenceError kind: the server now serves another model
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+# A live server takes the next piece of a request body at once, as it accepts a connection:
+# the same 10 s as the connect timeout (scoring.job), not --request-timeout, which also
+# covers the server's compute. 64 KiB a piece: a write that moves 6 KB/s never stalls.
+WRITE_STALL_S = 10.0
+WRITE_PIECE = 64 << 10
 TOO_LARGE = "too_large"  # InferenceError kind: a body beyond what the request can need
 # A response to a scoring request carries a few dozen bytes per prompt token (SGLang: a
 # [logprob, id, text] triple; vLLM: a dict per position); the request itself carries a
@@ -88,6 +104,27 @@ def _retry_after(headers: httpx.Headers) -> float | None:
         return None
 
 
+async def _pieces(content: bytes) -> AsyncIterator[bytes]:
+    """A request body handed to the transport ``WRITE_PIECE`` bytes at a time."""
+    for start in range(0, len(content), WRITE_PIECE):
+        yield content[start : start + WRITE_PIECE]
+
+
+def _with_stray_bytes(response: httpx.Response) -> Any | None:
+    """The HTTP/1.1 connection of ``response``, read to its end, when bytes past that end wait
+    in its h11 parser, else None. httpcore reuses an idle connection unless its socket is
+    readable; bytes that came in the same packet as the answer are already off the socket, in
+    the parser, and would fail the next request as its answer's first line. (httpx has no
+    public handle on the parser: tests/test_wire.py fails if this path stops finding it.)"""
+    pooled = getattr(response.stream, "_httpcore_stream", None)  # httpx's wrapper -> the pool's stream
+    connection = getattr(getattr(pooled, "_stream", None), "_connection", None)  # -> its HTTP/1.1 connection
+    parser = getattr(connection, "_h11_state", None)
+    if parser is None:
+        return None
+    data, _closed = parser.trailing_data
+    return connection if data else None
+
+
 class HttpClient:
     """One pooled async client per server, with an API key sent as a Bearer token."""
 
@@ -98,7 +135,11 @@ class HttpClient:
         api_key: str | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
+        write_stall: float | None = WRITE_STALL_S,
     ) -> None:
+        """``timeout``: its read timeout is the whole request's deadline (``--request-timeout``);
+        ``write_stall``: the seconds a request body may make no progress (at most the deadline;
+        None: the deadline alone bounds it), in place of ``timeout``'s write timeout."""
         register_url_secrets(base_url)
         register_secret(api_key)
         base_url, query_token = split_query_token(base_url)
@@ -117,7 +158,11 @@ class HttpClient:
         self._urls: dict[str, httpx.URL] = {}
         if not isinstance(timeout, httpx.Timeout):
             timeout = httpx.Timeout(timeout)
-        self._extensions = {"timeout": timeout.as_dict(), "trace": self._trace}
+        limits = timeout.as_dict()
+        if write_stall is not None:
+            limits["write"] = write_stall if self.deadline is None else min(write_stall, self.deadline)
+        self.write_stall = limits["write"]
+        self._extensions = {"timeout": limits, "trace": self._trace}
         # Requests go straight to httpx's transport: its client layer (URL merging, cookies,
         # auth and redirect hooks) cost 0.5 ms per request and none of it is used here.
         self._transport = transport_for(self._root, max_connections=max_connections)
@@ -158,6 +203,13 @@ class HttpClient:
             raise InferenceError(
                 "timeout", f"{where}: no complete answer within {self.deadline:g} s", retryable=True
             ) from exc
+        except httpx.WriteTimeout as exc:  # a body piece the server did not take: it stopped reading
+            raise InferenceError(
+                "timeout",
+                f"{where}: WriteTimeout: the server took no more of the request body for {self.write_stall:g} s "
+                "(it stopped reading)",
+                retryable=True,
+            ) from exc
         except httpx.TimeoutException as exc:
             raise InferenceError("timeout", f"{where}: {type(exc).__name__}", retryable=True) from exc
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
@@ -189,11 +241,18 @@ class HttpClient:
         content = None if payload is None else orjson.dumps(payload)
         cap = GET_CAP_BYTES if content is None else response_cap(len(content))
         headers = self._headers if content is None else {**self._headers, **(extra or {}), **_JSON}
+        body: bytes | AsyncIterator[bytes] | None = content
+        if content is not None and len(content) > WRITE_PIECE:
+            # In pieces, each under the write timeout: a stall fails, a slow write does not.
+            # The declared length keeps httpx from sending it chunked.
+            body = _pieces(content)
+            headers = {**headers, "Content-Length": str(len(content))}
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = httpx.URL(self._root + path)
-        request = httpx.Request(method, url, content=content, headers=headers, extensions=self._extensions)
+        request = httpx.Request(method, url, content=body, headers=headers, extensions=self._extensions)
         response = await self._transport.handle_async_request(request)
+        stray = None
         try:
             if response.status_code != 200:
                 cap = ERROR_BODY_BYTES  # only quoted in a message: the rest is not read
@@ -221,9 +280,13 @@ class HttpClient:
                     if response.status_code != 200:
                         break
                     raise self._too_large(method, path, cap, "its body ran past that")
+            else:
+                stray = _with_stray_bytes(response)
             return response.status_code, response.headers, b"".join(chunks)
         finally:
             await response.aclose()
+            if stray is not None and not stray.is_closed():  # idle in the pool: closed before reuse
+                await stray.aclose()
 
     def _too_large(self, method: str, path: str, cap: int, why: str) -> InferenceError:
         return InferenceError(
