@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -226,6 +227,7 @@ def main() -> None:
                 )
     finally:
         server.terminate()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
