@@ -429,6 +429,33 @@ def test_stray_bytes_after_an_answer_drop_the_connection(when: str) -> None:
     _run([stray, *[_later_ok(n) for n in (1, 2, 3)]], body)
 
 
+def test_a_request_waiting_for_the_stray_bytes_connection_gets_a_new_one() -> None:
+    """One connection allowed: a second request waits for the first's. The pool hands it the
+    connection as the first answer is closed, just before the client closes that connection
+    for its stray bytes; httpcore then finds it closed and opens another for it."""
+    arrived = asyncio.Event()
+    release = asyncio.Event()
+
+    async def stray(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        arrived.set()
+        await release.wait()
+        writer.write(_ok(b'{"n": 0}') + b"garbage!")
+        await writer.drain()
+        return True
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        first = asyncio.ensure_future(client.post_json("/generate", {}))
+        await arrived.wait()
+        second = asyncio.ensure_future(client.post_json("/generate", {}))
+        for _ in range(200):  # the second gets as far as it can: queued for the one connection
+            await asyncio.sleep(0)
+        release.set()
+        assert await asyncio.gather(first, second) == [{"n": 0}, {"n": 1}]
+        assert [c for c, _ in server.requests] == [1, 2]
+
+    _run([stray, _later_ok(1)], body, max_connections=1)
+
+
 def test_bare_lf_line_ends_are_read_at_once() -> None:
     """RFC 9112 §2.2 lets a recipient take a bare LF as a line end; h11 does, so such an
     answer is read at once (wire.py waited for a CRLF until the request timeout)."""
