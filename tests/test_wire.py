@@ -635,7 +635,8 @@ def test_a_server_that_stops_reading_the_body_fails_the_write_not_the_deadline()
                 await client.post_json("/generate", payload)
         finally:
             await client.close()
-            await server
+            server.cancel()  # done once it accepted; a client that never connected must not hang it
+            await asyncio.gather(server, return_exceptions=True)
             for conn in accepted:
                 conn.close()
             listener.close()
