@@ -651,7 +651,9 @@ def test_a_slow_body_that_progresses_is_not_a_stall() -> None:
     """The write bound is per piece (``WRITE_PIECE``), not for the whole body: a server that
     reads a piece, pauses, and reads on takes far longer than ``write_stall`` over the whole
     body, and the request is answered. The body goes with its Content-Length, not chunked."""
-    pause, write_stall, rcvbuf = 0.05, 3.0, 256 << 10
+    # A piece may wait write_stall (6 s) before the test fails: a generous bound on a loaded machine,
+    # while 72 pauses of 0.1 s make the whole write outlast it.
+    pause, write_stall, rcvbuf = 0.1, 6.0, 256 << 10
     # what the kernels (Linux doubles SO_RCVBUF) and asyncio's buffer (64 KiB) can hold unread
     buffered = _kernel_send_buffer_max() + 2 * rcvbuf + 4 * WRITE_PIECE
     payload = {"text": "x" * (buffered + 72 * WRITE_PIECE)}  # the write lasts at least 72 pauses
