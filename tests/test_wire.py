@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gzip
+import os
 import shutil
 import socket
 import ssl
@@ -356,6 +357,26 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
         capture_output=True,
     )
     return cert, key
+
+
+def test_the_tls_context_is_made_once_per_ca_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every scoring run makes a transport; the verifying context (the CA bundle loaded) is
+    made once per process and CA setting, and again when the environment's CA changes."""
+    from hcapo_store.scoring.backends import http
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    default = http._tls_context(*http._ca_setting())
+    assert http._tls_context(*http._ca_setting()) is default
+    transport_for("http://127.0.0.1:1", max_connections=1)
+    assert http._tls_context(*http._ca_setting()) is default
+    cert, _key = _self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    named = http._tls_context(*http._ca_setting())
+    assert named is not default and http._tls_context(*http._ca_setting()) is named
+    stat = cert.stat()
+    os.utime(cert, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the file replaced
+    assert http._tls_context(*http._ca_setting()) is not named
 
 
 @pytest.mark.parametrize("trusted", [True, False])
