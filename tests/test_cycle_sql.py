@@ -16,6 +16,7 @@ from typing import Any
 
 import pg
 import pytest
+from _queue_results import done_result
 from alembic import command
 from sqlalchemy import event, inspect, text
 
@@ -238,26 +239,6 @@ def _attempts(store: Store) -> list[dict[str, Any]]:
     return [dict(zip(cols, r)) for r in rows]
 
 
-def _done(lease: work_queue.Lease) -> work_queue.StepResult:
-    row = {
-        "token_logprobs": b"\0\0\0\0",
-        "token_count": 1,
-        "mean_logprob": 0.0,
-        "total_action_tokens": 1,
-        "skipped_action_tokens": 0,
-        "truncated_prefix_tokens": 0,
-        "input_tokens": 2,
-        "logprob_start_len": 0,
-        "flattened": False,
-        "prompt_tokens": 2,
-        "cached_tokens": None,
-        "latency_s": 0.0,
-        "server_model": "m",
-        "created_at": "2026-01-01T00:00:00",
-    }
-    return work_queue.StepResult(lease.attempt_id, lease.step_id, score_row=row)
-
-
 def test_a_filtered_enqueue_queues_its_episodes_and_a_later_run_the_rest(any_store: Store, tmp_path: Path):
     store = any_store
     scorer, conv = _queued_store(store, tmp_path)
@@ -294,7 +275,7 @@ def test_filtered_queue_reads_give_the_plain_rule(any_store: Store, tmp_path: Pa
     one = work_queue.claim(store, scorer, "w:1", lease_seconds=60, filters=every)
     assert one is not None
     with db.write(store.engine) as conn:
-        work_queue.write_results(conn, scorer, "w:1", [_done(lease) for lease in one.leases[:-1]])
+        work_queue.write_results(conn, scorer, "w:1", [done_result(lease) for lease in one.leases[:-1]])
     two = work_queue.claim(store, scorer, "w:1", lease_seconds=60, filters=every)
     assert two is not None
     failures = [
