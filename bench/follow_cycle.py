@@ -153,23 +153,22 @@ def _one_size(n: int, url: str, tokenizer: str, rounds: int, queued: bool) -> di
         assert len(first.published) == 1, "the first batch was not published"
         clock = DbClock(store.engine)
         idle_wall, idle_db, idle_statements = [], [], []
-        for _ in range(rounds):
+        new_wall, new_db, new_statements = [], [], []
+
+        def timed_cycle(wall: list[float], dbs: list[float], statements: list[int]) -> Any:
             clock.reset()
             t = time.perf_counter()
             report = follower.cycle()
-            idle_wall.append(time.perf_counter() - t)
-            idle_db.append(clock.seconds)
-            idle_statements.append(clock.statements)
-            assert not report.published
-        new_wall, new_db, new_statements = [], [], []
+            wall.append(time.perf_counter() - t)
+            dbs.append(clock.seconds)
+            statements.append(clock.statements)
+            return report
+
+        for _ in range(rounds):
+            assert not timed_cycle(idle_wall, idle_db, idle_statements).published
         for r in range(rounds):
             episode(root / f"step_{r + 1:04d}" / "episode_000", 100 + r)
-            clock.reset()
-            t = time.perf_counter()
-            report = follower.cycle()
-            new_wall.append(time.perf_counter() - t)
-            new_db.append(clock.seconds)
-            new_statements.append(clock.statements)
+            report = timed_cycle(new_wall, new_db, new_statements)
             assert len(report.published) == 1, "the new episode's batch was not published in its cycle"
         stored = store.query("SELECT count(*) FROM episodes", read_only=True)[1][0][0]
     ms = lambda v: round(1000 * statistics.median(v), 2)  # noqa: E731
