@@ -22,7 +22,7 @@ reason, rather than a span over part of the action.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -219,7 +219,7 @@ def _has_reasoning(message: Mapping[str, Any]) -> bool:
     )
 
 
-_token_start = itemgetter(0)
+_token_start, _token_end = itemgetter(0), itemgetter(1)
 
 
 def _first_starting_from(offsets: Sequence[tuple[int, int]], char: int, lo: int) -> int:
@@ -233,14 +233,7 @@ def _first_overlapping(offsets: Sequence[tuple[int, int]], char: int, lo: int) -
     """The first token (from ``lo``) whose characters end after ``char``; offsets ascend."""
     if isinstance(offsets, PieceOffsets):
         return max(lo, offsets.first_ending_after(char))
-    hi = len(offsets)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if offsets[mid][1] <= char:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return bisect_right(offsets, char, lo=lo, key=_token_end)
 
 
 def _preview(text: str, limit: int = 40) -> str:

@@ -237,7 +237,7 @@ class PieceOffsets(Sequence[tuple[int, int]]):
             n += count + 1  # the piece's ids, then its added token
         self._len = n - 1 if encodings else 0  # no added token after the last piece
         self._shifted: dict[int, list[tuple[int, int]]] = {}
-        self._starts: list[int] | None = None
+        self._starts = [0] + [b for _, b, _ in tokens]  # where each piece's text starts
 
     def __len__(self) -> int:
         return self._len
@@ -280,8 +280,6 @@ class PieceOffsets(Sequence[tuple[int, int]]):
     def _first(self, char: int, *, end: bool) -> int:
         if not self._len:
             return 0
-        if self._starts is None:  # where each piece's text starts
-            self._starts = [0] + [b for _, b, _ in self._tokens]
         p = max(bisect_right(self._starts, char) - 1, 0)
         if p < len(self._tokens) and char >= self._tokens[p][0]:  # in (or at) the added token after piece p
             a, b, _ = self._tokens[p]
