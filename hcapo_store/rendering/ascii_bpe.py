@@ -178,19 +178,16 @@ class AsciiBpe:
         a pre-token its model does not spell): encode it with the backend."""
         if not text.isascii():
             return None
+        words = self._pattern.findall(text)
+        if sum(map(len, words)) != len(text):  # a stretch no alternative matched (none in these patterns)
+            return None
         ids: list[int] = []
-        memo, pos = self._memo, 0
-        for match in self._pattern.finditer(text):
-            if match.start() != pos:  # an unmatched stretch is a pre-token too (none in these patterns)
-                return None
-            pos = match.end()
-            word = match.group()
-            got = memo.get(word) or self._word(word)
+        get = self._memo.get
+        for word in words:
+            got = get(word) or self._word(word)
             if got is None:
                 return None
             ids += got[0]
-        if pos != len(text):
-            return None
         return AsciiEncoding(ids, text, self)
 
     def offsets(self, text: str) -> list[tuple[int, int]]:
