@@ -88,3 +88,21 @@ def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end():
     ).is_dir():  # (else the demo tokenizer counts otherwise) one request per 99-step episode of ~25k tokens: its share per step
         assert 200 <= report["sent_tokens_per_step"] <= 300, report["sent_tokens_per_step"]
     assert report["summary"]["gpus_per_client_core"][1] > 0
+
+
+def test_the_ascii_bpe_bench_checks_both_strategies_agree_before_timing():
+    """bench/ascii_bpe.py (BENCHMARKS.md's tokenizer row) asserts every piece's ids and offsets
+    equal under both strategies before it times them: it must run to its figures."""
+    import json
+
+    from _shared import TOKENIZERS
+
+    if not (TOKENIZERS / "qwen3").is_dir():
+        pytest.skip(f"no Qwen3 tokenizer at {TOKENIZERS / 'qwen3'}")
+    bench = BENCH_INGEST.parent / "ascii_bpe.py"
+    args = ["--input", "budget", "--episodes", "1", "--rounds", "1", "--tokenizer", str(TOKENIZERS / "qwen3"), "--json"]
+    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["tokens"] > 20_000 and report["ascii_share_of_characters"] > 0.9
+    assert report["after_over_before_median"] > 0
