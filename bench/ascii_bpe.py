@@ -29,19 +29,22 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from ingest import write_real_episodes, write_synthetic_episodes  # noqa: E402
+from ingest import BUDGET_OUTPUT_WORDS, write_real_episodes, write_synthetic_episodes  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
 from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
-from hcapo_store.rendering.ascii_bpe import encode_pieces  # noqa: E402
-from hcapo_store.rendering.prompts import hindsight_text, inject_hindsight, normalize_messages  # noqa: E402
+from hcapo_store.rendering.ascii_bpe import AsciiBpe, encode_pieces  # noqa: E402
+from hcapo_store.rendering.prompts import (  # noqa: E402
+    HINDSIGHT_TEMPLATE,
+    hindsight_text,
+    inject_hindsight,
+    normalize_messages,
+)
 from hcapo_store.rendering.segments import SegmentEncoder  # noqa: E402
 from hcapo_store.rendering.template import render_chat  # noqa: E402
 from hcapo_store.rendering.tokenizers import load_tokenizer  # noqa: E402
 from hcapo_store.storage.episodes import load_episode  # noqa: E402
 from hcapo_store.storage.store import Store  # noqa: E402
-
-BUDGET_OUTPUT_WORDS = 215  # bench/bookkeeping.py --input budget: ~25k Qwen3 tokens per 99-step episode
 
 
 def conversations(tokenizer, kind: str, n: int) -> list[str]:
@@ -53,8 +56,6 @@ def conversations(tokenizer, kind: str, n: int) -> list[str]:
         write_real_episodes(root / "eps", n)
     store = Store.open(str(root / "bench.db"))
     ingest(store, [root / "eps"])
-    from hcapo_store.rendering.prompts import HINDSIGHT_TEMPLATE
-
     out = []
     with store.engine.connect() as conn:
         for (episode_id,) in conn.execute(text("SELECT id FROM episodes WHERE is_current ORDER BY id")).all():
@@ -74,10 +75,11 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(args.tokenizer)
-    encoder = SegmentEncoder(tokenizer)
-    if encoder.ascii_off_reason:
-        sys.exit(f"the ASCII strategy is off for {args.tokenizer}: {encoder.ascii_off_reason}")
-    backend, fast = tokenizer.backend_tokenizer, encoder._ascii
+    backend = tokenizer.backend_tokenizer
+    fast, why_not = AsciiBpe.of(backend)
+    if fast is None:
+        sys.exit(f"the ASCII strategy is off for {args.tokenizer}: {why_not}")
+    encoder = SegmentEncoder(tokenizer)  # cuts the renderings at added tokens, as offsets() does
     pieces = [p for t in conversations(tokenizer, args.input, args.episodes) for p in encoder._split(t)[0]]
 
     before = backend.encode_batch(pieces, add_special_tokens=False)

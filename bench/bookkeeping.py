@@ -60,9 +60,6 @@ except ImportError:  # pragma: no cover
     orjson = None
     _dumps, _loads = (lambda o: json.dumps(o).encode()), json.loads
 
-# --input budget: 99-step synthetic episodes of about 25k Qwen3 tokens, the shape the budget
-# was derived from (issue 34: "a 100-step, 25k-token episode is about 8 ms of GPU time per step").
-BUDGET_OUTPUT_WORDS = 215
 PREFILL_TOKENS_PER_S = 30_000  # an 8B model's prefill on one H100 (issue 34, "The client budget, restated")
 QWEN3 = REPO.parent / "shared" / "tokenizers" / "qwen3"
 
@@ -295,7 +292,7 @@ def main() -> None:
         write_real_episodes(tmp / "episodes", args.episodes)
     elif args.input == "budget":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from ingest import write_synthetic_episodes
+        from ingest import BUDGET_OUTPUT_WORDS, write_synthetic_episodes
 
         write_synthetic_episodes(tmp / "episodes", args.episodes, output_words=BUDGET_OUTPUT_WORDS)
     else:

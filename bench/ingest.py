@@ -81,9 +81,15 @@ def write_real_episodes(root: Path, n: int, samples: Path = SAMPLES) -> int:
     )
 
 
+# Tool-output words of the client budget's shape: 99-step synthetic episodes of about 25k Qwen3
+# tokens (issue 34: "a 100-step, 25k-token episode is about 8 ms of GPU time per step");
+# bench/bookkeeping.py and bench/ascii_bpe.py --input budget.
+BUDGET_OUTPUT_WORDS = 215
+
+
 def write_synthetic_episodes(root: Path, n: int, output_words: int = 40) -> int:
     """The older synthetic 99-step episodes (~40-word tool outputs, no thinking; about 9k Qwen3
-    tokens each, ~25k with ``output_words=215``)."""
+    tokens each, ~25k with ``output_words=BUDGET_OUTPUT_WORDS``)."""
     sys.path.insert(0, str(ROOT))
     from hcapo_store.devkit.synth import EpisodeBuilder
 
