@@ -41,6 +41,15 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
     help="Processes that parse episodes while this one stores them [default: one per core; "
     "1 = parse in this process]. Small ingests always parse here. The stored result is the same.",
 )
+@click.option(
+    "--format",
+    "input_format",
+    type=click.Choice(["tau-bench", "openai-list"]),
+    default=None,
+    help="Read each FILE given as a JSON array of episodes, not JSONL: tau-bench = τ-bench's "
+    "results (task_id, trial, reward, traj; episode id TASK-TRIAL); openai-list = the objects a JSONL "
+    "line holds (messages, reward, optional episode_id …).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def ingest(
@@ -50,6 +59,7 @@ def ingest(
     max_tool_result_chars: int,
     tags: tuple[str, ...],
     jobs: int | None,
+    input_format: str | None,
     as_json: bool,
 ) -> None:
     """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
@@ -65,9 +75,11 @@ def ingest(
     options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
     with EpisodeProgress("ingest", enabled=not as_json) as progress:
         if progress.enabled:
-            progress.total = count_inputs(list(paths))  # for the rate's ETA; a pipe gets it in its log lines
+            progress.total = count_inputs(list(paths), input_format)  # for the rate's ETA; a pipe gets it in its log lines
         report = run_ingest(
-            store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance, jobs=jobs
+            store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance,
+            jobs=jobs,
+            input_format=input_format,
         )
     if as_json:
         echo_json(report.as_dict())

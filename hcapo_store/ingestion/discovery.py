@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ def iter_sources(
     *,
     cursors: dict[Path, JsonlCursor] | None = None,
     roots: Sequence[Path] | None = None,
+    input_format: str | None = None,
 ) -> Iterator[Source | IngestError]:
     """Yield sources in a stable order; an unreadable path yields its error instead.
 
@@ -65,7 +67,9 @@ def iter_sources(
     ingests one changed episode at a time and names it as if its whole tree was given).
     ``cursors``: a JSONL file with a cursor is read from its offset, and the cursor moved past
     its whole lines (``follow``). ``roots``: files whose real place is outside every one of
-    these resolved directories are refused, not read (``follow``'s links out of its folders)."""
+    these resolved directories are refused, not read (``follow``'s links out of its folders).
+    ``input_format`` (one of ``INPUT_FORMATS``): a file given is a JSON array of episodes in
+    that format, not JSONL (directories are read as always)."""
     for path in paths:
         path = Path(path)
         if why := why_unreadable(path):
@@ -75,7 +79,9 @@ def iter_sources(
         root = path
         if name_root is not None and name_root.resolve() in path.parents:
             root = name_root.resolve()
-        if path.is_file():
+        if path.is_file() and input_format is not None:
+            yield from _array_sources(path, options, root, input_format, roots)
+        elif path.is_file():
             yield from _jsonl_sources(path, options, root, cursors, roots)
         elif _present(path / RESULT_FILE) or _present(path / SESSION_FILE):
             yield _safe_dir_source(path, options, root, roots)
@@ -139,15 +145,27 @@ def _children(path: Path) -> tuple[list[Path], list[Path], list[tuple[Path, str]
     return children, jsonl, odd
 
 
-def count_inputs(paths: list[Path]) -> int:
+def count_inputs(paths: list[Path], input_format: str | None = None) -> int:
     """About how many sources ``iter_sources`` will yield (for a progress total): episode
     directories plus non-empty JSONL lines, one for a path it cannot read, none for a folder
-    without episodes. Reads JSONL files as bytes only (no parsing), through the same gate."""
+    without episodes. Reads JSONL files as bytes only (no parsing), through the same gate; a
+    file that is no JSONL counts one (it is refused whole); with ``input_format``, a file
+    counts its array's elements."""
+
+    def elements(file: Path) -> int:
+        try:
+            doc = json.loads(read_regular(file, MAX_ARRAY_BYTES) or b"[]")
+        except (OSError, IngestError, ValueError, RecursionError):
+            return 1
+        return len(doc) if isinstance(doc, list) else 1
 
     def lines(file: Path) -> int:
         n, last = 0, b"\n"
         try:
             with open_regular(file, None) as f:
+                if not_jsonl(f, file) is not None:
+                    return 1  # refused as a whole
+                f.seek(0)
                 while chunk := f.read(1 << 20):
                     n += chunk.count(b"\n")
                     last = chunk[-1:]
@@ -160,7 +178,7 @@ def count_inputs(paths: list[Path]) -> int:
         if why_unreadable(path):
             total += 1
         elif path.is_file():
-            total += lines(path)
+            total += lines(path) if input_format is None else elements(path)
         elif _present(path / RESULT_FILE) or _present(path / SESSION_FILE) or _unlistable(path):
             total += 1
         else:
@@ -278,11 +296,29 @@ def _jsonl_sources(
     except OSError as exc:
         yield IngestError(f"cannot read: {exc.strerror}", path=str(path))
         return
+    file_label, prefixes = episode_keys.label(path, root), episode_keys.ancestors(root)
+    for entry in _refuse_conflicts(path, lines):
+        if isinstance(entry, IngestError):
+            yield entry
+            continue
+        yield Source(
+            key=entry.key,
+            name=episode_keys.jsonl_name(file_label, entry.ident, entry.lineno),
+            path=str(path),
+            location=f"{path}:{entry.lineno}",
+            content_hash=entry.digest,
+            load=partial(_load_jsonl_line, path, entry, options),
+            prefixes=prefixes,
+        )
+
+
+def _refuse_conflicts(path: Path, lines: list[_Line | IngestError]) -> Iterator[_Line | IngestError]:
+    """The lines in order; lines of one file that share a key but differ are all refused:
+    neither may silently supersede the other (identical repeats are one episode)."""
     by_key: dict[str, list[_Line]] = {}
     for entry in lines:
         if isinstance(entry, _Line):
             by_key.setdefault(entry.key, []).append(entry)
-    file_label, prefixes = episode_keys.label(path, root), episode_keys.ancestors(root)
     for entry in lines:
         if not isinstance(entry, _Line):
             yield entry
@@ -297,15 +333,7 @@ def _jsonl_sources(
                 line=entry.lineno,
             )
             continue
-        yield Source(
-            key=entry.key,
-            name=episode_keys.jsonl_name(file_label, entry.ident, entry.lineno),
-            path=str(path),
-            location=f"{path}:{entry.lineno}",
-            content_hash=entry.digest,
-            load=partial(_load_jsonl_line, path, entry, options),
-            prefixes=prefixes,
-        )
+        yield entry
 
 
 def _index_jsonl(
@@ -321,14 +349,8 @@ def _index_jsonl(
         lineno = cursor.lines if cursor is not None else 0
         if cursor is not None:
             cursor.waiting_line = None
-        if offset == 0 and not _looks_like_jsonl(handle):
-            return [
-                IngestError(
-                    f"not a JSONL file: none of its first {JSONL_PROBE_LINES} non-empty lines starts "
-                    "with '{' (one JSON episode object per line expected)",
-                    path=str(path),
-                )
-            ]
+        if offset == 0 and (why := not_jsonl(handle, path)) is not None:
+            return [IngestError(why, path=str(path))]
         handle.seek(offset)
         while raw := handle.readline(MAX_JSONL_LINE_BYTES + 1):
             lineno += 1
@@ -366,6 +388,122 @@ def _continues(handle: IO[bytes], cursor: JsonlCursor) -> bool:
     n = len(cursor.tail)
     handle.seek(cursor.offset - n)
     return handle.read(n) == cursor.tail
+
+
+INPUT_FORMATS = ("tau-bench", "openai-list")
+_SNIFF_BYTES = 64 << 10
+# The entry types of a Pi session file (docs: FORMATS-ORIGIN §3.2); Pi writes "type" first.
+_PI_ENTRY = re.compile(
+    rb'\A\{\s*"type"\s*:\s*"(session|message|model_change|thinking_level_change|compaction|branch_summary|'
+    rb'custom|custom_message|label|session_info)"'
+)
+
+
+def not_jsonl(handle: IO[bytes], path: Path) -> str | None:
+    """Why a file given as JSONL of episodes is not one, in one line saying what to do; None
+    when it may be. Reads at most its first 64 KiB (the answer comes at once, however large the
+    file): a Pi session file, a JSON array (τ-bench's results, a list of episodes), one
+    pretty-printed JSON object, or text whose first lines are no JSON objects."""
+    handle.seek(0)
+    head = handle.read(_SNIFF_BYTES).removeprefix(_BOM)
+    start = head.lstrip()
+    first = start.split(b"\n", 1)[0].strip()
+    if start.startswith(b"["):
+        if b'"traj"' in head and b'"task_id"' in head:
+            return (
+                "a JSON array of τ-bench results (task_id, reward, traj), not JSONL: "
+                f"ingest it with --format tau-bench"
+            )
+        what = "a JSON array, not JSONL (one episode object per line)"
+        return f"{what}: ingest an array of episodes (messages, reward) with --format openai-list"
+    if _PI_ENTRY.match(start):
+        beside = path.parent / RESULT_FILE
+        if path.name == SESSION_FILE and _present(beside):
+            return f"a Pi session file, not JSONL of episodes: ingest its episode directory: hcapo-store ingest {path.parent}"
+        return (
+            f"a Pi session file, not JSONL of episodes: put it in a directory as {SESSION_FILE} beside a "
+            f"{RESULT_FILE} holding episode_reward (docs/INGEST.md), and ingest that directory"
+        )
+    if first == b"{":
+        return "one pretty-printed JSON object, not JSONL: write one episode object per line (e.g. jq -c)"
+    handle.seek(0)
+    if not _looks_like_jsonl(handle):
+        return (
+            f"not a JSONL file: none of its first {JSONL_PROBE_LINES} non-empty lines starts "
+            "with '{' (one JSON episode object per line expected)"
+        )
+    return None
+
+
+# A JSON array is read whole (one document): bounded as a session is.
+MAX_ARRAY_BYTES = MAX_SESSION_BYTES
+
+
+def _array_sources(
+    path: Path, options: ConvertOptions, root: Path, input_format: str, roots: Sequence[Path] | None = None
+) -> Iterator[Source | IngestError]:
+    """One source per element of a JSON array (``--format``). Each element becomes the object a
+    JSONL line holds (τ-bench: ``traj`` → ``messages``, ``episode_id`` ``TASK-TRIAL``, every other
+    field kept, so ``field:task_id`` finds it); its number in the array (from 1) stands for the
+    line. Identity and refusals are a JSONL file's (``jsonl:<file name>#<id>``)."""
+    if input_format not in INPUT_FORMATS:
+        yield IngestError(f"unknown format {input_format!r}: use one of {', '.join(INPUT_FORMATS)}", path=str(path))
+        return
+    try:
+        data = _canonical(read_regular(path, MAX_ARRAY_BYTES, roots=roots), lines=False) or b""
+        doc = json.loads(data)
+    except IngestError as exc:
+        yield exc
+        return
+    except (ValueError, RecursionError) as exc:
+        yield IngestError(f"--format {input_format}: not a JSON document ({str(exc)[:120]})", path=str(path))
+        return
+    if not isinstance(doc, list):
+        yield IngestError(f"--format {input_format} reads a JSON array, got {type(doc).__name__}", path=str(path))
+        return
+    entries: list[tuple[_Line, bytes] | IngestError] = []
+    for number, element in enumerate(doc, start=1):
+        try:
+            obj = _tau_bench_episode(element) if input_format == "tau-bench" else element
+            if not isinstance(obj, dict):
+                raise IngestError(f"element {number} must be an object, got {type(obj).__name__}")
+            line = json.dumps(obj).encode("ascii")
+            key, ident = episode_keys.jsonl_identity(path.name, line, obj)
+        except (IngestError, episode_keys.BadEpisodeId) as exc:
+            entries.append(IngestError(str(exc), path=str(path), line=number))
+            continue
+        entries.append((_Line(number, 0, key, ident, _hash(options, line)), line))
+    source_format = input_format.replace("-", "_")
+    lines = [e if isinstance(e, IngestError) else e[0] for e in entries]
+    payload = {e[0].lineno: e[1] for e in entries if not isinstance(e, IngestError)}
+    for entry in _refuse_conflicts(path, lines):
+        if isinstance(entry, IngestError):
+            yield entry
+            continue
+        yield Source(
+            key=entry.key,
+            name=episode_keys.jsonl_name(episode_keys.label(path, root), entry.ident, entry.lineno),
+            path=str(path),
+            location=f"{path}:{entry.lineno}",
+            content_hash=entry.digest,
+            load=partial(
+                parse_jsonl_line, path, entry.lineno, payload[entry.lineno], options, entry.digest, source_format
+            ),
+            prefixes=episode_keys.ancestors(root),
+        )
+
+
+def _tau_bench_episode(element: Any) -> Any:
+    """A τ-bench result (``task_id``, ``trial``, ``reward``, ``info``, ``traj``) as a JSONL episode."""
+    if not isinstance(element, dict):
+        return element
+    if not isinstance(element.get("traj"), list):
+        raise IngestError("a τ-bench result has a list 'traj' (its messages)")
+    ident = element.get("task_id")
+    if ident is not None and element.get("trial") is not None:
+        ident = f"{ident}-{element['trial']}"
+    episode = {k: v for k, v in element.items() if k != "traj"}
+    return {"episode_id": ident, **episode, "messages": element["traj"]}
 
 
 def _looks_like_jsonl(handle: IO[bytes]) -> bool:

@@ -594,7 +594,10 @@ def _pi_assistant(content: Any) -> _Turn:
 # OpenAI-format JSONL (one episode per line)
 
 
-def parse_jsonl_line(path: Path, lineno: int, line: bytes, options: ConvertOptions, digest: str) -> ParsedEpisode:
+def parse_jsonl_line(
+    path: Path, lineno: int, line: bytes, options: ConvertOptions, digest: str, source_format: str = "openai_jsonl"
+) -> ParsedEpisode:
+    """One JSONL line (or one element of a JSON array read with ``--format``: ``source_format``)."""
     warnings: list[str] = []
     try:
         obj = _parse_json(_replace_nul(line.decode("utf-8"), warnings, ""))
@@ -613,7 +616,7 @@ def parse_jsonl_line(path: Path, lineno: int, line: bytes, options: ConvertOptio
             raise _wrong("messages", "a list", raw_messages)
         messages, full_tool_text = _build_messages(_openai_turns(raw_messages), options, warnings)
         return _finish(
-            source_format="openai_jsonl",
+            source_format=source_format,
             digest=digest,
             raw=zlib.compress(line, RAW_COMPRESSION),
             outcome=outcome,

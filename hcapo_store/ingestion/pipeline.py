@@ -156,6 +156,7 @@ def ingest(
     cursors: dict[Path, JsonlCursor] | None = None,
     roots: list[Path] | None = None,
     on_outcome: Callable[[SourceOutcome], None] | None = None,
+    input_format: str | None = None,
 ) -> IngestReport:
     """Ingest every episode under ``paths``; one bad source never stops the others.
 
@@ -165,7 +166,8 @@ def ingest(
     per core; 1 parses here). The result does not depend on it.
     ``cursors``, ``roots``: see ``discovery.iter_sources`` (``follow`` reads growing JSONL
     files from where it stopped, and no link out of its folders). ``on_outcome`` is called
-    with each source's ``SourceOutcome`` once its batch is committed.
+    with each source's ``SourceOutcome`` once its batch is committed. ``input_format``: files
+    given are JSON arrays in this format (``discovery.INPUT_FORMATS``), not JSONL.
     """
     tags = dict(tags or {})
     check_tags(tags)
@@ -178,6 +180,7 @@ def ingest(
         None if name_root is None else Path(name_root),
         cursors=cursors,
         roots=roots,
+        input_format=input_format,
     )
     sources = parse_ahead(
         found, jobs=default_jobs() if jobs is None else jobs, stored=lambda chunk: _stored(store, chunk)

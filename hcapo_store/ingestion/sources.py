@@ -7,6 +7,7 @@ episodes) is parsing.py. Import from those inside ingestion/.
 from __future__ import annotations
 
 from hcapo_store.ingestion.discovery import (
+    INPUT_FORMATS,
     MAX_RESULT_BYTES,
     MAX_SESSION_BYTES,
     JsonlCursor,
@@ -23,6 +24,7 @@ from hcapo_store.ingestion.parsing import (
 )
 
 __all__ = [
+    "INPUT_FORMATS",
     "MAX_RESULT_BYTES",
     "MAX_SESSION_BYTES",
     "RESULT_FILE",
