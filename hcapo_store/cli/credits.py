@@ -86,9 +86,10 @@ CREDIT_OPTIONS = [
     ),
     click.option(
         "--group-by",
-        metavar="TAG",
-        help="Macro advantage (and, for paper, μ_H/σ_H) per value of this tag, e.g. a GRPO group id; "
-        "episodes without it form one group.",
+        metavar="TAG|tag:KEY|field:NAME",
+        help="Macro advantage (and, for paper, μ_H/σ_H) per value of this tag, or of a top-level field of "
+        "result.json / the JSONL line (field:task_id for τ-bench), e.g. a GRPO group id; episodes without "
+        "it form one group.",
     ),
     click.option(
         "--min-reward",

@@ -14,7 +14,11 @@ from hcapo_store.cli.main import Ctx, cli, echo_json, pass_ctx
 @cli.command("diagnose", epilog='Reference: docs/CREDITS.md ("diagnose") in the hcapo-store repository.')
 @click.argument("run", required=False)
 @click.argument("run2", required=False)
-@click.option("--group-by", metavar="TAG", help="Also per value of this tag (e.g. a GRPO group id).")
+@click.option(
+    "--group-by",
+    metavar="TAG|tag:KEY|field:NAME",
+    help="Also per value of this tag or of a field of result.json / the JSONL line (e.g. field:task_id).",
+)
 @click.option(
     "--baseline",
     metavar="SCORER",

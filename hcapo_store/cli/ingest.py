@@ -75,9 +75,15 @@ def ingest(
     options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
     with EpisodeProgress("ingest", enabled=not as_json) as progress:
         if progress.enabled:
-            progress.total = count_inputs(list(paths), input_format)  # for the rate's ETA; a pipe gets it in its log lines
+            progress.total = count_inputs(
+                list(paths), input_format
+            )  # for the rate's ETA; a pipe gets it in its log lines
         report = run_ingest(
-            store, list(paths), options=options, tags=_parse_tags(tags), on_episode=progress.advance,
+            store,
+            list(paths),
+            options=options,
+            tags=_parse_tags(tags),
+            on_episode=progress.advance,
             jobs=jobs,
             input_format=input_format,
         )

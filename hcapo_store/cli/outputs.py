@@ -53,7 +53,12 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
     type=FiniteFloat(),
     help="Only episodes with reward >= X. Default: the credit run's (0.2); a paper run keeps every episode.",
 )
-@click.option("--group-by", metavar="TAG", help="GRPO advantage per value of this tag (e.g. task). Default: the run's.")
+@click.option(
+    "--group-by",
+    metavar="TAG|tag:KEY|field:NAME",
+    help="GRPO advantage per value of this tag (e.g. task) or of a field of result.json / the JSONL line "
+    "(field:task_id). Default: the run's.",
+)
 @click.option("--no-smooth", is_flag=True, help="Use q_h instead of q_h_smoothed.")
 @click.option(
     "--tokenized",

@@ -25,6 +25,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, hcapo_weights, run_hash
 from hcapo_store.credits.lookup import RunInfo, find_run, run_staleness, scope_sql
 from hcapo_store.errors import CreditError
+from hcapo_store.ingestion import fields
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -413,23 +414,22 @@ def _names_of(conn: Connection, ids: list[int]) -> list[tuple[int, str]]:
 
 
 def _tag_groups(conn: Connection, episode_ids: np.ndarray, tag: str | None, totals: _Totals) -> list[Any] | None:
-    """Each episode's value of ``tag`` (None: untagged, one group of their own), or None."""
+    """Each episode's value of ``tag`` (a tag, ``tag:KEY`` or ``field:NAME``; None: without a
+    value, one group of their own), or None."""
     if tag is None:
         return None
-    values: dict[int, str] = dict(
-        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": tag}).all()
-    )
-    groups = [values.get(int(e)) for e in episode_ids.tolist()]
+    groups = fields.group_values(conn, episode_ids.tolist(), tag)
     untagged = groups.count(None)
+    what = fields.describe(tag)
     if untagged == len(groups):
-        known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
         raise CreditError(
-            f"--group-by {tag}: no credited episode has this tag (tags: {', '.join(known) or 'none'}); "
-            "tag the episodes at ingest (--tag KEY=VALUE) or pick another tag"
+            f"--group-by {tag}: no credited episode has this {what.split()[0]} ({fields.known_keys(conn, tag)}); "
+            "tag the episodes at ingest (--tag KEY=VALUE) or pick another tag or field:NAME"
         )
     if untagged:
         totals.warnings.append(
-            f"--group-by {tag}: {untagged} of {len(groups)} episode(s) lack this tag and form one group of their own"
+            f"--group-by {tag}: {untagged} of {len(groups)} episode(s) lack this {what.split()[0]} "
+            "and form one group of their own"
         )
     return groups
 

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.credits.lookup import RunInfo, get_run, resolve_run
 from hcapo_store.errors import CreditError
+from hcapo_store.ingestion import fields
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -67,12 +68,8 @@ class _Steps:
 
 
 def _load(conn: Connection, run: RunInfo, group_by: str | None) -> _Steps:
-    group = "t.value" if group_by else "NULL"
-    join = "LEFT JOIN tags t ON t.episode_id = e.id AND t.key = :tag" if group_by else ""
-    result = conn.execute(
-        text(STEPS_SQL.format(group=group, join=join)),
-        {"run": run.id, "scorer": run.scorer_id, **({"tag": group_by} if group_by else {})},
-    )
+    group = "e.id" if group_by else "NULL"  # each episode's value: ingestion.fields, below
+    result = conn.execute(text(STEPS_SQL.format(group=group, join="")), {"run": run.id, "scorer": run.scorer_id})
     cols: list[list[Any]] = [[] for _ in range(12)]
     for block in result.partitions(FETCH_ROWS):
         for i, col in enumerate(zip(*block)):
@@ -87,9 +84,17 @@ def _load(conn: Connection, run: RunInfo, group_by: str | None) -> _Steps:
         **{name: floats(cols[1 + i]) for i, name in enumerate(_FLOATS)},
         position=np.divide(index, length, out=np.zeros_like(index), where=length > 0),
         tokens=np.asarray(cols[9], dtype=np.float64),
-        group=np.asarray(cols[10], dtype=object) if group_by else None,
+        group=_group_values(conn, cols[10], group_by),
         scored_tokens=np.asarray([-1 if v is None else v for v in cols[11]], dtype=np.int64),
     )
+
+
+def _group_values(conn: Connection, episode_ids: list[Any], group_by: str | None) -> np.ndarray | None:
+    if not group_by:
+        return None
+    unique = sorted(set(episode_ids))
+    value = dict(zip(unique, fields.group_values(conn, unique, group_by), strict=True))
+    return np.asarray([value[e] for e in episode_ids], dtype=object)
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -260,8 +265,8 @@ def _by_group(steps: _Steps, group_by: str, params: Any) -> dict[str, Any]:
     assert steps.group is not None
     if all(g is None for g in steps.group):
         raise CreditError(
-            f"--group-by {group_by}: no episode of this run has this tag; "
-            "tag episodes at ingest (--tag KEY=VALUE) or pick another tag"
+            f"--group-by {group_by}: no episode of this run has this {fields.describe(group_by).split()[0]}; "
+            "tag episodes at ingest (--tag KEY=VALUE) or pick another tag or field:NAME"
         )
     labels = np.asarray(["(untagged)" if g is None else str(g) for g in steps.group], dtype=object)
     out = {}

@@ -411,8 +411,7 @@ def not_jsonl(handle: IO[bytes], path: Path) -> str | None:
     if start.startswith(b"["):
         if b'"traj"' in head and b'"task_id"' in head:
             return (
-                "a JSON array of τ-bench results (task_id, reward, traj), not JSONL: "
-                f"ingest it with --format tau-bench"
+                "a JSON array of τ-bench results (task_id, reward, traj), not JSONL: ingest it with --format tau-bench"
             )
         what = "a JSON array, not JSONL (one episode object per line)"
         return f"{what}: ingest an array of episodes (messages, reward) with --format openai-list"

@@ -48,6 +48,7 @@ from hcapo_store.clock import utcnow
 from hcapo_store.credits.compute import compute_credits, scoped_run_hash
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.errors import CreditError, InferenceError, IngestError, StoreError, UsageError
+from hcapo_store.ingestion.fields import source_field as _source_field
 from hcapo_store.ingestion.files import lstat_or_none, outside, read_regular, why_unreadable
 from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest
 from hcapo_store.ingestion.sources import (
@@ -660,20 +661,6 @@ def _file_field(path: Path, name: str, roots: Sequence[Path] | None) -> str | No
     except IngestError:
         return None
     return None if data is None else _source_field(zlib.compress(data), name)
-
-
-def _source_field(raw: bytes, name: str) -> str | None:
-    """A top-level field of an episode's result.json (episode directories) or JSONL line."""
-    try:
-        doc = json.loads(zlib.decompress(raw))
-        if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
-            doc = json.loads(doc[RESULT_FILE])
-    except (zlib.error, ValueError):
-        return None
-    value = doc.get(name) if isinstance(doc, dict) else None
-    if value is None or isinstance(value, (dict, list)):
-        return None if value is None else canonical_json(value)
-    return str(value)
 
 
 def _lost_a_race(error: str) -> bool:

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, text
 from hcapo_store.credits.equations import hcapo_weights
 from hcapo_store.credits.lookup import RunInfo
 from hcapo_store.errors import ExportError, MissingExtra
+from hcapo_store.ingestion import fields as episode_fields
 from hcapo_store.outputs.files import atomic_write
 
 _INT = re.compile(r"-?\d+")
@@ -183,20 +184,17 @@ def episode_groups(
 ) -> list[Any] | None:
     if group_by is None:
         return None
-    tags: dict[int, str] = dict(
-        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": group_by}).all()
-    )
-    groups = [tags.get(e["id"]) for e in episodes]
+    groups = episode_fields.group_values(conn, [e["id"] for e in episodes], group_by)
     untagged = groups.count(None)
+    what = episode_fields.describe(group_by).split()[0]
     if episodes and untagged == len(episodes):
-        known = [r[0] for r in conn.execute(text("SELECT DISTINCT key FROM tags ORDER BY key"))]
         warnings.append(
-            f"--group-by {group_by}: no exported episode has this tag, so all form one group "
-            f"(tags: {', '.join(known) or 'none'})"
+            f"--group-by {group_by}: no exported episode has this {what}, so all form one group "
+            f"({episode_fields.known_keys(conn, group_by)})"
         )
     elif untagged:
         warnings.append(
-            f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this tag "
+            f"--group-by {group_by}: {untagged} of {len(episodes)} episode(s) lack this {what} "
             "and form one group of their own"
         )
     return groups
