@@ -50,6 +50,15 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
     "results (task_id, trial, reward, traj; episode id TASK-TRIAL); openai-list = the objects a JSONL "
     "line holds (messages, reward, optional episode_id …).",
 )
+@click.option(
+    "--compaction",
+    type=click.Choice(["full", "context"]),
+    default="full",
+    show_default=True,
+    help="Pi sessions with compaction entries: full = every message in file order (the original "
+    "loader's transcript); context = what the agent saw after the last compaction (its summary as a "
+    "user message, then the kept and later entries). Either way such an episode gets a warning.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def ingest(
@@ -60,6 +69,7 @@ def ingest(
     tags: tuple[str, ...],
     jobs: int | None,
     input_format: str | None,
+    compaction: str,
     as_json: bool,
 ) -> None:
     """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
@@ -72,7 +82,9 @@ def ingest(
     from hcapo_store.progress import EpisodeProgress
 
     store = state.store()
-    options = ConvertOptions(include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars)
+    options = ConvertOptions(
+        include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars, compaction=compaction
+    )
     with EpisodeProgress("ingest", enabled=not as_json) as progress:
         if progress.enabled:
             progress.total = count_inputs(

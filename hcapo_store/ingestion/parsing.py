@@ -36,6 +36,12 @@ RAW_COMPRESSION = 1
 RESULT_FILE = "result.json"
 TRUNCATION_SUFFIX = "\n... [truncated, {n} chars total]"
 TOOL_ERROR_PREFIX = "[tool_error]"
+COMPACTION_MODES = ("full", "context")
+# How the summary of a compaction enters the model's context in context mode: a user message.
+COMPACTION_SUMMARY = (
+    "The conversation history before this point was compacted into the following summary:\n\n"
+    "<summary>\n{summary}\n</summary>"
+)
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,22 @@ class ConvertOptions:
 
     include_thinking: bool = True
     max_tool_result_chars: int = 4000
+    # Pi sessions with compaction entries: "full" = every message in file order (the original
+    # loader's transcript); "context" = what the agent saw after the last compaction.
+    compaction: str = "full"
+
+    def __post_init__(self) -> None:
+        if self.compaction not in COMPACTION_MODES:
+            raise ValueError(f"compaction must be one of {', '.join(COMPACTION_MODES)}, got {self.compaction!r}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"include_thinking": self.include_thinking, "max_tool_result_chars": self.max_tool_result_chars}
+        d: dict[str, Any] = {
+            "include_thinking": self.include_thinking,
+            "max_tool_result_chars": self.max_tool_result_chars,
+        }
+        if self.compaction != "full":  # left out at its default: stored hashes stay
+            d["compaction"] = self.compaction
+        return d
 
 
 @dataclass
@@ -468,6 +487,7 @@ def parse_episode_dir(
     entries, fmt = parse_pi_session(_replace_nul(session_text, warnings, f"{SESSION_FILE}: "), session_path, warnings)
     with _located(result_path):
         outcome = _outcome(result)
+    entries = _compacted(entries, options.compaction, session_path, warnings)
     messages, full_tool_text = _build_messages(_pi_turns(entries, session_path), options, warnings)
     raw = _compress({"result.json": result_kept, SESSION_FILE: session_kept})
     with _located(directory):
@@ -535,8 +555,45 @@ def _session_version(value: Any, path: Path, lineno: int) -> int:
     return value
 
 
+def _compacted(
+    entries: list[tuple[int, dict[str, Any]]], mode: str, path: Path, warnings: list[str]
+) -> list[tuple[int, dict[str, Any]]]:
+    """The entries to read: all of them (``full``), or (``context``) what the agent saw after the
+    session's last compaction: its summary, then the entries from ``firstKeptEntryId`` on. A
+    compacted session is said in a warning either way."""
+    at = [i for i, (_, e) in enumerate(entries) if e.get("type") == "compaction"]
+    if not at:
+        return entries
+    lines = ", ".join(str(entries[i][0]) for i in at)
+    if mode == "full":
+        warnings.append(
+            f"{path.name}: {len(at)} compaction(s) (line {lines}): the agent saw a summary in place of the "
+            "earlier messages, but the steps are read from the full transcript "
+            "(ingest --compaction context renders what it saw)"
+        )
+        return entries
+    last_line, last = entries[at[-1]]
+    kept = last.get("firstKeptEntryId")
+    start = next((i for i, (_, e) in enumerate(entries) if kept is not None and e.get("id") == kept), None)
+    summary = last.get("summary")
+    if start is None or start > at[-1] or not isinstance(summary, str):
+        warnings.append(
+            f"{path.name}:{last_line}: compaction without a readable summary or firstKeptEntryId "
+            f"({_describe(kept)}) before it: read as the full transcript"
+        )
+        return entries
+    dropped = sum(1 for _, e in entries[:start] if e.get("type") == "message")
+    warnings.append(
+        f"{path.name}: {len(at)} compaction(s) (line {lines}): rendered as the agent's context after the "
+        f"last: its summary, then the entries from line {entries[start][0]} on ({dropped} earlier message(s) left out)"
+    )
+    note = {"type": "message", "message": {"role": "user", "content": COMPACTION_SUMMARY.format(summary=summary)}}
+    rest = [x for x in entries[start:] if x[1].get("type") != "compaction"]
+    return [(last_line, note), *rest]
+
+
 def _pi_turns(entries: list[tuple[int, dict[str, Any]]], path: Path) -> list[_Turn]:
-    """Pi message entries in file order (compaction and other entries skipped)."""
+    """Pi message entries in order (compaction and other entries skipped)."""
     turns: list[_Turn] = []
     lineno = None
     try:  # one handler for all lines (a context manager per line cost ~5 % of ingest)
