@@ -114,6 +114,25 @@ def test_sglang_a_tokenizer_the_server_does_not_use_is_refused_before_any_reques
         assert fault.requests > 0 and _scores(db) > 0
 
 
+def test_in_process_a_tokenizer_beside_model_that_is_not_the_models_is_refused(
+    tmp_path, runner, episodes_dir, tiny_model_dir, permuted_tokenizer_dir
+):
+    """``--model DIR --tokenizer OTHER`` (issue 39 §7): probed against the model directory's own
+    tokenizer, as a server's is; before, the permuted tokenizer scored every step, silently wrong."""
+    db = _db(tmp_path, episodes_dir)
+    base = ["--db", db, "score", "--model", str(tiny_model_dir), "--max-context", MAX_CONTEXT]
+    r = runner.invoke(cli, [*base, "--tokenizer", str(permuted_tokenizer_dir)])
+    assert r.exit_code == 1, r.output
+    line = _refused_line(r.output)
+    assert f"tokenizer {permuted_tokenizer_dir.name!r} is not the one the transformers server at" in line, line
+    assert str(tiny_model_dir) in line and "pass --tokenizer" in line
+    assert _scores(db) == 0
+    # the model's own tokenizer, named or not, scores
+    r = runner.invoke(cli, [*base, "--tokenizer", str(tiny_model_dir)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert _scores(db) > 0
+
+
 def test_vllm_a_tokenizer_the_server_does_not_use_is_refused_before_any_request(
     tmp_path, runner, episodes_dir, tiny_model_dir, permuted_server, permuted_tokenizer_dir
 ):

@@ -71,6 +71,24 @@ class InProcessBackend:
     def tokenizer_path(self) -> str:
         return str(self.model_dir)
 
+    @property
+    def display_url(self) -> str:
+        return str(self.model_dir)
+
+    async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
+        """``text`` as the model directory's own tokenizer encodes it (no special tokens added),
+        so a ``--tokenizer`` beside ``--model`` is probed as a server's is; None when the
+        directory holds no tokenizer (then the highest-id check alone applies)."""
+        if not any((self.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from hcapo_store.rendering.tokenizers import load_tokenizer
+
+        try:
+            own = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        except ValueError:
+            return None
+        return list(own(text, add_special_tokens=False)["input_ids"]), False
+
     async def score(self, prompt: StepPrompt) -> BackendScore:
         return (await self._score_spans(prompt.input_ids, [(prompt.first_scored, len(prompt.input_ids))]))[0]
 
@@ -131,6 +149,9 @@ class LiveModelBackend(InProcessBackend):
 
     def tokenizer_path(self) -> str:
         return ""  # a live model has no directory of its own: the caller passes the tokenizer
+
+    async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
+        return None  # no directory, so no tokenizer of its own to probe against
 
     async def _score_spans(self, ids: Sequence[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
         was_training = self.live.training
