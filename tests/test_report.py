@@ -7,6 +7,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 from test_credits import add_scorer, add_scores
 
@@ -53,7 +54,7 @@ def test_report_sections_and_charts(store: Store, samples: Path, tmp_path: Path)
     for section in ("run", "hyperparameters", "distributions", "subtasks", "coverage", "failures"):
         assert f'id="{section}"' in page
     svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
-    assert len(svgs) == 9  # 5 histograms, rho by position decile, subtask positions, coverage, failure kinds
+    assert len(svgs) == 10  # 6 histograms, rho by position decile, subtask positions, coverage, failure kinds
     for svg in svgs:
         ET.fromstring(svg)  # well-formed
     assert "c_min 0.9" in page and "c_max 1.1" in page  # the clip bounds are marked
@@ -76,4 +77,32 @@ def test_report_without_failures(store: Store, samples: Path, tmp_path: Path) ->
     compute_credits(store)
     page = write_report(store, tmp_path / "r.html").path.read_text()
     assert "No failed attempts recorded." in page
-    assert len(re.findall(r"<svg", page)) == 8
+    assert len(re.findall(r"<svg", page)) == 9
+
+
+def test_report_and_show_display_a_paper_runs_advantage(store: Store, samples: Path, tmp_path: Path) -> None:
+    """Issue 39 §7: the signed advantage the trainer receives is on the report (a histogram and
+    each episode's range) and in ``show``'s table, not only q_h_smoothed."""
+    from hcapo_store.outputs.episode_view import episode_table, episode_view
+
+    ingest(store, [samples])
+    add_scorer(store, "s")
+    add_scores(store, "s")
+    compute_credits(store, CreditParams(variant="paper"), name="paper")
+    page = write_report(store, tmp_path / "r.html", "paper", episode_pages=True).path.read_text()
+    assert "Advantage per step (what the trainer receives)" in page
+    assert "steps non-zero (signed: the paper" in page
+    assert "<th>advantage min – max</th>" in page
+    with store.engine.connect() as conn:
+        lo, hi, name = conn.execute(
+            text(
+                "SELECT MIN(advantage), MAX(advantage), MIN(episode) FROM step_credits WHERE run = 'paper' "
+                "GROUP BY episode ORDER BY episode LIMIT 1"
+            )
+        ).one()
+    assert lo < hi
+    assert f"<td>{lo:.4g} – {hi:.4g}</td>" in page  # the episode's range in the report's index
+    with store.engine.connect() as conn:  # signed: the paper's advantages
+        assert conn.execute(text("SELECT MIN(advantage) FROM step_credits WHERE run = 'paper'")).scalar() < 0
+    rows = episode_table(episode_view(store, name, "paper"))
+    assert [r["advantage"] for r in rows] and min(r["advantage"] for r in rows) == pytest.approx(lo)

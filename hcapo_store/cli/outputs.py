@@ -219,7 +219,7 @@ def report(state: Ctx, out: Path, run: str | None, episode_pages: bool, tokenize
 def show(
     state: Ctx, episode: str, run: str | None, out_html: Path | None, tokenizer: str | None, as_json: bool
 ) -> None:
-    """Print one episode's steps: subtask, reward, tokens, mean logprob, pi_hind, rho, q_h."""
+    """Print one episode's steps: subtask, reward, tokens, mean logprob, pi_hind, rho, q_h, advantage."""
     from hcapo_store.outputs.episode_view import episode_page, episode_table, episode_view
     from hcapo_store.outputs.files import atomic_write
 

@@ -250,6 +250,7 @@ def episode_table(view: EpisodeView, *, preview: bool = True) -> list[dict[str, 
                 "rho": c["rho"],
                 "q_h": c["q_h"],
                 "q_h_smoothed": c["q_h_smoothed"],
+                "advantage": c["advantage"],
                 **(
                     {"action": _preview(messages[s.message_index])}
                     if preview
@@ -502,7 +503,8 @@ def write_episode_page(
 
 EPISODES_SQL = """
 SELECT e.id, e.name, e.reward, COUNT(*) AS steps, MIN(c.rho_raw) AS rho_min, MAX(c.rho_raw) AS rho_max,
-       SUM(CASE WHEN c.rho <> c.rho_raw THEN 1 ELSE 0 END) AS clipped, AVG(c.q_h_smoothed) AS q_h_smoothed
+       SUM(CASE WHEN c.rho <> c.rho_raw THEN 1 ELSE 0 END) AS clipped, AVG(c.q_h_smoothed) AS q_h_smoothed,
+       MIN(c.advantage) AS advantage_min, MAX(c.advantage) AS advantage_max
 FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
 WHERE c.run_id = :run
 GROUP BY e.id, e.name, e.reward
@@ -535,12 +537,21 @@ def write_episode_pages(
 def episode_index_html(rows: list[dict[str, Any]], link_dir: str) -> str:
     """The report's table of episodes, each linking to its page under ``link_dir``."""
     # No mean rho: rho_raw is a ratio to the episode's own mean, so its mean is 1 by construction.
-    columns = ("episode", "reward", "steps", "rho_raw min – max", "steps on a clip bound", "mean q_h_smoothed")
+    columns = (
+        "episode",
+        "reward",
+        "steps",
+        "rho_raw min – max",
+        "steps on a clip bound",
+        "mean q_h_smoothed",
+        "advantage min – max",
+    )
     head = "".join(f"<th>{h}</th>" for h in columns)
     body = "".join(
         f'<tr><td><a href="{html.escape(quote(link_dir + "/" + r["file"]))}">{html.escape(r["name"])}</a></td>'
         f"<td>{_num(r['reward'])}</td><td>{r['steps']}</td><td>{_num(r['rho_min'])} – {_num(r['rho_max'])}</td>"
-        f"<td>{r['clipped']}</td><td>{_num(r['q_h_smoothed'])}</td></tr>"
+        f"<td>{r['clipped']}</td><td>{_num(r['q_h_smoothed'])}</td>"
+        f"<td>{_num(r['advantage_min'])} – {_num(r['advantage_max'])}</td></tr>"
         for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"

@@ -283,7 +283,7 @@ ORDER BY COUNT(*) DESC, ae.kind
 
 
 def _credit_arrays(store: Store, run_id: int) -> dict[str, np.ndarray]:
-    cols = ("mean_logprob", "pi_hind", "rho", "q_h", "q_h_smoothed")
+    cols = ("mean_logprob", "pi_hind", "rho", "q_h", "q_h_smoothed", "advantage")
     with db.read(store.engine) as conn:
         result = conn.execution_options(stream_results=True).execute(
             text(f"SELECT {', '.join(cols)} FROM credits WHERE run_id = :run"), {"run": run_id}
@@ -410,6 +410,11 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
         _figure(
             svg_histogram(arrays["q_h_smoothed"], "Smoothed Q_H per step", "q_h_smoothed", from_zero=True),
             f"Backward smoothing, alpha = {p['alpha']} ({'on' if p['smooth'] else 'off'}).",
+        ),
+        _figure(
+            svg_histogram(arrays["advantage"], "Advantage per step (what the trainer receives)", "advantage"),
+            f"{int(np.count_nonzero(arrays['advantage'])):,} of {len(arrays['advantage']):,} steps non-zero"
+            + (" (signed: the paper's per-group statistics)." if p.get("variant") == "paper" else "."),
         ),
     ]
     pos_svg = svg_bars(
