@@ -117,6 +117,9 @@ def follow(
     prep = prepare(store, cfg)
     follower = Follower(store, prep, follow_cfg, options)
     stop = threading.Event()
+    from hcapo_store.online import presence
+
+    me = presence.announce(store, prep.scorer_id)  # `batches` sees a follower at work
 
     def on_signal(signum, frame) -> None:
         stop.set()
@@ -145,6 +148,7 @@ def follow(
         status.failures.clear()
         status.notices.clear()
         status.unlisted = 0
+        presence.beat(store, me, scored=status.scored, failed=status.failed)
         line = status.line()
         if tty:
             click.echo("\r\x1b[2K" + line, nl=False, err=True)
@@ -166,6 +170,7 @@ def follow(
         stop.set()
         result = None
     finally:
+        presence.leave(store, me)
         for s, handler in previous.items():
             signal.signal(s, handler)
         if tty:
@@ -202,7 +207,18 @@ def batches(state: Ctx, since: int | None, as_json: bool) -> None:
         echo_json([b.as_dict() for b in rows])
         return
     if not rows:
-        click.echo("no batches yet: run `hcapo-store follow`")
+        from hcapo_store.online.presence import live_followers
+
+        store = state.store(create=False)
+        followers = live_followers(store)
+        if followers:
+            click.echo(
+                f"no batches yet: {followers[0].describe()}"
+                + (f" (and {len(followers) - 1} more)" if len(followers) > 1 else "")
+                + "; a batch is listed once all its episodes are in and scored (--group-size, --batch-timeout)"
+            )
+        else:
+            click.echo("no batches yet: run `hcapo-store follow`")
         return
     click.echo(
         formatting.table(

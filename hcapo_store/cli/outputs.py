@@ -63,7 +63,8 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
 @click.option(
     "--tokenized",
     is_flag=True,
-    help="Token-level rows: input_ids, labels, per-token advantages (with the scorer's tokenizer).",
+    help="Token-level rows: token_ids (not input_ids, so a trainer unaware of the advantages stops), labels "
+    "(-100 outside credited tokens) and per-token advantages, with the scorer's tokenizer.",
 )
 @click.option(
     "--tokenizer",

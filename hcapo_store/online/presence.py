@@ -1,0 +1,94 @@
+"""A running ``follow`` process, as the store sees it: one row of the ``workers`` table
+(state ``following``, id ``follow:HOST:PID``) written when it starts, its heartbeat and
+counts renewed after each cycle, ``stopped`` when it ends. ``batches`` reads it, so an empty
+change feed with a follower at work says what the follower is doing instead of telling the
+user to start one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from hcapo_store.processes import pid_alive
+from hcapo_store.status_report import STALE_WITHOUT_LEASES_SECONDS
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
+
+FOLLOWING = "following"
+
+
+@dataclass(frozen=True)
+class Follower:
+    """A follower that is alive as of now."""
+
+    host: str
+    pid: int
+    running_s: float  # since it started
+    since_cycle_s: float  # since its last heartbeat (its last cycle)
+    scored: int  # steps its cycles scored so far
+    failed: int
+
+    def describe(self) -> str:
+        return (
+            f"a follower is running (pid {self.pid} on {self.host}, for {self.running_s:.0f} s, last cycle "
+            f"{self.since_cycle_s:.0f} s ago; {self.scored} step(s) scored, {self.failed} failed so far)"
+        )
+
+
+def announce(store: Store, scorer_id: str | None) -> str:
+    """Record this process as a follower; returns its id (for ``beat`` and ``leave``)."""
+    host, pid = socket.gethostname(), os.getpid()
+    me = f"follow:{host}:{pid}"
+    with db.write(store.engine) as conn:
+        now = db.sql_now(conn)
+        conn.execute(text("DELETE FROM workers WHERE id = :id"), {"id": me})
+        conn.execute(
+            text(
+                "INSERT INTO workers (id, scorer_id, host, pid, started_at, heartbeat_at, state, scored, failed) "
+                "VALUES (:id, :scorer, :host, :pid, :now, :now, :state, 0, 0)"
+            ),
+            {"id": me, "scorer": scorer_id, "host": host, "pid": pid, "now": now, "state": FOLLOWING},
+        )
+    return me
+
+
+def beat(store: Store, me: str, *, scored: int, failed: int) -> None:
+    """After a cycle: alive, with its counts so far."""
+    with db.write(store.engine) as conn:
+        conn.execute(
+            text("UPDATE workers SET heartbeat_at = :now, scored = :s, failed = :f WHERE id = :me"),
+            {"now": db.sql_now(conn), "s": scored, "f": failed, "me": me},
+        )
+
+
+def leave(store: Store, me: str) -> None:
+    with db.write(store.engine) as conn:
+        conn.execute(
+            text("UPDATE workers SET state = 'stopped', heartbeat_at = :now WHERE id = :me"),
+            {"now": db.sql_now(conn), "me": me},
+        )
+
+
+def live_followers(store: Store) -> list[Follower]:
+    """Followers alive now: on this host, their process is there; elsewhere, a heartbeat within
+    the time a scoring worker without leases counts as alive (``status``'s rule)."""
+    here = socket.gethostname()
+    with db.read(store.engine) as conn:
+        now = db.sql_now(conn)
+        rows = conn.execute(
+            text(
+                "SELECT host, pid, started_at, heartbeat_at, scored, failed FROM workers WHERE state = :state "
+                "ORDER BY heartbeat_at DESC"
+            ),
+            {"state": FOLLOWING},
+        ).all()
+    out = []
+    for host, pid, started, heartbeat, scored, failed in rows:
+        alive = pid_alive(int(pid)) if host == here else now - heartbeat <= STALE_WITHOUT_LEASES_SECONDS
+        if alive:
+            out.append(Follower(host, int(pid), now - started, now - heartbeat, int(scored), int(failed)))
+    return out
