@@ -111,6 +111,7 @@ def test_format_tau_bench_stores_one_episode_per_result_with_its_fields(store, t
     file = _tau_file(tmp_path / "results.json")
     report = ingest(store, [file], input_format="tau-bench")
     assert (report.new, report.failed) == (4, 0), report.failures
+    assert report.warning_list == []  # outcome-only data: no word about a plan_score it never had
     with store.engine.connect() as conn:
         rows = conn.execute(
             text("SELECT id, name, external_id, reward, source_format, num_steps FROM episodes ORDER BY name")

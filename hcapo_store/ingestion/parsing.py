@@ -308,12 +308,16 @@ def _finish(
     messages: list[dict[str, Any]],
     full_tool_text: dict[int, str],
     warnings: list[str],
+    dense: bool = True,
 ) -> ParsedEpisode:
+    """``dense``: the source has the plan-and-subtask shape (a result.json, or a line with a
+    plan or a plan_score); outcome-only data (τ-bench, a GRPO rollout) is not warned about a
+    plan_score it never had."""
     if len(messages) < 2:
         raise SkipEpisode(f"fewer than 2 messages after conversion ({len(messages)})")
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipEpisode("no assistant messages")
-    if outcome["plan_score"] is None:
+    if outcome["plan_score"] is None and dense:
         warnings.append("plan_score is null: planning steps get no dense reward (treated as 0 in credits)")
     unmapped = plan_warning(messages, outcome["plan"], full_tool_text)
     if unmapped:
@@ -680,6 +684,7 @@ def parse_jsonl_line(
             messages=messages,
             full_tool_text=full_tool_text,
             warnings=warnings,
+            dense=bool(outcome["plan"]) or "plan_score" in obj,
         )
 
 
