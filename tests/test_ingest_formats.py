@@ -19,7 +19,6 @@ from hcapo_store.ingestion import fields
 from hcapo_store.ingestion.discovery import count_inputs
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.ingestion.sources import ConvertOptions
-from hcapo_store.storage.store import Store
 
 
 def _tau_result(task_id: int, trial: int, reward: float, steps: int = 2) -> dict[str, Any]:
@@ -94,6 +93,16 @@ def test_a_raw_pi_session_file_is_pointed_at_its_directory(runner, db_path, tmp_
     assert "a Pi session file, not JSONL of episodes: put it in a directory as pi_session.jsonl beside a " in line
     # the directory it names goes in
     assert runner.invoke(cli, ["--db", str(db_path), "ingest", str(episode)]).exit_code == 0
+
+
+def test_a_folder_of_json_arrays_says_how_they_are_read(store, tmp_path):
+    (tmp_path / "results").mkdir()
+    _tau_file(tmp_path / "results" / "tau.json")
+    [(_, error)] = ingest(store, [tmp_path / "results"]).failures
+    assert error.endswith(
+        "no episodes here: expected result.json + pi_session.jsonl, episode_* directories, or *.jsonl files; "
+        "a JSON array (tau.json) is read given as a file with --format tau-bench|openai-list"
+    )
 
 
 def test_one_pretty_printed_object_is_one_line(runner, db_path, tmp_path):

@@ -92,7 +92,7 @@ def iter_sources(
             for p, why in odd:
                 yield IngestError(why, path=str(p))
             if not children and not jsonl and not odd:
-                yield NoEpisodesHere(NO_EPISODES, path=str(path))
+                yield NoEpisodesHere(NO_EPISODES + _json_files_hint(path), path=str(path))
             for child in children:
                 yield _safe_dir_source(child, options, root, roots)
             for file in jsonl:
@@ -105,6 +105,19 @@ class NoEpisodesHere(IngestError):
 
 
 NO_EPISODES = f"no episodes here: expected {RESULT_FILE} + {SESSION_FILE}, episode_* directories, or *.jsonl files"
+
+
+def _json_files_hint(path: Path) -> str:
+    """For a folder without episodes that holds ``*.json`` files (τ-bench writes its results
+    as one): how they are read."""
+    try:
+        with os.scandir(path) as entries:
+            names = sorted(e.name for e in entries if e.name.endswith(".json") and e.name != RESULT_FILE)
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    return f"; a JSON array ({names[0]}{' …' if len(names) > 1 else ''}) is read given as a file with --format tau-bench|openai-list"
 
 
 def _present(path: Path) -> bool:
