@@ -420,16 +420,15 @@ def _tag_groups(conn: Connection, episode_ids: np.ndarray, tag: str | None, tota
         return None
     groups = fields.group_values(conn, episode_ids.tolist(), tag)
     untagged = groups.count(None)
-    what = fields.describe(tag)
+    what = fields.kind(tag)
     if untagged == len(groups):
         raise CreditError(
-            f"--group-by {tag}: no credited episode has this {what.split()[0]} ({fields.known_keys(conn, tag)}); "
+            f"--group-by {tag}: no credited episode has this {what} ({fields.known_keys(conn, tag)}); "
             "tag the episodes at ingest (--tag KEY=VALUE) or pick another tag or field:NAME"
         )
     if untagged:
         totals.warnings.append(
-            f"--group-by {tag}: {untagged} of {len(groups)} episode(s) lack this {what.split()[0]} "
-            "and form one group of their own"
+            f"--group-by {tag}: {untagged} of {len(groups)} episode(s) lack this {what} and form one group of their own"
         )
     return groups
 

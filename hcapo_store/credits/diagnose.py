@@ -265,7 +265,7 @@ def _by_group(steps: _Steps, group_by: str, params: Any) -> dict[str, Any]:
     assert steps.group is not None
     if all(g is None for g in steps.group):
         raise CreditError(
-            f"--group-by {group_by}: no episode of this run has this {fields.describe(group_by).split()[0]}; "
+            f"--group-by {group_by}: no episode of this run has this {fields.kind(group_by)}; "
             "tag episodes at ingest (--tag KEY=VALUE) or pick another tag or field:NAME"
         )
     labels = np.asarray(["(untagged)" if g is None else str(g) for g in steps.group], dtype=object)

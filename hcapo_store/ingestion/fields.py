@@ -46,10 +46,9 @@ def parse_group_by(value: str) -> tuple[str, str]:
     return "tag", value
 
 
-def describe(group_by: str) -> str:
-    """What the episodes lack when they have no value: ``tag X`` or ``field X``."""
-    kind, name = parse_group_by(group_by)
-    return f"{kind} {name}"
+def kind(group_by: str) -> str:
+    """``tag`` or ``field``: what an episode without a value lacks (for messages)."""
+    return parse_group_by(group_by)[0]
 
 
 def group_values(conn: Connection, episode_ids: Sequence[int], group_by: str) -> list[str | None]:

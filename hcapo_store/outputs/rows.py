@@ -186,7 +186,7 @@ def episode_groups(
         return None
     groups = episode_fields.group_values(conn, [e["id"] for e in episodes], group_by)
     untagged = groups.count(None)
-    what = episode_fields.describe(group_by).split()[0]
+    what = episode_fields.kind(group_by)
     if episodes and untagged == len(episodes):
         warnings.append(
             f"--group-by {group_by}: no exported episode has this {what}, so all form one group "
