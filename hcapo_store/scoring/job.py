@@ -408,6 +408,9 @@ async def check_server_tokenizer(prep: Prepared) -> None:
     read = getattr(prep.backend, "server_tokens", None)
     if read is None:
         return
+    loads_from = getattr(prep.backend, "loads_tokenizer_from", None)  # in process: its model directory
+    if loads_from is not None and prep.tokenizer_dir is not None and loads_from(prep.tokenizer_dir):
+        return  # the very tokenizer it would compare against: no second load
     text = probe_text(prep.builder.tokenizer)
     try:
         got = await read(text)

@@ -75,6 +75,10 @@ class InProcessBackend:
     def display_url(self) -> str:
         return str(self.model_dir)
 
+    def loads_tokenizer_from(self, directory: str | Path) -> bool:
+        """Is ``directory`` the model directory (whose tokenizer ``server_tokens`` loads)?"""
+        return Path(directory).resolve() == self.model_dir
+
     async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
         """``text`` as the model directory's own tokenizer encodes it (no special tokens added),
         so a ``--tokenizer`` beside ``--model`` is probed as a server's is; None when the
@@ -149,6 +153,9 @@ class LiveModelBackend(InProcessBackend):
 
     def tokenizer_path(self) -> str:
         return ""  # a live model has no directory of its own: the caller passes the tokenizer
+
+    def loads_tokenizer_from(self, directory: str | Path) -> bool:
+        return False
 
     async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
         return None  # no directory, so no tokenizer of its own to probe against
