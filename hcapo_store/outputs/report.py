@@ -413,8 +413,8 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
         ),
         _figure(
             svg_histogram(arrays["advantage"], "Advantage per step (what the trainer receives)", "advantage"),
-            f"{int(np.count_nonzero(arrays['advantage'])):,} of {len(arrays['advantage']):,} steps non-zero"
-            + (" (signed: the paper's per-group statistics)." if p.get("variant") == "paper" else "."),
+            f"{int(np.count_nonzero(np.nan_to_num(arrays['advantage']))):,} of {len(arrays['advantage']):,} "
+            "steps non-zero" + (" (signed: the paper's per-group statistics)." if p.get("variant") == "paper" else "."),
         ),
     ]
     pos_svg = svg_bars(
