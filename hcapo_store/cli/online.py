@@ -119,7 +119,7 @@ def follow(
     stop = threading.Event()
     from hcapo_store.online import presence
 
-    me = presence.announce(store, prep.scorer_id)  # `batches` sees a follower at work
+    me = presence.Presence(store, prep.scorer_id)  # `batches` sees a follower at work
 
     def on_signal(signum, frame) -> None:
         stop.set()
@@ -148,7 +148,7 @@ def follow(
         status.failures.clear()
         status.notices.clear()
         status.unlisted = 0
-        presence.beat(store, me, scored=status.scored, failed=status.failed)
+        me.beat(scored=status.scored, failed=status.failed)
         line = status.line()
         if tty:
             click.echo("\r\x1b[2K" + line, nl=False, err=True)
@@ -170,7 +170,7 @@ def follow(
         stop.set()
         result = None
     finally:
-        presence.leave(store, me)
+        me.leave()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if tty:

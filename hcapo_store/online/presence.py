@@ -1,6 +1,7 @@
 """A running ``follow`` process, as the store sees it: one row of the ``workers`` table
 (state ``following``, id ``follow:HOST:PID``) written when it starts, its heartbeat and
-counts renewed after each cycle, ``stopped`` when it ends. ``batches`` reads it, so an empty
+counts renewed after a cycle that changed them (at least every ``BEAT_SECONDS``), ``stopped``
+when it ends. ``batches`` reads it, so an empty
 change feed with a follower at work says what the follower is doing instead of telling the
 user to start one.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 from sqlalchemy import text
@@ -54,6 +56,30 @@ def announce(store: Store, scorer_id: str | None) -> str:
             {"id": me, "scorer": scorer_id, "host": host, "pid": pid, "now": now, "state": FOLLOWING},
         )
     return me
+
+
+# An idle follower cycles every --poll seconds: its heartbeat is written when its counts change
+# or this long after the last one (well within STALE_WITHOUT_LEASES_SECONDS), not every cycle.
+BEAT_SECONDS = 30.0
+
+
+class Presence:
+    """This process as a follower, from ``announce`` to ``leave``; ``beat`` after each cycle."""
+
+    def __init__(self, store: Store, scorer_id: str | None) -> None:
+        self.store = store
+        self.id = announce(store, scorer_id)
+        self._last: tuple[float, int, int] = (time.monotonic(), 0, 0)
+
+    def beat(self, *, scored: int, failed: int) -> None:
+        at, *counts = self._last
+        if counts == [scored, failed] and time.monotonic() - at < BEAT_SECONDS:
+            return
+        beat(self.store, self.id, scored=scored, failed=failed)
+        self._last = (time.monotonic(), scored, failed)
+
+    def leave(self) -> None:
+        leave(self.store, self.id)
 
 
 def beat(store: Store, me: str, *, scored: int, failed: int) -> None:
