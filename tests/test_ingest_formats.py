@@ -148,8 +148,8 @@ def test_format_refusals_name_the_element(store, tmp_path):
             f"{file.resolve()}:2: a τ-bench result has a list 'traj' (its messages)",
             f"{file.resolve()}:3: element 3 must be an object, got int",
             *(
-                f"{file.resolve()}:{n}: lines 1, 4 are the same episode (jsonl:results.json#0-0) with different "
-                "contents: none is stored; give each its own episode_id"
+                f"{file.resolve()}:{n}: elements 1, 4 are the same episode (jsonl:results.json#0-0) with different "
+                "contents: none is stored; give each its own task_id-trial"
                 for n in (1, 4)
             ),
         ]

@@ -325,7 +325,9 @@ def _jsonl_sources(
         )
 
 
-def _refuse_conflicts(path: Path, lines: list[_Line | IngestError]) -> Iterator[_Line | IngestError]:
+def _refuse_conflicts(
+    path: Path, lines: list[_Line | IngestError], what: str = "lines", fix: str = "give each its own episode_id"
+) -> Iterator[_Line | IngestError]:
     """The lines in order; lines of one file that share a key but differ are all refused:
     neither may silently supersede the other (identical repeats are one episode)."""
     by_key: dict[str, list[_Line]] = {}
@@ -340,8 +342,7 @@ def _refuse_conflicts(path: Path, lines: list[_Line | IngestError]) -> Iterator[
         if len({e.digest for e in same}) > 1:
             where = ", ".join(str(e.lineno) for e in same)
             yield IngestError(
-                f"lines {where} are the same episode ({entry.key}) with different contents: none is "
-                "stored; give each its own episode_id",
+                f"{what} {where} are the same episode ({entry.key}) with different contents: none is stored; {fix}",
                 path=str(path),
                 line=entry.lineno,
             )
@@ -488,7 +489,8 @@ def _array_sources(
     source_format = input_format.replace("-", "_")
     lines = [e if isinstance(e, IngestError) else e[0] for e in entries]
     payload = {e[0].lineno: e[1] for e in entries if not isinstance(e, IngestError)}
-    for entry in _refuse_conflicts(path, lines):
+    fix = "give each its own task_id-trial" if input_format == "tau-bench" else "give each its own episode_id"
+    for entry in _refuse_conflicts(path, lines, "elements", fix):
         if isinstance(entry, IngestError):
             yield entry
             continue
