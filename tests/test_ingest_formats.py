@@ -282,3 +282,20 @@ def test_compaction_is_warned_about_and_can_render_the_agents_context(store, tmp
     # the default conversion's hash is what it always was: the full transcript is unchanged
     assert ingest(store, [episode]).changed == 1
     assert ConvertOptions().as_dict() == {"include_thinking": True, "max_tool_result_chars": 4000}
+
+
+def test_a_field_of_result_json_is_read_from_the_head_of_the_stored_source(store, tmp_path):
+    """An episode directory's result.json leads its stored source: a field of it is read without
+    the session (megabytes) behind it, also when result.json itself spans several pieces."""
+    episode = EpisodeBuilder(seed=9).standard().write(tmp_path / "episode_001")
+    result = json.loads((episode / "result.json").read_text())
+    result |= {"group_id": "g7", "notes": "n" * 200_000, "tail": {"b": 2, "a": [1]}}
+    (episode / "result.json").write_text(json.dumps(result))
+    assert ingest(store, [episode]).new == 1
+    with store.engine.connect() as conn:
+        [raw] = conn.execute(text("SELECT raw_source FROM episodes")).scalars().all()
+        [episode_id] = conn.execute(text("SELECT id FROM episodes")).scalars().all()
+        assert fields._leading_result(bytes(raw)) == (episode / "result.json").read_text()
+        assert fields.group_values(conn, [episode_id], "field:group_id") == ["g7"]
+        assert fields.group_values(conn, [episode_id], "field:tail") == ['{"a":[1],"b":2}']
+        assert fields.group_values(conn, [episode_id], "field:episode_reward") == [str(result["episode_reward"])]

@@ -25,15 +25,44 @@ def source_field(raw: bytes, name: str) -> str | None:
     """A top-level field of an episode's result.json (episode directories) or JSONL line, from
     its stored (zlib-compressed) raw source; an object or a list as canonical JSON."""
     try:
-        doc = json.loads(zlib.decompress(raw))
-        if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
-            doc = json.loads(doc[RESULT_FILE])
-    except (zlib.error, ValueError):
+        result = _leading_result(raw)
+        if result is not None:
+            doc = json.loads(result)
+        else:
+            doc = json.loads(zlib.decompress(raw))
+            if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
+                doc = json.loads(doc[RESULT_FILE])
+    except (zlib.error, ValueError, RecursionError):
         return None
     value = doc.get(name) if isinstance(doc, dict) else None
     if value is None or isinstance(value, (dict, list)):
         return None if value is None else canonical_json(value)
     return str(value)
+
+
+# An episode directory's raw source is ASCII JSON that opens with its result.json as a string
+# (parsing.py: {"result.json": "...", "pi_session.jsonl": "..."}): that string is read from the
+# first kilobytes, not after decompressing and parsing a session of many megabytes.
+_RESULT_PREFIX = json.dumps({RESULT_FILE: ""})[:-3]  # '{"result.json": '
+_PIECE = 1 << 16
+
+
+def _leading_result(raw: bytes) -> str | None:
+    """The result.json text at the head of a directory episode's raw source; None for any
+    other source (a JSONL line), which is read whole."""
+    inflate = zlib.decompressobj()
+    head = inflate.decompress(raw, _PIECE)
+    if not head.startswith(_RESULT_PREFIX.encode()):
+        return None
+    decoder = json.JSONDecoder()
+    while True:
+        try:
+            value, _ = decoder.raw_decode(head.decode("ascii"), len(_RESULT_PREFIX))
+            return value if isinstance(value, str) else None
+        except ValueError:
+            if not inflate.unconsumed_tail:
+                return None  # no whole string: the whole-document path says what it is
+            head += inflate.decompress(inflate.unconsumed_tail, _PIECE)
 
 
 def parse_group_by(value: str) -> tuple[str, str]:
