@@ -9,6 +9,7 @@ import click
 
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import conversion_options
+from hcapo_store.ingestion.sources import COMPACTION_MODES, INPUT_FORMATS, ConvertOptions
 
 
 def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
@@ -44,7 +45,7 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--format",
     "input_format",
-    type=click.Choice(["tau-bench", "openai-list"]),
+    type=click.Choice(INPUT_FORMATS),
     default=None,
     help="Read each FILE given as a JSON array of episodes, not JSONL: tau-bench = τ-bench's "
     "results (task_id, trial, reward, traj; episode id TASK-TRIAL); openai-list = the objects a JSONL "
@@ -52,8 +53,8 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option(
     "--compaction",
-    type=click.Choice(["full", "context"]),
-    default="full",
+    type=click.Choice(COMPACTION_MODES),
+    default=ConvertOptions().compaction,
     show_default=True,
     help="Pi sessions with compaction entries: full = every message in file order (the original "
     "loader's transcript); context = what the agent saw after the last compaction (its summary as a "
@@ -72,13 +73,13 @@ def ingest(
     compaction: str,
     as_json: bool,
 ) -> None:
-    """Add episodes: episode directories, trajectory roots (episode_* dirs) or JSONL files.
+    """Add episodes: episode directories, trajectory roots (episode_* dirs), JSONL files, or JSON arrays (--format).
 
     Unchanged episodes are skipped; changed ones become a new version. One bad file never
     stops the batch; the exit status is 1 when any episode failed, 130 when interrupted.
     """
     from hcapo_store.ingestion.pipeline import ingest as run_ingest
-    from hcapo_store.ingestion.sources import ConvertOptions, count_inputs
+    from hcapo_store.ingestion.sources import count_inputs
     from hcapo_store.progress import EpisodeProgress
 
     store = state.store()

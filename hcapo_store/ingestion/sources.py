@@ -16,6 +16,7 @@ from hcapo_store.ingestion.discovery import (
     iter_sources,
 )
 from hcapo_store.ingestion.parsing import (
+    COMPACTION_MODES,
     RESULT_FILE,
     SESSION_FILE,
     ConvertOptions,
@@ -24,6 +25,7 @@ from hcapo_store.ingestion.parsing import (
 )
 
 __all__ = [
+    "COMPACTION_MODES",
     "INPUT_FORMATS",
     "MAX_RESULT_BYTES",
     "MAX_SESSION_BYTES",
