@@ -152,3 +152,17 @@ def run_signal(conn: Connection, run_id: int, stored: str | None, omega: float =
     if stored:
         return CreditSignal.from_dict(json.loads(stored))
     return measure_run(conn, run_id, omega)
+
+
+def combine(signals: list[CreditSignal]) -> CreditSignal:
+    """The signal of several runs' steps together (e.g. a training step's GRPO groups): counts
+    summed, the spread averaged over all their episodes."""
+    episodes = sum(s.episodes for s in signals)
+    return CreditSignal(
+        steps=sum(s.steps for s in signals),
+        hindsight_nonzero_steps=sum(s.hindsight_nonzero_steps for s in signals),
+        advantage_nonzero_steps=sum(s.advantage_nonzero_steps for s in signals),
+        episodes=episodes,
+        varying_episodes=sum(s.varying_episodes for s in signals),
+        advantage_spread=sum(s.advantage_spread * s.episodes for s in signals) / episodes if episodes else 0.0,
+    )
