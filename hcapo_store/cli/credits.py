@@ -255,6 +255,9 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
     for key, value in data.items():
         if key == "stale":
             click.echo(f"{key:<20} {value or 'no'}")
+        elif key == "signal":  # is HCAPO's hindsight term in the advantages (credits/signal.py)
+            signal = shown.run.credit_signal
+            click.echo(f"{key:<20} {signal.text() if signal else 'not measured (no stored advantages)'}")
         elif key != "subtasks":
             click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
     if shown.subtasks:
