@@ -268,3 +268,28 @@ def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path:
         env=_verl_venv.run_env(),
     )
     assert hook.stdout.strip() == "True", hook.stderr[-2000:]
+
+
+def test_the_example_gets_through_ray_init_with_the_hooks_registered(verl_python: Path, tmp_path: Path) -> None:
+    """examples/verl_hcapo.py for real on a CPU, past ``--cfg job``: verl's own ``run_ppo`` starts
+    Ray with the run's runtime_env (every env var a string: the wait 600.0 included) and the setup
+    hook; a worker of the run has ``hcapo`` as verl's estimator and reward manager; then, with no
+    GPU for an inference engine, the example stops with one line instead of waiting."""
+    minimal = [f"actor_rollout_ref.{part}_micro_batch_size_per_gpu=1" for part in ("actor.ppo", "rollout.log_prob", "ref.log_prob")]
+    r = subprocess.run(
+        [str(verl_python), str(ROOT / "examples" / "verl_hcapo.py"), "--store", str(tmp_path / "s.db")]
+        + ["--tokenizer", str(tmp_path), "--wait", "600", "--", *minimal],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_verl_venv.run_env(), "CUDA_VISIBLE_DEVICES": "", "RAY_USAGE_STATS_ENABLED": "0"},
+        cwd=tmp_path,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    (init,) = [line for line in r.stdout.splitlines() if line.startswith("ray init kwargs")]
+    assert "'HCAPO_WAIT': '600.0'" in init and "'worker_process_setup_hook': 'hcapo_store.training.verl.setup'" in init
+    (seen,) = [json.loads(line)["ray_worker"] for line in r.stdout.splitlines() if line.startswith('{"ray_worker"')]
+    assert seen["estimator"] is True and seen["reward_manager"] is True
+    assert seen["env"]["HCAPO_WAIT"] == "600.0" and seen["env"]["HCAPO_STORE"] == str(tmp_path / "s.db")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("verl_hcapo: no GPU for verl's inference engine") and "registered in a Ray worker" in last
