@@ -17,6 +17,7 @@ from pathlib import Path
 
 import _verl_venv
 import numpy as np
+from _hindsight import assert_advantage_moves_with_logprob, assert_advantages_follow_hindsight
 import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
@@ -194,6 +195,16 @@ def test_verl_trains_on_the_stores_advantages(
     # the paper's signed advantages reached the trainer: some negative, some positive
     flat = np.concatenate([np.array(r) for r in out["legacy"]["value"]["advantages"]])
     assert flat.min() < 0 < flat.max()
+    # outcome-only rollouts: the hindsight term is in most steps of every group, as the hand-off inside
+    # verl measured it, and the advantages verl trains on vary within a sample (its steps differ)
+    assert set(out["signals"]) == {b["credit_run"] for b in scored["batches"].values()}
+    for signal in out["signals"].values():
+        assert signal["hindsight_nonzero_steps"] > signal["steps"] / 2, signal
+    varying = 0
+    for i, want in enumerate(good["expected"]):
+        row = np.array(out["legacy"]["value"]["advantages"][i], dtype=np.float32)[: len(want["mask"])]
+        varying += len(set(row[np.array(want["mask"], dtype=bool)].tolist())) > 1
+    assert varying > len(good["expected"]) / 2
 
     # the same samples in reverse order: each finds its own member within its group
     order = list(reversed(range(len(good["uids"]))))  # the permutation the driver applied
@@ -223,6 +234,11 @@ def test_verl_trains_on_the_stores_advantages(
     for case_name in ("kl_in_reward", "naive_rewards"):
         e = out[case_name]["error"]
         assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo reward manager wrote" in e, e
+    # last (it changes the store): the advantages follow the stored hindsight logprobs
+    runs = [b["credit_run"] for b in scored["batches"].values()]
+    with Store.open(str(scored["db"])) as store:
+        assert_advantages_follow_hindsight(store, runs)
+        assert_advantage_moves_with_logprob(store, runs)
 
 
 def test_the_plug_is_refused_without_verl() -> None:
