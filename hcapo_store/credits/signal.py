@@ -115,6 +115,7 @@ def measure(
         mean = np.add.reduceat(advantage, starts) / counts
         var = np.add.reduceat((advantage - np.repeat(mean, counts)) ** 2, starts) / counts
         std = np.sqrt(var)
+        std[std <= NONZERO] = 0.0  # float noise of equal values is no spread
     else:
         std = np.zeros(0)
     return CreditSignal(

@@ -116,18 +116,18 @@ class Handoff:
         self.store = store
         self.run: RunInfo = get_run(store, batch_run(store, run))
         self.warnings: list[str] = [self.run.stale] if self.run.stale else []
-        # whether HCAPO's hindsight term is in the advantages (None: a run without stored advantages)
-        self.signal: CreditSignal | None = self.run.credit_signal
-        if self.signal is not None and self.signal.plain_grpo:
-            if not allow_zero:
-                raise HandoffError(self.signal.refusal(f"credit run {self.run.name!r}"))
-            self.warnings.append(f"credit run {self.run.name!r}: {self.signal.text()} ({OPT_IN}=True)")
         with db.read(store.engine) as conn:
             replaced = superseded_batch(conn, self.run.id)
         if replaced:
             self.warnings.insert(0, replaced)
         if self.warnings and not allow_stale:
             raise HandoffError(f"{self.warnings[0]}; or pass allow_stale=True to train on it anyway")
+        # whether HCAPO's hindsight term is in the advantages (None: a run without stored advantages)
+        self.signal: CreditSignal | None = self.run.credit_signal
+        if self.signal is not None and self.signal.plain_grpo:
+            if not allow_zero:
+                raise HandoffError(self.signal.refusal(f"credit run {self.run.name!r}"))
+            self.warnings.append(f"credit run {self.run.name!r}: {self.signal.text()} ({OPT_IN}=True)")
 
     def _load(self) -> None:
         with db.read(self.store.engine) as conn:
@@ -280,7 +280,7 @@ def float32_problem(value: float) -> str | None:
     if np.isfinite(cast):
         return None
     if np.isfinite(value):
-        return f"is {value!r}, beyond float32's range (±{float(np.finfo(np.float32).max):.4g}): refused, never passed on as inf"
+        return f"is {float(value)!r}, beyond float32's range (±{float(np.finfo(np.float32).max):.4g}): refused, never passed on as inf"
     return f"is {value}: refused, never passed on"
 
 

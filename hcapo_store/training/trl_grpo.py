@@ -125,7 +125,7 @@ def place(batch: RolloutBatch, values: Sequence[Sequence[float]], width: int) ->
             at = int(np.flatnonzero(bad)[0])
             beyond = " (beyond float32's range)" if np.isfinite(adv[at]) else ""
             raise HandoffError(
-                f"step {batch.step}, row {i} (group {batch.groups[i]}): advantage {adv[at]!r}{beyond} at completion "
+                f"step {batch.step}, row {i} (group {batch.groups[i]}): advantage {float(adv[at])!r}{beyond} at completion "
                 f"token {at}: a NaN or inf never reaches the trainer"
             )
         out[i, : len(ids)] = cast * np.asarray(mask, dtype=np.float32)
