@@ -12,7 +12,7 @@ note of a choice the run made itself). Runs computed before this revision keep N
 signal is measured from their stored credits when it is read.
 
 Frozen history: nothing here reads the models; the view texts are copied as they are at this
-revision (the downgrade recreates credit_runs, so it drops and restores them).
+revision (the downgrade drops and restores them around the column's removal).
 """
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # ALTER TABLE ... DROP COLUMN in place (SQLite >= 3.35, PostgreSQL): a batch copy of credit_runs
+    # would drop the old table, and its ON DELETE CASCADE would take every credit with it
     op.execute("DROP VIEW IF EXISTS subtask_credits")
     op.execute("DROP VIEW IF EXISTS step_credits")
-    with op.batch_alter_table('credit_runs', schema=None) as batch_op:
-        batch_op.drop_column('signal')
+    op.execute("ALTER TABLE credit_runs DROP COLUMN signal")
     op.execute(STEP_CREDITS_0007)
     op.execute(SUBTASK_CREDITS)
