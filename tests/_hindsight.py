@@ -61,6 +61,8 @@ def assert_advantage_moves_with_logprob(store: Store, runs: list[str], delta: fl
             after = {s["step_id"]: s for ss in run_credits(store, info.name).values() for s in ss}[step["step_id"]]
             assert after["q_h_smoothed"] > step["q_h_smoothed"], (step, after)
             assert after["advantage"] > step["advantage"], (step, after)
-            assert after["advantage"] == pytest.approx(step["advantage"] + (after["micro"] - step["micro"]) * params.omega)
+            assert after["advantage"] == pytest.approx(
+                step["advantage"] + (after["micro"] - step["micro"]) * params.omega
+            )
             return
     pytest.fail(f"no step of runs {runs} is inside the clip range in an episode that is not a success")

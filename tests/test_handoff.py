@@ -310,7 +310,9 @@ def test_a_stored_advantage_beyond_float32_never_reaches_a_trainer_as_inf(
         )
     handoff = Handoff(store, "p", tokenizer=demo_tokenizer_dir)
     ids = handoff.rendered_ids(name, "whole")
-    with pytest.raises(HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is 1e\+39, beyond float32's range"):
+    with pytest.raises(
+        HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is 1e\+39, beyond float32's range"
+    ):
         handoff.advantages(name, ids, strict=False)
 
 
@@ -322,7 +324,9 @@ def test_a_run_without_hindsight_term_is_refused_unless_plain_grpo_is_asked_for(
     term reports how much of it carries one."""
     scored_with(store, samples, demo_tokenizer_dir)
     compute_credits(store, CreditParams(variant="paper", omega=0.0), name="flat")
-    with pytest.raises(HandoffError, match=r"^credit run 'flat': hindsight term zero on all \d+ steps.*allow_zero_hindsight=True"):
+    with pytest.raises(
+        HandoffError, match=r"^credit run 'flat': hindsight term zero on all \d+ steps.*allow_zero_hindsight=True"
+    ):
         Handoff(store, "flat", tokenizer=demo_tokenizer_dir)
     taken = Handoff(store, "flat", tokenizer=demo_tokenizer_dir, allow_zero_hindsight=True)
     assert taken.signal is not None and taken.signal.plain_grpo

@@ -493,6 +493,9 @@ def test_place_refuses_a_value_beyond_float32_after_the_cast() -> None:
         inputs=[{}],
     )
     for value in (1e39, -1e39):
-        with pytest.raises(HandoffError, match=r"^step 3, row 0 \(group 0\): advantage [-]?1e\+39 \(beyond float32's range\) at completion token 1"):
+        with pytest.raises(
+            HandoffError,
+            match=r"^step 3, row 0 \(group 0\): advantage [-]?1e\+39 \(beyond float32's range\) at completion token 1",
+        ):
             place(batch, [[0.5, value, 0.5, 0.0]], width=4)
     assert place(batch, [[0.5, 3.0e38, -0.5, 0.0]], width=4).isfinite().all()

@@ -226,7 +226,13 @@ def test_the_example_takes_signed_advantages_only_when_asked(
     assert summary.weighted_steps == summary.step_signs["positive"] + summary.step_signs["negative"]
 
     def example(*extra: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, str(REPO / "examples" / "train_weighted.py"), str(data), "--model", str(tiny_model_dir)]
+        command = [
+            sys.executable,
+            str(REPO / "examples" / "train_weighted.py"),
+            str(data),
+            "--model",
+            str(tiny_model_dir),
+        ]
         return subprocess.run(
             [*command, "--steps", "1", *extra],
             capture_output=True,

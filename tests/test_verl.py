@@ -17,8 +17,8 @@ from pathlib import Path
 
 import _verl_venv
 import numpy as np
-from _hindsight import assert_advantage_moves_with_logprob, assert_advantages_follow_hindsight
 import pytest
+from _hindsight import assert_advantage_moves_with_logprob, assert_advantages_follow_hindsight
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
@@ -291,7 +291,10 @@ def test_the_example_gets_through_ray_init_with_the_hooks_registered(verl_python
     Ray with the run's runtime_env (every env var a string: the wait 600.0 included) and the setup
     hook; a worker of the run has ``hcapo`` as verl's estimator and reward manager; then, with no
     GPU for an inference engine, the example stops with one line instead of waiting."""
-    minimal = [f"actor_rollout_ref.{part}_micro_batch_size_per_gpu=1" for part in ("actor.ppo", "rollout.log_prob", "ref.log_prob")]
+    minimal = [
+        f"actor_rollout_ref.{part}_micro_batch_size_per_gpu=1"
+        for part in ("actor.ppo", "rollout.log_prob", "ref.log_prob")
+    ]
     r = subprocess.run(
         [str(verl_python), str(ROOT / "examples" / "verl_hcapo.py"), "--store", str(tmp_path / "s.db")]
         + ["--tokenizer", str(tmp_path), "--wait", "600", "--", *minimal],

@@ -11,10 +11,10 @@ run the episodes' content identities (``scoped_run_hash``), never database-local
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -163,7 +163,9 @@ def _stats(steps: _Steps, c_min: float, c_max: float, omega: float) -> dict[str,
     return out
 
 
-def _warnings(s: dict[str, Any], c_min: float, c_max: float, signal: CreditSignal | None = None) -> list[dict[str, str]]:
+def _warnings(
+    s: dict[str, Any], c_min: float, c_max: float, signal: CreditSignal | None = None
+) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     if not s.get("steps"):
         return out

@@ -213,7 +213,9 @@ class VerlHandoff:
             hits = list(exact.values())
             first = hits[0][1]
             if any(o.spans != first.spans or not np.array_equal(o.advantages, first.advantages) for _, o in hits[1:]):
-                names = ", ".join(f"{m.external_id or m.name} ({c.step_advantages.get(min(c.spans), 0.0):+.4g})" for m, c in hits[:4])
+                names = ", ".join(
+                    f"{m.external_id or m.name} ({c.step_advantages.get(min(c.spans), 0.0):+.4g})" for m, c in hits[:4]
+                )
                 raise HandoffError(
                     f"{where}: its ids are the rendering of {len(hits)} members of its group with other advantages "
                     f"({names}): identical rollouts with different rewards cannot be told apart, refused"
