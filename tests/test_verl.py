@@ -112,6 +112,8 @@ def scored(tmp_path_factory: pytest.TempPathFactory, ref: ReferenceServer, tiny_
         catch_exceptions=False,
     )
     assert r.exit_code == 0, r.output
+    # follow's line per published batch says how much of its run carries the hindsight term
+    assert r.output.count("hindsight term non-zero on") == 3, r.output
     r = CliRunner().invoke(cli, ["--db", str(db), "batches", "--json"])
     batches = json.loads(r.output)
     assert {b["key"] for b in batches} == {"u-a", "u-b", "u-c"}

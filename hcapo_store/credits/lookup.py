@@ -187,3 +187,14 @@ def list_runs(store: Store) -> list[RunInfo]:
     with db.read(store.engine) as conn:
         runs = [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
         return [run_staleness(conn, r) for r in runs]
+
+
+def signal_text(store: Store, name: str | None) -> str | None:
+    """The recorded hindsight signal of run ``name`` in one line (``follow``'s published batches),
+    without the staleness scan ``get_run`` does; None without a run or a record."""
+    if not name:
+        return None
+    with db.read(store.engine) as conn:
+        stored = conn.execute(text("SELECT signal FROM credit_runs WHERE name = :n"), {"n": name}).scalar()
+    signal = CreditSignal.from_dict(json.loads(stored)) if stored else None
+    return None if signal is None else ("warning: " if signal.plain_grpo else "") + signal.text()
