@@ -25,6 +25,9 @@ A run that no longer matches the store is refused unless the caller allows it
 (``allow_stale=True``): a ``follow`` batch's run that a newer batch of the same key replaced
 (the message names that batch and its run), or a run with superseded or missing episodes.
 
+A stored advantage that is NaN, inf or beyond float32's range (finite in float64, inf once
+cast) is refused naming its step, never passed on.
+
 Which advantage: the run's stored one (``step_credits.advantage``): the Eq. 8 weight for an
 ``original`` run over its training selection (episodes under its ``min_reward`` get zeros and
 ``selected=False``), the signed advantage for a ``paper`` run.
