@@ -167,7 +167,7 @@ def measure(path: Path, params: CreditParams) -> dict:
             params.c_max,
             params.alpha,
             params.smooth,
-            params.dense,
+            params.uses_dense,
         )
     ref_seconds = time.perf_counter() - t1
     max_diff = max(abs(s["q_h_smoothed"] - s["_db"]) for _, steps in episodes.values() for s in steps)

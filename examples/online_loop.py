@@ -21,6 +21,9 @@ Each iteration:
    manager's ``assemble_rm_scores`` and verl's ``compute_advantage(adv_estimator="hcapo")``.
 4. **update** — one policy-gradient step, ``-sum_t A_t log pi(token_t)`` over the action tokens.
 
+Each iteration reports whether HCAPO's hindsight term is in the advantages: the steps whose
+hindsight term is non-zero and the spread of advantages within an episode (``credits/signal.py``).
+
 ``--json`` prints one object per iteration. ``--dump FILE`` writes the last iteration's ids
 and advantages (the test checks they fall on action tokens only).
 """
@@ -126,6 +129,21 @@ def policy_gradient_step(model, optimizer, prompts, responses, masks, adv: torch
     return total
 
 
+def signal_of(signals) -> dict:
+    """The hindsight signal of an iteration's groups: steps, steps with a non-zero hindsight term,
+    episodes whose advantages vary, the mean spread within an episode, and the line that says so."""
+    from hcapo_store.credits.signal import combine
+
+    total = combine(list(signals))
+    return {
+        "steps": total.steps,
+        "hindsight_nonzero_steps": total.hindsight_nonzero_steps,
+        "varying_episodes": total.varying_episodes,
+        "advantage_spread": total.advantage_spread,
+        "signal": total.text(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: a tiny model built here)")
@@ -153,6 +171,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed)
+    # the library's paper defaults: terminal returns (these rollouts have no subtask rewards)
     params = CreditParams(variant="paper", success_threshold=1.0)
     rollouts = work / "rollouts"
 
@@ -208,6 +227,8 @@ def main() -> None:
                 "mean_reward": sum(rewards) / len(rewards),
                 "loss": loss,
                 "through": "verl" if args.verl else "VerlHandoff",
+                # whether HCAPO's hindsight term is in the advantages (credits/signal.py), over the step's groups
+                **signal_of(plug.signals.values()),
             }
             if args.dump is not None and it == args.iterations - 1:
                 with args.dump.open("w") as f:
@@ -226,7 +247,7 @@ def main() -> None:
                 print(
                     f"iteration {it} ({version}): {len(uids)} rollouts in {args.groups} groups, "
                     f"{followed.batches} batches scored by the policy itself, mean reward "
-                    f"{result['mean_reward']:.2f}, policy-gradient loss {loss:.4f}"
+                    f"{result['mean_reward']:.2f}, policy-gradient loss {loss:.4f}; {result['signal']}"
                 )
 
 

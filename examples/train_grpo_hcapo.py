@@ -141,6 +141,15 @@ def main() -> None:
                 "step_seconds": log.get("step_time"),  # TRL's: generation, rewards, advantages, update
                 "advantages_seconds": log.get("hcapo/advantages_seconds"),  # of which the advantage source
             }
+            signal = hcapo.signals.get(step)  # whether HCAPO's hindsight term is in this step's advantages
+            if signal is not None:
+                result |= {
+                    "steps": signal.steps,
+                    "hindsight_nonzero_steps": signal.hindsight_nonzero_steps,
+                    "varying_episodes": signal.varying_episodes,
+                    "advantage_spread": signal.advantage_spread,
+                    "signal": signal.text(),
+                }
             if not math.isfinite(result["loss"]):
                 sys.exit(f"step {step}: the loss is not finite: {result['loss']}")
             if args.json:
@@ -148,7 +157,8 @@ def main() -> None:
             else:
                 print(
                     f"step {step}: credit run {result['credit_run']}, reward {result['reward']:.2f}, "
-                    f"loss {result['loss']:.4f}, |advantage| <= {result['advantage_abs_max']}"
+                    f"loss {result['loss']:.4f}, |advantage| <= {result['advantage_abs_max']}; "
+                    f"{result.get('signal', 'hindsight term: not measured')}"
                 )
 
 

@@ -9,7 +9,11 @@ It first checks that the rows were exported with this model's tokenizer and chat
 ``sum_t A_t * NLL_t`` over the credited tokens, divided by their number (``--normalize
 tokens``) or by the sum of their advantages (``--normalize weights``, as the original
 ``train_hcapo.py``). With one batch of every row it is a smoke test of the data path, not a
-training recipe. Needs ``pip install 'hcapo-store[trl]'``.
+training recipe. The defaults fit a CPU with a 151k vocabulary (Qwen's): rows of at most 1024
+tokens, one row per forward pass (``--micro-batch-size``), the batch accumulated over them.
+Negative advantages (a ``paper`` run's signed ones) are refused unless ``--signed``: then it
+says "unlikelihood on N steps", as the loss pushes those steps' log-probabilities down.
+Needs ``pip install 'hcapo-store[trl]'``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from trl import SFTConfig
@@ -33,9 +38,22 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="model directory (its tokenizer must be the scorer's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4, help="rows per batch (and rows used)")
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="rows per forward pass (the batch is accumulated over them): with a 151k vocabulary one row of "
+        "1024 tokens already holds 0.6 GB of logits",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-length", type=int, default=4096, help="cut rows to this many tokens")
+    parser.add_argument("--max-length", type=int, default=1024, help="cut rows to this many tokens")
     parser.add_argument("--normalize", choices=("tokens", "weights"), default="tokens")
+    parser.add_argument(
+        "--signed",
+        action="store_true",
+        help="train on negative advantages too (a paper run's signed ones): unlikelihood on those steps, "
+        "refused without this flag",
+    )
     parser.add_argument("--output-dir", default=None, help="checkpoints (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the losses as JSON")
     args = parser.parse_args()
@@ -51,11 +69,15 @@ def main() -> None:
 
     from datasets import Dataset
 
+    micro = max(1, min(args.micro_batch_size, len(rows)))
+    if len(rows) % micro:
+        sys.exit(f"--micro-batch-size {micro} must divide the {len(rows)} row(s) of a batch")
     with tempfile.TemporaryDirectory() as tmp:
         config = SFTConfig(
             output_dir=args.output_dir or tmp,
             max_steps=args.steps,
-            per_device_train_batch_size=len(rows),
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=len(rows) // micro,
             learning_rate=args.lr,
             lr_scheduler_type="constant",
             max_length=args.max_length,
@@ -66,16 +88,26 @@ def main() -> None:
             shuffle_dataset=False,
             disable_tqdm=args.json,
         )
-        try:  # the trainer refuses rows of another tokenizer before it loads the model
-            trainer = WeightedSFTTrainer(
-                args.model,
-                args=config,
-                train_dataset=Dataset.from_list(rows),
-                processing_class=tokenizer,
-                normalize=args.normalize,
-            )
+        try:  # the trainer refuses rows of another tokenizer (or signed ones) before it loads the model
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UserWarning)
+                trainer = WeightedSFTTrainer(
+                    args.model,
+                    args=config,
+                    train_dataset=Dataset.from_list(rows),
+                    processing_class=tokenizer,
+                    normalize=args.normalize,
+                    signed=args.signed,
+                )
         except TrainingDataError as exc:
             sys.exit(f"{args.data}: {exc}")
+        except ValueError as exc:  # e.g. a --max-length that keeps no trained token: one line
+            sys.exit(f"{args.data}: {exc}".replace("max_length=", "--max-length "))
+        for w in caught:  # e.g. "--max-length cut N trained tokens": one line each, on stderr
+            if "max_length" in str(w.message):
+                print(f"warning: {w.message}".replace("max_length=", "--max-length "), file=sys.stderr)
+        if trainer.negative_steps:
+            print(f"--signed: unlikelihood on {trainer.negative_steps} steps (negative advantages)", file=sys.stderr)
         if not args.json:
             name = rows_fingerprint(rows)["tokenizer"]
             print(f"rows: {len(rows)}, exported with tokenizer {name!r} = the model's ({args.model})")

@@ -100,6 +100,8 @@ def main() -> None:
         return {"advantages": data.batch["advantages"].tolist()}
 
     attempt("legacy", legacy)
+    # each group's hindsight signal as the hand-off inside verl saw it (credits/signal.py)
+    out["signals"] = {run: signal.as_dict() for run, signal in hv.handoff().signals.items()}
     attempt("v1", v1)
     # the samples in another order: each still finds its own member, never by uid alone
     order = case["shuffle"]

@@ -186,7 +186,9 @@ def assert_matches_reference(store: Store, run: str, p: CreditParams) -> int:
             }
             for s in steps
         ]
-        compute_ratios_and_qh(ref, steps[0]["reward"], p.t_temp, p.gamma, p.c_min, p.c_max, p.alpha, p.smooth, p.dense)
+        compute_ratios_and_qh(
+            ref, steps[0]["reward"], p.t_temp, p.gamma, p.c_min, p.c_max, p.alpha, p.smooth, p.uses_dense
+        )
         for got, want in zip(steps, ref):
             for key in ("pi_hind", "rho", "q_h", "q_h_smoothed"):
                 assert got[key] == pytest.approx(want[key], abs=1e-12, rel=0), (key, got, want)

@@ -255,6 +255,14 @@ def test_a_superseded_batch_is_refused_naming_the_batch_that_replaced_it(tmp_pat
         )
         allowed = Handoff(store, old["credit_run"], tokenizer=tiny_model_dir, allow_stale=True)
         assert allowed.warnings[0].startswith(f"credit run of batch {old['id']}")
+        # a batch, by its id or as follow publishes it, names its own credit run
+        from hcapo_store.online.batches import find_batch
+
+        assert Handoff(store, new["id"], tokenizer=tiny_model_dir).run.name == new["credit_run"]
+        info = find_batch(store, "rollouts/step_0000")
+        assert info is not None and Handoff(store, info, tokenizer=tiny_model_dir).run.name == new["credit_run"]
+        with pytest.raises(HandoffError, match=r"^no batch 999 in this store"):
+            Handoff(store, 999, tokenizer=tiny_model_dir)
 
 
 def test_a_stored_advantage_that_is_not_finite_never_reaches_a_trainer(
@@ -279,3 +287,50 @@ def test_a_stored_advantage_that_is_not_finite_never_reaches_a_trainer(
     ids = handoff.rendered_ids(name, "whole")
     with pytest.raises(HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is nan"):
         handoff.advantages(name, ids, strict=False)
+
+
+def test_a_stored_advantage_beyond_float32_never_reaches_a_trainer_as_inf(
+    store: Store, samples: Path, demo_tokenizer_dir: Path
+) -> None:
+    """1e39 is finite in float64 and inf in float32: refused after the cast, naming the step."""
+    scored_with(store, samples, demo_tokenizer_dir)
+    compute_credits(store, CreditParams(variant="paper"), name="p")
+    name, step = store.query(
+        "SELECT episode, step_index FROM step_credits WHERE run = 'p' ORDER BY episode, step_index LIMIT 1",
+        read_only=True,
+    )[1][0]
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE credits SET advantage = 1e39 WHERE run_id = (SELECT id FROM credit_runs WHERE name = 'p') "
+                "AND step_id = (SELECT s.id FROM steps s JOIN episodes e ON e.id = s.episode_id "
+                "WHERE e.name = :n AND s.step_index = :i AND e.is_current)"
+            ),
+            {"n": name, "i": step},
+        )
+    handoff = Handoff(store, "p", tokenizer=demo_tokenizer_dir)
+    ids = handoff.rendered_ids(name, "whole")
+    with pytest.raises(
+        HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is 1e\+39, beyond float32's range"
+    ):
+        handoff.advantages(name, ids, strict=False)
+
+
+def test_a_run_without_hindsight_term_is_refused_unless_plain_grpo_is_asked_for(
+    store: Store, samples: Path, demo_tokenizer_dir: Path
+) -> None:
+    """omega 0: the advantage is GRPO's group term alone on every step; the hand-off refuses it by
+    default and takes it with allow_zero_hindsight=True (the warning says so); a run with the
+    term reports how much of it carries one."""
+    scored_with(store, samples, demo_tokenizer_dir)
+    compute_credits(store, CreditParams(variant="paper", omega=0.0), name="flat")
+    with pytest.raises(
+        HandoffError, match=r"^credit run 'flat': hindsight term zero on all \d+ steps.*allow_zero_hindsight=True"
+    ):
+        Handoff(store, "flat", tokenizer=demo_tokenizer_dir)
+    taken = Handoff(store, "flat", tokenizer=demo_tokenizer_dir, allow_zero_hindsight=True)
+    assert taken.signal is not None and taken.signal.plain_grpo
+    assert any("hindsight term zero" in w for w in taken.warnings)
+    compute_credits(store, CreditParams(variant="paper"), name="p")
+    signal = Handoff(store, "p", tokenizer=demo_tokenizer_dir).signal
+    assert signal is not None and signal.hindsight_nonzero_steps > signal.steps / 2 and signal.varying_episodes > 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import _verl_venv
 import pytest
+from _hindsight import assert_advantage_moves_with_logprob, assert_advantages_follow_hindsight
 from transformers import AutoTokenizer
 
 from hcapo_store.scoring.scorer import scorer_spec
@@ -60,6 +61,11 @@ def test_three_iterations_of_the_policy_scoring_itself(plain: tuple[Path, list[d
                 assert scorer[0] == it["scorer_id"]
                 (key,) = store.query("SELECT key FROM batches WHERE credit_run = :n", {"n": run}, read_only=True)[1]
                 assert key[0].startswith(f"it{n}-g")
+    for it in iterations:
+        # outcome-only rollouts (no subtask rewards): the hindsight term is non-zero on most steps and
+        # the advantages vary within episodes, not GRPO's group term alone
+        assert it["hindsight_nonzero_steps"] > it["steps"] / 2, it
+        assert it["varying_episodes"] > 0 and it["advantage_spread"] > 0, it
     tok = AutoTokenizer.from_pretrained(str(work / "model"))
     rows = [json.loads(line) for line in (tmp_path / "dump.jsonl").read_text().splitlines()]
     assert len(rows) == 6
@@ -95,3 +101,13 @@ def test_through_verl_the_loop_trains_on_the_same_numbers(plain: tuple[Path, lis
     verl_rows = [json.loads(x) for x in (tmp_path / "verl.jsonl").read_text().splitlines()]
     assert [r["ids"] for r in plain_rows] == [r["ids"] for r in verl_rows]
     assert [r["advantages"] for r in plain_rows] == [r["advantages"] for r in verl_rows]  # float32, passed on as is
+
+
+def test_the_loops_advantages_follow_the_stored_hindsight_logprobs(plain: tuple[Path, list[dict]]) -> None:
+    """Within each episode the advantages are ordered as the steps' Q_H, and raising one step's
+    stored hindsight logprob raises its advantage once its batch's run is recomputed."""
+    tmp_path, iterations = plain
+    runs = [run for it in iterations for run in it["credit_runs"]]
+    with Store.open(str(tmp_path / "work" / "online.db")) as store:
+        assert_advantages_follow_hindsight(store, runs)
+        assert_advantage_moves_with_logprob(store, runs)

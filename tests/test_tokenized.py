@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -310,7 +311,10 @@ def test_cli_tokenized_needs_tokenizer(
         ],
     )
     assert r.exit_code == 0, r.output
-    assert "weighted step(s)" in r.output and (tmp_path / "t.jsonl").exists()
+    assert (
+        re.search(r"\d+ step\(s\) \(\d+ positive, \d+ negative, \d+ zero\)", r.output)
+        and (tmp_path / "t.jsonl").exists()
+    )
     n = store.query("SELECT count(DISTINCT episode) FROM step_credits WHERE run = 'r'", read_only=True)[1][0][0]
     assert f"export: {n}/{n} episodes" in r.stderr  # progress with its total (a pipe: one log line at the end)
 

@@ -77,3 +77,9 @@ def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path) -> None:
         runs = {name for (name,) in store.query("SELECT name FROM credit_runs")[1]}
         episodes = store.query("SELECT count(*) FROM episodes WHERE is_current")[1][0][0]
     assert {s["credit_run"] for s in steps} <= runs and episodes >= 6
+    for s in steps:
+        # outcome-only rollouts: the hindsight term is in most steps' advantages (the library's paper
+        # defaults use the terminal return; dense returns gave 0 on every step). Each completion is one
+        # step, so its ratio is 1 and the term is the reward's z-score: the logprob dependence is held
+        # by tests/test_online_loop.py and tests/test_verl.py, whose episodes have several steps.
+        assert s["hindsight_nonzero_steps"] > s["steps"] / 2, s

@@ -340,7 +340,7 @@ def test_a_nan_inf_or_misshapen_advantage_never_reaches_the_trainer(tmp_path: Pa
     message = (
         r"row 2 \(group 0\): the advantage source gave"
         if bad == "short"
-        else r"row 2 \(group 0\): advantage (nan|inf) at completion token 0"
+        else r"step 0, row 2 \(group 0\): advantage (nan|inf) at completion token 0"
     )
     with pytest.raises(HandoffError, match=message):
         trainer.train()
@@ -476,3 +476,26 @@ def test_place_drops_values_on_tokens_the_loss_does_not_train() -> None:
     placed = place(batch, [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0]], width=5)
     assert placed.dtype == torch.float32
     assert placed.tolist() == [[1.0, 0.0, 0.0, 4.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_place_refuses_a_value_beyond_float32_after_the_cast() -> None:
+    """1e39 is finite in float64 and inf in float32: the check runs after the cast, naming the step."""
+    batch = RolloutBatch(
+        step=3,
+        prompts=[[]],
+        completions=[[]],
+        prompt_ids=[[1]],
+        completion_ids=[[5, 6, 7, 8]],
+        loss_mask=[[1, 1, 1, 1]],
+        rewards=[1.0],
+        groups=[0],
+        trl_advantages=[0.0],
+        inputs=[{}],
+    )
+    for value in (1e39, -1e39):
+        with pytest.raises(
+            HandoffError,
+            match=r"^step 3, row 0 \(group 0\): advantage [-]?1e\+39 \(beyond float32's range\) at completion token 1",
+        ):
+            place(batch, [[0.5, value, 0.5, 0.0]], width=4)
+    assert place(batch, [[0.5, 3.0e38, -0.5, 0.0]], width=4).isfinite().all()

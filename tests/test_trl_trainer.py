@@ -187,17 +187,76 @@ def test_signed_advantages_of_the_paper_variant(
     export_dataset(store, out, "p", layout="tokenized", tokenizer=tiny_model_dir)
     rows = read_rows(out)
     assert any(a < 0 for r in rows for a in r["advantages"])
-    trainer = WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out))
+    negative = sum(1 for r in rows for w in r["step_advantages"] if w < 0)
+    with pytest.raises(TrainingDataError, match=f"^{negative} step\\(s\\) have a negative advantage.*signed=True"):
+        WeightedSFTTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out))
+    trainer = WeightedSFTTrainer(
+        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out), signed=True
+    )
+    assert trainer.negative_steps == negative > 0
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(min(8, len(rows)))])
     model = trainer.model.eval()
     with torch.no_grad():
         got = float(trainer.compute_loss(model, batch))
     assert got == pytest.approx(_independent_loss(model, rows[:8], "tokens"), rel=1e-4)
     weights = WeightedSFTTrainer(
-        str(tiny_model_dir), args=_config(tmp_path), train_dataset=load_tokenized_export(out), normalize="weights"
+        str(tiny_model_dir),
+        args=_config(tmp_path),
+        train_dataset=load_tokenized_export(out),
+        normalize="weights",
+        signed=True,
     )
     with pytest.raises(ValueError, match="non-negative"):
         weights.compute_loss(model, batch)
+
+
+def test_the_example_takes_signed_advantages_only_when_asked(
+    store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A paper run's signed advantages: refused in one line without --signed; with it, the example
+    says how many steps get unlikelihood; a --max-length that keeps no trained token is one line."""
+    scored_with(store, short, tiny_model_dir)
+    compute_credits(store, CreditParams(variant="paper"), name="p")
+    data = tmp_path / "paper.jsonl"
+    summary = export_dataset(store, data, "p", layout="tokenized", tokenizer=tiny_model_dir)
+    rows = read_rows(data)[:4]
+    negative = sum(1 for r in rows for w in r["step_advantages"] if w < 0)
+    assert negative > 0 and summary.step_signs["negative"] > 0
+    assert sum(summary.step_signs.values()) == summary.aligned_steps
+    assert summary.weighted_steps == summary.step_signs["positive"] + summary.step_signs["negative"]
+
+    def example(*extra: str) -> subprocess.CompletedProcess:
+        command = [
+            sys.executable,
+            str(REPO / "examples" / "train_weighted.py"),
+            str(data),
+            "--model",
+            str(tiny_model_dir),
+        ]
+        return subprocess.run(
+            [*command, "--steps", "1", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    refused = example()
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert f"{negative} step(s) have a negative advantage" in refused.stderr and "--signed" in refused.stderr
+    assert _lines(refused.stderr) == [refused.stderr.strip().splitlines()[-1]]
+    signed = example("--signed", "--max-length", "32768", "--json")
+    assert signed.returncode == 0, signed.stderr[-2000:]
+    assert f"unlikelihood on {negative} steps" in signed.stderr
+    short_cut = example("--signed", "--max-length", "4")
+    assert short_cut.returncode != 0 and "Traceback" not in short_cut.stderr
+    assert _lines(short_cut.stderr) == [f"{data}: no row keeps a trained token within --max-length 4"]
+
+
+def _lines(stderr: str) -> list[str]:
+    """stderr without the Python warnings of other libraries (transformers' deprecations)."""
+    lines = stderr.strip().splitlines()
+    return [x for i, x in enumerate(lines) if "Warning:" not in x and not (i and "Warning:" in lines[i - 1])]
 
 
 def test_the_example_refuses_rows_of_another_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:

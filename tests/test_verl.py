@@ -18,6 +18,7 @@ from pathlib import Path
 import _verl_venv
 import numpy as np
 import pytest
+from _hindsight import assert_advantage_moves_with_logprob, assert_advantages_follow_hindsight
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
@@ -111,6 +112,8 @@ def scored(tmp_path_factory: pytest.TempPathFactory, ref: ReferenceServer, tiny_
         catch_exceptions=False,
     )
     assert r.exit_code == 0, r.output
+    # follow's line per published batch says how much of its run carries the hindsight term
+    assert r.output.count("hindsight term non-zero on") == 3, r.output
     r = CliRunner().invoke(cli, ["--db", str(db), "batches", "--json"])
     batches = json.loads(r.output)
     assert {b["key"] for b in batches} == {"u-a", "u-b", "u-c"}
@@ -194,6 +197,16 @@ def test_verl_trains_on_the_stores_advantages(
     # the paper's signed advantages reached the trainer: some negative, some positive
     flat = np.concatenate([np.array(r) for r in out["legacy"]["value"]["advantages"]])
     assert flat.min() < 0 < flat.max()
+    # outcome-only rollouts: the hindsight term is in most steps of every group, as the hand-off inside
+    # verl measured it, and the advantages verl trains on vary within a sample (its steps differ)
+    assert set(out["signals"]) == {b["credit_run"] for b in scored["batches"].values()}
+    for signal in out["signals"].values():
+        assert signal["hindsight_nonzero_steps"] > signal["steps"] / 2, signal
+    varying = 0
+    for i, want in enumerate(good["expected"]):
+        row = np.array(out["legacy"]["value"]["advantages"][i], dtype=np.float32)[: len(want["mask"])]
+        varying += len(set(row[np.array(want["mask"], dtype=bool)].tolist())) > 1
+    assert varying > len(good["expected"]) / 2
 
     # the same samples in reverse order: each finds its own member within its group
     order = list(reversed(range(len(good["uids"]))))  # the permutation the driver applied
@@ -223,6 +236,11 @@ def test_verl_trains_on_the_stores_advantages(
     for case_name in ("kl_in_reward", "naive_rewards"):
         e = out[case_name]["error"]
         assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo reward manager wrote" in e, e
+    # last (it changes the store): the advantages follow the stored hindsight logprobs
+    runs = [b["credit_run"] for b in scored["batches"].values()]
+    with Store.open(str(scored["db"])) as store:
+        assert_advantages_follow_hindsight(store, runs)
+        assert_advantage_moves_with_logprob(store, runs)
 
 
 def test_the_plug_is_refused_without_verl() -> None:
@@ -268,3 +286,31 @@ def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path:
         env=_verl_venv.run_env(),
     )
     assert hook.stdout.strip() == "True", hook.stderr[-2000:]
+
+
+def test_the_example_gets_through_ray_init_with_the_hooks_registered(verl_python: Path, tmp_path: Path) -> None:
+    """examples/verl_hcapo.py for real on a CPU, past ``--cfg job``: verl's own ``run_ppo`` starts
+    Ray with the run's runtime_env (every env var a string: the wait 600.0 included) and the setup
+    hook; a worker of the run has ``hcapo`` as verl's estimator and reward manager; then, with no
+    GPU for an inference engine, the example stops with one line instead of waiting."""
+    minimal = [
+        f"actor_rollout_ref.{part}_micro_batch_size_per_gpu=1"
+        for part in ("actor.ppo", "rollout.log_prob", "ref.log_prob")
+    ]
+    r = subprocess.run(
+        [str(verl_python), str(ROOT / "examples" / "verl_hcapo.py"), "--store", str(tmp_path / "s.db")]
+        + ["--tokenizer", str(tmp_path), "--wait", "600", "--", *minimal],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_verl_venv.run_env(), "CUDA_VISIBLE_DEVICES": "", "RAY_USAGE_STATS_ENABLED": "0"},
+        cwd=tmp_path,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    (init,) = [line for line in r.stdout.splitlines() if line.startswith("ray init kwargs")]
+    assert "'HCAPO_WAIT': '600.0'" in init and "'worker_process_setup_hook': 'hcapo_store.training.verl.setup'" in init
+    (seen,) = [json.loads(line)["ray_worker"] for line in r.stdout.splitlines() if line.startswith('{"ray_worker"')]
+    assert seen["estimator"] is True and seen["reward_manager"] is True
+    assert seen["env"]["HCAPO_WAIT"] == "600.0" and seen["env"]["HCAPO_STORE"] == str(tmp_path / "s.db")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("verl_hcapo: no GPU for verl's inference engine") and "registered in a Ray worker" in last

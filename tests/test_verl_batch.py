@@ -182,3 +182,41 @@ def test_a_long_run_keeps_only_the_current_steps_hand_offs(step: dict, tiny_mode
         plug.advantages(*_arrays(group))
         assert set(plug._handoffs) == {find_batch(step["store"], f"u{g}").credit_run}
     assert plug._base is not None and all(h.tokenizer is plug._base.tokenizer for h in plug._handoffs.values())
+
+
+def test_two_identical_rollouts_with_two_rewards_are_refused_not_both_given_one(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A GRPO group whose two members are the same conversation token for token but got rewards 1
+    and 0: the ids cannot tell the samples apart, so neither gets the other's advantage (before,
+    both got +1.22); a third, different member of the group is still placed."""
+    rng = random.Random(11)
+    same = [
+        {"role": "user", "content": f"Task: {words(rng, 8)}"},
+        {"role": "assistant", "content": words(rng, 5)},
+        {"role": "user", "content": f"tool: {words(rng, 5)}"},
+        {"role": "assistant", "content": words(rng, 4)},
+    ]
+    other = [*same[:1], {"role": "assistant", "content": words(rng, 6)}]
+    for k, (reward, msgs) in enumerate(((1.0, same), (0.0, same), (0.5, other))):
+        write_rollout(tmp_path / "rollouts", 1, "g", f"g-{k}", reward, msgs)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        backend = LiveModelBackend(model, weight_version="v1")
+        config = ScoreConfig(backend=LiveModelBackend.kind, tokenizer=str(tiny_model_dir), weight_version="v1")
+        prep = prepare(store, config, backend)
+        cfg = FollowConfig([tmp_path / "rollouts"], 3, "field:uid", params=CreditParams(variant="paper"))
+        assert follow(Follower(store, prep, cfg, RunOptions(concurrency=1)), once=True).batches == 1
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+        rows = [("g", f"g-{k}", *_sample(tok, m)) for k, m in enumerate((same, same, other))]
+        uids, prompts, resp, mask = _arrays(rows)
+        plug = VerlHandoff(store, tiny_model_dir, weight_version="v1")
+        with pytest.raises(HandoffError) as refused:
+            plug.advantages(uids, prompts, resp, mask)
+        problems = refused.value.problems  # type: ignore[attr-defined]
+        assert [p.split(":")[0] for p in problems] == ["sample 0 (uid g)", "sample 1 (uid g)"]
+        assert all("rendering of 2 members of its group with other advantages" in p for p in problems)
+        assert "identical rollouts with different rewards cannot be told apart" in problems[0]
+        # the different member alone is placed as before
+        uids, prompts, resp, mask = _arrays(rows[2:])
+        assert plug.advantages(uids, prompts, resp, mask).any() and plug.last[0].external_id == "g-2"

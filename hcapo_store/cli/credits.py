@@ -75,7 +75,9 @@ CREDIT_OPTIONS = [
         "--dense-rewards/--no-dense-rewards",
         default=None,
         help="Dense: a step's return is its subtask's score discounted to the subtask's end; sparse: the episode "
-        "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper.",
+        "reward discounted to the episode end. Default: dense for original, sparse (terminal) for paper, and "
+        "terminal where no step has a subtask reward (outcome-only rollouts; the run records it). "
+        "--dense-rewards on such data is refused.",
     ),
     click.option(
         "--omega",
@@ -163,7 +165,7 @@ def credit_params(
         c_max=c_max,
         alpha=alpha,
         smooth=not no_smooth,
-        dense=(variant == "original") if dense_rewards is None else dense_rewards,
+        dense=dense_rewards,  # None: CreditParams decides (by the variant and the data)
         max_logprob_tokens=max_logprob_tokens,
         variant=variant,
         omega=omega,
@@ -254,6 +256,9 @@ def credits_show(state: Ctx, name: str | None, as_json: bool) -> None:
     for key, value in data.items():
         if key == "stale":
             click.echo(f"{key:<20} {value or 'no'}")
+        elif key == "signal":  # is HCAPO's hindsight term in the advantages (credits/signal.py)
+            signal = shown.run.credit_signal
+            click.echo(f"{key:<20} {signal.text() if signal else 'not measured (no stored advantages)'}")
         elif key != "subtasks":
             click.echo(f"{key:<20} {formatting.params_text(value) if isinstance(value, dict) else value}")
     if shown.subtasks:

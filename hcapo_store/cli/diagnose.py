@@ -82,6 +82,11 @@ def _text(d: dict[str, Any]) -> str:
             f"  micro vs macro   |ω·micro| / |A| {_num(d['micro_macro_ratio'], '.2f')}, "
             f"sign flipped on {_num(d['micro_sign_flips'], '.1%')} of the steps",
         ]
+    from hcapo_store.credits.signal import CreditSignal
+
+    signal = CreditSignal.from_dict(d.get("signal"))
+    if signal is not None:
+        lines.append(f"  hindsight term   {signal.text()}")
     if d.get("note"):
         lines.append(f"  note: {d['note']}")
     if "groups" in d:

@@ -116,6 +116,8 @@ def follow(
     store = state.store()
     prep = prepare(store, cfg)
     follower = Follower(store, prep, follow_cfg, options)
+    from hcapo_store.credits.lookup import signal_text  # each batch's hindsight signal, in its line
+
     stop = threading.Event()
     from hcapo_store.online import presence
 
@@ -138,6 +140,11 @@ def follow(
                 click.echo(
                     f"batch {info.id} {info.key}: {info.episodes} episode(s), credit run "
                     f"{info.credit_run or '(none: every episode failed)'}, lag {info.lag_s:.2f} s{failed}"
+                    + (
+                        f"; {signal_text(store, info.credit_run) or 'hindsight term: not measured'}"
+                        if info.credit_run
+                        else ""
+                    )
                 )
         for failure in status.failures:
             click.echo(f"failed: {failure}", err=True)

@@ -127,13 +127,13 @@ def export_dataset_cmd(
     elif isinstance(summary, DatasetExport):
         click.echo(
             f"wrote {out}: {summary.episodes_in_dataset} episode(s), "
-            f"{summary.total_steps} step(s) ({summary.nonzero_steps} non-zero); "
+            f"{summary.total_steps} step(s) ({_signs(summary.step_signs)}); "
             f"summary {summary.summary_path}"
         )
     else:  # the tokenized layout
         click.echo(
-            f"wrote {out}: {summary.episodes_in_dataset} episode(s), {summary.weighted_steps} "
-            f"weighted step(s), {summary.unaligned_steps} step(s) refused"
+            f"wrote {out}: {summary.episodes_in_dataset} episode(s), {summary.aligned_steps} step(s) "
+            f"({_signs(summary.step_signs)}), {summary.unaligned_steps} step(s) refused"
             + (
                 " (" + ", ".join(f"{n} {kind}" for kind, n in summary.unaligned_reasons.items()) + ")"
                 if summary.unaligned_reasons
@@ -142,6 +142,11 @@ def export_dataset_cmd(
         )
     if not summary.episodes_in_dataset:
         sys.exit(1)
+
+
+def _signs(signs: dict[str, int]) -> str:
+    """``3 positive, 1 negative, 0 zero``: the written steps by the sign of their advantage."""
+    return ", ".join(f"{signs[k]} {k}" for k in ("positive", "negative", "zero"))
 
 
 @export.command("scores")

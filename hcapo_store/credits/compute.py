@@ -11,6 +11,7 @@ run the episodes' content identities (``scoped_run_hash``), never database-local
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, hcapo_weights, run_hash
 from hcapo_store.credits.lookup import RunInfo, find_run, run_staleness, scope_sql
+from hcapo_store.credits.signal import CreditSignal, measure
 from hcapo_store.errors import CreditError
 from hcapo_store.ingestion import fields
 from hcapo_store.scoring.scorer import resolve_scorer
@@ -119,8 +121,11 @@ def compute_credits(
     """
     started = time.perf_counter()
     scope = None if episodes is None else sorted({int(i) for i in episodes})
+    default = params.is_default
     with db.write(store.engine) as conn:
         scorer_id, _ = resolve_scorer(conn, scorer)
+        # dense or terminal returns, decided before the identity: the recorded params say which
+        params, note = params.for_data(has_subtask_rewards(conn, scope))
         h = run_hash(scorer_id, params) if scope is None else scoped_run_hash(conn, scorer_id, params, scope)
         existing = find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
@@ -128,12 +133,14 @@ def compute_credits(
             return ComputeResult(
                 existing, False, _existing_message(existing, name), seconds=time.perf_counter() - started
             )
-        run_name = _choose_name(conn, name, params, h, existing)
+        run_name = _choose_name(conn, name, default, h, existing)
         if existing is not None:
             conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
         run_id = _insert_run(conn, run_name, scorer_id, params, h, scope)
         totals = _fill_run(conn, run_id, scorer_id, params, on_progress, scope)
+        if note:
+            totals.signal = dataclasses.replace(totals.signal, note=note) if totals.signal else None
         if totals.episodes == 0:  # raising here rolls the run back: an empty run is never listed
             raise CreditError(
                 f"no episode is completely scored under scorer {scorer_id[:12]} "
@@ -143,9 +150,10 @@ def compute_credits(
         conn.execute(
             text(
                 "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
-                "incomplete = :inc WHERE id = :id"
+                "incomplete = :inc, signal = :sig WHERE id = :id"
             ),
             {
+                "sig": None if totals.signal is None else canonical_json(totals.signal.as_dict(), ascii_only=True),
                 "e": totals.episodes,
                 "s": totals.steps,
                 "ni": totals.incomplete_count,
@@ -164,6 +172,8 @@ def compute_credits(
         msg += f"; warning: {totals.null_rewards} step(s) with NULL subtask_reward used r_t = 0"
     for warning in totals.warnings:
         msg += f"; warning: {warning}"
+    if totals.signal is not None:
+        msg += f"\n{'warning: ' if totals.signal.plain_grpo else ''}{totals.signal.text()}"
     return ComputeResult(run, True, msg, totals.null_rewards, time.perf_counter() - started)
 
 
@@ -176,7 +186,7 @@ def _existing_message(run: RunInfo, name: str | None) -> str:
     return msg + "; use --recompute to compute it again"
 
 
-def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: str, existing: RunInfo | None) -> str:
+def _choose_name(conn: Connection, name: str | None, default: bool, h: str, existing: RunInfo | None) -> str:
     def taken(n: str) -> bool:
         other = find_run(conn, "r.name = :n", n=n)
         return other is not None and other.run_hash != h
@@ -190,9 +200,19 @@ def _choose_name(conn: Connection, name: str | None, params: CreditParams, h: st
         return name
     if existing is not None:
         return existing.name
-    if params.is_default and not taken("default"):
+    if default and not taken("default"):
         return "default"
     return f"run-{h[:8]}"
+
+
+def has_subtask_rewards(conn: Connection, scope: Sequence[int] | None = None) -> bool:
+    """Whether any step of the current episodes (of ``scope``) has a subtask reward: without one,
+    dense returns are 0 on every step (``CreditParams.for_data``)."""
+    sql = (
+        "SELECT 1 FROM steps s JOIN episodes e ON e.id = s.episode_id "
+        f"WHERE e.is_current IS TRUE AND s.subtask_reward IS NOT NULL{scope_sql(scope)} LIMIT 1"
+    )
+    return conn.execute(text(sql)).first() is not None
 
 
 def scope_identities(conn: Connection, scope: Sequence[int]) -> list[str]:
@@ -254,6 +274,7 @@ class _Totals:
     incomplete_ids: list[int] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    signal: CreditSignal | None = None  # the hindsight signal of the computed advantages
 
 
 def _fill_run(
@@ -337,13 +358,14 @@ def _credit_columns(
             groups=groups,
             success_threshold=params.success_threshold,
             omega=params.omega,
-            dense=params.dense,
+            dense=params.uses_dense,
         )
         a_macro, micro, advantage = c.a_macro, c.micro, c.advantage
     else:
         c = episode_credits(batch, params)  # type: ignore[assignment]
         a_macro, micro, advantage = _original_advantages(conn, params, batch, episode_ids, groups, c.q_h_smoothed)
     totals.null_rewards += c.null_rewards
+    totals.signal = measure(cols.episode, micro, advantage, params.omega)
     return [
         cols.step_id,
         cols.mean,

@@ -20,6 +20,7 @@ import numpy as np
 from sqlalchemy import Connection, text
 
 from hcapo_store.credits.lookup import RunInfo, get_run, resolve_run
+from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import CreditError
 from hcapo_store.ingestion import fields
 from hcapo_store.scoring.scorer import resolve_scorer
@@ -167,11 +168,25 @@ def _stats(steps: _Steps, c_min: float, c_max: float, omega: float) -> dict[str,
     return out
 
 
-def _warnings(s: dict[str, Any], c_min: float, c_max: float) -> list[dict[str, str]]:
+def _warnings(
+    s: dict[str, Any], c_min: float, c_max: float, signal: CreditSignal | None = None
+) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     if not s.get("steps"):
         return out
-    if s["rho_raw_std"] < INERT_STD:
+    zero = signal is not None and signal.zero and signal.steps > 0
+    if zero:
+        assert signal is not None
+        out.append(
+            {
+                "code": "zero",
+                "message": f"the hindsight term is zero on all {signal.steps} steps: the advantage is "
+                + ("GRPO's group term alone" if signal.plain_grpo else "0 everywhere (no reward spread)")
+                + ". On outcome-only rollouts recompute with terminal rewards (--no-dense-rewards or "
+                "--variant paper); with dense rewards the steps need subtask rewards; --omega 0 removes the term.",
+            }
+        )
+    if s["rho_raw_std"] < INERT_STD and not zero:
         out.append(
             {
                 "code": "inert",
@@ -244,7 +259,8 @@ def diagnose_run(
             "scorer_label": run.scorer_label,
             "params": run.params,
             **overall,
-            "warnings": _warnings(overall, params.c_min, params.c_max),
+            "signal": run.signal,  # credits/signal.py: is the hindsight term in the advantages at all
+            "warnings": _warnings(overall, params.c_min, params.c_max, run.credit_signal),
         }
         if np.isnan(steps.micro).all() and len(steps.micro):
             result["note"] = (

@@ -79,7 +79,7 @@ def episode_credits(batch: EpisodeBatch, p: CreditParams) -> CreditArrays:
     rho_raw = pi_hind / pi_mean[ep]
     rho = np.clip(rho_raw, p.c_min, p.c_max)
     null_rewards = 0
-    if p.dense:
+    if p.uses_dense:
         nulls = np.isnan(batch.subtask_reward)
         null_rewards = int(nulls.sum())
         r_t = np.where(nulls, 0.0, batch.subtask_reward)

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.signal import CreditSignal, measure_run
 from hcapo_store.errors import CreditError
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -36,6 +37,9 @@ class RunInfo:
     variant: str = "original"
     stored_advantages: bool = False  # False: a run from before revision 0003 (exports compute them)
     episode_scope: list[int] | None = None  # a batch's run (follow): only these episode ids
+    # credits/signal.py's CreditSignal as a dict: the hindsight term's non-zero share and the advantage
+    # spread (recorded by compute; measured from the credits for a run from before revision 0008)
+    signal: dict[str, Any] | None = None
     # Staleness, filled by get_run / list_runs (see ``run_staleness``).
     superseded_episodes: int = 0  # credited episodes that have a newer version since
     uncredited_complete_episodes: int = 0  # current, completely scored, not in the run
@@ -47,6 +51,10 @@ class RunInfo:
     @property
     def credit_params(self) -> CreditParams:
         return CreditParams.from_dict(self.params)
+
+    @property
+    def credit_signal(self) -> CreditSignal | None:
+        return CreditSignal.from_dict(self.signal)
 
     @property
     def stale(self) -> str | None:
@@ -70,7 +78,7 @@ class RunInfo:
 
 RUN_SQL = """
 SELECT r.id, r.name, r.scorer_id, sc.label AS scorer_label, r.params, r.run_hash, r.episodes, r.steps,
-       r.incomplete_episodes, r.incomplete, r.created_at, r.variant, r.episode_scope,
+       r.incomplete_episodes, r.incomplete, r.created_at, r.variant, r.episode_scope, r.signal,
        CASE WHEN EXISTS (SELECT 1 FROM credits c WHERE c.run_id = r.id AND c.advantage IS NOT NULL)
             THEN 1 ELSE 0 END AS stored
 FROM credit_runs r LEFT JOIN scorers sc ON sc.id = r.scorer_id
@@ -94,6 +102,7 @@ def _run_from_row(row: Any) -> RunInfo:
         variant=r["variant"],
         stored_advantages=bool(r["stored"]),
         episode_scope=json.loads(r["episode_scope"]) if r["episode_scope"] else None,
+        signal=json.loads(r["signal"]) if r["signal"] else None,
     )
 
 
@@ -140,6 +149,9 @@ def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
     """Fill in what changed since the run was computed: credited episodes superseded by a
     new version, and episodes completely scored (e.g. after the run) that it lacks."""
     bind = {"run": run.id, "scorer": run.scorer_id}
+    if run.signal is None:  # a run from before revision 0008: measured from its stored credits
+        measured = measure_run(conn, run.id, float(run.params.get("omega", 1.0)))
+        run.signal = None if measured is None else measured.as_dict()
     run.superseded_episodes = int(conn.execute(text(STALE_SUPERSEDED_SQL), bind).scalar() or 0)
     uncredited = STALE_UNCREDITED_SQL + scope_sql(run.episode_scope)  # a batch's run: its own episodes only
     run.uncredited_complete_episodes = int(conn.execute(text(uncredited), bind).scalar() or 0)
@@ -175,3 +187,14 @@ def list_runs(store: Store) -> list[RunInfo]:
     with db.read(store.engine) as conn:
         runs = [_run_from_row(r) for r in conn.execute(text(RUN_SQL + " ORDER BY r.created_at, r.id"))]
         return [run_staleness(conn, r) for r in runs]
+
+
+def signal_text(store: Store, name: str | None) -> str | None:
+    """The recorded hindsight signal of run ``name`` in one line (``follow``'s published batches),
+    without the staleness scan ``get_run`` does; None without a run or a record."""
+    if not name:
+        return None
+    with db.read(store.engine) as conn:
+        stored = conn.execute(text("SELECT signal FROM credit_runs WHERE name = :n"), {"n": name}).scalar()
+    signal = CreditSignal.from_dict(json.loads(stored)) if stored else None
+    return None if signal is None else ("warning: " if signal.plain_grpo else "") + signal.text()

@@ -238,9 +238,26 @@ def _rows(
         }
 
 
+def add_signs(signs: dict[str, int], weights: Any) -> None:
+    """Count a row's step advantages by sign into ``signs`` (positive / negative / zero)."""
+    for x in weights:
+        signs["positive" if x > 0 else "negative" if x < 0 else "zero"] += 1
+
+
+def signal_warning(run: RunInfo, warnings: list[str]) -> None:
+    """An export of a run whose hindsight term is zero on every step says so (credits/signal.py)."""
+    signal = run.credit_signal
+    if signal is not None and signal.zero and signal.steps:
+        warnings.append(
+            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages "
+            "(recompute with --no-dense-rewards or --variant paper)"
+        )
+
+
 class _Stats:
     def __init__(self) -> None:
         self.rows = self.steps = self.nonzero = self.dropped_all_zero = 0
+        self.signs = {"positive": 0, "negative": 0, "zero": 0}  # steps by the sign of their advantage
         self.total = self.nonzero_total = 0.0
         self.min: float | None = None
         self.max: float | None = None
@@ -249,8 +266,9 @@ class _Stats:
         w = row["step_advantages"]
         self.rows += 1
         self.steps += len(w)
-        nz = [x for x in w if x > 0]
+        nz = [x for x in w if x != 0]  # a paper run's advantages are signed: negative ones are weighted too
         self.nonzero += len(nz)
+        add_signs(self.signs, w)
         self.total += sum(w)
         self.nonzero_total += sum(nz)
         self.min = min(w) if self.min is None else min(self.min, min(w))
@@ -290,7 +308,9 @@ class DatasetExport(WrittenRows):
     episodes_in_dataset: int  # rows written, one per episode
     episodes_dropped: dict[str, dict[str, Any]]  # reason -> {"episodes": n, "reason": why}
     total_steps: int  # steps in the written rows
-    nonzero_steps: int  # of them, steps with an Eq. 8 weight > 0
+    nonzero_steps: int  # of them, steps with a non-zero advantage (an Eq. 8 weight > 0, a signed paper one)
+    step_signs: dict[str, int]  # the written steps by the sign of their advantage: positive, negative, zero
+    signal: dict[str, Any] | None  # the run's hindsight signal (credits/signal.py): is Q_H in the advantages
     advantage_stats: dict[str, float]  # min, max, mean, nonzero_mean of the written weights
     config: dict[str, Any]  # what the weights were computed with: omega, min_reward, run, format, layout…
     provenance: dict[str, Any]  # the run, scorer and hcapo-store version
@@ -349,6 +369,7 @@ def export_dataset(
     for path in (out, summary_path):
         check_output(path, store.files)
     warnings = run_warnings(run)
+    signal_warning(run, warnings)
     provenance = run_provenance(run)
     stats = _Stats()
     with db.read(store.engine) as conn:
@@ -383,6 +404,8 @@ def export_dataset(
         episodes_dropped=stats.dropped_reasons(),
         total_steps=stats.steps,
         nonzero_steps=stats.nonzero,
+        step_signs=stats.signs,
+        signal=run.signal,
         advantage_stats=stats.advantage_stats(),
         config={
             **rw.config(),

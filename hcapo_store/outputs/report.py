@@ -440,7 +440,7 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
         else ""
     )
 
-    diag = diagnose_run(store, run)
+    diag = diagnose_run(store, run)  # its verdict says "zero" when the hindsight term is
     hyper = [(k, json.dumps(v)) for k, v in p.items()]
     sections = [
         f"<h1>hcapo-store credit report: {html.escape(run.name)}</h1>",
@@ -455,6 +455,8 @@ def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str
             ["episodes", "steps", "incomplete episodes", "run hash"],
             [[run.episodes, run.steps, run.incomplete_episodes, run.run_hash[:16]]],
         ),
+        # whether HCAPO's hindsight term is in the advantages at all (credits/signal.py)
+        f'<p class="meta" id="signal">{html.escape(_signal_line(run))}</p>',
         '<h2 id="hyperparameters">Hyperparameters</h2>',
         _table(["parameter", "value"], hyper),
         '<h2 id="distributions">Distributions</h2>',
@@ -554,3 +556,10 @@ def write_report(
     page = build_report(store, run, extra).encode()
     atomic_write(out, lambda f: f.write(page), inputs=store.files)
     return ReportResult(out, run.name, len(page), [run.stale] if run.stale else [])
+
+
+def _signal_line(run: Any) -> str:
+    signal = run.credit_signal
+    if signal is None:
+        return "hindsight term: not measured (the run has no stored advantages)"
+    return ("warning: " if signal.zero and signal.steps else "") + signal.text()

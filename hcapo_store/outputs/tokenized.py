@@ -22,6 +22,7 @@ import numpy as np
 from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
+from hcapo_store.outputs.export import add_signs, signal_warning
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     WrittenRows,
@@ -92,6 +93,7 @@ class _Stats:
         self.no_weight = 0  # all-zero Eq. 8 weights
         self.no_aligned_weight = 0  # weighted steps exist, but none could be placed
         self.reasons: dict[str, int] = {}
+        self.signs = {"positive": 0, "negative": 0, "zero": 0}  # placed steps by the sign of their advantage
 
     def refuse(self, refused: dict[int, str]) -> None:
         self.refused += len(refused)
@@ -102,7 +104,9 @@ class _Stats:
     def add(self, row: dict[str, Any]) -> None:
         self.rows += 1
         self.steps += len(row["step_indices"])
-        self.weighted_steps += sum(1 for w in row["step_advantages"] if w > 0)
+        # a paper run's advantages are signed: a negative one is weighted too (it was counted as not)
+        self.weighted_steps += sum(1 for w in row["step_advantages"] if w != 0)
+        add_signs(self.signs, row["step_advantages"])
         self.tokens += len(row[TOKEN_IDS])
         self.weighted_tokens += sum(1 for label in row["labels"] if label != IGNORE_INDEX)
 
@@ -125,7 +129,9 @@ class TokenizedExport(WrittenRows):
     total_episodes_loaded: int  # credited episodes with reward >= min_reward
     episodes_in_dataset: int  # rows written, one per episode
     aligned_steps: int  # steps placed on their own tokens in the written rows
-    weighted_steps: int  # of them, steps with an Eq. 8 weight > 0
+    weighted_steps: int  # of them, steps with a non-zero advantage (an Eq. 8 weight > 0, a signed paper one)
+    step_signs: dict[str, int]  # the placed steps by the sign of their advantage: positive, negative, zero
+    signal: dict[str, Any] | None  # the run's hindsight signal (credits/signal.py): is Q_H in the advantages
     unaligned_steps: int  # steps refused (also in episodes left out)
     unaligned_reasons: dict[str, int]  # refusals by kind, sorted by kind
     episodes_without_weighted_tokens: int  # left out: the sum of ``episodes_dropped``
@@ -168,6 +174,7 @@ def export_tokenized(
         check_output(path, store.files)
     run = get_run(store, run_name)
     warnings = run_warnings(run)
+    signal_warning(run, warnings)
     tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
@@ -231,6 +238,8 @@ def export_tokenized(
         episodes_in_dataset=stats.rows,
         aligned_steps=stats.steps,
         weighted_steps=stats.weighted_steps,
+        step_signs=stats.signs,
+        signal=run.signal,
         unaligned_steps=stats.refused,
         unaligned_reasons=dict(sorted(stats.reasons.items())),
         episodes_without_weighted_tokens=stats.no_weight + stats.no_aligned_weight,

@@ -278,6 +278,9 @@ class CreditRun(Base):
     variant: Mapped[str] = mapped_column(String(16), server_default="original")
     # JSON list of the episode ids a batch's run covers (follow); NULL: every complete episode
     episode_scope: Mapped[str | None] = mapped_column(Text)
+    # JSON of credits/signal.py's CreditSignal (hindsight term non-zero share, advantage spread);
+    # NULL for runs from before revision 0008 (measured from their credits when read)
+    signal: Mapped[str | None] = mapped_column(Text)
 
 
 class Credit(Base):

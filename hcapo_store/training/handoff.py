@@ -13,9 +13,20 @@ each step's own tokens are looked up in order in the trainer's ids, right after 
 header tokens the rendering puts before them; a step whose tokens are not there exactly is
 refused with a ``HandoffError`` naming it — never moved to a near match.
 
+``run``: a credit run's name, a published batch (``BatchInfo``) or a batch id (``int``): the
+batch's own credit run.
+
+A run whose hindsight term is zero on every step while its advantages are not (the group term
+alone: plain GRPO, e.g. outcome-only rollouts credited with dense returns) is refused unless the
+caller opts into plain GRPO by name (``allow_zero_hindsight=True``); ``signal`` says how much of
+the run carries the hindsight term (``credits/signal.py``).
+
 A run that no longer matches the store is refused unless the caller allows it
 (``allow_stale=True``): a ``follow`` batch's run that a newer batch of the same key replaced
 (the message names that batch and its run), or a run with superseded or missing episodes.
+
+A stored advantage that is NaN, inf or beyond float32's range (finite in float64, inf once
+cast) is refused naming its step, never passed on.
 
 Which advantage: the run's stored one (``step_credits.advantage``): the Eq. 8 weight for an
 ``original`` run over its training selection (episodes under its ``min_reward`` get zeros and
@@ -33,7 +44,9 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.credits.lookup import RunInfo, get_run
+from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
+from hcapo_store.online.batches import BatchInfo
 from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.rows import add_step_indices, run_weights
 from hcapo_store.storage import db
@@ -71,20 +84,28 @@ class Handoff:
     refused with a ``HandoffError`` naming what replaced it."""
 
     def __init__(
-        self, store: Store, run: str | None = None, *, tokenizer: str | Path, allow_stale: bool = False
+        self,
+        store: Store,
+        run: str | int | BatchInfo | None = None,
+        *,
+        tokenizer: str | Path,
+        allow_stale: bool = False,
+        allow_zero_hindsight: bool = False,
     ) -> None:
-        self._open(store, run, allow_stale)
+        self._open(store, run, allow_stale, allow_zero_hindsight)
         self.tokenizer_dir = tokenizer
         self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
         self.renderer = EpisodeRenderer(self.tokenizer)
         self._load()
 
-    def for_run(self, run: str, *, allow_stale: bool = False) -> Handoff:
+    def for_run(
+        self, run: str | int | BatchInfo, *, allow_stale: bool = False, allow_zero_hindsight: bool = False
+    ) -> Handoff:
         """The hand-off of another run of this store. When its scorer is this run's, the
         tokenizer loaded and checked for this one is shared (a trainer takes one run per GRPO
         group each step: loading it once per run cost more than placing the group)."""
         other = object.__new__(Handoff)
-        other._open(self.store, run, allow_stale)
+        other._open(self.store, run, allow_stale, allow_zero_hindsight)
         other.tokenizer_dir = self.tokenizer_dir
         if other.run.scorer_id == self.run.scorer_id:
             other.tokenizer, other.fingerprint, other.renderer = self.tokenizer, self.fingerprint, self.renderer
@@ -94,9 +115,9 @@ class Handoff:
         other._load()
         return other
 
-    def _open(self, store: Store, run: str | None, allow_stale: bool) -> None:
+    def _open(self, store: Store, run: str | int | BatchInfo | None, allow_stale: bool, allow_zero: bool) -> None:
         self.store = store
-        self.run: RunInfo = get_run(store, run)
+        self.run: RunInfo = get_run(store, batch_run(store, run))
         self.warnings: list[str] = [self.run.stale] if self.run.stale else []
         with db.read(store.engine) as conn:
             replaced = superseded_batch(conn, self.run.id)
@@ -104,6 +125,12 @@ class Handoff:
             self.warnings.insert(0, replaced)
         if self.warnings and not allow_stale:
             raise HandoffError(f"{self.warnings[0]}; or pass allow_stale=True to train on it anyway")
+        # whether HCAPO's hindsight term is in the advantages (None: a run without stored advantages)
+        self.signal: CreditSignal | None = self.run.credit_signal
+        if self.signal is not None and self.signal.plain_grpo:
+            if not allow_zero:
+                raise HandoffError(self.signal.refusal(f"credit run {self.run.name!r}"))
+            self.warnings.append(f"credit run {self.run.name!r}: {self.signal.text()} ({OPT_IN}=True)")
 
     def _load(self) -> None:
         with db.read(self.store.engine) as conn:
@@ -237,14 +264,50 @@ class Handoff:
             step_adv = {int(i): float(w) for i, w in zip(ep["step_indices"], weights)}
         for index, (a, b) in spans.items():
             value = step_adv.get(index, 0.0)
-            if not np.isfinite(value):  # a NaN or inf never reaches a trainer, placed or not
+            why = float32_problem(value)
+            if why:  # a NaN or inf never reaches a trainer, placed or not
                 raise HandoffError(
-                    f"episode {self._names[ep_id]}: step {index}'s stored advantage is {value}: "
+                    f"episode {self._names[ep_id]}: step {index}'s stored advantage {why}: "
                     f"recompute credit run {self.run.name!r} (`hcapo-store credits compute --recompute`)"
                 )
             adv[a:b] = value
             mask[a:b] = True
         return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
+
+
+def float32_problem(value: float) -> str | None:
+    """Why ``value`` cannot reach a trainer as float32 (NaN, inf, or beyond float32's range,
+    which the cast turns into inf), or None. Checked after the cast: a float64 1e39 is finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = np.float32(value)
+    if np.isfinite(cast):
+        return None
+    if np.isfinite(value):
+        return f"is {float(value)!r}, beyond float32's range (±{float(np.finfo(np.float32).max):.4g}): refused, never passed on as inf"
+    return f"is {value}: refused, never passed on"
+
+
+def batch_run(store: Store, run: str | int | BatchInfo | None) -> str | None:
+    """The credit run meant by ``run``: a run name (or None: the only run), a published batch
+    (a ``BatchInfo``), or a batch id (``int``: the ``batches`` row ``hcapo-store batches``
+    lists). A batch without a credit run (every member failed) is refused by name."""
+    if run is None or isinstance(run, str):
+        return run
+    if isinstance(run, BatchInfo):
+        batch_id, key, status, name = run.id, run.key, run.status, run.credit_run
+    elif isinstance(run, (int, np.integer)) and not isinstance(run, bool):
+        with db.read(store.engine) as conn:
+            row = conn.execute(
+                text("SELECT id, key, status, credit_run FROM batches WHERE id = :b"), {"b": int(run)}
+            ).first()
+        if row is None:
+            raise HandoffError(f"no batch {int(run)} in this store (`hcapo-store batches` lists them)")
+        batch_id, key, status, name = row
+    else:
+        raise HandoffError(f"run must be a credit run name, a BatchInfo or a batch id, got {type(run).__name__}")
+    if not name:
+        raise HandoffError(f"batch {batch_id} ({key}) has no credit run ({status}): no member could be credited")
+    return str(name)
 
 
 def superseded_batch(conn: Any, run_id: int) -> str | None:

@@ -43,6 +43,7 @@ import trl
 from trl import GRPOTrainer
 
 from hcapo_store.credits.params import CreditParams
+from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import HandoffError
 from hcapo_store.storage.store import Store
 
@@ -117,14 +118,17 @@ def place(batch: RolloutBatch, values: Sequence[Sequence[float]], width: int) ->
                 f"row {i} (group {batch.groups[i]}): the advantage source gave {adv.shape} values "
                 f"for {len(ids)} completion tokens"
             )
-        bad = ~np.isfinite(adv)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = adv.astype(np.float32)  # checked after the cast: 1e39 is finite in float64, inf here
+        bad = ~np.isfinite(cast)
         if bad.any():
             at = int(np.flatnonzero(bad)[0])
+            beyond = " (beyond float32's range)" if np.isfinite(adv[at]) else ""
             raise HandoffError(
-                f"row {i} (group {batch.groups[i]}): advantage {adv[at]} at completion token {at}: "
-                "a NaN or inf never reaches the trainer"
+                f"step {batch.step}, row {i} (group {batch.groups[i]}): advantage {float(adv[at])!r}{beyond} at completion "
+                f"token {at}: a NaN or inf never reaches the trainer"
             )
-        out[i, : len(ids)] = adv * np.asarray(mask, dtype=np.float64)
+        out[i, : len(ids)] = cast * np.asarray(mask, dtype=np.float32)
     return torch.from_numpy(out)
 
 
@@ -193,6 +197,10 @@ class HCAPOGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["hcapo/advantages_seconds"].append(time.perf_counter() - started)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         self.last_batch = batch
+        signal = getattr(self.advantage_source, "signals", {}).get(batch.step)
+        if signal is not None:  # StoreAdvantages: whether HCAPO's hindsight term is in this batch
+            self._metrics[mode]["hcapo/hindsight_nonzero_share"].append(signal.hindsight_share)
+            self._metrics[mode]["hcapo/advantage_spread"].append(signal.advantage_spread)
         trained = loss_mask.bool()
         if trained.any():
             self._metrics[mode]["hcapo/advantage_mean"].append(float(advantages[trained].mean()))
@@ -272,6 +280,11 @@ class StoreAdvantages(HandoffAdvantages):
     ``strict`` (default): a step whose own tokens are not in the rollout's ids, or an action
     token the loss does not train, raises a ``HandoffError`` naming the row, episode and step;
     ``strict=False`` leaves that step at 0 and lists it in ``refused``.
+
+    ``signals[step]``: the batch's hindsight signal (the share of steps whose hindsight term is
+    non-zero, the spread of advantages within an episode; the trainer logs both). A batch whose
+    hindsight term is zero on every step while its advantages are not is refused with a
+    ``HandoffError`` unless ``allow_zero_hindsight=True`` (plain GRPO on purpose).
     """
 
     def __init__(
@@ -283,6 +296,7 @@ class StoreAdvantages(HandoffAdvantages):
         params: CreditParams | None = None,
         strict: bool = True,
         run_id: str | None = None,
+        allow_zero_hindsight: bool = False,
     ) -> None:
         import uuid
 
@@ -292,7 +306,10 @@ class StoreAdvantages(HandoffAdvantages):
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.tokenizer = str(tokenizer)
         self.workdir = Path(workdir)
+        # the library's defaults (credits/params.py): the paper's terminal return on outcome-only rollouts
         self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
+        self.allow_zero_hindsight = allow_zero_hindsight
+        self.signals: dict[int, CreditSignal] = {}  # step -> its batch's hindsight signal (credits/signal.py)
         super().__init__(None, self.episode_name, strict=strict)  # its handoff is per batch: see __call__
         self.runs: dict[int, str] = {}  # step -> credit run name
         self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
@@ -391,7 +408,12 @@ class StoreAdvantages(HandoffAdvantages):
         run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
         self.runs[batch.step] = run.run.name
         self.scorers[batch.step] = live.scorer_id
-        handoff = Handoff(self.store, run.run.name, tokenizer=self.tokenizer)
+        # a batch whose hindsight term is zero on every step is refused (plain GRPO) unless opted into
+        handoff = Handoff(
+            self.store, run.run.name, tokenizer=self.tokenizer, allow_zero_hindsight=self.allow_zero_hindsight
+        )
+        if handoff.signal is not None:
+            self.signals[batch.step] = handoff.signal
         for i, name in names.items():
             if not any(batch.loss_mask[i]):
                 continue  # nothing of it is trained (e.g. a masked truncated completion)

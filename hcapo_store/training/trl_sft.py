@@ -22,6 +22,7 @@ import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
+from hcapo_store.errors import TrainingDataError
 from hcapo_store.outputs.token_format import COLUMNS, IGNORE_INDEX
 from hcapo_store.training.data import as_model_inputs, check_tokenizer, read_rows
 from hcapo_store.training.loss import NORMALIZE, weighted_nll
@@ -58,6 +59,18 @@ class WeightedCollator:
         }
 
 
+def negative_steps(dataset: Any) -> int:
+    """Steps of a tokenized export with a negative advantage (``step_advantages``; rows without
+    the column count each run of negative-advantage tokens as one step)."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "step_advantages" in columns:
+        return sum(1 for row in dataset["step_advantages"] for w in row if w < 0)
+    count = 0
+    for row in dataset["advantages"]:
+        count += sum(1 for i, a in enumerate(row) if a < 0 and (i == 0 or row[i - 1] >= 0))
+    return count
+
+
 class WeightedSFTTrainer(SFTTrainer):
     """``SFTTrainer`` whose loss is the advantage-weighted NLL of a tokenized export.
 
@@ -65,6 +78,8 @@ class WeightedSFTTrainer(SFTTrainer):
     batch; right for signed advantages) or ``weights`` (divide by the sum of the advantages
     of each micro-batch, as the original ``train_hcapo.py``). ``tokenizer_dir``: where the
     tokenizer's files are, when ``processing_class.name_or_path`` is not that directory.
+    ``signed``: train on negative advantages too (unlikelihood on ``negative_steps`` steps);
+    without it a dataset with one is refused (``TrainingDataError``).
     """
 
     def __init__(
@@ -77,6 +92,7 @@ class WeightedSFTTrainer(SFTTrainer):
         *,
         normalize: str = "tokens",
         tokenizer_dir: str | Path | None = None,
+        signed: bool = False,
         **kwargs: Any,
     ) -> None:
         if normalize not in NORMALIZE:
@@ -100,6 +116,17 @@ class WeightedSFTTrainer(SFTTrainer):
         datasets = {"train": train_dataset, **({"eval": eval_dataset} if eval_dataset is not None else {})}
         for ds in datasets.values():
             check_tokenizer(ds, processing_class, tokenizer_dir)
+        # signed advantages (a paper run's) make negative weights: unlikelihood on those steps, whose
+        # log-probabilities the loss pushes down without bound. A choice, never a default.
+        self.negative_steps = sum(negative_steps(ds) for ds in datasets.values())
+        if self.negative_steps and not signed:
+            raise TrainingDataError(
+                f"{self.negative_steps} step(s) have a negative advantage (a paper run's signed advantages): "
+                "weighted SFT would push their log-probabilities down without bound; pass signed=True "
+                "(train_weighted.py --signed) to train unlikelihood on them, or export an original run "
+                "(Eq. 8 weights >= 0)"
+            )
+        self.signed = signed
         self.normalize = normalize
         self.truncated_tokens = 0  # trained tokens cut by max_length (reported once, never silent)
         prepared = {name: self._prepare(ds, args) for name, ds in datasets.items()}

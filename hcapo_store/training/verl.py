@@ -24,7 +24,8 @@ and never its turns or tokens:
   is refused by sample) and finite.
 
 Without ``configure`` the environment names the store: ``HCAPO_STORE``, ``HCAPO_TOKENIZER``,
-``HCAPO_WEIGHT_VERSION``, ``HCAPO_WAIT`` (seconds), ``HCAPO_EXACT`` (1: ids must be a rendering).
+``HCAPO_WEIGHT_VERSION``, ``HCAPO_WAIT`` (seconds), ``HCAPO_EXACT`` (1: ids must be a rendering),
+``HCAPO_ALLOW_ZERO_HINDSIGHT`` (1: train groups without a hindsight term, plain GRPO).
 """
 
 from __future__ import annotations
@@ -86,15 +87,23 @@ def configure(
     wait: float = 0.0,
     allow_stale: bool = False,
     exact: bool = False,
+    allow_zero_hindsight: bool = False,
 ) -> VerlHandoff:
     """Point the plug at a store (a ``Store`` or its path / URL) and the policy's tokenizer.
     ``weight_version``: the version this step's rollouts came from (a callable is asked each
     step); ``wait``: seconds to wait for a group's batch to be published; ``exact``: a sample's
-    ids must be its episode's rendering token for token (``VerlHandoff``)."""
+    ids must be its episode's rendering token for token; ``allow_zero_hindsight``: train a group
+    whose hindsight term is zero on every step (plain GRPO; refused by default) (``VerlHandoff``)."""
     global _handoff
     opened = store if isinstance(store, Store) else Store.open(str(store), create=False)
     _handoff = VerlHandoff(
-        opened, tokenizer, weight_version=weight_version, wait=wait, allow_stale=allow_stale, exact=exact
+        opened,
+        tokenizer,
+        weight_version=weight_version,
+        wait=wait,
+        allow_stale=allow_stale,
+        exact=exact,
+        allow_zero_hindsight=allow_zero_hindsight,
     )
     return _handoff
 
@@ -114,6 +123,7 @@ def handoff() -> VerlHandoff:
             weight_version=os.environ.get("HCAPO_WEIGHT_VERSION") or None,
             wait=float(os.environ.get("HCAPO_WAIT", "0")),
             exact=os.environ.get("HCAPO_EXACT", "") not in ("", "0"),
+            allow_zero_hindsight=os.environ.get("HCAPO_ALLOW_ZERO_HINDSIGHT", "") not in ("", "0"),
         )
     assert _handoff is not None
     return _handoff

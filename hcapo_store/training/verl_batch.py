@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import BatchNotReady, EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo, BatchMember, list_batches, wait_for_batch
 from hcapo_store.storage.store import Store
-from hcapo_store.training.handoff import Handoff, TokenCredit
+from hcapo_store.training.handoff import Handoff, TokenCredit, float32_problem
 
 
 def write_rollout(
@@ -106,7 +107,9 @@ class VerlHandoff:
     ``allow_stale``: take superseded or stale runs anyway (refused by default). ``exact``: a
     sample's ids must be one of the member's renderings token for token (tool results and
     headers included); by default a sample whose ids differ from both is still taken when
-    every step's own tokens are found in it after their header tokens (``how="search"``)."""
+    every step's own tokens are found in it after their header tokens (``how="search"``).
+    ``allow_zero_hindsight``: take a group whose run has no hindsight term on any step while its
+    advantages are not zero (plain GRPO; refused by default, ``Handoff``)."""
 
     def __init__(
         self,
@@ -118,8 +121,10 @@ class VerlHandoff:
         poll: float = 0.2,
         allow_stale: bool = False,
         exact: bool = False,
+        allow_zero_hindsight: bool = False,
     ) -> None:
         self.store = store
+        self.allow_zero_hindsight = allow_zero_hindsight
         self.exact = exact
         self.tokenizer = tokenizer
         self.weight_version = weight_version
@@ -129,6 +134,7 @@ class VerlHandoff:
         self._handoffs: dict[str, Handoff] = {}  # credit run name -> its hand-off (renderings cached)
         self._base: Handoff | None = None  # the first hand-off: its tokenizer is shared with the others
         self.last: list[SampleCredit] = []  # the samples of the last call, for logs and tests
+        self.signals: dict[str, CreditSignal] = {}  # credit run -> its hindsight signal, of the last call
 
     def _expected_version(self) -> str | None:
         v = self.weight_version() if callable(self.weight_version) else self.weight_version
@@ -136,11 +142,14 @@ class VerlHandoff:
 
     def _handoff(self, run: str) -> Handoff:
         if run not in self._handoffs:
+            zero = self.allow_zero_hindsight
             if self._base is None:
-                self._base = Handoff(self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale)
+                self._base = Handoff(
+                    self.store, run, tokenizer=self.tokenizer, allow_stale=self.allow_stale, allow_zero_hindsight=zero
+                )
                 self._handoffs[run] = self._base
             else:
-                self._handoffs[run] = self._base.for_run(run, allow_stale=self.allow_stale)
+                self._handoffs[run] = self._base.for_run(run, allow_stale=self.allow_stale, allow_zero_hindsight=zero)
         return self._handoffs[run]
 
     def _batches(self, uids: Sequence[str], rows: dict[str, list[int]], problems: list[str]) -> dict[str, BatchInfo]:
@@ -185,8 +194,11 @@ class VerlHandoff:
         self, handoff: Handoff, members: list[BatchMember], ids: list[int], where: str
     ) -> tuple[BatchMember, TokenCredit]:
         """The member of the group whose every credited step is in ``ids`` (exact renderings first)."""
+        exact: dict[int, tuple[BatchMember, TokenCredit]] = {}  # episode id -> (member, credit)
         for rendering in ("turns", "whole"):  # the sample is a member's rendering exactly: no search
             for m in members:
+                if m.episode_id in exact:
+                    continue
                 try:
                     if handoff.rendered_ids(m.episode_id, rendering) != ids:
                         continue
@@ -194,7 +206,21 @@ class VerlHandoff:
                     continue
                 credit = handoff.advantages(m.episode_id, ids, strict=False)
                 if not credit.refused and credit.spans:
-                    return m, credit
+                    exact[m.episode_id] = (m, credit)
+        if exact:
+            # identical members (the same conversation token for token) with other advantages: the
+            # ids cannot tell which one this sample is, so it gets neither (never both the same)
+            hits = list(exact.values())
+            first = hits[0][1]
+            if any(o.spans != first.spans or not np.array_equal(o.advantages, first.advantages) for _, o in hits[1:]):
+                names = ", ".join(
+                    f"{m.external_id or m.name} ({c.step_advantages.get(min(c.spans), 0.0):+.4g})" for m, c in hits[:4]
+                )
+                raise HandoffError(
+                    f"{where}: its ids are the rendering of {len(hits)} members of its group with other advantages "
+                    f"({names}): identical rollouts with different rewards cannot be told apart, refused"
+                )
+            return hits[0]
         if self.exact:
             raise HandoffError(
                 f"{where}: its ids are no member's rendering token for token (exact=True): the rollout's ids "
@@ -378,6 +404,8 @@ class VerlHandoff:
         # a training run brings new groups every step: keep only this call's hand-offs (and renderings)
         used = {s.credit_run for s in self.last}
         self._handoffs = {run: h for run, h in self._handoffs.items() if run in used}
+        # each group's hindsight signal (credits/signal.py), for the trainer's logs
+        self.signals = {run: h.signal for run, h in self._handoffs.items() if h.signal is not None}
         if problems:
             raise VerlBatchError(problems)
         return out
@@ -388,9 +416,9 @@ class VerlHandoff:
         value finite (a NaN or inf never reaches a trainer)."""
         own = credit.mask[start:]
         for index, (a, b) in sorted(credit.spans.items()):
-            value = credit.step_advantages.get(index, 0.0)
-            if not np.isfinite(value):
-                raise HandoffError(f"{where}: step {index}'s stored advantage is {value}: refused, never passed on")
+            why = float32_problem(credit.step_advantages.get(index, 0.0))
+            if why:  # checked after the cast to float32: 1e39 is finite in float64, inf in float32
+                raise HandoffError(f"{where}: step {index}'s stored advantage {why}")
             if b > start and a < start:
                 raise HandoffError(f"{where}: step {index}'s own tokens straddle the prompt and the response")
         untrained = own & ~valid
