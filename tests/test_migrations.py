@@ -114,7 +114,9 @@ ADDED_TABLES = {
     "batch_episodes",
     "episode_floors",
     "tokenizer_locations",
-}  # 0004-0006: empty after an upgrade
+    "token_credits",
+    "topk_scores",
+}  # 0004-0006, 0008: empty after an upgrade
 
 
 def _snapshot(engine) -> dict[str, list[tuple]]:
@@ -185,7 +187,7 @@ def test_upgrade_0001_recomputes_keys_and_names_and_keeps_every_row(tmp_path):
     engine.dispose()
     assert len(before["episodes"]) == 19 and len(before["credits"]) > 0 and len(before["scores"]) > 0
     r = CliRunner().invoke(cli, ["--db", str(path), "db", "upgrade"], catch_exceptions=False)
-    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0007" in r.output
+    assert r.exit_code == 0 and "backup" in r.output and "0001 → 0008" in r.output
     with Store.open(str(path)) as store:
         _check_upgraded(store, before)
         _reingest_rebuilt_inputs(store, tmp_path / "elsewhere")

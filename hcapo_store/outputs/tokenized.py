@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
@@ -50,6 +51,7 @@ def _row(
     al: Alignment,
     provenance: dict[str, Any],
     signed: bool,
+    token_values: dict[int, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """``signed`` (paper): every placed step is trained with its advantage, negative or 0 too;
     otherwise only steps with a positive Eq. 8 weight get labels."""
@@ -68,7 +70,8 @@ def _row(
         spans.append([start, end])
         if w > 0 or signed:
             labels[start:end] = ids[start:end]
-            adv[start:end] = [w] * (end - start)
+            per_token = None if token_values is None else token_values.get(index)
+            adv[start:end] = [w] * (end - start) if per_token is None else [round(float(v), 6) for v in per_token]
     return {
         TOKEN_IDS: ids,
         "labels": labels,
@@ -203,7 +206,8 @@ def export_tokenized(
                 al = renderer.align(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
-                row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed)
+                per_token = place_token_values(conn, run, ep["id"], al.spans, al.refused)
+                row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed, per_token)
                 stats.refuse(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
                     stats.no_aligned_weight += 1
