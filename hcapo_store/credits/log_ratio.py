@@ -188,12 +188,17 @@ def check_pair(teacher: dict[str, Any], student: dict[str, Any], allow_mixed: bo
         )
     bt, bs = teacher.get("backend") or {}, student.get("backend") or {}
     mixed = []
-    if bt.get("kind") != bs.get("kind"):
-        mixed.append(f"engines {bt.get('kind')} vs {bs.get('kind')}")
+    engine_t, engine_s = bt.get("engine") or bt.get("kind"), bs.get("engine") or bs.get("kind")
+    if engine_t != engine_s:  # a rollout scorer names the engine that sampled it
+        mixed.append(f"engines {engine_t} vs {engine_s}")
     if bt.get("dtype") != bs.get("dtype"):
         mixed.append(f"dtypes {bt.get('dtype')} vs {bs.get('dtype')}")
-    if _weights(teacher) != _weights(student):
-        mixed.append(f"weights {_weights(teacher)} vs {_weights(student)}")
+    wt, ws = _weights(teacher), _weights(student)
+    common = sorted(set(wt) & set(ws))
+    if not common:
+        mixed.append(f"weights (nothing to compare: {wt or 'none named'} vs {ws or 'none named'})")
+    elif any(wt[k] != ws[k] for k in common):
+        mixed.append("weights " + ", ".join(f"{k} {wt[k]} vs {ws[k]}" for k in common if wt[k] != ws[k]))
     if mixed and not allow_mixed:
         raise CreditError(
             "--variant log-ratio: the two scorers differ in " + "; ".join(mixed) + ": the precision gap "
