@@ -143,7 +143,15 @@ def test_shared_option_sets_agree():
         *LOG_RATIO_KEYWORDS,  # credits compute --variant log-ratio only, not follow's
     }
     assert compute == set(CREDIT_KEYWORDS)
-    scorer = {p.name for p in score.params} - {"episodes", "min_reward", "limit", "retry_failed", "dry_run", "as_json"}
+    scorer = {p.name for p in score.params} - {
+        "episodes",
+        "min_reward",
+        "limit",
+        "retry_failed",
+        "dry_run",
+        "as_json",
+        "top_k",
+    }
     own = {
         "paths",
         "batch_by",

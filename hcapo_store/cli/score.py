@@ -257,11 +257,18 @@ def scorer_setup(
 @click.option("--limit", type=int_range(1), help="Score at most N steps in this run.")
 @click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
+@click.option(
+    "--top-k",
+    type=int_range(1),
+    help="Also store the K most likely ids and logprobs at every scored position (a scorer of its own; "
+    "--backend transformers; docs/FAMILY.md).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(
     state: Ctx,
     episodes,
+    top_k,
     min_reward,
     limit,
     retry_failed,
@@ -283,6 +290,11 @@ def score(
 
     # Options are checked (e.g. --worker-id) before anything touches the database.
     cfg, options = scorer_setup(**scorer_kw, limit=limit)
+    if top_k:
+        from hcapo_store.scoring.topk import check_top_k
+
+        check_top_k(top_k, str(cfg.backend))  # refused before any server or model is touched
+        cfg.top_k = top_k
     grouping = options.grouping
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     from hcapo_store.storage.db import read as db_read
@@ -309,6 +321,13 @@ def score(
             progress.reach(report.scored + report.failed)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    if top_k and not (report.interrupted or report.server_down):
+        from hcapo_store.scoring.topk import score_topk
+
+        topk = score_topk(store, prep, top_k, filters=filters)
+        report.top_k = topk.as_dict()  # type: ignore[attr-defined]
+        if not as_json:
+            click.echo(f"top-{top_k}: stored for {topk.stored} step(s), {topk.failed_count} failed")
     reason = None
     if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
         reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
@@ -37,6 +38,8 @@ from hcapo_store.outputs.rows import (
     write_parquet,
 )
 from hcapo_store.outputs.token_format import IGNORE_INDEX, TOKEN_IDS
+from hcapo_store.outputs.topk import place as place_topk
+from hcapo_store.outputs.topk import step_topk
 from hcapo_store.rendering.tokenizers import content_sha256
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
@@ -153,6 +156,7 @@ def export_tokenized(
     use_smoothed: bool | None = None,
     rendering: str = "turns",
     on_progress: Callable[[int, int], None] | None = None,
+    top_k: bool = False,
 ) -> TokenizedExport:
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns what it wrote.
 
@@ -195,6 +199,16 @@ def export_tokenized(
         }
         add_step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
+        if (
+            top_k
+            and not conn.execute(
+                text("SELECT 1 FROM topk_scores WHERE scorer_id = :s LIMIT 1"), {"s": run.scorer_id}
+            ).first()
+        ):
+            raise ExportError(
+                f"--top-k: the scorer of credit run {run.name!r} has no top-k: score with `hcapo-store score --top-k K` "
+                "and compute the run over that scorer"
+            )
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
@@ -207,7 +221,13 @@ def export_tokenized(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
                 per_token = place_token_values(conn, run, ep["id"], al.spans, al.refused)
+                targets = None
+                if top_k:  # the run's scorer's top-k on the same tokens (outputs/topk.py)
+                    targets = place_topk(
+                        len(al.input_ids), al.spans, al.refused, step_topk(conn, run.scorer_id, ep["id"])
+                    )
                 row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed, per_token)
+                row.update(targets or {})
                 stats.refuse(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
                     stats.no_aligned_weight += 1
@@ -220,7 +240,9 @@ def export_tokenized(
         else:
             atomic_write(
                 out,
-                lambda f: write_parquet(f, rows(), {**run_provenance(run), "layout": "tokenized"}, schema=_schema),
+                lambda f: write_parquet(
+                    f, rows(), {**run_provenance(run), "layout": "tokenized"}, schema=_topk_schema if top_k else _schema
+                ),
                 inputs=store.files,
             )
     if stats.rows == 0:
@@ -299,3 +321,17 @@ def _schema(id_type: Any) -> Any:
             ("provenance", provenance),
         ]
     )
+
+
+def _topk_schema(id_type: Any) -> Any:
+    """``_schema`` with the ``--top-k`` columns (outputs/topk.py)."""
+    import pyarrow as pa
+
+    base = _schema(id_type)
+    for name, kind in (
+        ("topk_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("actual_logprobs", pa.list_(pa.float32())),
+    ):
+        base = base.append(pa.field(name, kind))
+    return base
