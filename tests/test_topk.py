@@ -106,6 +106,38 @@ def test_in_process_top_k_is_torch_topk_of_the_log_softmax(tmp_path, tiny_model_
     assert r.exit_code != 0 and "--top-k goes with --tokenized" in r.output
 
 
+def test_vllm_top_k_equals_the_in_process_one_and_the_cap_is_refused_up_front(tmp_path, tiny_model_dir, runner):
+    """The reference server speaks vLLM's /v1/completions (prompt_logprobs K, ranks) and caps K at
+    its --max-logprobs (20, vLLM's default) with vLLM's own error."""
+    from hcapo_store.devkit.refserver import make_server
+
+    db_ = str(tmp_path / "s.db")
+    store = Store.open(db_)
+    assert ingest(store, [_episodes(tmp_path / "eps.jsonl", n=1)]).failed == 0
+    with make_server(tiny_model_dir) as server:
+        server.start()
+        argv = ["--db", db_, "score", "--backend", "vllm", "--server", server.url, "--tokenizer", str(tiny_model_dir)]
+        r = runner.invoke(cli, [*argv, "--top-k", "21"])
+        assert r.exit_code != 0
+        assert "--top-k 21 is above the vLLM server's --max-logprobs 20" in r.output
+        assert store.query("SELECT COUNT(*) FROM scores")[1][0][0] == 0  # refused before anything was scored
+        r = runner.invoke(cli, [*argv, "--top-k", str(K), "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["top_k"]["stored"] == 3
+    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), top_k=K))
+    with db.read(store.engine) as conn:
+        episode = load_episode(conn, 1)
+    served = {
+        i: TopK.decode(ids, lps, n, k)
+        for i, k, n, ids, lps in store.query(
+            "SELECT s.step_index, t.k, t.token_count, t.ids, t.logprobs FROM topk_scores t JOIN steps s ON s.id = t.step_id"
+        )[1]
+    }
+    for prompt in prep.builder.build_episode(episode.messages, episode.outcome, episode.steps):
+        own = prep.backend.scorer.score_positions(prompt.input_ids, prompt.first_scored, top_k=K).top
+        assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
+
+
 def test_top_k_is_refused_up_front_for_the_servers_and_out_of_range(tmp_path, runner):
     db_ = str(tmp_path / "s.db")
     r = runner.invoke(cli, ["--db", db_, "score", "--server", "http://127.0.0.1:9", "--top-k", "20"])

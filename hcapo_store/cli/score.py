@@ -261,7 +261,7 @@ def scorer_setup(
     "--top-k",
     type=int_range(1),
     help="Also store the K most likely ids and logprobs at every scored position (a scorer of its own; "
-    "--backend transformers; docs/FAMILY.md).",
+    "--backend vllm or transformers; docs/FAMILY.md).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
@@ -303,6 +303,11 @@ def score(
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
     options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
+    if top_k:
+        from hcapo_store.scoring.job import run_sync
+        from hcapo_store.scoring.topk import probe
+
+        run_sync(lambda: probe(prep, top_k))  # a K above a vLLM server's --max-logprobs: refused here
     if dry_run:
         with Progress("dry run", enabled=not as_json, unit="steps") as progress:
             result = run_dry(store, prep, filters, limit, grouping=grouping, on_progress=progress.reach)

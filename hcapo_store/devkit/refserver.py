@@ -77,6 +77,7 @@ class ReferenceServer(BackgroundHTTPServer):
         config = scorer.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.advertise_context = True  # False: enforce the limit without saying it (as older servers)
+        self.max_logprobs = 20  # vLLM's --max-logprobs (its default): a larger prompt_logprobs is refused
         self.requests = 0
         self.sequences = 0
         self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
@@ -153,6 +154,10 @@ class ReferenceServer(BackgroundHTTPServer):
         k = body.get("prompt_logprobs")
         if k is not None and (not _is_int(k) or k < 0):
             raise BadRequest(f"prompt_logprobs must be a non-negative integer, got {k!r}")
+        if k is not None and k > self.max_logprobs:  # vLLM's own words (processor._validate_logprobs)
+            raise BadRequest(
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.max_logprobs}"
+            )
         if body.get("logprobs") is not None:
             raise BadRequest("sample logprobs are not supported by the reference server; use prompt_logprobs")
         if body.get("stream"):

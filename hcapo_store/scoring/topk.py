@@ -8,22 +8,25 @@ the result is checked against the stored score (one row per scored token) and st
 from exactly the model, template and span its logprobs do.
 
 Backends: the in-process model (``score_positions(top_k=K)``: ``torch.topk`` of the
-log-softmax of the same rows its logprobs gather from). The HTTP servers' top-k options
-(SGLang ``top_logprobs_num``, vLLM ``prompt_logprobs`` K within its ``--max-logprobs``) are
-not wired yet: ``score --top-k`` with ``--server`` is refused up front (docs/FAMILY.md).
-The per-step layout only (the episode layout scores every step in one rendering).
+log-softmax of the same rows its logprobs gather from) and vLLM (``prompt_logprobs: K``; each
+position's entries by their rank, the sampled token's own entry checked against the stored
+logprob's request). vLLM caps K at its ``--max-logprobs`` (default 20): ``probe`` asks once
+before anything is scored and refuses with the server's cap named. SGLang's
+``top_logprobs_num`` is not wired yet: refused up front (docs/FAMILY.md). The per-step layout
+only (the episode layout scores every step in one rendering).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import text
 
-from hcapo_store.errors import ScoringError
+from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.rendering.requests import PromptFailure, StepPrompt
 from hcapo_store.scoring.job import Prepared, run_sync
 from hcapo_store.scoring.work_queue import Filters
@@ -32,6 +35,7 @@ from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store
 from hcapo_store.storage.topk import TopK
 
+TOPK_BACKENDS = ("transformers", "vllm")
 MAX_TOP_K = 1024  # a bound on what one row may hold (K = 256 is the largest the family uses)
 
 TODO_SQL = """
@@ -60,14 +64,80 @@ def check_top_k(k: int, backend_kind: str) -> None:
     """Refuses a K or a backend before anything is sent."""
     if not 1 <= k <= MAX_TOP_K:
         raise ScoringError(f"--top-k must be in [1, {MAX_TOP_K}], got {k}")
-    if backend_kind != "transformers":
+    if backend_kind not in TOPK_BACKENDS:
         raise ScoringError(
-            f"--top-k is not supported by the {backend_kind} backend yet (SGLang top_logprobs_num and vLLM "
-            "prompt_logprobs are not wired): score top-k with --backend transformers --model DIR"
+            f"--top-k is not supported by the {backend_kind} backend yet (SGLang's top_logprobs_num is not wired): "
+            "score top-k with --backend vllm --server URL or --backend transformers --model DIR"
         )
 
 
+async def probe(prep: Prepared, k: int) -> None:
+    """vLLM: one two-token request with ``prompt_logprobs: k`` before any scoring, so a K above
+    the server's ``--max-logprobs`` is refused up front with the cap named."""
+    if getattr(prep.backend, "kind", None) != "vllm":
+        return
+    backend: Any = prep.backend
+    opened = backend.client is None
+    if opened:
+        await backend.start()
+    try:
+        await backend.client.post_json("/v1/completions", _vllm_payload(backend, [0, 0], 1, k))
+    except InferenceError as exc:
+        cap = re.search(r"greater than max allowed: (\d+)", str(exc))
+        if cap:
+            raise ScoringError(
+                f"--top-k {k} is above the vLLM server's --max-logprobs {cap.group(1)}: ask for at most "
+                f"{cap.group(1)}, or restart vLLM with --max-logprobs {k}"
+            ) from exc
+        raise ScoringError(f"--top-k {k}: the vLLM server refused prompt_logprobs {k}: {exc}") from exc
+    finally:
+        if opened:
+            await backend.close()
+
+
+def _vllm_payload(backend: Any, ids: list[int], first_scored: int, k: int) -> dict[str, Any]:
+    from hcapo_store.scoring.backends.vllm import build_payload
+
+    return build_payload(
+        StepPrompt(0, ids, first_scored, len(ids) - first_scored, 0, 0, False), model=backend.model, prompt_logprobs=k
+    )
+
+
+def vllm_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Each scored position's K most likely (id, logprob) from a vLLM ``prompt_logprobs: K``
+    answer (an entry holds the top K by rank plus the sampled token when it is not among them)."""
+    from hcapo_store.scoring.backends.vllm import parse_response
+
+    parse_response(prompt, body)  # the same checks as the logprobs' own request (ids, counts, values)
+    entries = body["choices"][0]["prompt_logprobs"]
+    out = []
+    for i in range(prompt.first_scored, len(prompt.input_ids)):
+        ranked = []
+        for key, value in entries[i].items():
+            rank = value.get("rank") if isinstance(value, dict) else None
+            lp = value.get("logprob") if isinstance(value, dict) else value
+            if isinstance(rank, int) and 1 <= rank <= k and isinstance(lp, (int, float)):
+                ranked.append((rank, int(key), float(lp)))
+        ranked.sort()
+        if [r for r, _, _ in ranked] != list(range(1, k + 1)):
+            raise InferenceError(
+                "bad_response",
+                f"position {i}: prompt_logprobs ranks {[r for r, _, _ in ranked]}, not 1..{k}",
+                retryable=False,
+            )
+        out.append([(t, min(v, 0.0)) for _, t, v in ranked])
+    return out
+
+
 async def _top(prep: Prepared, prompt: StepPrompt, k: int) -> list[list[tuple[int, float]]]:
+    if getattr(prep.backend, "kind", None) == "vllm":
+        backend: Any = prep.backend
+        if backend.client is None:
+            await backend.start()
+        body = await backend.client.post_json(
+            "/v1/completions", _vllm_payload(backend, list(prompt.input_ids), prompt.first_scored, k)
+        )
+        return vllm_top(prompt, body, k)
     scorer = getattr(prep.backend, "scorer", None)
     if scorer is None:
         await prep.backend.start()
@@ -123,7 +193,11 @@ async def score_topk_async(
             if isinstance(prompt, PromptFailure):
                 _fail(report, episode.name, prompt.step_index, f"{prompt.reason}: {prompt.message}")
                 continue
-            top = await _top(prep, prompt, k)
+            try:
+                top = await _top(prep, prompt, k)
+            except InferenceError as exc:
+                _fail(report, episode.name, prompt.step_index, str(exc))
+                continue
             if len(top) != n or any(len(row) != k for row in top):
                 _fail(report, episode.name, prompt.step_index, f"{len(top)} top-k rows for the {n} stored logprobs")
                 continue
@@ -141,6 +215,8 @@ async def score_topk_async(
             report.stored += len(rows)
         if on_progress is not None:
             on_progress(report)
+    if getattr(prep.backend, "kind", None) == "vllm":
+        await prep.backend.close()
     return report
 
 
