@@ -138,10 +138,38 @@ def test_vllm_top_k_equals_the_in_process_one_and_the_cap_is_refused_up_front(tm
         assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
 
 
-def test_top_k_is_refused_up_front_for_the_servers_and_out_of_range(tmp_path, runner):
+def test_sglang_top_k_equals_the_in_process_one(tmp_path, tiny_model_dir, runner):
+    """The reference server's /generate answers top_logprobs_num as SGLang does (input_top_logprobs)."""
+    from hcapo_store.devkit.refserver import make_server
+
     db_ = str(tmp_path / "s.db")
-    r = runner.invoke(cli, ["--db", db_, "score", "--server", "http://127.0.0.1:9", "--top-k", "20"])
-    assert r.exit_code != 0 and "--top-k is not supported by the sglang backend yet" in r.output
+    store = Store.open(db_)
+    assert ingest(store, [_episodes(tmp_path / "eps.jsonl", n=1)]).failed == 0
+    with make_server(tiny_model_dir) as server:
+        server.start()
+        argv = ["--db", db_, "score", "--server", server.url, "--tokenizer", str(tiny_model_dir)]
+        r = runner.invoke(cli, [*argv, "--top-k", str(K), "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["top_k"] == {"k": K, "stored": 3, "failed": 0, "failures": {}}
+    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), top_k=K))
+    with db.read(store.engine) as conn:
+        episode = load_episode(conn, 1)
+    served = {
+        i: TopK.decode(ids, lps, n, k)
+        for i, k, n, ids, lps in store.query(
+            "SELECT s.step_index, t.k, t.token_count, t.ids, t.logprobs FROM topk_scores t JOIN steps s ON s.id = t.step_id"
+        )[1]
+    }
+    for prompt in prep.builder.build_episode(episode.messages, episode.outcome, episode.steps):
+        own = prep.backend.scorer.score_positions(prompt.input_ids, prompt.first_scored, top_k=K).top
+        assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
+        assert served[prompt.step_index].logprobs == pytest.approx(
+            np.asarray([[v for _, v in row] for row in own]), abs=2e-3, rel=1e-3
+        )
+
+
+def test_top_k_out_of_range_is_refused_up_front(tmp_path, runner):
+    db_ = str(tmp_path / "s.db")
     r = runner.invoke(cli, ["--db", db_, "score", "--backend", "transformers", "--model", "x", "--top-k", "5000"])
     assert r.exit_code != 0 and "--top-k must be in [1, 1024]" in r.output
     assert not Path(db_).exists()  # refused before the store was created

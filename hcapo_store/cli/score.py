@@ -261,7 +261,7 @@ def scorer_setup(
     "--top-k",
     type=int_range(1),
     help="Also store the K most likely ids and logprobs at every scored position (a scorer of its own; "
-    "--backend vllm or transformers; docs/FAMILY.md).",
+    "SGLang, vLLM within its --max-logprobs, or in process; docs/FAMILY.md).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx

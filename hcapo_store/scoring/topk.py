@@ -11,9 +11,9 @@ Backends: the in-process model (``score_positions(top_k=K)``: ``torch.topk`` of 
 log-softmax of the same rows its logprobs gather from) and vLLM (``prompt_logprobs: K``; each
 position's entries by their rank, the sampled token's own entry checked against the stored
 logprob's request). vLLM caps K at its ``--max-logprobs`` (default 20): ``probe`` asks once
-before anything is scored and refuses with the server's cap named. SGLang's
-``top_logprobs_num`` is not wired yet: refused up front (docs/FAMILY.md). The per-step layout
-only (the episode layout scores every step in one rendering).
+before anything is scored and refuses with the server's cap named. SGLang:
+``top_logprobs_num: K`` on ``/generate`` (``input_top_logprobs``). The per-step layout only
+(the episode layout scores every step in one rendering).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.store import Store
 from hcapo_store.storage.topk import TopK
 
-TOPK_BACKENDS = ("transformers", "vllm")
+TOPK_BACKENDS = ("transformers", "vllm", "sglang")
 MAX_TOP_K = 1024  # a bound on what one row may hold (K = 256 is the largest the family uses)
 
 TODO_SQL = """
@@ -66,8 +66,8 @@ def check_top_k(k: int, backend_kind: str) -> None:
         raise ScoringError(f"--top-k must be in [1, {MAX_TOP_K}], got {k}")
     if backend_kind not in TOPK_BACKENDS:
         raise ScoringError(
-            f"--top-k is not supported by the {backend_kind} backend yet (SGLang's top_logprobs_num is not wired): "
-            "score top-k with --backend vllm --server URL or --backend transformers --model DIR"
+            f"--top-k is not supported by the {backend_kind} backend: "
+            "score top-k with --backend sglang or vllm --server URL, or --backend transformers --model DIR"
         )
 
 
@@ -129,7 +129,43 @@ def vllm_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, floa
     return out
 
 
+def sglang_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Each scored position's K most likely (id, logprob) from SGLang's ``input_top_logprobs``
+    (aligned with ``input_token_logprobs``: entry 0 null, then one list of K
+    ``[logprob, id, text]`` triples per scored position)."""
+    from hcapo_store.scoring.backends.sglang import parse_response
+
+    parse_response(prompt, body)  # the same checks as the logprobs' own request
+    entries = (body.get("meta_info") or {}).get("input_top_logprobs") if isinstance(body, dict) else None
+    n = len(prompt.input_ids) - prompt.first_scored
+    if not isinstance(entries, list) or len(entries) != n + 1:
+        got = len(entries) if isinstance(entries, list) else entries
+        raise InferenceError(
+            "bad_response", f"input_top_logprobs has {got!r} entries for {n} scored tokens (+1)", retryable=False
+        )
+    out = []
+    for i, row in enumerate(entries[1:]):
+        if not isinstance(row, list) or len(row) != k:
+            raise InferenceError("bad_response", f"position {i}: {row!r:.80} is not {k} triples", retryable=False)
+        pairs = []
+        for triple in row:
+            lp, token = (triple[0], triple[1]) if isinstance(triple, list) and len(triple) >= 2 else (None, None)
+            if not isinstance(token, int) or not isinstance(lp, (int, float)):
+                raise InferenceError("bad_response", f"position {i}: triple {triple!r:.80}", retryable=False)
+            pairs.append((int(token), min(float(lp), 0.0)))
+        out.append(sorted(pairs, key=lambda p: -p[1]))
+    return out
+
+
 async def _top(prep: Prepared, prompt: StepPrompt, k: int) -> list[list[tuple[int, float]]]:
+    if getattr(prep.backend, "kind", None) == "sglang":
+        from hcapo_store.scoring.backends.sglang import build_payload
+
+        sglang: Any = prep.backend
+        if sglang.client is None:
+            await sglang.start()
+        payload = {**build_payload(prompt, max_new_tokens=sglang.max_new_tokens), "top_logprobs_num": k}
+        return sglang_top(prompt, await sglang.client.post_json("/generate", payload), k)
     if getattr(prep.backend, "kind", None) == "vllm":
         backend: Any = prep.backend
         if backend.client is None:
@@ -215,7 +251,7 @@ async def score_topk_async(
             report.stored += len(rows)
         if on_progress is not None:
             on_progress(report)
-    if getattr(prep.backend, "kind", None) == "vllm":
+    if getattr(prep.backend, "kind", None) in ("vllm", "sglang"):
         await prep.backend.close()
     return report
 
