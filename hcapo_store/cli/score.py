@@ -293,7 +293,7 @@ def score(
     if top_k:
         from hcapo_store.scoring.topk import check_top_k
 
-        check_top_k(top_k, str(cfg.backend))  # refused before any server or model is touched
+        check_top_k(top_k, str(cfg.backend), cfg.prompt_layout)  # refused before any server or model is touched
         cfg.top_k = top_k
     grouping = options.grouping
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file

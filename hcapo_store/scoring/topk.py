@@ -60,10 +60,12 @@ class TopkReport:
         return {"k": self.k, "stored": self.stored, "failed": self.failed_count, "failures": self.failed}
 
 
-def check_top_k(k: int, backend_kind: str) -> None:
-    """Refuses a K or a backend before anything is sent."""
+def check_top_k(k: int, backend_kind: str, layout: str = "per-step") -> None:
+    """Refuses a K, a backend or a layout before anything is sent."""
     if not 1 <= k <= MAX_TOP_K:
         raise ScoringError(f"--top-k must be in [1, {MAX_TOP_K}], got {k}")
+    if layout == "episode":
+        raise ScoringError("--top-k takes the per-step layout (--prompt-layout per-step)")
     if backend_kind not in TOPK_BACKENDS:
         raise ScoringError(
             f"--top-k is not supported by the {backend_kind} backend: "
@@ -204,13 +206,11 @@ async def score_topk_async(
     filters: Filters | None = None,
     on_progress: Callable[[TopkReport], None] | None = None,
 ) -> TopkReport:
-    check_top_k(k, str(getattr(prep.backend, "kind", "?")))
+    check_top_k(k, str(getattr(prep.backend, "kind", "?")), prep.builder.layout)
     if prep.spec.get("top_k") != k:
         raise ScoringError(
             f"--top-k {k}: scorer {prep.scorer_id[:12]} was prepared with top_k {prep.spec.get('top_k')}"
         )
-    if prep.builder.layout == "episode":
-        raise ScoringError("--top-k takes the per-step layout (--prompt-layout per-step)")
     bind: dict[str, Any] = {"scorer": prep.scorer_id}
     scope = (filters or Filters()).sql(bind)
     with db.read(store.engine) as conn:
