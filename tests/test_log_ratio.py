@@ -264,6 +264,14 @@ def test_tokenized_export_and_handoff_carry_the_per_token_values(tmp_path, demo_
     credit = handoff.advantages(name_of[ep], ids)
     for index, (a, b) in credit.spans.items():
         assert credit.advantages[a:b] == pytest.approx(want[step_of[(ep, index)]]["adv"], abs=1e-6)
+    # verl's shape (training/adapters.py): the prompt up to the first step, the rest as the response
+    from hcapo_store.training.adapters import verl_advantages
+
+    first = min(a for a, _ in credit.spans.values())
+    response = np.asarray([ids[first:]])
+    batch = verl_advantages(handoff, [name_of[ep]], [ids[:first]], response, np.ones_like(response))
+    for index, (a, b) in credit.spans.items():
+        assert batch[0, a - first : b - first] == pytest.approx(want[step_of[(ep, index)]]["adv"], abs=1e-6)
     with pytest.raises(Exception, match="token_span"):
         handoff.advantages(name_of[wrong[0]], handoff.rendered_ids(name_of[wrong[0]]))
     loose = handoff.advantages(name_of[wrong[0]], handoff.rendered_ids(name_of[wrong[0]]), strict=False)
