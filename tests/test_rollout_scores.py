@@ -140,3 +140,54 @@ def test_a_rollout_scorer_is_the_student_of_a_log_ratio_run(tmp_path, demo_token
     result = compute_log_ratio(store, scorer="teacher", against=student, name="lr")
     assert result.created and result.run.episodes == 2  # the tampered episode has a failed step
     assert {r[0] for r in store.query("SELECT q_h FROM step_credits WHERE run = 'lr'")[1]} == {0.0}
+
+
+def test_pi_and_verl_shapes_are_read_and_ids_checked(demo_tokenizer_dir):
+    """A Pi session's logprobs beside the assistant entry, verl's rollout_log_probs with
+    response_ids: read from the stored source's shape, and ids compared one by one."""
+    import zlib
+
+    from hcapo_store.ingestion.rollout_logprobs import RolloutFormatError, read_rollout
+    from hcapo_store.outputs.rollout_scores import _token_bytes, check_tokens
+
+    session = "\n".join(
+        json.dumps(line)
+        for line in (
+            {"type": "session", "version": 3, "id": "s"},
+            {"type": "message", "message": {"role": "user", "content": [{"type": "text", "text": "go"}]}},
+            {
+                "type": "message",
+                "message": {"role": "assistant", "content": [{"type": "text", "text": "ok"}], "model": "m"},
+                "logprobs": [{"token": "token_id:7", "logprob": -0.5}, {"token": "token_id:9", "logprob": -0.25}],
+            },
+            {"type": "message", "message": {"role": "assistant", "content": [{"type": "text", "text": "no logprobs"}]}},
+        )
+    )
+    raw = zlib.compress(json.dumps({"result.json": "{}", "pi_session.jsonl": session}).encode())
+    record = read_rollout("pi_v3", raw)
+    assert record is not None and record.policy == {"model": "m"}
+    first, second = record.messages
+    assert first is not None and first.ids == [7, 9] and first.logprobs == [-0.5, -0.25] and second is None
+    verl = {
+        "episode_id": "v",
+        "reward": 1.0,
+        "rollout": {"engine": "sglang", "weight_version": 12},
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "ok", "rollout_log_probs": [-0.1, -0.2], "response_ids": [3, 4]},
+        ],
+    }
+    record = read_rollout("openai_jsonl", zlib.compress(json.dumps(verl).encode()))
+    assert record is not None and record.policy == {"engine": "sglang", "weight_version": "12"}
+    (entries,) = record.messages
+    assert entries is not None and entries.ids == [3, 4]
+    tok = load_tokenizer(demo_tokenizer_dir)
+    bytes_of = _token_bytes(tok)
+    assert check_tokens(entries, [3, 4], tok, bytes_of) is None
+    assert check_tokens(entries, [3, 5], tok, bytes_of) == (
+        f"token 1: the rollout has id 4, the tokenizer's id there is 5 ({tok.decode([5])!r})"
+    )
+    assert check_tokens(entries, [3, 4, 5, 6], tok, bytes_of) == "2 logprob entries for the step's 4 own tokens"
+    bad = {**verl, "messages": [{"role": "assistant", "rollout_log_probs": "x"}]}
+    with pytest.raises(RolloutFormatError, match="rollout_log_probs must be a list"):
+        read_rollout("openai_jsonl", zlib.compress(json.dumps(bad).encode()))
