@@ -326,18 +326,21 @@ def score(
             progress.reach(report.scored + report.failed)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    extra = {}
     if top_k and not (report.interrupted or report.server_down):
         from hcapo_store.scoring.topk import score_topk
 
         topk = score_topk(store, prep, top_k, filters=filters)
-        report.top_k = topk.as_dict()  # type: ignore[attr-defined]
+        extra["top_k"] = topk.as_dict()
         if not as_json:
             click.echo(f"top-{top_k}: stored for {topk.stored} step(s), {topk.failed_count} failed")
+        for where, why in topk.failed.items():
+            click.echo(f"  top-k failed: {where}: {why}", err=True)
     reason = None
     if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
         reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
     if as_json:
-        echo_json({**report.as_dict(), "reason": reason})
+        echo_json({**report.as_dict(), "reason": reason, **extra})
     else:
         click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
         if reason:
@@ -351,7 +354,7 @@ def score(
             err=True,
         )
         sys.exit(1)
-    if report.failed:
+    if report.failed or extra.get("top_k", {}).get("failed"):
         sys.exit(1)
 
 
