@@ -191,3 +191,35 @@ def test_pi_and_verl_shapes_are_read_and_ids_checked(demo_tokenizer_dir):
     bad = {**verl, "messages": [{"role": "assistant", "rollout_log_probs": "x"}]}
     with pytest.raises(RolloutFormatError, match="rollout_log_probs must be a list"):
         read_rollout("openai_jsonl", zlib.compress(json.dumps(bad).encode()))
+
+
+def test_a_real_tokenizer_s_multibyte_tokens_match_by_their_bytes(tmp_path):
+    """Qwen3's byte-level tokens that split a character: OpenAI's ``bytes`` are compared, not the
+    (lossy) decoded text."""
+    from _tokenizers import real_tokenizer
+
+    from hcapo_store.rendering.tokenizers import resolve_tokenizer_dir
+
+    tok = real_tokenizer("qwen3")
+    tok_dir = resolve_tokenizer_dir(tok.name_or_path)
+    content = "naïve café → 世界 ✓ done"
+    ids = tok.encode(content, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    from hcapo_store.outputs.rollout_scores import _token_bytes
+
+    bytes_of = _token_bytes(tok)
+    entries = [{"token": tok.decode([i]), "logprob": -0.5, "bytes": list(bytes_of(i))} for i in ids]
+    assert b"".join(bytes(e["bytes"]) for e in entries[:-1]).decode() == content
+    record = {
+        "episode_id": "mb",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "say it"},
+            {"role": "assistant", "content": content, "logprobs": {"content": entries}},
+        ],
+    }
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    store = Store.open(str(tmp_path / "s.db"))
+    assert ingest(store, [path]).failed == 0
+    report = store_rollout_scores(store, tok_dir)
+    assert (report.scored, report.failed) == (1, 0), report.failures
