@@ -41,7 +41,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.compute import ComputeResult
+from hcapo_store.credits.compute import ComputeResult, _raw_stream
 from hcapo_store.credits.equations import grpo_advantages
 from hcapo_store.credits.lookup import find_run, run_staleness
 from hcapo_store.errors import CreditError, InvalidCreditParams
@@ -304,10 +304,11 @@ def _fill(
     params: LogRatioParams,
     warnings: list[str],
 ) -> tuple[int, int, list[str]]:
-    rows = conn.execute(text(STREAM_SQL), {"teacher": teacher_id, "student": student_id}).all()
     by_episode: dict[int, list[Any]] = {}
-    for r in rows:
-        by_episode.setdefault(int(r[0]), []).append(r)
+    # plain DB-API tuples, block by block (credits/compute.py's stream): no SQLAlchemy row per step
+    for block in _raw_stream(conn, text(STREAM_SQL), {"teacher": teacher_id, "student": student_id}):
+        for r in block:
+            by_episode.setdefault(r[0], []).append(r)
     incomplete: list[str] = []
     kept: list[list[Any]] = []
     for ep_rows in by_episode.values():
