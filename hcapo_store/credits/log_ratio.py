@@ -52,10 +52,22 @@ from hcapo_store.storage.store import Store
 VARIANT = "log-ratio"
 GATES = ("none", "sigmoid")
 
+# Pass 1 (no blobs): which episodes are complete under both scorers, the same tokens per step.
+COUNTS_SQL = """
+SELECT e.id, e.name, e.reward, s.step_index, t.step_id IS NULL, u.step_id IS NULL,
+       t.token_count, t.total_action_tokens, t.skipped_action_tokens,
+       u.token_count, u.total_action_tokens, u.skipped_action_tokens
+FROM episodes e
+JOIN steps s ON s.episode_id = e.id
+LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
+LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
+WHERE e.is_current IS TRUE
+ORDER BY e.id, s.step_index
+"""
+
+# Pass 2: the values, block by block.
 STREAM_SQL = """
-SELECT e.id, e.name, e.reward, s.id, s.step_index,
-       t.token_logprobs, t.token_count, t.total_action_tokens, t.skipped_action_tokens, t.mean_logprob,
-       u.token_logprobs, u.token_count, u.total_action_tokens, u.skipped_action_tokens
+SELECT e.id, s.id, t.token_logprobs, t.token_count, t.mean_logprob, u.token_logprobs
 FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
@@ -123,25 +135,14 @@ def step_means(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def log_ratio_credits(
-    teacher: np.ndarray,
-    student: np.ndarray,
-    counts: np.ndarray,
-    step_episode: np.ndarray,
-    rewards: np.ndarray,
-    params: LogRatioParams,
-    groups: Sequence[Any] | None = None,
+    teacher: np.ndarray, student: np.ndarray, counts: np.ndarray, a_step: np.ndarray, params: LogRatioParams
 ) -> LogRatioArrays:
     """The module doc's values. ``teacher``/``student``: per-token logprobs, flat; ``counts``:
-    tokens per step; ``step_episode``: each step's episode number (0..len(rewards)-1)."""
+    tokens per step; ``a_step``: each step's A_i (its episode's GRPO advantage, or 0)."""
     raw = teacher.astype(np.float64) - student.astype(np.float64)
     d = raw if params.clip is None else np.clip(raw, -params.clip, params.clip)
     gate = 1.0 / (1.0 + np.exp(-d / params.gate_temperature)) if params.gate == "sigmoid" else 1.0
     term = params.kl_coef * gate * d
-    if params.grpo:
-        a_ep = grpo_advantages(rewards, groups)
-    else:
-        a_ep = np.zeros(len(rewards))
-    a_step = a_ep[step_episode]
     advantage = np.repeat(a_step, counts) + term
     return LogRatioArrays(
         log_ratio=d,
@@ -304,64 +305,97 @@ def _fill(
     params: LogRatioParams,
     warnings: list[str],
 ) -> tuple[int, int, list[str]]:
-    by_episode: dict[int, list[Any]] = {}
-    # plain DB-API tuples, block by block (credits/compute.py's stream): no SQLAlchemy row per step
-    for block in _raw_stream(conn, text(STREAM_SQL), {"teacher": teacher_id, "student": student_id}):
-        for r in block:
-            by_episode.setdefault(r[0], []).append(r)
+    """Pass 1 finds the complete episodes (and refuses a step scored over other tokens); pass 2
+    streams the blobs and writes each block's credits: memory is one block's, whatever the store."""
+    bind = {"teacher": teacher_id, "student": student_id}
+    complete: dict[int, float] = {}  # episode id -> reward
     incomplete: list[str] = []
-    kept: list[list[Any]] = []
-    for ep_rows in by_episode.values():
-        if any(r[5] is None or r[10] is None for r in ep_rows):
-            incomplete.append(ep_rows[0][1])
-            continue
-        for r in ep_rows:
-            if (r[6], r[7], r[8]) != (r[11], r[12], r[13]):
+    current: list[Any] = []
+
+    def close(rows: list[Any]) -> None:
+        if any(r[4] or r[5] for r in rows):
+            incomplete.append(rows[0][1])
+            return
+        for r in rows:
+            if r[6:9] != r[9:12]:
                 raise CreditError(
-                    f"--variant log-ratio: episode {r[1]} step {r[4]}: the two scorers scored other tokens "
-                    f"(teacher {r[6]} of {r[7]} action tokens, {r[8]} skipped; student {r[11]} of {r[12]}, "
-                    f"{r[13]} skipped): score both with the same --action-span, --max-context and "
+                    f"--variant log-ratio: episode {r[1]} step {r[3]}: the two scorers scored other tokens "
+                    f"(teacher {r[6]} of {r[7]} action tokens, {r[8]} skipped; student {r[9]} of {r[10]}, "
+                    f"{r[11]} skipped): score both with the same --action-span, --max-context and "
                     "--max-logprob-tokens"
                 )
-        kept.append(ep_rows)
-    if not kept:
+        complete[int(rows[0][0])] = float(rows[0][2])
+
+    for block in _raw_stream(conn, text(COUNTS_SQL), bind):
+        for r in block:
+            if current and r[0] != current[0][0]:
+                close(current)
+                current = []
+            current.append(r)
+    if current:
+        close(current)
+    if not complete:
         return 0, 0, incomplete
-    flat = [r for ep_rows in kept for r in ep_rows]
-    counts = np.asarray([r[6] for r in flat], dtype=np.int64)
-    teacher = np.frombuffer(b"".join(bytes(r[5]) for r in flat), dtype="<f4")
-    student = np.frombuffer(b"".join(bytes(r[10]) for r in flat), dtype="<f4")
+    ids = list(complete)
+    if params.grpo:
+        groups = _groups(conn, ids, params.group_by, warnings)
+        a_by_episode = dict(zip(ids, grpo_advantages(np.asarray(list(complete.values())), groups).tolist()))
+    else:
+        a_by_episode = dict.fromkeys(ids, 0.0)
+    credit_sql, token_sql = (
+        _insert_sql(conn, "credits", CREDIT_COLUMNS),
+        _insert_sql(conn, "token_credits", TOKEN_COLUMNS),
+    )
+    steps = 0
+    for block in _raw_stream(conn, text(STREAM_SQL), bind):
+        rows = [r for r in block if r[0] in a_by_episode]
+        if rows:
+            _write_block(conn, run_id, rows, a_by_episode, complete, params, credit_sql, token_sql)
+            steps += len(rows)
+    return len(complete), steps, incomplete
+
+
+def _write_block(
+    conn: Connection,
+    run_id: int,
+    rows: list[Any],
+    a_by_episode: dict[int, float],
+    rewards: dict[int, float],
+    params: LogRatioParams,
+    credit_sql: str,
+    token_sql: str,
+) -> None:
+    counts = np.asarray([r[3] for r in rows], dtype=np.int64)
+    teacher = np.frombuffer(b"".join(bytes(r[2]) for r in rows), dtype="<f4")
+    student = np.frombuffer(b"".join(bytes(r[5]) for r in rows), dtype="<f4")
     if len(teacher) != int(counts.sum()) or len(student) != len(teacher):
         raise CreditError("--variant log-ratio: a stored score's values do not match its token count")
-    step_episode = np.repeat(np.arange(len(kept)), [len(e) for e in kept])
-    rewards = np.asarray([e[0][2] for e in kept], dtype=np.float64)
-    groups = _groups(conn, [int(e[0][0]) for e in kept], params.group_by, warnings) if params.grpo else None
-    arr = log_ratio_credits(teacher, student, counts, step_episode, rewards, params, groups)
-    t_mean = np.asarray([r[9] for r in flat], dtype=np.float64)
+    a_step = np.asarray([a_by_episode[r[0]] for r in rows], dtype=np.float64)
+    arr = log_ratio_credits(teacher, student, counts, a_step, params)
+    t_mean = np.asarray([r[4] for r in rows], dtype=np.float64)
     columns = [
-        [int(r[3]) for r in flat],  # step_id
+        [int(r[1]) for r in rows],  # step_id
         t_mean,  # mean_logprob: the teacher's, as an HCAPO run stores its scorer's
         counts,  # token_count
         np.exp(t_mean),  # pi_hind
         np.exp(arr.step_raw_log_ratio),  # rho_raw: the step's geometric-mean ratio π_teacher / π_student
         np.exp(arr.step_log_ratio),  # rho: the same after the clip
-        rewards[step_episode],  # r_t: the episode's reward
-        np.ones(len(flat)),  # discount: none
+        [rewards[r[0]] for r in rows],  # r_t: the episode's reward
+        np.ones(len(rows)),  # discount: none
         arr.step_log_ratio,  # q_h: mean d_t
         arr.step_log_ratio,  # q_h_smoothed: no smoothing
         arr.a_macro,  # A_i (0 without --grpo)
         arr.step_term,  # micro: mean kl_coef · g_t · d_t
         arr.a_macro + arr.step_term,  # advantage: the mean of the per-token advantages
     ]
-    credit_rows = list(zip([run_id] * len(flat), *(np.asarray(c).tolist() for c in columns)))
-    conn.exec_driver_sql(_insert_sql(conn, "credits", CREDIT_COLUMNS), credit_rows)
+    conn.exec_driver_sql(credit_sql, list(zip([run_id] * len(rows), *(np.asarray(c).tolist() for c in columns))))
     ends = np.cumsum(counts)
     lr32, adv32 = arr.log_ratio.astype("<f4"), arr.advantage.astype("<f4")
     token_rows = [
-        (run_id, int(r[3]), int(n), lr32[b - n : b].tobytes(), adv32[b - n : b].tobytes())
-        for r, n, b in zip(flat, counts.tolist(), ends.tolist())
+        (run_id, int(r[1]), int(n), lr32[b - n : b].tobytes(), adv32[b - n : b].tobytes())
+        for r, n, b in zip(rows, counts.tolist(), ends.tolist())
     ]
-    conn.exec_driver_sql(_insert_sql(conn, "token_credits", TOKEN_COLUMNS), token_rows)
-    return len(kept), len(flat), incomplete
+    conn.exec_driver_sql(token_sql, token_rows)
 
 
 CREDIT_COLUMNS = (
