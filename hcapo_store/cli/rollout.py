@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from hcapo_store.cli.main import Ctx, cli, echo_json, pass_ctx
@@ -25,8 +27,10 @@ def score_rollout(state: Ctx, tokenizer_dir: str, as_json: bool) -> None:
     """Store the behaviour policy's per-token logprobs that ingested episodes carry (OpenAI
     ``logprobs``, verl ``rollout_log_probs``, Pi ``logprobs``) as scores of a ``rollout`` scorer:
     the student side of ``credits compute --variant log-ratio --against``. A step whose entries
-    are not the tokenizer's ids of that step fails with the reason."""
+    are not the tokenizer's ids of that step fails with the reason (exit status 1)."""
     from hcapo_store.outputs.rollout_scores import store_rollout_scores
 
     report = store_rollout_scores(state.store(create=False), tokenizer_dir)
     echo_json(report.as_dict()) if as_json else click.echo(report.message)
+    if report.failed:  # failed steps are never silent: they are listed, and the exit status says so
+        sys.exit(1)
