@@ -202,6 +202,11 @@ def test_cli_compute_and_one_line_refusals(tmp_path, runner):
         assert r.exit_code != 0 and message in r.output, r.output
     r = runner.invoke(cli, ["--db", db_, "credits", "compute", "--scorer", "hind", "--gate", "sigmoid"])
     assert r.exit_code != 0 and "--gate applies to --variant log-ratio only" in r.output
+    # what reads HCAPO's columns on other runs: diagnose works, the report says why not in one line
+    assert runner.invoke(cli, ["--db", db_, "diagnose", "lr"]).exit_code == 0
+    r = runner.invoke(cli, ["--db", db_, "report", str(tmp_path / "r.html"), "--credits", "lr"])
+    assert r.exit_code != 0 and "is a log-ratio run: the report draws HCAPO's quantities" in r.output
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_cli_defaults_are_the_library_s():
