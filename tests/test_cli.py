@@ -130,6 +130,7 @@ def test_shared_option_sets_agree():
     """follow takes the credit options and the scorer options of credits compute and score;
     the keyword list that splits them must name exactly the credit options."""
     from hcapo_store.cli.credits import CREDIT_KEYWORDS, credits_compute
+    from hcapo_store.cli.log_ratio import KEYWORDS as LOG_RATIO_KEYWORDS
     from hcapo_store.cli.online import follow
     from hcapo_store.cli.score import score
 
@@ -139,9 +140,18 @@ def test_shared_option_sets_agree():
         "max_logprob_tokens",
         "recompute",
         "as_json",
+        *LOG_RATIO_KEYWORDS,  # credits compute --variant log-ratio only, not follow's
     }
     assert compute == set(CREDIT_KEYWORDS)
-    scorer = {p.name for p in score.params} - {"episodes", "min_reward", "limit", "retry_failed", "dry_run", "as_json"}
+    scorer = {p.name for p in score.params} - {
+        "episodes",
+        "min_reward",
+        "limit",
+        "retry_failed",
+        "dry_run",
+        "as_json",
+        "top_k",
+    }
     own = {
         "paths",
         "batch_by",

@@ -5,7 +5,7 @@ one module per stage. Only light modules load here: ``--help`` must not pay for
 SQLAlchemy, Alembic, numpy or transformers (tests/test_cli.py checks).
 """
 
-from hcapo_store.cli import credits, database, devkit, diagnose, ingest, online, outputs, score  # noqa: F401  (registers commands)
+from hcapo_store.cli import credits, database, devkit, diagnose, ingest, online, outputs, rollout, score  # noqa: F401  (registers commands)
 from hcapo_store.cli.main import cli
 
 __all__ = ["cli"]

@@ -8,6 +8,8 @@ from typing import Any
 import click
 
 from hcapo_store import formatting
+from hcapo_store.cli import log_ratio
+from hcapo_store.cli.log_ratio import log_ratio_options
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
 from hcapo_store.cli.params import FiniteFloat, int_range
 from hcapo_store.credits.params import CreditParams
@@ -64,12 +66,13 @@ CREDIT_OPTIONS = [
     click.option("--no-smooth", is_flag=True, help="No smoothing (q_h_smoothed = q_h)."),
     click.option(
         "--variant",
-        type=click.Choice(["original", "paper"]),
+        type=click.Choice(["original", "paper", "log-ratio"]),
         default=_DEFAULTS.variant,
         show_default=True,
         help="original: the scripts' estimator (recursive smoothing, global statistics, Eq. 8 weights >= 0 for "
         "weighted SFT); paper: Algorithm 1 (one-step smoothing, per-group statistics, signed advantages for "
-        "PPO/GRPO). docs/CREDITS.md lists the differences.",
+        "PPO/GRPO); log-ratio: per-token log π_teacher − log π_student of --scorer against --against "
+        "(docs/FAMILY.md). docs/CREDITS.md lists the differences.",
     ),
     click.option(
         "--dense-rewards/--no-dense-rewards",
@@ -181,6 +184,7 @@ def credit_params(
 @credit_options
 @click.option("--max-logprob-tokens", type=int_range(1), help="Re-aggregate only the last N stored token logprobs.")
 @click.option("--recompute", is_flag=True, help="Recompute an existing run (e.g. after more steps were scored).")
+@log_ratio_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
 def credits_compute(
@@ -199,6 +203,11 @@ def credits_compute(
     """
     from hcapo_store.credits.compute import compute_credits
 
+    mine = log_ratio.split(credit_kw["variant"], credit_kw)
+    if credit_kw["variant"] == "log-ratio":
+        result = log_ratio.compute(state, name, scorer, recompute, credit_kw["group_by"], mine)
+        echo_json(result.as_dict()) if as_json else click.echo(result.message)
+        return
     params = credit_params(max_logprob_tokens=max_logprob_tokens, **credit_kw)
     result = compute_credits(state.store(create=False), params, name=name, scorer=scorer, replace=recompute)
     echo_json(result.as_dict()) if as_json else click.echo(result.message)

@@ -82,6 +82,13 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
     "RL trainers hold), or one chat-template rendering of the whole conversation (what SFT trainers do).",
 )
 @click.option("--weights-in-messages", is_flag=True, help='A "weight" on each credited assistant message.')
+@click.option(
+    "--top-k",
+    "top_k",
+    is_flag=True,
+    help="With --tokenized: the run's scorer's top-k per token (topk_token_ids, topk_logprobs, actual_logprobs; "
+    "score --top-k K first), TRL's top-k distillation shape.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def export_dataset_cmd(
@@ -97,6 +104,7 @@ def export_dataset_cmd(
     tokenizer,
     rendering,
     weights_in_messages,
+    top_k,
     as_json,
 ) -> None:
     """Write Eq. 8 training rows (hcapo_train.jsonl or Parquet) and a summary JSON beside them."""
@@ -106,6 +114,8 @@ def export_dataset_cmd(
     if tokenized and weights_in_messages:
         raise click.UsageError("--tokenized and --weights-in-messages are two different layouts: pick one")
     layout = "tokenized" if tokenized else "weights-in-messages" if weights_in_messages else "steps"
+    if top_k and not tokenized:
+        raise click.UsageError("--top-k goes with --tokenized (per-token targets on token_ids)")
     with Progress("export", enabled=not as_json, unit="episodes") as progress:
         summary = export_dataset(
             state.store(create=False),
@@ -120,6 +130,7 @@ def export_dataset_cmd(
             tokenizer=tokenizer,
             rendering=rendering,
             on_progress=progress.reach,
+            top_k=top_k,
         )
     warn(summary.warnings)
     if as_json:
@@ -153,10 +164,20 @@ def _signs(signs: dict[str, int]) -> str:
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--scorer", help="Scorer id, unique id prefix or label (default: the only scorer).")
 @click.option("--format", "fmt", type=click.Choice(["parquet"]), default="parquet", show_default=True)
+@click.option("--top-k", "top_k", is_flag=True, help="The scorer's top-k per position instead (score --top-k K).")
 @pass_ctx
-def export_scores_cmd(state: Ctx, out: Path, scorer: str | None, fmt: str) -> None:
+def export_scores_cmd(state: Ctx, out: Path, scorer: str | None, fmt: str, top_k: bool) -> None:
     """Write every scored step with its per-token logprobs as list<float32> (Parquet)."""
     from hcapo_store.outputs.scores import export_scores
+
+    if top_k:
+        from hcapo_store.outputs.topk import export_topk_scores
+
+        done = export_topk_scores(state.store(create=False), out, scorer)
+        click.echo(
+            f"wrote {done.path}: top-{'/'.join(map(str, done.k))} of {done.steps} step(s) of scorer {done.scorer}"
+        )
+        return
 
     result = export_scores(state.store(create=False), out, scorer)
     click.echo(f"wrote {result.path}: {result.steps} scored step(s) of scorer {result.scorer}")

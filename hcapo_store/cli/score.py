@@ -257,11 +257,18 @@ def scorer_setup(
 @click.option("--limit", type=int_range(1), help="Score at most N steps in this run.")
 @click.option("--retry-failed", is_flag=True, help="Requeue steps that failed in earlier runs.")
 @click.option("--dry-run", is_flag=True, help="Count steps and prompt tokens; send nothing.")
+@click.option(
+    "--top-k",
+    type=int_range(1),
+    help="Also store the K most likely ids and logprobs at every scored position (a scorer of its own; "
+    "SGLang, vLLM within its --max-logprobs, or in process; docs/FAMILY.md).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def score(
     state: Ctx,
     episodes,
+    top_k,
     min_reward,
     limit,
     retry_failed,
@@ -283,6 +290,11 @@ def score(
 
     # Options are checked (e.g. --worker-id) before anything touches the database.
     cfg, options = scorer_setup(**scorer_kw, limit=limit)
+    if top_k:
+        from hcapo_store.scoring.topk import check_top_k
+
+        check_top_k(top_k, str(cfg.backend), cfg.prompt_layout)  # refused before any server or model is touched
+        cfg.top_k = top_k
     grouping = options.grouping
     store = state.store(create=not dry_run)  # a dry run writes nothing, not even a new file
     from hcapo_store.storage.db import read as db_read
@@ -291,6 +303,11 @@ def score(
         filters = Filters(episodes=resolve_episodes(conn, episodes), min_reward=min_reward)
     options = dataclasses.replace(options, filters=filters)
     prep = prepare(store, cfg)
+    if top_k:
+        from hcapo_store.scoring.job import run_sync
+        from hcapo_store.scoring.topk import probe
+
+        run_sync(lambda: probe(prep, top_k))  # a K above a vLLM server's --max-logprobs: refused here
     if dry_run:
         with Progress("dry run", enabled=not as_json, unit="steps") as progress:
             result = run_dry(store, prep, filters, limit, grouping=grouping, on_progress=progress.reach)
@@ -309,11 +326,21 @@ def score(
             progress.reach(report.scored + report.failed)
 
         report = run_scoring(store, prep, options, retry_failed=retry_failed, on_progress=on_progress)
+    extra = {}
+    if top_k and not (report.interrupted or report.server_down):
+        from hcapo_store.scoring.topk import score_topk
+
+        topk = score_topk(store, prep, top_k, filters=filters)
+        extra["top_k"] = topk.as_dict()
+        if not as_json:
+            click.echo(f"top-{top_k}: stored for {topk.stored} step(s), {topk.failed_count} failed")
+        for where, why in topk.failed.items():
+            click.echo(f"  top-k failed: {where}: {why}", err=True)
     reason = None
     if report.planned == 0 and not (report.scored or report.failed or report.interrupted):
         reason = why_nothing_to_score(store, prep.scorer_id, prep.spec["conversion"], filters)
     if as_json:
-        echo_json({**report.as_dict(), "reason": reason})
+        echo_json({**report.as_dict(), "reason": reason, **extra})
     else:
         click.echo(f"scorer {prep.scorer_id[:12]}: {report.summary()}")
         if reason:
@@ -327,7 +354,7 @@ def score(
             err=True,
         )
         sys.exit(1)
-    if report.failed:
+    if report.failed or extra.get("top_k", {}).get("failed"):
         sys.exit(1)
 
 

@@ -52,6 +52,7 @@ class _Item:
     return_logprob: bool
     logprob_start_len: int
     max_new_tokens: int
+    top_logprobs_num: int = 0  # > 0: input_top_logprobs, as SGLang returns them
 
 
 class ReferenceServer(BackgroundHTTPServer):
@@ -77,6 +78,7 @@ class ReferenceServer(BackgroundHTTPServer):
         config = scorer.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.advertise_context = True  # False: enforce the limit without saying it (as older servers)
+        self.max_logprobs = 20  # vLLM's --max-logprobs (its default): a larger prompt_logprobs is refused
         self.requests = 0
         self.sequences = 0
         self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
@@ -153,6 +155,10 @@ class ReferenceServer(BackgroundHTTPServer):
         k = body.get("prompt_logprobs")
         if k is not None and (not _is_int(k) or k < 0):
             raise BadRequest(f"prompt_logprobs must be a non-negative integer, got {k!r}")
+        if k is not None and k > self.max_logprobs:  # vLLM's own words (processor._validate_logprobs)
+            raise BadRequest(
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: {self.max_logprobs}"
+            )
         if body.get("logprobs") is not None:
             raise BadRequest("sample logprobs are not supported by the reference server; use prompt_logprobs")
         if body.get("stream"):
@@ -181,8 +187,6 @@ class ReferenceServer(BackgroundHTTPServer):
         for field in ("input_embeds", "token_ids_logprob"):
             if body.get(field) is not None:
                 raise BadRequest(f"{field} is not supported by the reference server")
-        if body.get("top_logprobs_num"):
-            raise BadRequest("top_logprobs_num is not supported by the reference server")
         if body.get("stream"):
             raise BadRequest("stream is not supported by the reference server")
         batch, sequences = self._generate_inputs(body)
@@ -190,6 +194,7 @@ class ReferenceServer(BackgroundHTTPServer):
         sampling = _per_item(body.get("sampling_params"), n, "sampling_params", dict, {})
         return_logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool, False)
         starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len", int, -1)
+        tops = _per_item(body.get("top_logprobs_num"), n, "top_logprobs_num", int, 0)
         rids = _rids(body.get("rid"), n, batch)
         items = []
         for i, ids in enumerate(sequences):
@@ -199,7 +204,7 @@ class ReferenceServer(BackgroundHTTPServer):
                     f"max_new_tokens must be 0 (prefill only) or 1 on the reference server, got {max_new!r}"
                 )
             items.append(
-                _Item(ids, rids[i], return_logprob[i], self._start(ids, return_logprob[i], starts[i]), max_new)
+                _Item(ids, rids[i], return_logprob[i], self._start(ids, return_logprob[i], starts[i]), max_new, tops[i])
             )
         return batch, items
 
@@ -242,7 +247,12 @@ class ReferenceServer(BackgroundHTTPServer):
         # Entry 0 is always null (SGLang computes no logits for the position before
         # logprob_start_len), so the scored tokens start at start + 1.
         first_scored = start + 1 if item.return_logprob and start < len(ids) else len(ids)
-        scores = self._run(ids, first_scored, next_token=generate) if generate or first_scored < len(ids) else None
+        options = {"top_k": item.top_logprobs_num} if item.top_logprobs_num > 0 else {}
+        scores = (
+            self._run(ids, first_scored, next_token=generate, **options)
+            if generate or first_scored < len(ids)
+            else None
+        )
         output_ids = [scores.next_token[0]] if scores and scores.next_token else []
         meta: JSON = {
             "id": item.rid,
@@ -259,6 +269,11 @@ class ReferenceServer(BackgroundHTTPServer):
             meta["input_token_logprobs"] += [
                 [_finite_or_none(lp), tok, decode(tok)] for lp, tok in zip(logprobs, ids[first_scored:])
             ]
+            if item.top_logprobs_num > 0:  # entry 0 null, then the top-k triples of each scored position
+                top = scores.top if scores and scores.top else []
+                meta["input_top_logprobs"] = ([None] if start < len(ids) else []) + [
+                    [[_finite_or_none(lp), tok, decode(tok)] for tok, lp in row] for row in top
+                ]
             meta["output_token_logprobs"] = (
                 [[_finite_or_none(scores.next_token[1]), output_ids[0], decode(output_ids[0])]]
                 if output_ids and scores and scores.next_token

@@ -331,6 +331,7 @@ def export_dataset(
     tokenizer: str | Path | None = None,
     rendering: str = "turns",
     on_progress: Callable[[int, int], None] | None = None,
+    top_k: bool = False,
 ) -> DatasetExport | TokenizedExport:
     """Eq. 8 rows (one per episode) + ``<out name>.summary.json``; returns what it wrote
     (a ``TokenizedExport`` for the ``tokenized`` layout, else a ``DatasetExport``).
@@ -342,6 +343,7 @@ def export_dataset(
     whose stored advantages are then written as they are (``rows.run_weights``).
     ``warnings`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset. ``on_progress(done, total)``: after each episode.
+    ``top_k`` (tokenized only): the run's scorer's top-k per token (``outputs/topk.py``).
     """
     if fmt not in ("jsonl", "parquet"):
         raise ExportError(f"unknown format {fmt!r}: use jsonl or parquet")
@@ -362,7 +364,10 @@ def export_dataset(
             use_smoothed=use_smoothed,
             rendering=rendering,
             on_progress=on_progress,
+            top_k=top_k,
         )
+    if top_k:
+        raise ExportError("top_k (--top-k) goes with the tokenized layout (--tokenized)")
     run = get_run(store, run_name)
     out = Path(out_path)
     summary_path = summary_path_for(out)

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from hcapo_store.clock import utcnow
 from hcapo_store.credits.diagnose import diagnose_run
 from hcapo_store.credits.lookup import RunInfo, get_run, resolve_run
+from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.scoring.scorer import scorer_counts
 from hcapo_store.storage import db
@@ -381,6 +382,11 @@ def _diagnostics_html(d: dict[str, Any]) -> str:
 def build_report(store: Store, run_name: RunInfo | str | None = None, extra: str | None = None) -> str:
     """The report's HTML text (``extra``: HTML appended at the end, e.g. the episode index)."""
     run = resolve_run(store, run_name)
+    if run.variant == "log-ratio":  # the page draws HCAPO's quantities (pi_hind, the clipped ratio, Q_H)
+        raise ExportError(
+            f"credit run {run.name!r} is a log-ratio run: the report draws HCAPO's quantities; its numbers are in "
+            "the step_credits and episode_log_ratios views and `diagnose` (docs/FAMILY.md)"
+        )
     p = run.params
     arrays = _credit_arrays(store, run.id)
     positions = _positions(store, run.id)

@@ -20,6 +20,9 @@ from hcapo_store.errors import ExportError, MissingExtra
 from hcapo_store.ingestion import fields as episode_fields
 from hcapo_store.outputs.files import atomic_write
 
+# Runs whose stored advantages are signed and fixed at compute time (every episode kept).
+SIGNED_VARIANTS = ("paper", "log-ratio")
+
 _INT = re.compile(r"-?\d+")
 
 FETCH_ROWS = 20_000
@@ -121,14 +124,14 @@ def run_weights(
     group's statistics), so other options are refused, not silently recomputed the
     original's way."""
     p = run.credit_params
-    if run.variant == "paper":
+    if run.variant in SIGNED_VARIANTS:
         asked = {"--omega": (omega, p.omega), "--group-by": (group_by, p.group_by), "--no-smooth": (use_smoothed, True)}
         clash = [f"{flag} {given!r}" for flag, (given, own) in asked.items() if given is not None and given != own]
         if min_reward is not None:
             clash.append(f"--min-reward {min_reward!r}")
         if clash:
             raise ExportError(
-                f"credit run {run.name!r} is a paper run: its signed advantages were fixed by `credits compute` "
+                f"credit run {run.name!r} is a {run.variant} run: its signed advantages were fixed by `credits compute` "
                 f"(omega {p.omega:g}, group-by {p.group_by or 'none'}, every episode kept); "
                 f"drop {', '.join(clash)} or compute another run with `credits compute --variant paper ...`"
             )

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sqlalchemy import text
 
+from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
@@ -37,6 +39,8 @@ from hcapo_store.outputs.rows import (
     write_parquet,
 )
 from hcapo_store.outputs.token_format import IGNORE_INDEX, TOKEN_IDS
+from hcapo_store.outputs.topk import place as place_topk
+from hcapo_store.outputs.topk import step_topk
 from hcapo_store.rendering.tokenizers import content_sha256
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
@@ -51,6 +55,7 @@ def _row(
     al: Alignment,
     provenance: dict[str, Any],
     signed: bool,
+    token_values: dict[int, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """``signed`` (paper): every placed step is trained with its advantage, negative or 0 too;
     otherwise only steps with a positive Eq. 8 weight get labels."""
@@ -69,7 +74,8 @@ def _row(
         spans.append([start, end])
         if w > 0 or signed:
             labels[start:end] = ids[start:end]
-            adv[start:end] = [w] * (end - start)
+            per_token = None if token_values is None else token_values.get(index)
+            adv[start:end] = [w] * (end - start) if per_token is None else [round(float(v), 6) for v in per_token]
     return {
         TOKEN_IDS: ids,
         "labels": labels,
@@ -156,6 +162,7 @@ def export_tokenized(
     use_smoothed: bool | None = None,
     rendering: str = "turns",
     on_progress: Callable[[int, int], None] | None = None,
+    top_k: bool = False,
 ) -> TokenizedExport:
     """Token-level rows (see the module doc) + ``<out name>.summary.json``; returns what it wrote.
 
@@ -199,6 +206,16 @@ def export_tokenized(
         }
         add_step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
+        if (
+            top_k
+            and not conn.execute(
+                text("SELECT 1 FROM topk_scores WHERE scorer_id = :s LIMIT 1"), {"s": run.scorer_id}
+            ).first()
+        ):
+            raise ExportError(
+                f"--top-k: the scorer of credit run {run.name!r} has no top-k: score with `hcapo-store score --top-k K` "
+                "and compute the run over that scorer"
+            )
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
@@ -210,7 +227,14 @@ def export_tokenized(
                 al = renderer.align(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
-                row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed)
+                per_token = place_token_values(conn, run, ep["id"], al.spans, al.refused)
+                targets = None
+                if top_k:  # the run's scorer's top-k on the same tokens (outputs/topk.py)
+                    targets = place_topk(
+                        len(al.input_ids), al.spans, al.refused, step_topk(conn, run.scorer_id, ep["id"])
+                    )
+                row = _row(ep, ids[i], rw.grpo[i], rw.weights[i], al, provenance, rw.signed, per_token)
+                row.update(targets or {})
                 stats.refuse(al.refused)  # also in episodes left out for having no weighted token
                 if not any(label != IGNORE_INDEX for label in row["labels"]):
                     stats.no_aligned_weight += 1
@@ -223,7 +247,9 @@ def export_tokenized(
         else:
             atomic_write(
                 out,
-                lambda f: write_parquet(f, rows(), {**run_provenance(run), "layout": "tokenized"}, schema=_schema),
+                lambda f: write_parquet(
+                    f, rows(), {**run_provenance(run), "layout": "tokenized"}, schema=_topk_schema if top_k else _schema
+                ),
                 inputs=store.files,
             )
     if stats.rows == 0:
@@ -304,3 +330,17 @@ def _schema(id_type: Any) -> Any:
             ("provenance", provenance),
         ]
     )
+
+
+def _topk_schema(id_type: Any) -> Any:
+    """``_schema`` with the ``--top-k`` columns (outputs/topk.py)."""
+    import pyarrow as pa
+
+    base = _schema(id_type)
+    for name, kind in (
+        ("topk_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("actual_logprobs", pa.list_(pa.float32())),
+    ):
+        base = base.append(pa.field(name, kind))
+    return base

@@ -78,6 +78,8 @@ class ScoreConfig:
     # Every server when there are several (``server`` is then the first): episodes spread over
     # them by consistent hashing, moved when one dies (backends/multi.py).
     servers: tuple[str, ...] = ()
+    # K most likely ids and logprobs per scored position (scoring/topk.py); 0: none. Part of the scorer.
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if self.servers and self.server is None:
@@ -254,6 +256,8 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     if not cfg.hindsight:  # a baseline: no outcome, so the hindsight template plays no part
         spec["hindsight"] = False
         del spec["hindsight_template_sha256"]
+    if cfg.top_k:  # only when asked: other scorers keep their ids
+        spec["top_k"] = cfg.top_k
     version = weight_version(cfg.weight_version, backend)
     if version is not None:  # only when there is one: other scorers keep their ids
         spec["weight_version"] = version

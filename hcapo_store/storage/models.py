@@ -337,3 +337,30 @@ class BatchEpisode(Base):
 
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
     episode_id: Mapped[int] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+
+
+class TokenCredit(Base):
+    """Per-token values of a ``log-ratio`` credit run (migration 0009, docs/FAMILY.md): one
+    little-endian float32 per scored token of the step, in the scored order."""
+
+    __tablename__ = "token_credits"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("credit_runs.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True)
+    token_count: Mapped[int] = mapped_column(Integer)
+    log_ratios: Mapped[bytes] = mapped_column(LargeBinary)  # log π_teacher − log π_student
+    advantages: Mapped[bytes] = mapped_column(LargeBinary)  # what the trainers' hand-offs place
+
+
+class TopkScore(Base):
+    """The K most likely ids and their logprobs at every scored position of a step (``score
+    --top-k K``, migration 0009): int32 ids and float16 logprobs, token_count × K, position-major."""
+
+    __tablename__ = "topk_scores"
+
+    scorer_id: Mapped[str] = mapped_column(ForeignKey("scorers.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[int] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True)
+    k: Mapped[int] = mapped_column(Integer)
+    token_count: Mapped[int] = mapped_column(Integer)
+    ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)

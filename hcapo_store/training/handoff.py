@@ -30,7 +30,9 @@ cast) is refused naming its step, never passed on.
 
 Which advantage: the run's stored one (``step_credits.advantage``): the Eq. 8 weight for an
 ``original`` run over its training selection (episodes under its ``min_reward`` get zeros and
-``selected=False``), the signed advantage for a ``paper`` run.
+``selected=False``), the signed advantage for a ``paper`` run; for a ``log-ratio`` run
+(docs/FAMILY.md) each token's own stored advantage, placed only where the run's scorers scored
+exactly the step's own tokens (else the step is refused with the reason, never shifted).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import Any
 import numpy as np
 from sqlalchemy import text
 
+from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
+from hcapo_store.credits.log_ratio import span_mismatch, token_advantages
 from hcapo_store.credits.lookup import RunInfo, get_run
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
@@ -142,6 +146,12 @@ class Handoff:
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
+
+    def _token_values(self, ep_id: int) -> dict[int, np.ndarray] | None:
+        if self.run.variant != LOG_RATIO:
+            return None
+        with db.read(self.store.engine) as conn:
+            return {i: v for (_, i), v in token_advantages(conn, self.run.id, ep_id).items()}
 
     def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
         """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
@@ -262,7 +272,8 @@ class Handoff:
         if selected:
             ep, weights = self._weights[ep_id]
             step_adv = {int(i): float(w) for i, w in zip(ep["step_indices"], weights)}
-        for index, (a, b) in spans.items():
+        per_token = self._token_values(ep_id)  # a log-ratio run's per-token advantages, else None
+        for index, (a, b) in list(spans.items()):
             value = step_adv.get(index, 0.0)
             why = float32_problem(value)
             if why:  # a NaN or inf never reaches a trainer, placed or not
@@ -270,7 +281,15 @@ class Handoff:
                     f"episode {self._names[ep_id]}: step {index}'s stored advantage {why}: "
                     f"recompute credit run {self.run.name!r} (`hcapo-store credits compute --recompute`)"
                 )
-            adv[a:b] = value
+            values = None if per_token is None or not selected else per_token.get(index)
+            why = None if values is None else span_mismatch(values, a, b)
+            if why is not None:
+                if strict:
+                    raise HandoffError(f"episode {self._names[ep_id]}: step {index} cannot be placed: {why}")
+                refused[index] = why
+                del spans[index]
+                continue
+            adv[a:b] = value if values is None else values
             mask[a:b] = True
         return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
 

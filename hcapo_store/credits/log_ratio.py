@@ -1,0 +1,484 @@
+"""Log-ratio credit runs over two scorers: ``credits compute --variant log-ratio``.
+
+The self-distillation family (docs/FAMILY.md: SDAR, AgentOPSD/OPSD, HinT-SD) scores the
+policy's own sampled tokens twice, with a privileged teacher context and without it, and
+credits each token with the log-ratio
+
+    d_t = log π_teacher(a_t | privileged) − log π_student(a_t)
+
+(the negative of the per-token reverse-KL estimate OPSD penalises). Both sides are stored
+scores: the teacher is a scorer (e.g. the hindsight scorer), the student another scorer of
+the same tokens (``score --no-hindsight``, or the rollout's own logprobs, scorer kind
+``rollout``). Nothing here calls a model.
+
+Per token the advantage handed to trainers is ``A_i + kl_coef · g_t · d_t``: ``g_t`` is 1,
+or with ``gate="sigmoid"`` SDAR's gate σ(d_t / τ) on the detached signal; ``A_i`` is 0, or
+with ``grpo=True`` the episode's group-normalised reward (GRPO's, per ``group_by`` tag): RL
+stays the backbone and the log-ratio term is the dense auxiliary. ``clip`` bounds |d_t|
+first. Per step the run stores the means (``step_credits``: ``q_h`` = mean d_t, ``micro`` =
+mean of the log-ratio term, ``a_macro`` = A_i, ``advantage`` = their sum); per episode the
+``episode_log_ratios`` view sums them back (the sequence-level log-ratio); per token
+``token_credits`` holds d_t and the advantage, which the tokenized export and the trainers'
+hand-offs place on the step's own tokens.
+
+The two scorers must have scored the same tokens: the same tokenizer and action span, and
+per step the same counts (scored, total, skipped); otherwise the run is refused naming the
+first step that differs. Scorers of another engine, dtype or weights are refused unless
+``allow_mixed`` (the precision gap between engines alone moves d_t).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, text
+
+from hcapo_store.canonical import canonical_json, content_hash
+from hcapo_store.clock import utcnow
+from hcapo_store.credits.compute import ComputeResult, _raw_stream
+from hcapo_store.credits.equations import grpo_advantages
+from hcapo_store.credits.lookup import find_run, run_staleness
+from hcapo_store.errors import CreditError, InvalidCreditParams
+from hcapo_store.scoring.scorer import resolve_scorer
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
+
+VARIANT = "log-ratio"
+GATES = ("none", "sigmoid")
+
+# Pass 1 (no blobs): which episodes are complete under both scorers, the same tokens per step.
+COUNTS_SQL = """
+SELECT e.id, e.name, e.reward, s.step_index, t.step_id IS NULL, u.step_id IS NULL,
+       t.token_count, t.total_action_tokens, t.skipped_action_tokens,
+       u.token_count, u.total_action_tokens, u.skipped_action_tokens
+FROM episodes e
+JOIN steps s ON s.episode_id = e.id
+LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
+LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
+WHERE e.is_current IS TRUE
+ORDER BY e.id, s.step_index
+"""
+
+# Pass 2: the values, block by block.
+STREAM_SQL = """
+SELECT e.id, s.id, t.token_logprobs, t.token_count, t.mean_logprob, u.token_logprobs
+FROM episodes e
+JOIN steps s ON s.episode_id = e.id
+LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
+LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
+WHERE e.is_current IS TRUE
+ORDER BY e.id, s.step_index
+"""
+
+
+@dataclass(frozen=True)
+class LogRatioParams:
+    """The options of a log-ratio run (module doc). Defaults: the plain per-token log-ratio
+    (OPSD's per-token reward), no gate, no GRPO term, no clip (docs/FAMILY.md says which
+    paper values could not be checked)."""
+
+    kl_coef: float = 1.0
+    gate: str = "none"
+    gate_temperature: float = 1.0
+    grpo: bool = False
+    group_by: str | None = None
+    clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise InvalidCreditParams(f"gate (--gate) must be one of {', '.join(GATES)}, got {self.gate!r}")
+        if not math.isfinite(self.kl_coef):
+            raise InvalidCreditParams(f"kl_coef (--kl-coef) must be a finite number, got {self.kl_coef!r}")
+        if not (math.isfinite(self.gate_temperature) and self.gate_temperature > 0):
+            raise InvalidCreditParams(
+                f"gate_temperature (--gate-temperature) must be a finite number > 0, got {self.gate_temperature!r}"
+            )
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise InvalidCreditParams(f"clip (--clip) must be a finite number > 0, got {self.clip!r}")
+        if self.group_by is not None and not self.grpo:
+            raise InvalidCreditParams("group_by (--group-by) applies with --grpo only (the GRPO term's groups)")
+
+    def as_dict(self, against: str) -> dict[str, Any]:
+        d = asdict(self)
+        d["kl_coef"], d["gate_temperature"] = float(self.kl_coef), float(self.gate_temperature)
+        d["clip"] = None if self.clip is None else float(self.clip)
+        return {"against": against, **d}
+
+
+# ---- the math (no database) -------------------------------------------------------------------
+
+
+@dataclass
+class LogRatioArrays:
+    """Per token (flat, in step order) and per step of a set of whole episodes."""
+
+    log_ratio: np.ndarray  # d_t after the clip, per token
+    advantage: np.ndarray  # A_i + kl_coef · g_t · d_t, per token
+    step_log_ratio: np.ndarray  # mean d_t per step (0 for a step of no token)
+    step_raw_log_ratio: np.ndarray  # mean d_t before the clip
+    step_term: np.ndarray  # mean of kl_coef · g_t · d_t per step
+    a_macro: np.ndarray  # A_i per step
+
+
+def step_means(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Mean of each step's run of ``counts[i]`` values (0 where a step has none)."""
+    ends = np.cumsum(counts)
+    cs = np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
+    sums = cs[ends] - cs[ends - counts]
+    return np.divide(sums, counts, out=np.zeros(len(counts)), where=counts > 0)
+
+
+def log_ratio_credits(
+    teacher: np.ndarray, student: np.ndarray, counts: np.ndarray, a_step: np.ndarray, params: LogRatioParams
+) -> LogRatioArrays:
+    """The module doc's values. ``teacher``/``student``: per-token logprobs, flat; ``counts``:
+    tokens per step; ``a_step``: each step's A_i (its episode's GRPO advantage, or 0)."""
+    raw = teacher.astype(np.float64) - student.astype(np.float64)
+    d = raw if params.clip is None else np.clip(raw, -params.clip, params.clip)
+    gate = 1.0 / (1.0 + np.exp(-d / params.gate_temperature)) if params.gate == "sigmoid" else 1.0
+    term = params.kl_coef * gate * d
+    advantage = np.repeat(a_step, counts) + term
+    return LogRatioArrays(
+        log_ratio=d,
+        advantage=advantage,
+        step_log_ratio=step_means(d, counts),
+        step_raw_log_ratio=step_means(raw, counts),
+        step_term=step_means(np.broadcast_to(term, d.shape), counts),
+        a_macro=a_step,
+    )
+
+
+# ---- the two scorers ---------------------------------------------------------------------------
+
+
+def _spec(conn: Connection, scorer_id: str) -> dict[str, Any]:
+    spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
+    return json.loads(spec) if spec else {}
+
+
+def _weights(spec: dict[str, Any]) -> dict[str, Any]:
+    b = spec.get("backend") or {}
+    found = {k: b[k] for k in ("model", "model_sha256", "server_model", "weight_version") if b.get(k) is not None}
+    if spec.get("weight_version") is not None:
+        found["weight_version"] = spec["weight_version"]
+    return found
+
+
+def check_pair(teacher: dict[str, Any], student: dict[str, Any], allow_mixed: bool) -> list[str]:
+    """Refuses two scorers whose tokens cannot be compared (another tokenizer or action span,
+    always), or of another engine, dtype or weights (unless ``allow_mixed``: then those
+    differences come back as warnings)."""
+    tok_t = (teacher.get("tokenizer") or {}).get("files_sha256")
+    tok_s = (student.get("tokenizer") or {}).get("files_sha256")
+    if tok_t != tok_s:
+        raise CreditError(
+            f"--variant log-ratio: the two scorers use other tokenizers (files {str(tok_t)[:12]} vs "
+            f"{str(tok_s)[:12]}): their per-token logprobs are of other tokens; score both with one tokenizer"
+        )
+    span_t, span_s = teacher.get("action_span", "rendered"), student.get("action_span", "rendered")
+    if span_t != span_s:
+        raise CreditError(
+            f"--variant log-ratio: the two scorers score other action spans ({span_t} vs {span_s}); "
+            "score both with the same --action-span"
+        )
+    bt, bs = teacher.get("backend") or {}, student.get("backend") or {}
+    mixed = []
+    engine_t, engine_s = bt.get("engine") or bt.get("kind"), bs.get("engine") or bs.get("kind")
+    if engine_t != engine_s:  # a rollout scorer names the engine that sampled it
+        mixed.append(f"engines {engine_t} vs {engine_s}")
+    if bt.get("dtype") != bs.get("dtype"):
+        mixed.append(f"dtypes {bt.get('dtype')} vs {bs.get('dtype')}")
+    wt, ws = _weights(teacher), _weights(student)
+    common = sorted(set(wt) & set(ws))
+    if not common:
+        mixed.append(f"weights (nothing to compare: {wt or 'none named'} vs {ws or 'none named'})")
+    elif any(wt[k] != ws[k] for k in common):
+        mixed.append("weights " + ", ".join(f"{k} {wt[k]} vs {ws[k]}" for k in common if wt[k] != ws[k]))
+    if mixed and not allow_mixed:
+        raise CreditError(
+            "--variant log-ratio: the two scorers differ in " + "; ".join(mixed) + ": the precision gap "
+            "between engines, dtypes or weight versions moves every log-ratio (slime #714); "
+            "pass --allow-mixed to compute it anyway"
+        )
+    return [f"the two scorers differ in {m} (--allow-mixed)" for m in mixed]
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+def compute_log_ratio(
+    store: Store,
+    params: LogRatioParams = LogRatioParams(),
+    *,
+    scorer: str | None,
+    against: str,
+    name: str | None = None,
+    allow_mixed: bool = False,
+    replace: bool = False,
+) -> ComputeResult:
+    """Compute (or find) the log-ratio run of (teacher ``scorer``, student ``against``, params)."""
+    started = time.perf_counter()
+    with db.write(store.engine) as conn:
+        teacher_id, _ = resolve_scorer(conn, scorer)
+        try:
+            student_id, _ = resolve_scorer(conn, against)
+        except CreditError as exc:
+            raise CreditError(str(exc).replace("--scorer", "--against", 1)) from exc
+        if teacher_id == student_id:
+            raise CreditError("--variant log-ratio: --scorer and --against name the same scorer: every ratio is 0")
+        warnings = check_pair(_spec(conn, teacher_id), _spec(conn, student_id), allow_mixed)
+        stored = params.as_dict(student_id)
+        h = content_hash({"scorer_id": teacher_id, "variant": VARIANT, "params": stored}, ascii_only=True)
+        existing = find_run(conn, "r.run_hash = :h", h=h)
+        if existing is not None and not replace:
+            run_staleness(conn, existing)
+            msg = f"credit run {existing.name!r} already has these scorers and parameters: returned it"
+            if name is not None and name != existing.name:
+                msg += f" (the name {name!r} was not used)"
+            msg += f"; warning: {existing.stale}" if existing.stale else "; use --recompute to compute it again"
+            return ComputeResult(existing, False, msg, seconds=time.perf_counter() - started)
+        run_name = name or (existing.name if existing is not None else f"log-ratio-{h[:8]}")
+        other = find_run(conn, "r.name = :n", n=run_name)
+        if other is not None and other.run_hash != h:
+            raise CreditError(f"the name {run_name!r} is already used by another credit run; pick another --name")
+        if existing is not None:
+            for table in ("token_credits", "credits"):
+                conn.execute(text(f"DELETE FROM {table} WHERE run_id = :id"), {"id": existing.id})
+            conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
+        run_id = _insert_run(conn, run_name, teacher_id, stored, h)
+        episodes, steps, incomplete = _fill(conn, run_id, teacher_id, student_id, params, warnings)
+        if episodes == 0:
+            raise CreditError(
+                f"no episode is completely scored under both scorers {teacher_id[:12]} and {student_id[:12]} "
+                f"({len(incomplete)} incomplete): nothing to credit, no run stored; score the missing steps first"
+            )
+        conn.execute(
+            text(
+                "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
+                "incomplete = :inc WHERE id = :id"
+            ),
+            {"e": episodes, "s": steps, "ni": len(incomplete), "inc": json.dumps(incomplete[:10_000]), "id": run_id},
+        )
+        run = find_run(conn, "r.id = :id", id=run_id)
+    assert run is not None
+    verb = "recomputed" if existing is not None else "computed"
+    msg = (
+        f"{verb} log-ratio credit run {run.name!r}: {run.steps} steps of {run.episodes} episodes"
+        f"; {run.incomplete_episodes} incomplete episode(s) skipped"
+    )
+    for warning in warnings:
+        msg += f"; warning: {warning}"
+    return ComputeResult(run, True, msg, seconds=time.perf_counter() - started)
+
+
+def _insert_run(conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str) -> int:
+    return int(
+        conn.execute(
+            text(
+                "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
+                "incomplete_episodes, incomplete, created_at, variant, episode_scope) "
+                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant, NULL) RETURNING id"
+            ),
+            {
+                "name": name,
+                "scorer": scorer_id,
+                "params": canonical_json(stored, ascii_only=True),
+                "h": h,
+                "at": utcnow().isoformat(timespec="seconds"),
+                "variant": VARIANT,
+            },
+        ).scalar_one()
+    )
+
+
+def _fill(
+    conn: Connection,
+    run_id: int,
+    teacher_id: str,
+    student_id: str,
+    params: LogRatioParams,
+    warnings: list[str],
+) -> tuple[int, int, list[str]]:
+    """Pass 1 finds the complete episodes (and refuses a step scored over other tokens); pass 2
+    streams the blobs and writes each block's credits: memory is one block's, whatever the store."""
+    bind = {"teacher": teacher_id, "student": student_id}
+    complete: dict[int, float] = {}  # episode id -> reward
+    incomplete: list[str] = []
+    current: list[Any] = []
+
+    def close(rows: list[Any]) -> None:
+        if any(r[4] or r[5] for r in rows):
+            incomplete.append(rows[0][1])
+            return
+        for r in rows:
+            if r[6:9] != r[9:12]:
+                raise CreditError(
+                    f"--variant log-ratio: episode {r[1]} step {r[3]}: the two scorers scored other tokens "
+                    f"(teacher {r[6]} of {r[7]} action tokens, {r[8]} skipped; student {r[9]} of {r[10]}, "
+                    f"{r[11]} skipped): score both with the same --action-span, --max-context and "
+                    "--max-logprob-tokens"
+                )
+        complete[int(rows[0][0])] = float(rows[0][2])
+
+    for block in _raw_stream(conn, text(COUNTS_SQL), bind):
+        for r in block:
+            if current and r[0] != current[0][0]:
+                close(current)
+                current = []
+            current.append(r)
+    if current:
+        close(current)
+    if not complete:
+        return 0, 0, incomplete
+    ids = list(complete)
+    if params.grpo:
+        groups = _groups(conn, ids, params.group_by, warnings)
+        a_by_episode = dict(zip(ids, grpo_advantages(np.asarray(list(complete.values())), groups).tolist()))
+    else:
+        a_by_episode = dict.fromkeys(ids, 0.0)
+    credit_sql, token_sql = (
+        _insert_sql(conn, "credits", CREDIT_COLUMNS),
+        _insert_sql(conn, "token_credits", TOKEN_COLUMNS),
+    )
+    steps = 0
+    for block in _raw_stream(conn, text(STREAM_SQL), bind):
+        rows = [r for r in block if r[0] in a_by_episode]
+        if rows:
+            _write_block(conn, run_id, rows, a_by_episode, complete, params, credit_sql, token_sql)
+            steps += len(rows)
+    return len(complete), steps, incomplete
+
+
+def _write_block(
+    conn: Connection,
+    run_id: int,
+    rows: list[Any],
+    a_by_episode: dict[int, float],
+    rewards: dict[int, float],
+    params: LogRatioParams,
+    credit_sql: str,
+    token_sql: str,
+) -> None:
+    counts = np.asarray([r[3] for r in rows], dtype=np.int64)
+    teacher = np.frombuffer(b"".join(bytes(r[2]) for r in rows), dtype="<f4")
+    student = np.frombuffer(b"".join(bytes(r[5]) for r in rows), dtype="<f4")
+    if len(teacher) != int(counts.sum()) or len(student) != len(teacher):
+        raise CreditError("--variant log-ratio: a stored score's values do not match its token count")
+    a_step = np.asarray([a_by_episode[r[0]] for r in rows], dtype=np.float64)
+    arr = log_ratio_credits(teacher, student, counts, a_step, params)
+    t_mean = np.asarray([r[4] for r in rows], dtype=np.float64)
+    columns = [
+        [int(r[1]) for r in rows],  # step_id
+        t_mean,  # mean_logprob: the teacher's, as an HCAPO run stores its scorer's
+        counts,  # token_count
+        np.exp(t_mean),  # pi_hind
+        np.exp(arr.step_raw_log_ratio),  # rho_raw: the step's geometric-mean ratio π_teacher / π_student
+        np.exp(arr.step_log_ratio),  # rho: the same after the clip
+        [rewards[r[0]] for r in rows],  # r_t: the episode's reward
+        np.ones(len(rows)),  # discount: none
+        arr.step_log_ratio,  # q_h: mean d_t
+        arr.step_log_ratio,  # q_h_smoothed: no smoothing
+        arr.a_macro,  # A_i (0 without --grpo)
+        arr.step_term,  # micro: mean kl_coef · g_t · d_t
+        arr.a_macro + arr.step_term,  # advantage: the mean of the per-token advantages
+    ]
+    conn.exec_driver_sql(credit_sql, list(zip([run_id] * len(rows), *(np.asarray(c).tolist() for c in columns))))
+    ends = np.cumsum(counts)
+    lr32, adv32 = arr.log_ratio.astype("<f4"), arr.advantage.astype("<f4")
+    token_rows = [
+        (run_id, int(r[1]), int(n), lr32[b - n : b].tobytes(), adv32[b - n : b].tobytes())
+        for r, n, b in zip(rows, counts.tolist(), ends.tolist())
+    ]
+    conn.exec_driver_sql(token_sql, token_rows)
+
+
+CREDIT_COLUMNS = (
+    "run_id",
+    "step_id",
+    "mean_logprob",
+    "token_count",
+    "pi_hind",
+    "rho_raw",
+    "rho",
+    "r_t",
+    "discount",
+    "q_h",
+    "q_h_smoothed",
+    "a_macro",
+    "micro",
+    "advantage",
+)
+TOKEN_COLUMNS = ("run_id", "step_id", "token_count", "log_ratios", "advantages")
+
+
+def _insert_sql(conn: Connection, table: str, columns: Sequence[str]) -> str:
+    style = conn.dialect.paramstyle
+    marks = ["?" if style == "qmark" else f":{i + 1}" if style == "numeric" else "%s" for i in range(len(columns))]
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(marks)})"
+
+
+def _groups(conn: Connection, episode_ids: list[int], tag: str | None, warnings: list[str]) -> list[Any] | None:
+    if tag is None:
+        return None
+    values: dict[int, str] = dict(
+        conn.execute(text("SELECT episode_id, value FROM tags WHERE key = :k"), {"k": tag}).all()
+    )
+    groups = [values.get(e) for e in episode_ids]
+    if all(g is None for g in groups):
+        raise CreditError(f"--group-by {tag}: no credited episode has this tag; tag the episodes at ingest")
+    if None in groups:
+        warnings.append(f"--group-by {tag}: {groups.count(None)} episode(s) lack this tag and form one group")
+    return groups
+
+
+# ---- per-token values for exports and hand-offs --------------------------------------------------
+
+
+def token_advantages(conn: Connection, run_id: int, episode_id: int | None = None) -> dict[tuple[int, int], np.ndarray]:
+    """(episode id, step index) → the run's per-token advantages (float32); empty for a run
+    without per-token values (HCAPO's)."""
+    sql = (
+        "SELECT s.episode_id, s.step_index, tc.advantages FROM token_credits tc JOIN steps s ON s.id = tc.step_id "
+        "WHERE tc.run_id = :run" + ("" if episode_id is None else " AND s.episode_id = :ep")
+    )
+    bind = {"run": run_id, **({} if episode_id is None else {"ep": episode_id})}
+    return {
+        (int(e), int(i)): np.frombuffer(bytes(b), dtype="<f4").astype(np.float32)
+        for e, i, b in conn.execute(text(sql), bind)
+    }
+
+
+def span_mismatch(values: np.ndarray, start: int, end: int) -> str | None:
+    """Why per-token values cannot go on the span [start, end), or None."""
+    if len(values) == end - start:
+        return None
+    return (
+        f"token_span: the run's scorers scored {len(values)} token(s) of this step, its own tokens here are "
+        f"{end - start}: per-token credits are placed only where they are the same tokens (score both "
+        "scorers with --action-span policy and no --max-logprob-tokens)"
+    )
+
+
+def place_token_values(
+    conn: Connection, run: Any, episode_id: int, spans: dict[int, tuple[int, int]], refused: dict[int, str]
+) -> dict[int, np.ndarray] | None:
+    """A log-ratio run's per-token advantages by step index for the steps of ``spans`` (None
+    for another run); a step whose scored tokens are not its span's moves, in place, from
+    ``spans`` to ``refused`` with the reason, never placed shifted."""
+    if getattr(run, "variant", None) != VARIANT:
+        return None
+    values = {i: v for (_, i), v in token_advantages(conn, run.id, episode_id).items()}
+    for index, (start, end) in list(spans.items()):
+        if index not in values:
+            continue
+        why = span_mismatch(values[index], start, end)
+        if why is not None:
+            del spans[index]
+            refused[index] = why
+    return values
