@@ -1,0 +1,140 @@
+"""``follow``'s look at its paths: which episode directories and JSONL files are there, each
+with a signature of sizes and modification times (``stat`` only, nothing read), and the few
+reads a look needs (is a result.json's reward there yet; a field of a result.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hcapo_store.canonical import canonical_json
+from hcapo_store.errors import IngestError
+from hcapo_store.ingestion.files import lstat_or_none, outside, read_regular, why_unreadable
+from hcapo_store.ingestion.sources import MAX_RESULT_BYTES, RESULT_FILE, SESSION_FILE
+
+Signature = tuple[tuple[int, int], ...]
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_size)
+
+
+@dataclass
+class Scan:
+    """What one look at the paths found (``stat`` only, nothing read)."""
+
+    found: dict[Path, Signature] = field(default_factory=dict)  # episode directories and JSONL files
+    refused: dict[Path, str] = field(default_factory=dict)  # entries that are not read, and why
+
+
+def scan(paths: Sequence[Path], *, follow_links: bool = False) -> Scan:
+    """Episode directories and JSONL files under ``paths`` with their signatures; a FIFO,
+    device or socket, a broken link, or (unless ``follow_links``) a link out of the paths is
+    refused by name. Nothing is opened: a FIFO cannot block a look."""
+    out = Scan()
+    roots = [Path(p) for p in paths]
+
+    def check_file(path: Path) -> str | None:
+        if not follow_links and (real := outside(path, roots)) is not None:
+            return f"a symbolic link out of the followed folders (to {real}): not read (--follow-links reads it)"
+        own = lstat_or_none(path)
+        if own is None:
+            return None  # not there (yet)
+        return why_unreadable(path)
+
+    def visit(path: Path, *, top: bool) -> None:
+        own = lstat_or_none(path)
+        if own is None:
+            return
+        if not stat.S_ISDIR(own.st_mode) and not (top and stat.S_ISLNK(own.st_mode)):
+            if path.name.endswith(".jsonl") and path.name != SESSION_FILE:
+                why = check_file(path)
+                if why is None and not stat.S_ISREG(path.stat().st_mode):
+                    why = "not a regular file"
+                if why is not None:
+                    out.refused[path] = why
+                else:
+                    out.found[path] = (_stat(path),)
+            return
+        if not path.is_dir():
+            return
+        result, session = path / RESULT_FILE, path / SESSION_FILE
+        if lstat_or_none(result) is not None or lstat_or_none(session) is not None:
+            why = check_file(result) or check_file(session)
+            if why is not None:
+                out.refused[path] = why
+            else:
+                out.found[path] = (_stat(result), _stat(session))
+            return
+        try:
+            children = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as exc:  # mode 000: one entry's failure, never the scan's
+            out.refused[path] = f"cannot list this folder: {exc.strerror}"
+            return
+        for child in children:
+            try:
+                is_dir = child.is_dir(follow_symlinks=False)
+            except OSError:
+                is_dir = False
+            if is_dir or child.name.endswith(".jsonl"):
+                visit(Path(child.path), top=False)
+
+    for p in roots:
+        visit(p, top=True)
+    return out
+
+
+def result_state(directory: Path, roots: Sequence[Path] | None) -> str | None:
+    """``None`` when the episode's result.json has a reward (or an error: the collector gave
+    up on it, ingest says so); else why it waits. Read through the one gate (regular, bounded):
+    an ``IngestError`` is the episode's failure."""
+    data = read_regular(directory / RESULT_FILE, MAX_RESULT_BYTES, roots=roots)
+    if data is None:
+        return f"no {RESULT_FILE} yet"
+    try:
+        result = json.loads(data.decode("utf-8-sig", errors="replace"))
+    except ValueError:
+        return f"{RESULT_FILE} is not whole JSON yet"
+    if isinstance(result, dict) and (result.get("episode_reward") is not None or result.get("error")):
+        return None
+    return "no reward yet"
+
+
+def split_location(location: str) -> tuple[Path, int | None]:
+    """``file:line`` (a JSONL line) or a path."""
+    head, _, tail = location.rpartition(":")
+    if head and tail.isdigit() and not Path(location).exists():
+        return Path(head), int(tail)
+    return Path(location), None
+
+
+def file_field(path: Path, name: str, roots: Sequence[Path] | None) -> str | None:
+    """A field of a failed episode directory's result.json, when it can be read at all."""
+    try:
+        data = read_regular(path / RESULT_FILE, MAX_RESULT_BYTES, roots=roots) if path.is_dir() else None
+    except IngestError:
+        return None
+    return None if data is None else source_field(zlib.compress(data), name)
+
+
+def source_field(raw: bytes, name: str) -> str | None:
+    """A top-level field of an episode's result.json (episode directories) or JSONL line."""
+    try:
+        doc = json.loads(zlib.decompress(raw))
+        if isinstance(doc, dict) and RESULT_FILE in doc and isinstance(doc[RESULT_FILE], str):
+            doc = json.loads(doc[RESULT_FILE])
+    except (zlib.error, ValueError):
+        return None
+    value = doc.get(name) if isinstance(doc, dict) else None
+    if value is None or isinstance(value, (dict, list)):
+        return None if value is None else canonical_json(value)
+    return str(value)
