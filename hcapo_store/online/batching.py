@@ -115,7 +115,7 @@ class Batcher:
             name = self.cfg.batch_by[6:]
             if member.episode_id is not None:
                 return self._field(member.episode_id, name)
-            return file_field(Path(location), name, self.roots)
+            return file_field(location, name, self.roots)
         parent = split_location(location)[0].parent  # of the episode directory or the JSONL file
         for root in self.cfg.paths:
             if parent == root or root in parent.parents:

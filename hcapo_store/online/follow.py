@@ -42,7 +42,7 @@ from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest
 from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions, JsonlCursor
 from hcapo_store.online.batches import BatchInfo
 from hcapo_store.online.batching import Batcher, Member
-from hcapo_store.online.scanning import Signature, result_state, scan
+from hcapo_store.online.scanning import Signature, result_state, rewritten, scan
 from hcapo_store.online.waiting import ServerDown, Waiter, wait_for_server
 from hcapo_store.scoring.job import Prepared, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
@@ -165,6 +165,8 @@ class Follower:
         self.refused = dict(look.refused)
         ready = []
         for path in changed:
+            if rewritten(self.seen.get(path), look.found[path]):
+                self.cursors.pop(path, None)  # read again from its start: every line is looked at
             self.seen[path] = look.found[path]
             self.waiting.pop(str(path), None)
             if path.is_dir():

@@ -14,18 +14,32 @@ from pathlib import Path
 
 from hcapo_store.canonical import canonical_json
 from hcapo_store.errors import IngestError
-from hcapo_store.ingestion.files import lstat_or_none, outside, read_regular, why_unreadable
+from hcapo_store.ingestion.discovery import MAX_JSONL_LINE_BYTES
+from hcapo_store.ingestion.files import lstat_or_none, open_regular, outside, read_regular, why_unreadable
 from hcapo_store.ingestion.sources import MAX_RESULT_BYTES, RESULT_FILE, SESSION_FILE
 
-Signature = tuple[tuple[int, int], ...]
+# Per file: (modification time in ns, size, inode). A file replaced by another (a rename into
+# place, a folder replaced by a file and back) has another inode even with the same time and size.
+Signature = tuple[tuple[int, int, int], ...]
 
 
-def _stat(path: Path) -> tuple[int, int]:
+def _stat(path: Path) -> tuple[int, int, int]:
     try:
         st = path.stat()
     except OSError:
-        return (-1, -1)
-    return (st.st_mtime_ns, st.st_size)
+        return (-1, -1, -1)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def rewritten(old: Signature | None, new: Signature) -> bool:
+    """A JSONL file's new signature says it was rewritten, not grown: another file at the
+    path, or a size that did not grow while the time changed (an edit in place, same length
+    or shorter). A grown file that was rewritten (a line 4 bytes longer) is told by the bytes
+    before the read offset (``JsonlCursor.tail``)."""
+    if old is None or len(old) != 1 or len(new) != 1:
+        return False
+    (_, old_size, old_ino), (_, size, ino) = old[0], new[0]
+    return ino != old_ino or size <= old_size
 
 
 @dataclass
@@ -117,13 +131,29 @@ def split_location(location: str) -> tuple[Path, int | None]:
     return Path(location), None
 
 
-def file_field(path: Path, name: str, roots: Sequence[Path] | None) -> str | None:
-    """A field of a failed episode directory's result.json, when it can be read at all."""
+def file_field(location: str, name: str, roots: Sequence[Path] | None) -> str | None:
+    """A field of a failed input, when it can be read at all: of an episode directory's
+    result.json, or of a JSONL line (``file:line``) that could not be stored (a reward that is
+    no number): its batch still counts it, as ``--batch-by parent`` does."""
+    path, line = split_location(location)
     try:
-        data = read_regular(path / RESULT_FILE, MAX_RESULT_BYTES, roots=roots) if path.is_dir() else None
-    except IngestError:
+        if line is not None:
+            data = _jsonl_line(path, line, roots)
+        else:
+            data = read_regular(path / RESULT_FILE, MAX_RESULT_BYTES, roots=roots) if path.is_dir() else None
+    except (IngestError, OSError):
         return None
     return None if data is None else source_field(zlib.compress(data), name)
+
+
+def _jsonl_line(path: Path, number: int, roots: Sequence[Path] | None) -> bytes | None:
+    """Line ``number`` (from 1) of a JSONL file, each line read within the ingest bound."""
+    with open_regular(path, None, roots=roots) as handle:
+        for _ in range(number):
+            raw = handle.readline(MAX_JSONL_LINE_BYTES + 1)
+            if not raw or len(raw) > MAX_JSONL_LINE_BYTES:
+                return None
+    return raw
 
 
 def source_field(raw: bytes, name: str) -> str | None:

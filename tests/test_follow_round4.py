@@ -1,0 +1,115 @@
+"""`follow` against round 4's attacks (issue 41): a refused line still closes its batch under
+``--batch-by field:NAME``, a JSONL rewritten in place is read again, a folder replaced by a
+file and back is read again. A real follower over real files, a real server over a tiny real
+model, real SQLite."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.online.follow import FollowConfig, Follower
+from hcapo_store.scoring.job import ScoreConfig, prepare
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.storage.store import Store
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
+
+
+def _line(i: int, reward: object, **extra: object) -> str:
+    return json.dumps(
+        {
+            "episode_id": f"ep-{i}",
+            "reward": reward,
+            **extra,
+            "messages": [
+                {"role": "user", "content": f"task {i}"},
+                {"role": "assistant", "content": f"I will look {i}."},
+                {"role": "user", "content": "ok"},
+                {"role": "assistant", "content": f"done {i}"},
+            ],
+        }
+    )
+
+
+def _follower(store: Store, ref: ReferenceServer, tiny: Path, root: Path, **cfg: object) -> Follower:
+    prep = prepare(store, ScoreConfig(server=ref.url, tokenizer=str(tiny), max_context=2048))
+    return Follower(store, prep, FollowConfig(paths=[root], **cfg), RunOptions())  # type: ignore[arg-type]
+
+
+def _rewards(store: Store) -> dict[str, float]:
+    rows = store.query("SELECT external_id, reward FROM episodes WHERE is_current", read_only=True)[1]
+    return {e: r for e, r in rows}
+
+
+def test_a_refused_line_closes_its_field_batch(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """Three lines of uid g, one refused by ingest (reward "high"): the batch is published with
+    the failed member, as ``--batch-by parent`` publishes it (before: "2 of 3" forever)."""
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    (root / "eps.jsonl").write_text("".join(_line(i, r, uid="g") + "\n" for i, r in enumerate([1.0, "high", 0.0])))
+    with Store.open(str(tmp_path / "s.db")) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=3, batch_by="field:uid")
+        report = follower.cycle()
+        (batch,) = report.published
+        assert (batch.key, batch.episodes, len(batch.members)) == ("g", 3, 2)
+        (failed,) = batch.failed_episodes
+        assert failed.stage == "ingest" and failed.name.endswith("eps.jsonl:2"), failed
+        assert follower.still_waiting() == []
+
+
+def test_a_jsonl_rewritten_in_place_is_read_again(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """A reward corrected from 0.25 to 0.75 (same length), then a rewrite 4 bytes longer: each is
+    a new version, as plain ``ingest`` of the same file stores it; the batch is published again."""
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    f = root / "eps.jsonl"
+    f.write_text(_line(0, 0.25) + "\n" + _line(1, 0.5) + "\n")
+    with Store.open(str(tmp_path / "s.db")) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=2)
+        assert [b.episodes for b in follower.cycle().published] == [2]
+        same_length = _line(0, 0.75) + "\n" + _line(1, 0.5) + "\n"
+        assert len(same_length) == f.stat().st_size
+        f.write_text(same_length)
+        second = follower.cycle()
+        assert second.ingest is not None and (second.ingest.changed, second.ingest.failed) == (1, 0)
+        assert _rewards(store) == {"ep-0": 0.75, "ep-1": 0.5}
+        assert [b.episodes for b in second.published] == [2]
+        longer = _line(0, 0.7525) + "\n" + _line(1, 0.5) + "\n"
+        assert len(longer) == f.stat().st_size + 2
+        f.write_text(longer)
+        third = follower.cycle()
+        assert third.ingest is not None and (third.ingest.changed, third.ingest.failed) == (1, 0), third.ingest
+        assert _rewards(store) == {"ep-0": 0.7525, "ep-1": 0.5}
+        assert follower.status.ingest_failed == 0
+
+
+def test_a_group_folder_replaced_by_a_file_then_a_folder_is_read_again(
+    tmp_path: Path, ref, tiny_model_dir: Path
+) -> None:
+    root = tmp_path / "rollouts"
+    group = root / "g"
+    group.mkdir(parents=True)
+    (group / "eps.jsonl").write_text(_line(0, 0.25) + "\n")
+    with Store.open(str(tmp_path / "s.db")) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=1)
+        assert [b.episodes for b in follower.cycle().published] == [1]
+        shutil.rmtree(group)
+        group.write_text("not a folder\n")
+        follower.cycle()
+        group.unlink()
+        group.mkdir()
+        (group / "eps.jsonl").write_text(_line(0, 0.75, note="longer content") + "\n")
+        report = follower.cycle()
+        assert report.ingest is not None and (report.ingest.changed, report.ingest.failed) == (1, 0), report.ingest
+        assert _rewards(store) == {"ep-0": 0.75}
+        assert follower.status.ingest_failed == 0
