@@ -113,3 +113,40 @@ def test_a_group_folder_replaced_by_a_file_then_a_folder_is_read_again(
         assert report.ingest is not None and (report.ingest.changed, report.ingest.failed) == (1, 0), report.ingest
         assert _rewards(store) == {"ep-0": 0.75}
         assert follower.status.ingest_failed == 0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_follow_in_the_middle_of_scoring_as_sigint_does(tmp_path: Path, ref, tiny_model_dir) -> None:
+    """While the server holds its answers, SIGTERM stops the scoring run as Ctrl-C does (its
+    grace period, then the steps go back to the queue): before, it waited for the run's end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from faultserver import FaultServer
+    from test_bounded_read import REPO
+
+    from hcapo_store.devkit.synth import write_standard_episodes
+
+    root = tmp_path / "rollouts"
+    write_standard_episodes(root / "step_0000", 2, seed=5, steps_per_subtask=1, output_words=5)
+    with FaultServer(ref) as proxy:
+        proxy.hold_answers = threading.Event()  # never set: every request waits
+        argv = [sys.executable, "-m", "hcapo_store", "--db", str(tmp_path / "s.db"), "follow", str(root)]
+        argv += ["--server", proxy.url, "--tokenizer", str(tiny_model_dir), "--max-context", "2048"]
+        argv += ["--group-size", "2"]
+        proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+        try:
+            while proxy.requests == 0:  # scoring has begun: a request waits for its answer
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                threading.Event().wait(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=300) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proxy.hold_answers.set()
+        assert proc.stderr is not None and "stopped; rerun" in proc.stderr.read()
