@@ -150,3 +150,41 @@ def test_sigterm_stops_follow_in_the_middle_of_scoring_as_sigint_does(tmp_path: 
                 proc.wait()
             proxy.hold_answers.set()
         assert proc.stderr is not None and "stopped; rerun" in proc.stderr.read()
+
+
+def test_a_database_deleted_or_replaced_under_follow_stops_it(tmp_path: Path, ref, tiny_model_dir) -> None:
+    """Its connections would go on writing to the unlinked file: batches that exist nowhere.
+    The follower notices before and after each round and stops (exit 1 from the CLI)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_bounded_read import REPO
+
+    from hcapo_store.errors import StoreError
+
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    (root / "eps.jsonl").write_text(_line(0, 0.25) + "\n")
+    db = tmp_path / "s.db"
+    with Store.open(str(db)) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=1)
+        assert len(follower.cycle().published) == 1
+        other = tmp_path / "other.db"
+        Store.open(str(other)).close()
+        os.replace(other, db)  # replaced: another store at the same path
+        with pytest.raises(StoreError, match="replaced by another file"):
+            follower.cycle()
+    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", ref.url]
+    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "1", "--poll", "0.1"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().startswith("follow:")  # its first round is done
+        db.unlink()
+        assert proc.wait(timeout=300) == 1
+        assert "was deleted while this process used it" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

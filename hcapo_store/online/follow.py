@@ -273,6 +273,7 @@ class Follower:
     # -- one round ------------------------------------------------------------------------------
     def cycle(self) -> CycleReport:
         report = CycleReport()
+        self.store.check_in_place()  # deleted or replaced under us: stop, never report work that exists nowhere
         self._ingest_changes(report)
         if not self.batches.open:
             return report  # nothing left to do: no query at all
@@ -281,6 +282,7 @@ class Follower:
         if report.score is not None and (report.score.scored or report.score.failed):
             rows = self.batches.rows(self.batches.open)
         self.batches.publish(rows, report)
+        self.store.check_in_place()
         return report
 
 

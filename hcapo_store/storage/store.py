@@ -23,6 +23,8 @@ class Store:
     _reader: Engine | None = field(default=None, repr=False)
     _reader_checked: bool = field(default=False, repr=False)
     _schema: str | None = field(default=None, repr=False)  # PostgreSQL: the store's tables' schema
+    # SQLite: the file's (device, inode) when it was opened (``check_in_place``).
+    _file_id: tuple[int, int] | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, location: str | None = None, *, create: bool = True) -> Store:
@@ -41,7 +43,21 @@ class Store:
         except BaseException:
             engine.dispose()
             raise
-        return cls(url=url, engine=engine)
+        return cls(url=url, engine=engine, _file_id=_file_id(url))
+
+    def check_in_place(self) -> None:
+        """Raise ``StoreError`` when the SQLite file this store opened was deleted or replaced
+        since (its connections would go on writing to the old, unlinked file: work that exists
+        nowhere). A long-running process (``follow``) asks before and after each round."""
+        if self._file_id is None:
+            return
+        now = _file_id(self.url)
+        if now != self._file_id:
+            what = "deleted" if now is None else "replaced by another file"
+            raise StoreError(
+                f"the database {self.display} was {what} while this process used it: stopping "
+                "(what was written since went to the old file; start again on the database to use)"
+            )
 
     @property
     def display(self) -> str:
@@ -212,3 +228,14 @@ def _leave_read_only(conn) -> None:
 def count(store: Store, sql: str, **params: Any) -> int:
     with db.read(store.engine) as conn:
         return int(conn.execute(text(sql), params).scalar() or 0)
+
+
+def _file_id(url: str) -> tuple[int, int] | None:
+    path = db.sqlite_file(url)
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
