@@ -22,6 +22,7 @@ from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, fa
 from hcapo_store.online.scanning import file_field, source_field, split_location
 from hcapo_store.scoring.job import Prepared
 from hcapo_store.storage import db
+from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
 if TYPE_CHECKING:
@@ -244,48 +245,37 @@ class Batcher:
         ready = self.now()
         row: dict[str, Any] = {
             "key": key,
-            "h": batch_hash,
+            "batch_hash": batch_hash,
             "status": "ready" if run_id is not None else "failed",
             "episodes": len(members) + len(failed_inputs),
             "steps": sum(int(m["num_steps"]) for m in members),
             "scored": sum(int(m["scored"]) for m in members),
             "failed": sum(int(m["failed"]) for m in members),
             "failed_episodes": failed_json(failed),
-            "scorer": self.prep.scorer_id,
-            "run_id": run_id,
-            "run": run_name,
-            "wv": self.weight_version,
+            "scorer_id": self.prep.scorer_id,
+            "credit_run_id": run_id,
+            "credit_run": run_name,
+            "weight_version": self.weight_version,
             "complete_at": complete.isoformat(timespec="milliseconds"),
             "ready_at": ready.isoformat(timespec="milliseconds"),
-            "lag": round((ready - arrived).total_seconds(), 3),
+            "lag_s": round((ready - arrived).total_seconds(), 3),
         }
-        try:
-            with db.write(self.store.engine) as conn:
-                new_id = conn.execute(
-                    text(
-                        "INSERT INTO batches (key, batch_hash, status, episodes, steps, scored, failed, "
-                        "failed_episodes, scorer_id, credit_run_id, credit_run, weight_version, complete_at, "
-                        "ready_at, lag_s) VALUES (:key, :h, :status, :episodes, :steps, :scored, :failed, "
-                        ":failed_episodes, :scorer, :run_id, :run, :wv, :complete_at, :ready_at, :lag) RETURNING id"
-                    ),
-                    row,
-                ).scalar_one()
-                if ids:
-                    conn.execute(
-                        text("INSERT INTO batch_episodes (batch_id, episode_id) VALUES (:b, :e)"),
-                        [{"b": new_id, "e": i} for i in ids],
-                    )
-                conn.execute(
-                    text(
-                        "UPDATE batches SET status = 'superseded', superseded_by = :new "
-                        "WHERE key = :key AND scorer_id = :scorer AND id <> :new AND status <> 'superseded'"
-                    ),
-                    {"new": new_id, "key": key, "scorer": self.prep.scorer_id},
-                )
-        except (IntegrityError, StoreError) as exc:
-            if already_there(self.store, batch_hash):
+        with db.write(self.store.engine) as conn:
+            new_id = insert_once(conn, "batches", row, unique=["batch_hash"])
+            if new_id is None:
                 return None  # another follower published it between our check and our insert
-            raise exc
+            if ids:
+                conn.execute(
+                    text("INSERT INTO batch_episodes (batch_id, episode_id) VALUES (:b, :e)"),
+                    [{"b": new_id, "e": i} for i in ids],
+                )
+            conn.execute(
+                text(
+                    "UPDATE batches SET status = 'superseded', superseded_by = :new "
+                    "WHERE key = :key AND scorer_id = :scorer AND id <> :new AND status <> 'superseded'"
+                ),
+                {"new": new_id, "key": key, "scorer": self.prep.scorer_id},
+            )
         return BatchInfo(
             int(new_id),
             key,
@@ -299,7 +289,7 @@ class Batcher:
             self.weight_version,
             row["complete_at"],
             row["ready_at"],
-            row["lag"],
+            row["lag_s"],
             members=[BatchMember(m["name"], m["external_id"], int(m["id"]), int(m["version"])) for m in members],
         )
 
