@@ -188,3 +188,37 @@ def test_a_database_deleted_or_replaced_under_follow_stops_it(tmp_path: Path, re
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_many_episodes_at_once_are_scored_in_rounds_each_published_when_done(
+    tmp_path: Path, ref, tiny_model_dir, monkeypatch
+) -> None:
+    """Episodes dropped at once are scored in rounds of ``SCORE_ROUND`` episodes (a run's
+    episode filter is bound into each claim: one run over them all was quadratic), and each
+    round's batches are published before the next round's first request reaches the server."""
+    import sqlite3
+
+    from faultserver import FaultServer
+
+    from hcapo_store.devkit.synth import write_standard_episodes
+    from hcapo_store.online import follow as follow_module
+
+    monkeypatch.setattr(follow_module, "SCORE_ROUND", 2)
+    root = tmp_path / "rollouts"
+    for step in range(3):
+        write_standard_episodes(root / f"step_{step:04d}", 2, seed=10 * step, steps_per_subtask=1, output_words=5)
+    db = tmp_path / "s.db"
+    seen_published: list[int] = []
+
+    def schedule(key: str, n: int) -> None:  # at each request's arrival: the batches already published
+        with sqlite3.connect(db) as conn:
+            seen_published.append(conn.execute("SELECT COUNT(*) FROM batches").fetchone()[0])
+
+    with Store.open(str(db)) as store, FaultServer(ref, schedule) as proxy:
+        prep = prepare(store, ScoreConfig(server=proxy.url, tokenizer=str(tiny_model_dir), max_context=2048))
+        follower = Follower(store, prep, FollowConfig(paths=[root], group_size=2), RunOptions())
+        report = follower.cycle()
+        assert [b.key for b in report.published] == [f"rollouts/step_{s:04d}" for s in range(3)]
+        assert report.score is not None and report.score.failed == 0
+        assert report.score.scored == store.query("SELECT COUNT(*) FROM steps", read_only=True)[1][0][0]
+    assert sorted(set(seen_published)) == [0, 1, 2], seen_published

@@ -168,9 +168,14 @@ class Batcher:
                 self.status.notice(f"episode {episode_id} has no field {name!r}: it is in no batch")
         return self._fields[episode_id]
 
-    def publish(self, rows: dict[int, dict[str, Any]], report: CycleReport) -> None:
+    def episode_ids(self, key: str) -> list[int]:
+        """The stored episode versions filed under ``key``."""
+        return [m.episode_id for loc in self.groups.get(key, ()) if (m := self.members[loc]).episode_id is not None]
+
+    def publish(self, rows: dict[int, dict[str, Any]], report: CycleReport, keys: Sequence[str] | None = None) -> None:
+        """Publish every complete batch of the open keys (``keys``: of those only)."""
         now = self.now()
-        for key in sorted(self.open):
+        for key in sorted(self.open if keys is None else self.open.intersection(keys)):
             stored, failed = [], []
             for loc in sorted(self.groups.get(key, ())):
                 m = self.members[loc]

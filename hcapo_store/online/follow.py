@@ -52,6 +52,7 @@ from hcapo_store.storage.store import Store
 __all__ = ["CycleReport", "FollowConfig", "FollowResult", "FollowStatus", "Follower", "ServerDown", "follow"]
 
 MAX_LISTED = 200
+SCORE_ROUND = 256  # episodes per scoring run of a cycle (``Follower._score_rounds``)
 
 
 @dataclass
@@ -246,8 +247,29 @@ class Follower:
         self.batches.arrived(where, member)
 
     # -- 3: score -------------------------------------------------------------------------------
+    def _score_rounds(self, rows: dict[int, dict[str, Any]]) -> list[list[str]]:
+        """The open keys with steps to score, in key order, cut into rounds of about
+        ``SCORE_ROUND`` episodes: a scoring run's episode filter is bound into every claim's
+        query, so one run over 10,000 episodes cost each claim 10,000 parameters (quadratic in
+        the episodes dropped at once), and nothing was published before all were scored."""
+        rounds: list[list[str]] = []
+        current: list[str] = []
+        size = 0
+        for key in sorted(self.batches.open):
+            n = sum(1 for i in self.batches.episode_ids(key) if (r := rows.get(i)) is not None and _unscored(r))
+            if not n:
+                continue
+            current.append(key)
+            size += n
+            if size >= SCORE_ROUND:
+                rounds.append(current)
+                current, size = [], 0
+        if current:
+            rounds.append(current)
+        return rounds
+
     def _score(self, rows: dict[int, dict[str, Any]], report: CycleReport) -> None:
-        todo = [c for c in rows.values() if c["is_current"] and c["scored"] + c["failed"] < c["num_steps"]]
+        todo = [c for c in rows.values() if _unscored(c)]
         if not todo:
             return
         names = tuple(str(c["id"]) for c in todo)
@@ -256,7 +278,7 @@ class Follower:
             result = run_scoring(self.store, self.prep, options)
         except InferenceError as exc:  # the server is gone before the first request (its info)
             raise ServerDown(str(exc)) from exc
-        report.score = result
+        report.score = result if report.score is None else _added(report.score, result)
         self.status.scored += result.scored
         self.status.failed += result.failed
         report.busy |= bool(result.scored or result.failed)
@@ -278,12 +300,34 @@ class Follower:
         if not self.batches.open:
             return report  # nothing left to do: no query at all
         rows = self.batches.rows(self.batches.open)
-        self._score(rows, report)
-        if report.score is not None and (report.score.scored or report.score.failed):
-            rows = self.batches.rows(self.batches.open)
-        self.batches.publish(rows, report)
+        try:
+            for keys in self._score_rounds(rows):  # each round's batches published as soon as it is scored
+                ids = {i for key in keys for i in self.batches.episode_ids(key)}
+                self._score({i: rows[i] for i in ids if i in rows}, report)
+                rows.update(self.batches.rows(set(keys)))
+                self.batches.publish(rows, report, keys)
+        except ServerDown as exc:
+            exc.report = report  # the rounds published before it are shown
+            raise
+        self.batches.publish(rows, report)  # batches with nothing to score: failures, timeouts
         self.store.check_in_place()
         return report
+
+
+def _unscored(row: dict[str, Any]) -> bool:
+    return bool(row["is_current"]) and row["scored"] + row["failed"] < row["num_steps"]
+
+
+def _added(total: ScoreReport, part: ScoreReport) -> ScoreReport:
+    """One cycle's scoring report over its rounds."""
+    for name in ("planned", "scored", "failed", "retried", "discarded", "released", "prompt_tokens", "cancelled"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.elapsed_s += part.elapsed_s
+    total.failure_kinds.update(part.failure_kinds)
+    for kind, message in part.first_errors:
+        total.note_error(kind, message)
+    total.interrupted, total.server_down = part.interrupted, part.server_down
+    return total
 
 
 def _lost_a_race(error: str) -> bool:
@@ -347,7 +391,9 @@ def follow(
                 f"the scoring server stopped answering ({exc}); trying again as soon as it answers "
                 f"(at most {backoff:.0f} s), nothing is lost"
             )
-            report = CycleReport(busy=True)
+            report = exc.report or CycleReport()
+            report.busy = True
+            batches += len(report.published)
             if on_cycle is not None:
                 on_cycle(report, follower.status)
             if wait_for_server(follower.prep.backend, backoff, stop):

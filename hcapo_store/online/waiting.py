@@ -38,7 +38,10 @@ async def _ping_once(backend: Any) -> bool:
 
 
 class ServerDown(Exception):
-    """The scoring server stopped answering; ``follow`` waits and tries again."""
+    """The scoring server stopped answering; ``follow`` waits and tries again. ``report``: the
+    cycle's report so far (the batches it published before the server stopped)."""
+
+    report: Any = None
 
 
 class Waiter:
