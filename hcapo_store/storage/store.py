@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,33 @@ class Store:
         seconds the statement may run (then it is stopped, on the server for PostgreSQL);
         Ctrl-C stops it too (``KeyboardInterrupt``). ``as_reader`` (SQL a user wrote): on
         PostgreSQL, run it as the role that can only read the store when there is one
-        (``storage/reader.py``)."""
+        (``storage/reader.py``). The whole result is returned: ``stream`` hands it over row
+        by row instead."""
+        out: list[tuple[list[str], list[tuple]]] = []
+        self.stream(
+            sql,
+            lambda columns, rows: out.append((columns, list(rows))),
+            params,
+            read_only=read_only,
+            timeout=timeout,
+            as_reader=as_reader,
+        )
+        return out[0]
+
+    def stream(
+        self,
+        sql: str,
+        sink: Callable[[list[str], Iterator[tuple]], None],
+        params: dict[str, Any] | None = None,
+        *,
+        read_only: bool = True,
+        timeout: float | None = None,
+        as_reader: bool = False,
+    ) -> None:
+        """``query`` that hands its result to ``sink(columns, rows)`` while the statement runs:
+        ``rows`` is an iterator fetched as it is read, so a result of 20 million rows costs the
+        memory of a few (``hcapo-store sql`` writes each row to its output). ``columns`` is
+        empty for a statement that returns no rows. The time limit covers the sink's work."""
         engine = self.engine
         schema = None
         if self.dialect == "postgresql":
@@ -113,11 +140,10 @@ class Store:
                     quoted = '"' + schema.replace('"', '""') + '"'
                     conn.exec_driver_sql(f"SET LOCAL search_path TO {quoted}, pg_catalog, pg_temp")
                 try:
-                    cols, rows = stop.run(lambda: _run(conn, sql, params, read_only=read_only))
+                    stop.run(lambda: _run(conn, sql, params, sink, read_only=read_only))
                     # Read-only work is never committed: what a READ ONLY transaction still
                     # allows (large objects, set_config) is rolled back.
                     conn.rollback() if read_only else conn.commit()
-                    return cols, rows
                 finally:
                     if read_only:
                         _leave_read_only(conn)
@@ -183,34 +209,42 @@ def _connect(engine: Engine, store: Store) -> Iterator[Connection]:
         yield conn
 
 
-def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:
+def _run(conn, sql: str, params: dict[str, Any] | None, sink: Callable[..., None], *, read_only: bool) -> None:
     if params:
         result = conn.execute(text(sql), params)  # named :params, the same on every engine
     elif conn.dialect.name == "postgresql":
-        return _pg_raw(conn, sql, read_only=read_only)
+        return _pg_raw(conn, sql, sink, read_only=read_only)
     else:
         result = conn.exec_driver_sql(sql)
     if not result.returns_rows:
-        return [], []
-    return list(result.keys()), [tuple(r) for r in result]
+        return sink([], iter(()))
+    return sink(list(result.keys()), (tuple(r) for r in result))
 
 
 def _read_only_error(guard, orig: BaseException) -> StoreError | None:
     return readonly.sqlite_error(guard, orig) if guard is not None else None
 
 
-def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:
+def _pg_raw(conn, sql: str, sink: Callable[..., None], *, read_only: bool) -> None:
     """User SQL on PostgreSQL, sent as written (a ``%`` is not a placeholder).
 
-    Read-only statements go through the extended protocol (``prepare=True``), which
-    accepts exactly one statement: ``COMMIT; DELETE …`` cannot escape the read-only
-    transaction the way it could with the simple protocol.
+    Read-only statements go through the extended protocol, which accepts exactly one
+    statement: ``COMMIT; DELETE …`` cannot escape the read-only transaction the way it could
+    with the simple protocol. They are streamed (psycopg's single-row mode, also the
+    extended protocol): the client holds a row at a time, not the whole result.
     """
     with conn.connection.driver_connection.cursor() as cur:
-        cur.execute(sql, prepare=True if read_only else None)
+        if read_only:
+            rows = cur.stream(sql)
+            first = next(rows, None)  # the description comes with the first result
+            if cur.description is None:
+                return sink([], iter(()))
+            head = [] if first is None else [tuple(first)]
+            return sink([d.name for d in cur.description], itertools.chain(head, (tuple(r) for r in rows)))
+        cur.execute(sql)
         if cur.description is None:
-            return [], []
-        return [d.name for d in cur.description], [tuple(r) for r in cur.fetchall()]
+            return sink([], iter(()))
+        return sink([d.name for d in cur.description], (tuple(r) for r in cur))
 
 
 def _enter_read_only(conn):
