@@ -139,6 +139,8 @@ class Store:
                     # someone else could point it at look-alike tables); pg_temp last, never first.
                     quoted = '"' + schema.replace('"', '""') + '"'
                     conn.exec_driver_sql(f"SET LOCAL search_path TO {quoted}, pg_catalog, pg_temp")
+                    if read_only:
+                        readonly.pg_check_volatile(conn, sql)
                 try:
                     stop.run(lambda: _run(conn, sql, params, sink, read_only=read_only))
                     # Read-only work is never committed: what a READ ONLY transaction still
