@@ -222,3 +222,19 @@ def test_many_episodes_at_once_are_scored_in_rounds_each_published_when_done(
         assert report.score is not None and report.score.failed == 0
         assert report.score.scored == store.query("SELECT COUNT(*) FROM steps", read_only=True)[1][0][0]
     assert sorted(set(seen_published)) == [0, 1, 2], seen_published
+
+
+def test_a_watchfiles_failure_is_said(tmp_path: Path) -> None:
+    """The watch thread's failure (here: a path gone before it starts) is a notice and a log
+    line, and the wait still ends at its poll (before: swallowed without a word)."""
+    import threading
+
+    from hcapo_store.online.waiting import Waiter
+
+    said: list[str] = []
+    stop = threading.Event()
+    waiter = Waiter([tmp_path / "gone"], 0.05, stop, False, said.append)
+    waiter.wait()
+    stop.set()
+    (message,) = said
+    assert message.startswith("file-system events stopped (") and "every 0.05 s instead" in message, message

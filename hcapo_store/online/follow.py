@@ -378,7 +378,7 @@ def follow(
 
     clock = clock or time.monotonic
     stop = stop or threading.Event()
-    waiter = None if once else Waiter(follower.cfg.paths, poll_seconds, stop, poll_only)
+    waiter = None if once else Waiter(follower.cfg.paths, poll_seconds, stop, poll_only, follower.status.notice)
     cycles = batches = 0
     idle_since = clock()
     backoff = 1.0

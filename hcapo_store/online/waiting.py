@@ -3,12 +3,15 @@ scoring server that stopped answering."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from hcapo_store.scoring.health import PROBE_SECONDS
 from hcapo_store.scoring.job import run_sync
+
+log = logging.getLogger(__name__)
 
 
 def wait_for_server(backend: Any, seconds: float, stop: Any) -> bool:
@@ -50,7 +53,14 @@ class Waiter:
     ``poll_seconds``, whichever comes first. ``poll_only`` (network file systems, where no
     event arrives) just waits; the scan finds the changes either way."""
 
-    def __init__(self, paths: Sequence[Path], poll_seconds: float, stop: Any, poll_only: bool) -> None:
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        poll_seconds: float,
+        stop: Any,
+        poll_only: bool,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         import threading
 
         self.poll_seconds, self.stop = poll_seconds, stop
@@ -76,8 +86,14 @@ class Waiter:
                     ready.set()
                     if changes:
                         self.changed.set()
-            except Exception:
-                pass
+            except Exception as exc:  # the periodic look goes on finding every change: said, not fatal
+                message = (
+                    f"file-system events stopped ({type(exc).__name__}: {exc}); looking at the paths "
+                    f"every {poll_seconds:g} s instead"
+                )
+                log.warning("follow: %s", message)
+                if on_failure is not None:
+                    on_failure(message)
             finally:
                 ready.set()
 
