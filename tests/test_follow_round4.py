@@ -238,3 +238,29 @@ def test_a_watchfiles_failure_is_said(tmp_path: Path) -> None:
     stop.set()
     (message,) = said
     assert message.startswith("file-system events stopped (") and "every 0.05 s instead" in message, message
+
+
+def test_a_result_json_saved_again_with_the_same_content_is_no_new_version(
+    tmp_path: Path, ref, tiny_model_dir: Path
+) -> None:
+    """Identity by parsed content: the published batch stays (before: a new version, the batch
+    superseded); a changed reward is still a new version and a new batch."""
+    from hcapo_store.devkit.synth import write_standard_episodes
+
+    root = tmp_path / "rollouts"
+    (episode,) = write_standard_episodes(root / "step_0000", 1, seed=3, steps_per_subtask=1, output_words=5)
+    result = episode / "result.json"
+    with Store.open(str(tmp_path / "s.db")) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=1)
+        assert len(follower.cycle().published) == 1
+        data = json.loads(result.read_text())
+        result.write_text(json.dumps(dict(reversed(list(data.items()))), indent=4))
+        again = follower.cycle()
+        assert again.changed == 0 and again.published == [] and again.ingest is None
+        assert store.query("SELECT COUNT(*) FROM episodes", read_only=True)[1] == [(1,)]
+        data["episode_reward"] = 0.123
+        result.write_text(json.dumps(data))
+        changed = follower.cycle()
+        assert changed.ingest is not None and changed.ingest.changed == 1
+        assert len(changed.published) == 1
+        assert store.query("SELECT status FROM batches ORDER BY id", read_only=True)[1] == [("superseded",), ("ready",)]

@@ -151,6 +151,7 @@ class Follower:
         self.refused: dict[Path, str] = {}
         self.waiting: dict[str, str] = {}  # location -> why it waits (no reward yet, a line being written)
         self.cursors: dict[Path, JsonlCursor] = {}
+        self.result_ids: dict[Path, str | None] = {}  # episode directory -> its result.json's parsed identity
         self.status = FollowStatus()
         self.batches = Batcher(store, prep, cfg, self.status, now, self.roots)  # arrivals by batch key
         self._looked_once = False
@@ -166,20 +167,26 @@ class Follower:
         self.refused = dict(look.refused)
         ready = []
         for path in changed:
-            if rewritten(self.seen.get(path), look.found[path]):
+            old = self.seen.get(path)
+            if rewritten(old, look.found[path]):
                 self.cursors.pop(path, None)  # read again from its start: every line is looked at
             self.seen[path] = look.found[path]
             self.waiting.pop(str(path), None)
             if path.is_dir():
                 try:
-                    state = result_state(path, self.roots)
+                    state, identity = result_state(path, self.roots)
                 except IngestError as exc:
                     self._arrival_failed(path, f"{RESULT_FILE}: " + str(exc).removeprefix(f"{path / RESULT_FILE}: "))
                     continue
                 if state is not None:
                     self.waiting[str(path)] = state  # read again when it changes
                     self.batches.forget(str(path))
+                    self.result_ids.pop(path, None)
                     continue
+                same_session = old is not None and old[1:] == look.found[path][1:]
+                if same_session and identity is not None and self.result_ids.get(path) == identity:
+                    continue  # result.json saved again with the same content (other whitespace): no new version
+                self.result_ids[path] = identity
             else:  # a JSONL file: its waiting line is looked at again
                 for loc in [w for w in self.waiting if w.startswith(f"{path}:")]:
                     del self.waiting[loc]

@@ -4,6 +4,7 @@ reads a look needs (is a result.json's reward there yet; a field of a result.jso
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -107,20 +108,26 @@ def scan(paths: Sequence[Path], *, follow_links: bool = False) -> Scan:
     return out
 
 
-def result_state(directory: Path, roots: Sequence[Path] | None) -> str | None:
-    """``None`` when the episode's result.json has a reward (or an error: the collector gave
-    up on it, ingest says so); else why it waits. Read through the one gate (regular, bounded):
-    an ``IngestError`` is the episode's failure."""
+def result_state(directory: Path, roots: Sequence[Path] | None) -> tuple[str | None, str | None]:
+    """``(None, identity)`` when the episode's result.json has a reward (or an error: the
+    collector gave up on it, ingest says so), else ``(why it waits, None)``. ``identity`` is
+    the hash of its parsed content (canonical JSON): the same document saved with other
+    whitespace or key order has the same one. Read through the one gate (regular, bounded): an
+    ``IngestError`` is the episode's failure."""
     data = read_regular(directory / RESULT_FILE, MAX_RESULT_BYTES, roots=roots)
     if data is None:
-        return f"no {RESULT_FILE} yet"
+        return f"no {RESULT_FILE} yet", None
     try:
         result = json.loads(data.decode("utf-8-sig", errors="replace"))
-    except ValueError:
-        return f"{RESULT_FILE} is not whole JSON yet"
+    except (ValueError, RecursionError):
+        return f"{RESULT_FILE} is not whole JSON yet", None
     if isinstance(result, dict) and (result.get("episode_reward") is not None or result.get("error")):
-        return None
-    return "no reward yet"
+        try:
+            identity = hashlib.sha256(canonical_json(result).encode()).hexdigest()
+        except (TypeError, ValueError):  # a value canonical JSON refuses (NaN): no identity, read as changed
+            identity = None
+        return None, identity
+    return "no reward yet", None
 
 
 def split_location(location: str) -> tuple[Path, int | None]:
