@@ -156,10 +156,6 @@ def test_a_database_deleted_or_replaced_under_follow_stops_it(tmp_path: Path, re
     """Its connections would go on writing to the unlinked file: batches that exist nowhere.
     The follower notices before and after each round and stops (exit 1 from the CLI)."""
     import os
-    import subprocess
-    import sys
-
-    from test_bounded_read import REPO
 
     from hcapo_store.errors import StoreError
 
@@ -175,6 +171,20 @@ def test_a_database_deleted_or_replaced_under_follow_stops_it(tmp_path: Path, re
         os.replace(other, db)  # replaced: another store at the same path
         with pytest.raises(StoreError, match="replaced by another file"):
             follower.cycle()
+
+
+@pytest.mark.slow
+def test_follow_exits_1_when_its_database_is_deleted(tmp_path: Path, ref, tiny_model_dir) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from test_bounded_read import REPO
+
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    (root / "eps.jsonl").write_text(_line(0, 0.25) + "\n")
+    db = tmp_path / "s.db"
     argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", ref.url]
     argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "1", "--poll", "0.1"]
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
