@@ -214,6 +214,7 @@ def test_many_episodes_at_once_are_scored_in_rounds_each_published_when_done(
     from hcapo_store.online import follow as follow_module
 
     monkeypatch.setattr(follow_module, "SCORE_ROUND", 2)
+    monkeypatch.setattr(follow_module, "ROUND_PER_REQUEST", 0)
     root = tmp_path / "rollouts"
     for step in range(3):
         write_standard_episodes(root / f"step_{step:04d}", 2, seed=10 * step, steps_per_subtask=1, output_words=5)
