@@ -55,7 +55,7 @@ def test_read_regular_reads_in_pieces_up_to_the_bound(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is Linux's")
-def test_ingest_and_follow_under_a_2_gb_address_space(tmp_path: Path, ref: ReferenceServer, tiny_model_dir) -> None:
+def test_ingest_under_a_2_gb_address_space(tmp_path: Path) -> None:
     root = tmp_path / "rollouts" / "step_0000"
     write_standard_episodes(root, 3, seed=3, steps_per_subtask=1, output_words=5)
     db = tmp_path / "i.db"
@@ -64,6 +64,12 @@ def test_ingest_and_follow_under_a_2_gb_address_space(tmp_path: Path, ref: Refer
     assert "MemoryError" not in r.stderr
     with Store.open(str(db), create=False) as store:
         assert store.query("SELECT COUNT(*) FROM episodes", read_only=True)[1] == [(3,)]
+
+
+@pytest.mark.slow  # a follow process that scores (its ingest is the test above)
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is Linux's")
+def test_follow_under_a_2_gb_address_space(tmp_path: Path, ref: ReferenceServer, tiny_model_dir) -> None:
+    write_standard_episodes(tmp_path / "rollouts" / "step_0000", 3, seed=3, steps_per_subtask=1, output_words=5)
     db2 = tmp_path / "f.db"
     r = _run(
         "--db", str(db2), "follow", str(tmp_path / "rollouts"), "--group-size", "3", "--once",
