@@ -84,12 +84,12 @@ def test_a_jsonl_rewritten_in_place_is_read_again(tmp_path: Path, ref, tiny_mode
         assert second.ingest is not None and (second.ingest.changed, second.ingest.failed) == (1, 0)
         assert _rewards(store) == {"ep-0": 0.75, "ep-1": 0.5}
         assert [b.episodes for b in second.published] == [2]
-        longer = _line(0, 0.7525) + "\n" + _line(1, 0.5) + "\n"
-        assert len(longer) == f.stat().st_size + 2
+        longer = _line(0, 0.751234) + "\n" + _line(1, 0.5) + "\n"
+        assert len(longer) == f.stat().st_size + 4
         f.write_text(longer)
         third = follower.cycle()
         assert third.ingest is not None and (third.ingest.changed, third.ingest.failed) == (1, 0), third.ingest
-        assert _rewards(store) == {"ep-0": 0.7525, "ep-1": 0.5}
+        assert _rewards(store) == {"ep-0": 0.751234, "ep-1": 0.5}
         assert follower.status.ingest_failed == 0
 
 
