@@ -7,7 +7,7 @@ import io
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 # Control characters (ESC starts terminal escape sequences; C1 controls; bidi overrides and
@@ -137,21 +137,32 @@ def records_table(records: Sequence[dict[str, Any]], *, full: str = "--json") ->
     return table(cols, [[r[c] for c in cols] for r in records], full=full)
 
 
-def to_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, terminal: bool = False) -> str:
+def to_csv(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, terminal: bool = False) -> str:
     """CSV as written; on a ``terminal``, control characters escaped (:func:`for_terminal`)."""
-    if terminal:
-        rows = [[for_terminal(v) if isinstance(v, str) else v for v in row] for row in rows]
+    return "".join(csv_lines(columns, rows, terminal=terminal))
+
+
+def csv_lines(
+    columns: Sequence[str], rows: Iterable[Sequence[Any]], *, terminal: bool = False, per_piece: int = 1000
+) -> Iterator[str]:
+    """``to_csv`` in pieces of ``per_piece`` rows, each made as it is reached (a streamed result)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(columns)
-    for row in rows:
+    for n, row in enumerate(rows, 1):
+        if terminal:
+            row = [for_terminal(v) if isinstance(v, str) else v for v in row]
         w.writerow(
             [
                 "" if v is None else (f"<{len(bytes(v))} bytes>" if isinstance(v, (bytes, memoryview)) else v)
                 for v in row
             ]
         )
-    return buf.getvalue()
+        if n % per_piece == 0:
+            yield buf.getvalue()
+            buf.seek(0)
+            buf.truncate()
+    yield buf.getvalue()
 
 
 def _jsonable(value: Any) -> Any:
@@ -162,8 +173,23 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def to_json(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    return json.dumps([{c: _jsonable(v) for c, v in zip(columns, row)} for row in rows], indent=2, default=str)
+def to_json(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    return "".join(json_lines(columns, rows)).removesuffix("\n")
+
+
+def json_lines(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, per_piece: int = 1000) -> Iterator[str]:
+    """The JSON list of row objects ``to_json`` writes (the same text, ``indent=2``, then a
+    newline), in pieces of ``per_piece`` rows made as they are reached."""
+    parts: list[str] = []
+    n = 0
+    for n, row in enumerate(rows, 1):
+        item = json.dumps({c: _jsonable(v) for c, v in zip(columns, row)}, indent=2, default=str)
+        parts.append(("[\n  " if n == 1 else ",\n  ") + item.replace("\n", "\n  "))
+        if n % per_piece == 0:
+            yield "".join(parts)
+            parts.clear()
+    parts.append("\n]\n" if n else "[]\n")
+    yield "".join(parts)
 
 
 def dumps(data: Any) -> str:

@@ -1,6 +1,6 @@
 """credits compute --variant paper against an independent implementation of Algorithm 1.
 
-The reference below is written from ../shared/reference/HCAPO-PAPER.md §1 with plain Python
+The reference below is written from docs/PAPER.md §1 with plain Python
 loops over lists of trajectories (no numpy, no code from hcapo_store.credits), then the stored
 run is compared with it to 1e-12.
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hcapo_store.cli import cli
+from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import NotAStore
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
@@ -171,3 +172,16 @@ def test_a_malformed_postgresql_url_is_one_line_with_its_password_masked(url, ru
     assert result.exit_code == 1 and (result.exception is None or isinstance(result.exception, SystemExit))
     assert "Error: " in result.output and "Traceback" not in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and "s3cret" not in result.output
+
+
+def test_a_new_database_in_a_missing_folder_is_refused_in_one_line(tmp_path, runner):
+    """As ``sqlite3`` does: a typo in the folder is not silently made into a new tree (issue 41)."""
+    episodes = tmp_path / "eps"
+    write_standard_episodes(episodes, 1)
+    path = tmp_path / "nonexistent" / "dir" / "h.db"
+    for args in (["ingest", str(episodes)], ["init"]):
+        result = runner.invoke(cli, ["--db", str(path), *args])
+        assert result.exit_code == 1, result.output
+        (line,) = result.output.strip().splitlines()
+        assert f"the folder {path.parent} does not exist" in line, line
+    assert not (tmp_path / "nonexistent").exists()

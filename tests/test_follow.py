@@ -196,6 +196,7 @@ def _count(db: Path, sql: str) -> int:
         con.close()
 
 
+@pytest.mark.slow  # a CLI process signalled (the fast tier: docs/DEVELOPMENT.md)
 def test_until_idle_exits_zero_and_sigterm_stops(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     root = tmp_path / "rollouts"
     _write_group(root, 0, 2, seed=70)
@@ -274,6 +275,7 @@ def _batches_at(url: str) -> list[dict]:
     return json.loads(r.output)
 
 
+@pytest.mark.slow  # a server's fault waited out
 def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     from faultserver import FaultServer
 

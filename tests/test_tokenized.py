@@ -343,6 +343,43 @@ def test_the_scorers_tokenizer_is_found_where_it_was_given_before(
     assert not (tmp_path / "c.jsonl").exists()
 
 
+def test_a_tokenizer_directory_the_store_names_is_said_and_must_hash_as_the_scorers(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, runner, db_path: Path
+) -> None:
+    """``tokenizer_locations`` may name a directory someone else chose (issue 41): without
+    --tokenizer the export says which directory it took and why, and refuses one whose files'
+    hashes differ from the scorer's, even when its content is equal (a re-saved copy is taken
+    only when passed with --tokenizer)."""
+    import shutil
+
+    from sqlalchemy import text
+
+    from hcapo_store.storage import db
+
+    scored_with(store, samples, demo_tokenizer_dir)
+    files_sha256 = tokenizer_fingerprint(load_tokenizer(demo_tokenizer_dir), demo_tokenizer_dir)["files_sha256"]
+    chosen = tmp_path / "someone-else-chose"
+    shutil.copytree(demo_tokenizer_dir, chosen)
+    with db.write(store.engine) as conn:
+        conn.execute(
+            text(
+                "INSERT INTO tokenizer_locations (files_sha256, path, seen_at) VALUES (:h, :p, '2026-01-01T00:00:00')"
+            ),
+            {"h": files_sha256, "p": str(chosen.resolve())},
+        )
+    export = ["--db", str(db_path), "export", "dataset", "--tokenized", "--min-reward", "0"]
+    taken = runner.invoke(cli, [*export, str(tmp_path / "a.jsonl")])
+    assert taken.exit_code == 0, taken.output
+    assert f"tokenizer: {chosen.resolve()} (no --tokenizer: the store records it" in taken.output, taken.output
+    # the same content, other bytes (re-serialised): not taken unasked
+    tj = chosen / "tokenizer.json"
+    tj.write_text(json.dumps(json.loads(tj.read_text()), indent=1))
+    refused = runner.invoke(cli, [*export, str(tmp_path / "b.jsonl")])
+    assert refused.exit_code == 1, refused.output
+    assert f"{chosen.resolve()} (its files' hashes differ from the scorer's)" in refused.output, refused.output
+    assert not (tmp_path / "b.jsonl").exists()
+
+
 def test_score_remembers_where_its_tokenizer_was(tmp_path: Path, tiny_model_dir: Path, samples: Path) -> None:
     from hcapo_store.devkit.refserver import make_server
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring

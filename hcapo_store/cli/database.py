@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections.abc import Iterator
 
 import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import FiniteFloat
+
+TABLE_ROWS = 10_000  # rows `sql` shows as a table; csv and json write every row
 
 
 @cli.command(epilog="Reference: docs/DATABASE.md in the hcapo-store repository.")
@@ -157,13 +161,24 @@ def sql(state: Ctx, query: str, fmt: str, as_json: bool, write: bool, timeout: f
     if as_json and fmt not in ("table", "json"):
         raise click.UsageError(f"--json and --format {fmt} ask for two formats: pick one")
     fmt = "json" if as_json else fmt
-    columns, rows = state.store(create=False).query(query, read_only=not write, timeout=timeout, as_reader=True)
-    if not columns:
-        click.echo("ok")
-    elif fmt == "csv":
-        click.echo(formatting.to_csv(columns, rows, terminal=sys.stdout.isatty()), nl=False)
-    elif fmt == "json":
-        click.echo(formatting.to_json(columns, rows))
-    else:
-        click.echo(formatting.table(columns, rows, full="--format json (or csv)"))
-        click.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+
+    def write_out(columns: list[str], rows: Iterator[tuple]) -> None:
+        # Each row goes to the output as it is fetched: a result of any size costs a few rows'
+        # memory (the table shows its first TABLE_ROWS and counts the rest).
+        if not columns:
+            click.echo("ok")
+        elif fmt == "csv":
+            for piece in formatting.csv_lines(columns, rows, terminal=sys.stdout.isatty()):
+                click.echo(piece, nl=False)
+        elif fmt == "json":
+            for piece in formatting.json_lines(columns, rows):
+                click.echo(piece, nl=False)
+        else:
+            shown = list(itertools.islice(rows, TABLE_ROWS))
+            rest = sum(1 for _ in rows)
+            click.echo(formatting.table(columns, shown, full="--format json (or csv)"))
+            n = len(shown) + rest
+            more = f"; the first {len(shown)} shown: --format csv or json writes them all" if rest else ""
+            click.echo(f"({n} row{'s' if n != 1 else ''}{more})")
+
+    state.store(create=False).stream(query, write_out, read_only=not write, timeout=timeout, as_reader=True)

@@ -125,6 +125,10 @@ def follow(
 
     def on_signal(signum, frame) -> None:
         stop.set()
+        if signum == signal.SIGTERM and signal.getsignal(signal.SIGINT) is not on_signal:
+            # a scoring run holds SIGINT (its graceful stop): SIGTERM takes the same way, not
+            # a wait for the run's end
+            signal.raise_signal(signal.SIGINT)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     tty = sys.stderr.isatty()

@@ -522,6 +522,7 @@ def _tau_bench_episode(element: Any) -> Any:
 
 def _looks_like_jsonl(handle: IO[bytes]) -> bool:
     """One of the first non-empty lines starts with '{' (an empty file has nothing to ingest)."""
+    handle.seek(0)  # from the file's start: a rewritten file's check of its tail left it elsewhere
     seen = 0
     for line in handle:
         start = line.lstrip().lstrip(b"\xef\xbb\xbf")

@@ -20,6 +20,7 @@ from typing import BinaryIO
 from hcapo_store.errors import IngestError
 
 # Open flags: never wait on a FIFO's writer, never take a terminal as ours.
+READ_PIECE = 1 << 20  # bytes asked of the file at once by ``read_regular``
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -115,16 +116,21 @@ def open_regular(path: Path, limit: int | None, *, roots: Sequence[Path] | None 
 
 
 def read_regular(path: Path, limit: int, *, roots: Sequence[Path] | None = None) -> bytes | None:
-    """A regular file's bytes (at most ``limit``), or None when it does not exist."""
+    """A regular file's bytes (at most ``limit``), or None when it does not exist. The memory
+    it takes is the file's size, whatever the bound (2 GiB for a session file)."""
     try:
         handle = open_regular(path, limit, roots=roots)
     except FileNotFoundError:
         return None
+    pieces: list[bytes] = []
+    size = 0
     try:
-        with handle:
-            data = handle.read(limit + 1)
+        with handle:  # in pieces: a bound costs what is read (read(limit + 1) allocates the bound first)
+            while size <= limit and (piece := handle.read(min(READ_PIECE, limit + 1 - size))):
+                pieces.append(piece)
+                size += len(piece)
     except OSError as exc:
         raise IngestError(f"cannot read: {exc.strerror}", path=str(path)) from exc
-    if len(data) > limit:  # it grew while read
+    if size > limit:  # it grew while read
         raise IngestError(f"more than the {limit >> 20} MiB this input may have", path=str(path))
-    return data
+    return b"".join(pieces)

@@ -32,6 +32,7 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,24 +197,43 @@ def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | N
 
 
 def scorer_tokenizer(
-    store: Store, scorer_id: str, tokenizer_dir: str | Path | None = None
+    store: Store,
+    scorer_id: str,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    note: Callable[[str], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the
     scorer's. Without a directory: the first of those the scorer's tokenizer was loaded from
-    before (``score``, an earlier export) whose files still hash the same."""
+    before (``score``, an earlier export: the store's ``tokenizer_locations``) whose files
+    still hash exactly as the scorer's did: a directory the store names is anyone's choice who
+    could write to it, so a copy equal by content only is not taken from it (pass it with
+    ``--tokenizer``). ``note`` is told which directory was taken and why."""
     theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
     if tokenizer_dir is not None:
         return _checked_tokenizer(store, scorer_id, theirs, tokenizer_dir)
     tried = []
     for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
-        tried.append(str(candidate))
         if not candidate.is_dir():
+            tried.append(f"{candidate} (not there)")
             continue
         try:
-            return _checked_tokenizer(store, scorer_id, theirs, candidate)
-        except ExportError:
-            continue  # changed since: try the next one
-    where = f" (not found, or changed, where it was before: {', '.join(tried)})" if tried else ""
+            tokenizer = load_tokenizer(candidate)
+        except (OSError, ValueError):
+            tried.append(f"{candidate} (cannot be loaded)")
+            continue
+        mine = tokenizer_fingerprint(tokenizer, candidate)
+        if any(theirs.get(key) != mine[key] for key in ("files_sha256", "chat_template_sha256")):
+            tried.append(f"{candidate} (its files' hashes differ from the scorer's)")
+            continue
+        if note is not None:
+            note(
+                f"tokenizer: {candidate} (no --tokenizer: the store records it as where scorer {scorer_id[:12]}'s "
+                f"tokenizer {theirs.get('name', '?')!r} was loaded from, and its files hash as the scorer's)"
+            )
+        remember_tokenizer(store, mine["files_sha256"], candidate)
+        return tokenizer, mine
+    where = f" (where the store says it was: {', '.join(tried)})" if tried else ""
     raise ExportError(
         f"this needs the tokenizer scorer {scorer_id[:12]} used ({theirs.get('name', '?')!r}){where}: "
         "pass its directory with --tokenizer DIR"

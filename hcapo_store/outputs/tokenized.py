@@ -182,7 +182,7 @@ def export_tokenized(
     run = get_run(store, run_name)
     warnings = run_warnings(run)
     signal_warning(run, warnings)
-    tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer)
+    tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer, note=warnings.append)
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
     with db.read(store.engine) as conn:

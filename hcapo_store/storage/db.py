@@ -134,8 +134,11 @@ def make_engine(url: str) -> Engine:
     try:
         if url.startswith("sqlite"):
             path = sqlite_file(url)
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
+            if path is not None and not path.parent.is_dir():  # as sqlite3 does: no folder is made
+                raise StoreError(
+                    f"cannot open database {path}: the folder {path.parent} does not exist "
+                    "(create it first, or pass another path with --db)"
+                )
             engine = create_engine(url, connect_args={"timeout": busy_timeout_ms() / 1000})
             _sqlite_hooks(engine)
         else:

@@ -16,7 +16,9 @@ or unlinked by ``lo_from_bytea``/``lo_unlink``, ``set_config``, ``NOTIFY``) vani
 a rollback cannot undo (signalling other sessions, reloading the configuration, server
 files, advisory locks kept by the pooled session, connections to elsewhere) is refused
 before the statement is sent: only a query statement is accepted, and it may not name a
-server function with side effects or one that runs SQL given as text. A dedicated
+server function with side effects or one that runs SQL given as text (a list), nor any
+function the server's catalog marks VOLATILE outside a few that only compute or wait (the
+general rule, ``pg_check_volatile``: what an extension adds is covered by it). A dedicated
 restricted role would also stop these, but it needs CREATEROLE and is cluster-wide, so
 it is not something a ``sql`` command can set up on a user's server.
 """
@@ -191,6 +193,54 @@ def pg_check(sql: str) -> None:
 
 def pg_enter(conn: Any) -> None:
     conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+
+
+# The general rule beside the list above: a word of the statement that names a VOLATILE
+# function on the server is refused, unless it is one of these, which only compute or wait.
+# PostgreSQL marks a function VOLATILE when it may change something or its result may change
+# within a statement; functions whose effect a rollback cannot undo are volatile (an
+# extension's function is VOLATILE unless its author said otherwise): consuming a logical
+# replication slot (pg_logical_slot_get_changes), resetting pg_stat_statements, writing
+# autoprewarm's file. The check is the server's own catalog, so what a new extension adds is
+# covered without knowing its name. An allowlist of every function read-only SQL may call
+# would refuse hundreds of harmless built-in ones and every operator's function.
+SAFE_VOLATILE_PG_FUNCTIONS = frozenset(
+    {
+        "random",
+        "random_normal",
+        "gen_random_uuid",
+        "clock_timestamp",
+        "timeofday",
+        "pg_sleep",
+        "pg_sleep_for",
+        "pg_sleep_until",
+    }
+)
+# Every word and double-quoted name: the words before "(" alone would miss a call written
+# with a comment between the name and its parenthesis (a word in a string literal that names a
+# volatile function is refused too: one line names it).
+_WORDS = re.compile(r'"((?:[^"]|"")+)"|([A-Za-z_][A-Za-z0-9_$]*)')
+
+
+def pg_check_volatile(conn: Any, sql: str) -> None:
+    """Refuse a statement that names a VOLATILE server function (the catalog of the server it
+    runs on, asked on the statement's own connection) outside ``SAFE_VOLATILE_PG_FUNCTIONS``."""
+    names = set()
+    for quoted, word in _WORDS.findall(sql):
+        names.add(quoted.replace('""', '"') if quoted else word.lower())
+    names -= SAFE_VOLATILE_PG_FUNCTIONS
+    if not names:
+        return
+    from sqlalchemy import bindparam, text
+
+    query = text("SELECT DISTINCT proname FROM pg_proc WHERE provolatile = 'v' AND proname IN :names ORDER BY 1")
+    hits = conn.execute(query.bindparams(bindparam("names", expanding=True)), {"names": sorted(names)}).scalars().all()
+    if hits:
+        raise StoreError(
+            WRITE_HINT.format(
+                what=f"{hits[0]}() (a VOLATILE server function: it may change what a rollback cannot undo)"
+            )
+        )
 
 
 # ---- stopping a statement: a time limit and Ctrl-C, on both engines --------------------------

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ class Store:
     _reader: Engine | None = field(default=None, repr=False)
     _reader_checked: bool = field(default=False, repr=False)
     _schema: str | None = field(default=None, repr=False)  # PostgreSQL: the store's tables' schema
+    # SQLite: the file's (device, inode) when it was opened (``check_in_place``).
+    _file_id: tuple[int, int] | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, location: str | None = None, *, create: bool = True) -> Store:
@@ -41,7 +44,21 @@ class Store:
         except BaseException:
             engine.dispose()
             raise
-        return cls(url=url, engine=engine)
+        return cls(url=url, engine=engine, _file_id=_file_id(url))
+
+    def check_in_place(self) -> None:
+        """Raise ``StoreError`` when the SQLite file this store opened was deleted or replaced
+        since (its connections would go on writing to the old, unlinked file: work that exists
+        nowhere). A long-running process (``follow``) asks before and after each round."""
+        if self._file_id is None:
+            return
+        now = _file_id(self.url)
+        if now != self._file_id:
+            what = "deleted" if now is None else "replaced by another file"
+            raise StoreError(
+                f"the database {self.display} was {what} while this process used it: stopping "
+                "(what was written since went to the old file; start again on the database to use)"
+            )
 
     @property
     def display(self) -> str:
@@ -77,7 +94,33 @@ class Store:
         seconds the statement may run (then it is stopped, on the server for PostgreSQL);
         Ctrl-C stops it too (``KeyboardInterrupt``). ``as_reader`` (SQL a user wrote): on
         PostgreSQL, run it as the role that can only read the store when there is one
-        (``storage/reader.py``)."""
+        (``storage/reader.py``). The whole result is returned: ``stream`` hands it over row
+        by row instead."""
+        out: list[tuple[list[str], list[tuple]]] = []
+        self.stream(
+            sql,
+            lambda columns, rows: out.append((columns, list(rows))),
+            params,
+            read_only=read_only,
+            timeout=timeout,
+            as_reader=as_reader,
+        )
+        return out[0]
+
+    def stream(
+        self,
+        sql: str,
+        sink: Callable[[list[str], Iterator[tuple]], None],
+        params: dict[str, Any] | None = None,
+        *,
+        read_only: bool = True,
+        timeout: float | None = None,
+        as_reader: bool = False,
+    ) -> None:
+        """``query`` that hands its result to ``sink(columns, rows)`` while the statement runs:
+        ``rows`` is an iterator fetched as it is read, so a result of 20 million rows costs the
+        memory of a few (``hcapo-store sql`` writes each row to its output). ``columns`` is
+        empty for a statement that returns no rows. The time limit covers the sink's work."""
         engine = self.engine
         schema = None
         if self.dialect == "postgresql":
@@ -96,12 +139,13 @@ class Store:
                     # someone else could point it at look-alike tables); pg_temp last, never first.
                     quoted = '"' + schema.replace('"', '""') + '"'
                     conn.exec_driver_sql(f"SET LOCAL search_path TO {quoted}, pg_catalog, pg_temp")
+                    if read_only:
+                        readonly.pg_check_volatile(conn, sql)
                 try:
-                    cols, rows = stop.run(lambda: _run(conn, sql, params, read_only=read_only))
+                    stop.run(lambda: _run(conn, sql, params, sink, read_only=read_only))
                     # Read-only work is never committed: what a READ ONLY transaction still
                     # allows (large objects, set_config) is rolled back.
                     conn.rollback() if read_only else conn.commit()
-                    return cols, rows
                 finally:
                     if read_only:
                         _leave_read_only(conn)
@@ -167,34 +211,42 @@ def _connect(engine: Engine, store: Store) -> Iterator[Connection]:
         yield conn
 
 
-def _run(conn, sql: str, params: dict[str, Any] | None, *, read_only: bool) -> tuple[list[str], list[tuple]]:
+def _run(conn, sql: str, params: dict[str, Any] | None, sink: Callable[..., None], *, read_only: bool) -> None:
     if params:
         result = conn.execute(text(sql), params)  # named :params, the same on every engine
     elif conn.dialect.name == "postgresql":
-        return _pg_raw(conn, sql, read_only=read_only)
+        return _pg_raw(conn, sql, sink, read_only=read_only)
     else:
         result = conn.exec_driver_sql(sql)
     if not result.returns_rows:
-        return [], []
-    return list(result.keys()), [tuple(r) for r in result]
+        return sink([], iter(()))
+    return sink(list(result.keys()), (tuple(r) for r in result))
 
 
 def _read_only_error(guard, orig: BaseException) -> StoreError | None:
     return readonly.sqlite_error(guard, orig) if guard is not None else None
 
 
-def _pg_raw(conn, sql: str, *, read_only: bool) -> tuple[list[str], list[tuple]]:
+def _pg_raw(conn, sql: str, sink: Callable[..., None], *, read_only: bool) -> None:
     """User SQL on PostgreSQL, sent as written (a ``%`` is not a placeholder).
 
-    Read-only statements go through the extended protocol (``prepare=True``), which
-    accepts exactly one statement: ``COMMIT; DELETE …`` cannot escape the read-only
-    transaction the way it could with the simple protocol.
+    Read-only statements go through the extended protocol, which accepts exactly one
+    statement: ``COMMIT; DELETE …`` cannot escape the read-only transaction the way it could
+    with the simple protocol. They are streamed (psycopg's single-row mode, also the
+    extended protocol): the client holds a row at a time, not the whole result.
     """
     with conn.connection.driver_connection.cursor() as cur:
-        cur.execute(sql, prepare=True if read_only else None)
+        if read_only:
+            rows = cur.stream(sql)
+            first = next(rows, None)  # the description comes with the first result
+            if cur.description is None:
+                return sink([], iter(()))
+            head = [] if first is None else [tuple(first)]
+            return sink([d.name for d in cur.description], itertools.chain(head, (tuple(r) for r in rows)))
+        cur.execute(sql)
         if cur.description is None:
-            return [], []
-        return [d.name for d in cur.description], [tuple(r) for r in cur.fetchall()]
+            return sink([], iter(()))
+        return sink([d.name for d in cur.description], (tuple(r) for r in cur))
 
 
 def _enter_read_only(conn):
@@ -212,3 +264,14 @@ def _leave_read_only(conn) -> None:
 def count(store: Store, sql: str, **params: Any) -> int:
     with db.read(store.engine) as conn:
         return int(conn.execute(text(sql), params).scalar() or 0)
+
+
+def _file_id(url: str) -> tuple[int, int] | None:
+    path = db.sqlite_file(url)
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
