@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -144,7 +145,8 @@ class LogprobModel:
             pack_tokens = defaults.PACK_TOKENS if self.device.type == "cuda" else 0
         self.pack_tokens = pack_tokens
         self._lock = threading.Lock()
-        # (start event, end event, tokens) of every forward of run() while a list (bench/gpu.py)
+        # (start, end, tokens) of every forward of run() while a list (bench/gpu.py): CUDA events
+        # recorded around it on a GPU, perf_counter() seconds on a CPU
         self.timings: list[tuple[Any, Any, int]] | None = None
 
     def score(self, input_ids: Sequence[int], first_scored: int) -> list[float]:
@@ -211,11 +213,12 @@ class LogprobModel:
 
     def _forward(self, batch: Sequence[SpanRequest]) -> list[list[float]]:
         width = max(r.length for r in batch)
-        timing = self.timings is not None and self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         with self._lock, torch.inference_mode(), _eval(self.model):
-            if timing:
-                started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                started.record()
+            if self.timings is not None:  # CUDA events on a GPU (no wait), the host clock on a CPU
+                started: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                if cuda:
+                    started.record()
             if len(batch) == 1:
                 tokens = batch[0].tokens.to(self.device, non_blocking=True)[None]
             else:
@@ -230,9 +233,10 @@ class LogprobModel:
                 for chunk in rows.split(self.chunk_size)
             ]
             values = (torch.cat(picked) if picked else torch.empty(0)).tolist()  # the one copy back
-            if timing:
-                ended.record()
-                assert self.timings is not None
+            if self.timings is not None:
+                ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                if cuda:
+                    ended.record()
                 self.timings.append((started, ended, sum(r.length for r in batch)))
         out, offset = [], 0
         for r in batch:
