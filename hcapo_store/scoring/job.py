@@ -248,6 +248,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "rendering_sha256": rendering_fingerprint(builder),
         "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
+    computes_in = getattr(backend, "computes_in", None)
+    if callable(computes_in) and computes_in():  # dtype and device type, even where not in the id
+        spec["provenance"]["computes_in"] = computes_in()
     if cfg.prompt_layout != "per-step":  # only when set: the default keeps existing scorer ids
         spec["prompt_layout"] = cfg.prompt_layout
     elif cfg.truncation != "sliding":

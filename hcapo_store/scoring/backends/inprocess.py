@@ -18,7 +18,7 @@ from typing import Any
 from hcapo_store.errors import InferenceError
 from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
 from hcapo_store.scoring import defaults
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.backends.base import BackendScore, precision_identity
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -35,19 +35,10 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def precision_identity(dtype: str, device_type: str) -> dict[str, str]:
-    """The dtype and device type a model computes in, as they go into the scorer: left out at
-    float32 on the CPU (what every in-process scorer was before they were chosen, so those
-    scorers keep their ids); otherwise both, so bf16 and fp32 scores never share a scorer."""
-    if dtype == "float32" and device_type == "cpu":
-        return {}
-    return {"dtype": dtype, "device": device_type}
-
-
 class InProcessBackend:
     """``device``: cpu, cuda, cuda:N; None: the GPU when there is one. ``dtype``: bfloat16,
     float16, float32; None: the checkpoint's own on a GPU, float32 on the CPU. Both are part
-    of the scorer (:func:`precision_identity`)."""
+    of the scorer unless float32 on the CPU (``precision_identity``)."""
 
     kind = "transformers"
 
@@ -66,7 +57,7 @@ class InProcessBackend:
         self.scorer: Any = None
         self.queue: Any = None
         self._fingerprint: str | None = None
-        self._precision: dict[str, str] | None = None
+        self._computes_in: dict[str, str] | None = None
 
     async def start(self) -> None:
         from hcapo_store.scoring.forward import LogprobModel
@@ -82,7 +73,7 @@ class InProcessBackend:
     def _open_queue(self) -> None:
         from hcapo_store.scoring.forward import ForwardQueue
 
-        self.precision()  # read while the model is here (prepare() closes a live backend before identity())
+        self.computes_in()  # read while the model is here (prepare() closes a live backend before identity())
         if self.queue is None:
             self.queue = ForwardQueue(self.scorer)
 
@@ -92,18 +83,19 @@ class InProcessBackend:
             await asyncio.to_thread(queue.close)
         self.scorer = None
 
-    def precision(self) -> dict[str, str]:
-        """The dtype and device type of the loaded model (read at start) in the scorer."""
+    def computes_in(self) -> dict[str, str]:
+        """The loaded model's dtype and device type (read at start): recorded with the scorer."""
         from hcapo_store.scoring.forward import dtype_name
 
         if self.scorer is not None:
-            self._precision = precision_identity(dtype_name(self.scorer.dtype), self.scorer.device.type)
-        if self._precision is None:
+            self._computes_in = {"dtype": dtype_name(self.scorer.dtype), "device": self.scorer.device.type}
+        if self._computes_in is None:
             raise RuntimeError("start() the backend before asking for its identity")
-        return self._precision
+        return self._computes_in
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model_dir.name, "model_sha256": self._fingerprint, **self.precision()}
+        identity = {"kind": self.kind, "model": self.model_dir.name, "model_sha256": self._fingerprint}
+        return {**identity, **precision_identity(**self.computes_in())}
 
     def context_length(self) -> int | None:
         value = getattr(self.scorer.model.config, "max_position_embeddings", None) if self.scorer else None
@@ -157,7 +149,7 @@ class LiveModelBackend(InProcessBackend):
     Its weights change between iterations and are not fingerprinted (hashing a large model
     at every step would cost more than the scoring): the caller names them with
     ``weight_version``, which is part of the scorer, so scores of two versions never meet in
-    one credit run; so are its dtype and device type (:func:`precision_identity`). The model is
+    one credit run; so are its dtype and device type. The model is
     used where it is, in its dtype, put in eval mode for each forward pass and given back in
     the mode it was in (dropout must not touch the scores)."""
 
@@ -182,7 +174,8 @@ class LiveModelBackend(InProcessBackend):
         self._open_queue()
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model_name, "weight_version": self.version, **self.precision()}
+        # always both: a live scorer is new at every weight version anyway
+        return {"kind": self.kind, "model": self.model_name, "weight_version": self.version, **self.computes_in()}
 
     def weight_version(self) -> str:
         return self.version
