@@ -168,7 +168,7 @@ def build_model(shape: str, vocab: int, device: Any) -> Any:
         model.lm_head.weight = model.model.embed_tokens.weight
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:
                 param.fill_(1.0)
             else:
@@ -245,7 +245,7 @@ def measure_floor(model: Any, device: Any, lengths: list[int], vocab: int, max_s
         reps = 3 if device.type == "cuda" else 1
         seconds = timed(body, device, min_reps=reps, max_s=max_s)
         id_list = ids.tolist()
-        spans_s = timed(lambda: scorer.score_spans(id_list, spans), device, min_reps=reps, max_s=max_s)
+        spans_s = timed(lambda i=id_list, s=spans: scorer.score_spans(i, s), device, min_reps=reps, max_s=max_s)
         out[str(length)] = {
             "tokens_per_s": round(length / seconds),
             "seconds": round(seconds, 5),
@@ -352,7 +352,9 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
     t0 = time.perf_counter()
     prep = prepare(episodes.store, cfg, backend)
     t1 = time.perf_counter()
-    report = run_scoring(episodes.store, prep, RunOptions(concurrency=concurrency, filters=Filters(episodes=tuple(ids))))
+    report = run_scoring(
+        episodes.store, prep, RunOptions(concurrency=concurrency, filters=Filters(episodes=tuple(ids)))
+    )
     wall = time.perf_counter() - t1
     with db.read(episodes.store.engine) as conn:
         floor = floor_accounting(conn, prep.scorer_id)

@@ -206,7 +206,9 @@ def scorer_setup(
     from hcapo_store.scoring.job import default_backend
 
     if (device or dtype) and (backend or default_backend(servers[0] if servers else None, model)) != "transformers":
-        raise click.UsageError("--device and --dtype choose where --backend transformers runs: a server decides its own")
+        raise click.UsageError(
+            "--device and --dtype choose where --backend transformers runs: a server decides its own"
+        )
     if prompt_layout == "episode":
         context = click.get_current_context()
         given = [

@@ -228,10 +228,7 @@ class LogprobModel:
             rows = torch.cat([r.rows.to(self.device, non_blocking=True) + i * width for i, r in enumerate(batch)])
             hidden = self._body(input_ids=tokens, use_cache=False).last_hidden_state.flatten(0, 1)
             flat = tokens.flatten()
-            picked = [
-                self._target_logprobs(hidden[chunk], flat[chunk + 1])
-                for chunk in rows.split(self.chunk_size)
-            ]
+            picked = [self._target_logprobs(hidden[chunk], flat[chunk + 1]) for chunk in rows.split(self.chunk_size)]
             values = (torch.cat(picked) if picked else torch.empty(0)).tolist()  # the one copy back
             if self.timings is not None:
                 ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()

@@ -237,7 +237,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         hindsight=cfg.hindsight,
         layout=cfg.prompt_layout,
     )
-    spec = {
+    spec: dict[str, Any] = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
         "hindsight_template_sha256": template_hash(builder.hindsight_template),
