@@ -71,6 +71,8 @@ def main() -> None:
 
     tiny = args.size == "tiny"
     device = torch.device("cpu" if tiny else "cuda")
+    if tiny:  # one thread: the floor (main thread) and the path (the model's thread) alike, on a shared CPU
+        torch.set_num_threads(1)
     if not tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: run on a GPU machine, or --size tiny on the CPU")
     doc: dict[str, Any] = {
@@ -242,7 +244,7 @@ def measure_floor(model: Any, device: Any, lengths: list[int], vocab: int, max_s
             with torch.inference_mode():
                 model.model(input_ids=on_device, use_cache=False)
 
-        reps = 3 if device.type == "cuda" else 1
+        reps = (3 if length < 16384 else 2) if device.type == "cuda" else 1
         seconds = timed(body, device, min_reps=reps, max_s=max_s)
         id_list = ids.tolist()
         spans_s = timed(lambda i=id_list, s=spans: scorer.score_spans(i, s), device, min_reps=reps, max_s=max_s)
@@ -423,15 +425,18 @@ def measure_shape(
     paths: dict[str, Any] = {}
     result["paths"] = paths
     drift_reserve = 0.5 if tiny else 12.0  # seconds kept for the drift at the end
+    # a cautious guess of the path's tokens/s (the issue's: 0.6 of the 8B's floor, 31-51k on the small shapes),
+    # then what the last run reached, halved (concurrency 4 runs first: the default, the goal)
+    guess = 0.6 * len(lengths) / sum(1 / floor[str(n)]["tokens_per_s"] for n in lengths)
+    guess = guess if tiny else min(guess, 20000.0)
     for layout, most in (("episode", args.episodes), ("per-step", args.per_step_episodes)):
-        factor = 1.0 if layout == "episode" else 7.3  # the per-step layout forwards ~7x the tokens
-        # a cautious guess of the path's tokens/s (the issue's: 0.6 of the 8B's floor, 31-51k on the small shapes)
-        rate = 0.6 * len(lengths) / sum(1 / floor[str(n)]["tokens_per_s"] for n in lengths)
-        rate = rate if tiny else min(rate, 20000.0)
+        rate = guess
+        sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
         for concurrency in sorted(args.concurrency, reverse=True):
             key = f"{layout}/c{concurrency}"
-            n = max(min(most, len(episodes.ids), int(args.measure_s * rate / (per_episode * factor))), 1)
-            expect = n * per_episode * factor / rate + 1.0
+            fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
+            n = max(min(most, len(episodes.ids), max(fit, min(concurrency, int(2 * args.measure_s * rate / sent)))), 1)
+            expect = n * sent / rate + 1.0
             if time.monotonic() + expect > until - drift_reserve:
                 paths[key] = {"skipped": f"would not fit the time left (~{expect:.0f} s)"}
                 continue
@@ -440,7 +445,9 @@ def measure_shape(
                 run = score_run(
                     model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version
                 )
-                paths[key] = path_row(run, floor)
+                paths[key] = row = path_row(run, floor)
+                rate = max(row["sent_tokens_per_s"] * 0.5, 1.0)
+                sent = run["sent_tokens"] / max(run["episodes"], 1)
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
             flush()

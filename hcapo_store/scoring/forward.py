@@ -268,6 +268,10 @@ class LogprobModel:
     ) -> PositionScores:
         """Scores of ``input_ids[first_scored:]``, optionally with ranks, top-k and the
         greedy next token. ``first_scored == len(input_ids)`` scores nothing."""
+        if not (top_k or ranks or next_token):  # the logprobs alone: picked on the device, one copy back
+            if not 1 <= first_scored <= len(input_ids):
+                raise ValueError(f"first_scored must be in [1, {len(input_ids)}], got {first_scored}")
+            return PositionScores(logprobs=self.score_spans(input_ids, [(first_scored, len(input_ids))])[0])
         ids = self._validate(input_ids, first_scored)
         end = len(ids) if next_token else len(ids) - 1
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
