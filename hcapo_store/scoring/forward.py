@@ -373,14 +373,19 @@ class ForwardQueue:
             thread.join()
 
     def _serve(self) -> None:
+        """One forward at a time: the oldest waiting request with the waiting ones it packs with;
+        its callers get their values as soon as it ends (the rest wait for the next forward)."""
         while True:
             with self._wake:
                 while not self._pending and not self._closed:
                     self._wake.wait()
                 if not self._pending:
                     return
-                taken = list(self._pending)
-                self._pending.clear()
+                waiting = list(self._pending)
+                groups = pack_groups([r.length for r, _ in waiting], self.model.pack_tokens)
+                chosen = next(g for g in groups if 0 in g)
+                taken = [waiting[i] for i in sorted(chosen)]
+                self._pending = deque(w for i, w in enumerate(waiting) if i not in chosen)
             taken = [(r, f) for r, f in taken if f.set_running_or_notify_cancel()]
             if not taken:
                 continue
