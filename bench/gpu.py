@@ -1,7 +1,8 @@
 """The in-process and live scoring paths on a GPU against the prefill floor (issue 43).
 
     bash bench/gpu_wheels.sh                      # here: .gpu/wheels and .gpu/qwen3 (carry .gpu)
-    pip install -q --no-index --find-links .gpu/wheels hcapo-store      # on the GPU machine
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl  # GPU machine
+    export PYTHONPATH=/tmp/site
     PYTHONUNBUFFERED=1 python3 bench/gpu.py --tokenizer .gpu/qwen3 --out "$OUT/gpu.json"
     python bench/gpu.py --size tiny --tokenizer DIR --out /tmp/gpu.json # the CPU check (tests)
 
@@ -333,6 +334,7 @@ class Episodes:
 def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, concurrency: int, version: str) -> dict:
     """``prepare`` + ``run_scoring`` with the live backend over ``ids``; the forwards timed with
     CUDA events (LogprobModel.timings)."""
+    from hcapo_store.scoring import defaults
     from hcapo_store.scoring.backends.inprocess import LiveModelBackend
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
     from hcapo_store.scoring.scheduler import RunOptions
@@ -346,6 +348,7 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
         async def start(self) -> None:
             await super().start()
             self.scorer.timings = timings
+            self.scorer.pack_tokens = defaults.PACK_TOKENS  # as on a GPU, on the CPU too (tiny)
 
     backend = Timed(model, weight_version=version, name="bench")
     cfg = ScoreConfig(

@@ -7,8 +7,11 @@
 #   bash bench/gpu_wheels.sh [SHARED_DIR]      # SHARED_DIR: default ../shared (tokenizers/qwen3)
 #
 # Then on the GPU machine, from the repository root (carry: .gpu):
-#   pip install -q --no-index --find-links .gpu/wheels hcapo-store \
-#     && PYTHONUNBUFFERED=1 python3 bench/gpu.py --tokenizer .gpu/qwen3 --out "$OUT/gpu.json"
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/wheels/*.whl \
+#     && export PYTHONPATH=/tmp/site; set -o pipefail;
+#   PYTHONUNBUFFERED=1 python3 bench/gpu.py --tokenizer .gpu/qwen3 --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log"
+# (--no-deps: everything else it needs is on the image, whatever versions it holds; --target: the
+# image's Python is left as it is; bench/gpu.py imports this tree's hcapo_store first.)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${1:-$root/../shared}"
