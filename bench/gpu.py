@@ -84,6 +84,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "budget_s": args.budget_s,
+        "commit": _commit(),
         "shapes": [],
     }
     save(out, doc)
@@ -140,6 +141,19 @@ def parse_args() -> argparse.Namespace:
     if args.tokenizer is None:
         p.error("no tokenizer: pass --tokenizer DIR (bench/gpu_wheels.sh copies Qwen3's to .gpu/qwen3)")
     return args
+
+
+def _commit() -> str | None:
+    """This tree's commit, when it is a git checkout with git at hand (the GPU machine's copy may be neither)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
 
 
 def save(path: Path, doc: dict[str, Any]) -> None:
@@ -410,6 +424,8 @@ def measure_shape(
 
     tiny = shape == "tiny"
     vocab = VOCAB if not tiny else -(-len(load_tokenizer(episodes.tokenizer)) // 64) * 64
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     model = build_model(shape, max(vocab, len(load_tokenizer(episodes.tokenizer))), device)
     sync(device)
@@ -454,6 +470,8 @@ def measure_shape(
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
             flush()
+    if device.type == "cuda":
+        result["peak_gib_bf16"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     result["drift"] = measure_drift(model, device, 256 if tiny else 8192, vocab)
     del model
     gc.collect()
