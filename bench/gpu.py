@@ -362,7 +362,7 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.storage import db
 
-    timings: list[tuple[Any, Any, int]] = []
+    timings: list[tuple[Any, Any, tuple[int, ...]]] = []
 
     class Timed(LiveModelBackend):
         async def start(self) -> None:
@@ -398,7 +398,8 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
         "steps": report.scored,
         "failed": report.failed,
         "forwards": len(timings),
-        "forward_tokens": [n for _, _, n in timings],
+        "packed_forwards": sum(len(lengths) > 1 for _, _, lengths in timings),
+        "sequence_tokens": [n for _, _, lengths in timings for n in lengths],
         "sent_tokens": report.prompt_tokens,
         "conversation_tokens": floor["conversation_tokens"],
         "busy_s": busy,
@@ -407,11 +408,11 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
 
 def path_row(run: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
     wall, steps = run["wall_s"], max(run["steps"], 1)
-    row = {k: v for k, v in run.items() if k != "forward_tokens"}
+    row = {k: v for k, v in run.items() if k != "sequence_tokens"}
     row["conversation_tokens_per_s"] = round(run["conversation_tokens"] / wall)
     row["sent_tokens_per_s"] = round(run["sent_tokens"] / wall)
     try:
-        floor_s = sum(floor_seconds(floor, n) for n in run["forward_tokens"])
+        floor_s = sum(floor_seconds(floor, n) for n in run["sequence_tokens"])  # each sequence on its own
         row["floor_s"] = round(floor_s, 3)
         row["share_of_floor"] = round(floor_s / wall, 3)
     except ValueError as exc:  # no floor point was measured: the run's own figures still count

@@ -145,9 +145,9 @@ class LogprobModel:
             pack_tokens = defaults.PACK_TOKENS if self.device.type == "cuda" else 0
         self.pack_tokens = pack_tokens
         self._lock = threading.Lock()
-        # (start, end, tokens) of every forward of run() while a list (bench/gpu.py): CUDA events
-        # recorded around it on a GPU, perf_counter() seconds on a CPU
-        self.timings: list[tuple[Any, Any, int]] | None = None
+        # (start, end, its sequences' lengths) of every forward of run() while a list (bench/gpu.py):
+        # CUDA events recorded around it on a GPU, perf_counter() seconds on a CPU
+        self.timings: list[tuple[Any, Any, tuple[int, ...]]] | None = None
 
     def score(self, input_ids: Sequence[int], first_scored: int) -> list[float]:
         """log p(input_ids[i] | input_ids[:i]) for i in range(first_scored, len(input_ids))."""
@@ -234,7 +234,7 @@ class LogprobModel:
                 ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
                 if cuda:
                     ended.record()
-                self.timings.append((started, ended, sum(r.length for r in batch)))
+                self.timings.append((started, ended, tuple(r.length for r in batch)))
         out, offset = [], 0
         for r in batch:
             out.append(values[offset : offset + len(r.rows)])
