@@ -99,7 +99,12 @@ def main() -> None:
         result: dict[str, Any] = {"shape": shape}
         doc["shapes"].append(result)
         try:
-            measure_shape(shape, args, device, episodes, result, time.monotonic() + share, lambda: save(out, doc))
+
+            def flush(what: str, result: dict = result) -> None:
+                save(out, doc)
+                print(f"[{time.monotonic() - started:6.1f} s] {result['shape']}: {what}", file=sys.stderr, flush=True)
+
+            measure_shape(shape, args, device, episodes, result, time.monotonic() + share, flush)
         except Exception as exc:  # the next shape still runs; the error is in the JSON
             result["error"] = f"{type(exc).__name__}: {exc}"
             result["traceback"] = traceback.format_exc()[-4000:]
@@ -442,16 +447,16 @@ def measure_shape(
     sync(device)
     result["build_s"] = round(time.perf_counter() - t, 2)
     result["parameters"] = sum(p.numel() for p in model.parameters())
-    flush()
+    flush("built")
     lengths = [128, 256, 512] if tiny else [2048, 8192, 32768]
     result["floor"] = floor = measure_floor(model, device, lengths, vocab, max_s=0.0 if tiny else 1.5)
-    flush()
+    flush("floor")
 
     # warm-up: the first forwards of a run pay for kernels and caches (2.1 s on the 8B)
     warm = score_run(model, episodes, episodes.ids[:1], layout="episode", concurrency=1, version=f"{shape}-warm")
     per_episode = warm["sent_tokens"] / max(warm["episodes"], 1)
     result["warmup"] = {"wall_s": warm["wall_s"], "tokens_per_episode": round(per_episode)}
-    flush()
+    flush("warm-up")
     paths: dict[str, Any] = {}
     result["paths"] = paths
     drift_reserve = 0.5 if tiny else 12.0  # seconds kept for the drift at the end
@@ -481,7 +486,7 @@ def measure_shape(
                 sent = run["sent_tokens"] / max(run["episodes"], 1)
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-            flush()
+            flush(f"{key}: {json.dumps(paths[key])[:160]}")
     if device.type == "cuda":
         result["peak_gib_bf16"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     try:
