@@ -191,7 +191,8 @@ class LogprobModel:
         else:
             rows = torch.empty(0, dtype=torch.long)
         if self.device.type == "cuda":  # pinned: the copy to the GPU is asynchronous
-            tokens, rows = tokens.pin_memory(), rows.pin_memory()
+            tokens = tokens.pin_memory()
+            rows = rows.pin_memory() if len(rows) else rows
         return SpanRequest(tokens, rows, sizes)
 
     def run(self, requests: Sequence[SpanRequest]) -> list[list[list[float]]]:
