@@ -86,3 +86,29 @@ def test_prep_bench_ours_only_small(demo_tokenizer_dir: Path) -> None:
     rounds = [line for line in r.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2 and all("ours_deployed" in line and "original" not in line for line in rounds)
     assert "ours_deployed: min " in r.stdout and "speed-up" not in r.stdout
+
+
+def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """bench/gpu.py's every part on the CPU (--size tiny): the floor, both layouts end to end,
+    the forwards' busy share and the bf16 / fp32 drift, in the JSON the GPU run writes."""
+    out = tmp_path / "gpu.json"
+    r = _run(str(BENCH / "gpu.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["size"] == "tiny" and doc["episodes"]["count"] == 2 and doc["episodes"]["steps_each"] > 10
+    (shape,) = doc["shapes"]
+    assert "error" not in shape, shape.get("traceback")
+    assert json.loads(r.stdout.splitlines()[0])["shape"] == "tiny"  # one JSON line per shape, as it ends
+    assert set(shape["floor"]) == {"128", "256", "512"}
+    for point in shape["floor"].values():
+        assert point["tokens_per_s"] > 0 and point["score_spans_over_floor"] > 0
+    assert set(shape["paths"]) == {"episode/c1", "episode/c2", "per-step/c1", "per-step/c2"}
+    for key, row in shape["paths"].items():
+        assert row["failed"] == 0 and row["steps"] == row["episodes"] * doc["episodes"]["steps_each"], key
+        assert row["conversation_tokens"] > 0 and row["forwards"] >= 1  # short episodes may share one
+        assert 0 < row["share_of_floor"] and 0 < row["gpu_busy_share"] <= 1 and row["gpu_idle_ms_per_step"] >= 0
+    episode, per_step = shape["paths"]["episode/c1"], shape["paths"]["per-step/c1"]
+    # the per-step layout forwards each step's history again
+    assert per_step["sent_tokens"] / per_step["episodes"] > 2 * episode["sent_tokens"] / episode["episodes"]
+    drift = shape["drift"]
+    assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5

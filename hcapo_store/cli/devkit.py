@@ -8,7 +8,8 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import Ctx, cli, echo_json
-from hcapo_store.cli.params import int_range
+from hcapo_store.cli.params import Device, int_range
+from hcapo_store.scoring import defaults
 
 
 @cli.command("serve-reference")
@@ -34,17 +35,39 @@ from hcapo_store.cli.params import int_range
     type=int_range(2, 2**24),
     help="Context length to advertise and enforce (at most N-1 input tokens, as SGLang); default: the model's.",
 )
+@click.option(
+    "--device",
+    type=Device(),
+    metavar="cuda|cuda:N|cpu",
+    help="Where the model runs. Default: the GPU when there is one, else the CPU.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(defaults.DTYPES),
+    help="What the model computes in (reported in /model_info; part of the scorer that scores through it). "
+    "Default: the checkpoint's own on a GPU, float32 on the CPU.",
+)
 def serve_reference(
-    model_dir: Path, tokenizer_dir: Path | None, host: str, port: int, context_length: int | None
+    model_dir: Path,
+    tokenizer_dir: Path | None,
+    host: str,
+    port: int,
+    context_length: int | None,
+    device: str | None,
+    dtype: str | None,
 ) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 
-    Real logprobs from a transformers model on CPU: for tests, the demo, and users without a GPU.
+    Real logprobs from a transformers model (on the CPU or a GPU): for tests, the demo, and users
+    without an inference server.
     """
     from hcapo_store.devkit.refserver import make_server
 
-    server = make_server(model_dir, tokenizer_dir, host=host, port=port, context_length=context_length)
-    click.echo(f"serving {model_dir} at {server.url} (Ctrl-C to stop)", err=True)
+    server = make_server(
+        model_dir, tokenizer_dir, host=host, port=port, context_length=context_length, device=device, dtype=dtype
+    )
+    info = server.model_info()
+    click.echo(f"serving {model_dir} ({info['dtype']} on {info['device']}) at {server.url} (Ctrl-C to stop)", err=True)
     try:
         server.serve_forever()
     finally:

@@ -84,6 +84,19 @@ class ServerURL(click.ParamType):
             self.fail(str(exc).removeprefix("--server "), param, ctx)
 
 
+class Device(click.ParamType):
+    """Where an in-process model runs: cpu, cuda or cuda:N (whether that GPU is there is checked
+    when the model loads)."""
+
+    name = "cuda|cuda:N|cpu"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        kind, colon, index = str(value).partition(":")
+        if (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or (index.isascii() and index.isdigit()))):
+            return str(value)
+        self.fail(f"{value!r} is not cuda, cuda:N or cpu", param, ctx)
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

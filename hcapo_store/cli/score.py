@@ -12,7 +12,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import FiniteFloat, ServerURL, conversion_options, int_range
+from hcapo_store.cli.params import Device, FiniteFloat, ServerURL, conversion_options, int_range
 from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 from hcapo_store.scoring import defaults
 
@@ -33,6 +33,18 @@ SCORER_OPTIONS = [
         type=click.Choice(["sglang", "vllm", "transformers"]),
         default=None,
         help="Default: sglang with --server, transformers with --model and no --server.",
+    ),
+    click.option(
+        "--device",
+        type=Device(),
+        metavar="cuda|cuda:N|cpu",
+        help="Where --backend transformers runs the model. Default: the GPU when there is one, else the CPU.",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(defaults.DTYPES),
+        help="What --backend transformers computes in. Default: the checkpoint's own on a GPU, float32 on the "
+        "CPU. With the device type, part of the scorer: scores of two dtypes are two scorers.",
     ),
     click.option(
         "--model",
@@ -186,9 +198,17 @@ def scorer_setup(
     prompt_layout,
     no_hindsight,
     weight_version,
+    device=None,
+    dtype=None,
     limit=None,
 ) -> tuple[Any, Any]:
     """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
+    from hcapo_store.scoring.job import default_backend
+
+    if (device or dtype) and (backend or default_backend(servers[0] if servers else None, model)) != "transformers":
+        raise click.UsageError(
+            "--device and --dtype choose where --backend transformers runs: a server decides its own"
+        )
     if prompt_layout == "episode":
         context = click.get_current_context()
         given = [
@@ -222,6 +242,8 @@ def scorer_setup(
         prompt_layout=prompt_layout,
         hindsight=not no_hindsight,
         weight_version=weight_version,
+        device=device,
+        dtype=dtype,
     )
     if hindsight_template and no_hindsight:
         raise click.UsageError("--hindsight-template and --no-hindsight contradict each other: pick one")
@@ -396,7 +418,7 @@ def scorers() -> None:
 @pass_ctx
 def scorers_list(state: Ctx, as_json: bool) -> None:
     """List scorers with their counts (scored / failed / missing) and their spec."""
-    from hcapo_store.scoring.scorer import scorer_counts, scorer_spec
+    from hcapo_store.scoring.scorer import computes_in, scorer_counts, scorer_spec
 
     store = state.store(create=False)
     rows = scorer_counts(store)
@@ -410,11 +432,15 @@ def scorers_list(state: Ctx, as_json: bool) -> None:
     # hit (otherwise it equals sent). --json always has every figure.
     floor = any(r["conversation_tokens"] for r in rows)
     cached = any(r["cached_tokens"] for r in rows)
-    columns = ["scorer", "label", "scored", "failed", "missing"]
+    # what each model computes in (dtype@device), once some scorer's is other than float32 on the CPU
+    precision = {r["scorer_id"]: computes_in(scorer_spec(store, r["scorer_id"])) for r in rows}
+    dtype = any(p not in ("", "float32@cpu") for p in precision.values())
+    columns = ["scorer", "label"] + (["dtype"] if dtype else []) + ["scored", "failed", "missing"]
     columns += (["floor", "sent"] if floor else []) + (["prefilled"] if cached else []) + ["created"]
     table = []
     for r in rows:
-        line = [r["scorer_id"][:12], r["label"], r["scored"], r["failed"], r["missing"]]
+        line = [r["scorer_id"][:12], r["label"]] + ([precision[r["scorer_id"]]] if dtype else [])
+        line += [r["scored"], r["failed"], r["missing"]]
         if floor:
             line += [r["conversation_tokens"] or "", _ratio(r["sent_per_floor"])]
         if cached:

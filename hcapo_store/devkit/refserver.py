@@ -28,7 +28,7 @@ from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
 from hcapo_store.scoring.backends.vllm import VLLM_LOGPROB_FLOOR
-from hcapo_store.scoring.forward import LogprobModel, PositionScores
+from hcapo_store.scoring.forward import LogprobModel, PositionScores, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class ReferenceServer(BackgroundHTTPServer):
             "served_model_name": self.model_path,
             "weight_version": self.weight_version,
             "model_type": config.model_type,
+            # what the model computes in: part of the scorer unless float32 on the CPU (precision_identity)
+            "dtype": dtype_name(self.scorer.dtype),
+            "device": self.scorer.device.type,
             "architectures": list(getattr(config, "architectures", None) or []),
         }
 
@@ -404,17 +407,20 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    device: str = "cpu",
+    device: str | None = None,
+    dtype: str | None = None,
     chunk_size: int = 512,
     context_length: int | None = None,
 ) -> ReferenceServer:
     """Load the model (and tokenizer: ``tokenizer_dir``, else the model dir if it holds
     one) and bind the server; port 0 picks a free port. Call ``start()`` or
     ``serve_forever()`` to serve. ``context_length`` (default: the model's) is advertised and
-    enforced as SGLang does: at most ``context_length - 1`` input tokens."""
+    enforced as SGLang does: at most ``context_length - 1`` input tokens. ``device`` and
+    ``dtype`` as ``LogprobModel``'s (default: the GPU when there is one; the checkpoint's dtype
+    there, float32 on the CPU); ``/model_info`` reports both."""
     from transformers import AutoTokenizer
 
-    scorer = LogprobModel(model_dir, device=device, chunk_size=chunk_size)
+    scorer = LogprobModel(model_dir, device=device, dtype=dtype, chunk_size=chunk_size)
     if tokenizer_dir is None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         tokenizer_dir = model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None

@@ -15,3 +15,14 @@ GROUPING: Final = "grouped"  # steps whose prompts are exact prefixes of one ano
 TRUNCATION: Final = "sliding"  # the original's tail per step
 ACTION_SPAN: Final = "rendered"  # the original's: everything the template renders for the turn
 PROMPT_LAYOUT: Final = "per-step"  # the original's: a prompt per step
+
+# The in-process model (score --backend transformers, serve-reference, score_live).
+DTYPES: Final = ("bfloat16", "float16", "float32")  # --dtype; None: the checkpoint's own on a GPU, float32 on CPU
+CPU_DTYPE: Final = "float32"  # what a CPU computes in when no --dtype is given
+# A forward may hold several requests (right-padded to the longest) up to this many tokens in all,
+# padding included, on a GPU: short sequences leave the chip idle, and each forward costs the host
+# its kernel launches. The default prompt budget (rendering.prompts.DEFAULT_MAX_CONTEXT): a packed
+# forward holds no more tokens than one request at the default --max-context. 0: one per forward.
+PACK_TOKENS: Final = 32768
+PACK_WASTE: Final = 0.25  # at most this share of a packed forward's tokens may be padding
+LM_HEAD_ROWS: Final = 512  # rows of the LM head computed at once (its logits are rows x vocabulary)

@@ -64,7 +64,10 @@ class ScoreConfig:
     hindsight_template: str = HINDSIGHT_TEMPLATE
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
-    device: str = "cpu"
+    # The in-process model (--backend transformers): cpu, cuda, cuda:N (None: the GPU when there
+    # is one) and bfloat16/float16/float32 (None: the checkpoint's own on a GPU, float32 on CPU).
+    device: str | None = None
+    dtype: str | None = None
     request_timeout: float | None = defaults.REQUEST_TIMEOUT_S  # seconds per HTTP request; None: the same
     truncation: Truncation = defaults.TRUNCATION  # or "window"/"turns" (other prompts: part of the scorer)
     action_span: ActionSpan = defaults.ACTION_SPAN  # or "policy": only the policy's own tokens are scored
@@ -109,7 +112,7 @@ def make_backend(cfg: ScoreConfig) -> Backend:
             raise ScoringError("--backend transformers needs --model DIR (a local transformers model)")
         from hcapo_store.scoring.backends.inprocess import InProcessBackend
 
-        return InProcessBackend(cfg.model, device=cfg.device)
+        return InProcessBackend(cfg.model, device=cfg.device, dtype=cfg.dtype)
     if not cfg.server:
         raise ScoringError(f"--backend {cfg.backend} needs --server URL (e.g. http://127.0.0.1:30000)")
     if cfg.backend == "sglang":
@@ -236,7 +239,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         hindsight=cfg.hindsight,
         layout=cfg.prompt_layout,
     )
-    spec = {
+    spec: dict[str, Any] = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
         "hindsight_template_sha256": template_hash(builder.hindsight_template),
@@ -247,6 +250,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "rendering_sha256": rendering_fingerprint(builder),
         "provenance": {"libraries": library_versions()},  # recorded, not part of the id
     }
+    computes_in = getattr(backend, "computes_in", None)
+    if callable(computes_in) and computes_in():  # dtype and device type, even where not in the id
+        spec["provenance"]["computes_in"] = computes_in()
     if cfg.prompt_layout != "per-step":  # only when set: the default keeps existing scorer ids
         spec["prompt_layout"] = cfg.prompt_layout
     elif cfg.truncation != "sliding":

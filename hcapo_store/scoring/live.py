@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hcapo_store.rendering.prompts import PromptLayout
+from hcapo_store.scoring import defaults
 from hcapo_store.scoring.backends.inprocess import LiveModelBackend
 from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
@@ -44,9 +46,13 @@ def score_live(
     max_logprob_tokens: int | None = None,
     action_span: str = "rendered",
     name: str | None = None,
+    prompt_layout: PromptLayout = defaults.PROMPT_LAYOUT,
+    concurrency: int = defaults.CONCURRENCY,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
-    ``weight_version``. ``tokenizer``: the model's tokenizer directory."""
+    ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
+    episodes are in flight: the next ones are rendered and prepared while the model runs the
+    current forward (one model thread; short requests share a forward on a GPU)."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
     backend = LiveModelBackend(model, weight_version=weight_version, name=name)
@@ -59,6 +65,7 @@ def score_live(
         max_context=max_context,
         action_span=action_span,  # type: ignore[arg-type]
         weight_version=str(weight_version),
+        prompt_layout=prompt_layout,
         **extra,
     )
     prep = prepare(store, cfg, backend)
@@ -66,6 +73,6 @@ def score_live(
     if episodes is not None:
         with db.read(store.engine) as conn:
             keys = resolve_episodes(conn, list(episodes))
-    options = RunOptions(concurrency=1, filters=Filters(episodes=keys) if episodes is not None else Filters())
+    options = RunOptions(concurrency=concurrency, filters=Filters(episodes=keys) if episodes is not None else Filters())
     report = run_scoring(store, prep, options)
     return LiveReport(prep.scorer_id, scorer_label(prep.spec), str(weight_version), report)

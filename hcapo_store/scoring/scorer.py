@@ -39,6 +39,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
     b = spec["backend"]
     model = b.get("model") or b.get("server_model") or "?"
     parts = [f"{b['kind']}:{model}"]
+    if b.get("dtype"):  # in the id only off float32 on the CPU (backends.base.precision_identity)
+        parts.append(f"{b['dtype']}@{b.get('device', '?')}")
     tok = spec.get("tokenizer") or {}
     if tok:
         parts.append(f"tok={tok.get('name', '?')}@{str(tok.get('files_sha256') or '')[:8]}")
@@ -174,6 +176,17 @@ def scorer_counts(store: Store) -> list[dict[str, Any]]:
             d.update(floor_accounting(conn, d["scorer_id"]))
             out.append(d)
     return out
+
+
+def computes_in(spec: dict[str, Any]) -> str:
+    """``dtype@device`` of a scorer's model: from its identity, else as recorded at registration
+    (``provenance``), else float32@cpu for an in-process scorer (all it could be before the dtype
+    was chosen); empty for a server that does not say."""
+    backend = spec.get("backend") or {}
+    facts = backend if backend.get("dtype") else (spec.get("provenance") or {}).get("computes_in") or {}
+    if facts.get("dtype"):
+        return f"{facts['dtype']}@{facts.get('device', '?')}"
+    return "float32@cpu" if backend.get("kind") == "transformers" else ""
 
 
 def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:

@@ -36,6 +36,16 @@ def checked_cached_tokens(value: Any, prompt_tokens: int) -> int | None:
     return value
 
 
+def precision_identity(dtype: str, device: str) -> dict[str, str]:
+    """The dtype and device type a model computes in, as they go into the scorer (in process,
+    live, or a server that reports them, as the reference server's ``/model_info`` does): left
+    out at float32 on the CPU (what every in-process scorer was before they could be chosen, so
+    those scorers keep their ids); otherwise both, so bf16 and fp32 scores never share a scorer."""
+    if dtype == "float32" and device == "cpu":
+        return {}
+    return {"dtype": dtype, "device": device}
+
+
 @dataclass(frozen=True)
 class BackendScore:
     """Verified logprobs of ``prompt.input_ids[prompt.first_scored:]``, one per token."""

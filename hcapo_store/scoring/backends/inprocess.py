@@ -1,13 +1,14 @@
 """In-process backend: the same prompts and stored results as a server, no server.
 
-Wraps ``LogprobModel`` (chunked LM head) and runs it in a worker thread so the
-scheduler's event loop keeps committing results while the model computes.
+Wraps ``LogprobModel`` (chunked LM head): each request is checked and put in tensors in a
+worker thread, then queued for the model's own thread (``ForwardQueue``), so the scheduler's
+event loop keeps building and committing while the model computes, and the next requests are
+ready when a forward ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
@@ -16,7 +17,8 @@ from typing import Any
 
 from hcapo_store.errors import InferenceError
 from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
-from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring import defaults
+from hcapo_store.scoring.backends.base import BackendScore, precision_identity
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -34,30 +36,66 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 class InProcessBackend:
+    """``device``: cpu, cuda, cuda:N; None: the GPU when there is one. ``dtype``: bfloat16,
+    float16, float32; None: the checkpoint's own on a GPU, float32 on the CPU. Both are part
+    of the scorer unless float32 on the CPU (``precision_identity``)."""
+
     kind = "transformers"
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", chunk_size: int = 512) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        chunk_size: int = defaults.LM_HEAD_ROWS,
+    ) -> None:
         self.model_dir = Path(model_dir).resolve()
         self.device = device
+        self.dtype = dtype
         self.chunk_size = chunk_size
         self.scorer: Any = None
+        self.queue: Any = None
         self._fingerprint: str | None = None
+        self._computes_in: dict[str, str] | None = None
 
     async def start(self) -> None:
         from hcapo_store.scoring.forward import LogprobModel
 
-        if self.scorer is not None:
-            return
-        self.scorer = await asyncio.to_thread(
-            LogprobModel, self.model_dir, device=self.device, chunk_size=self.chunk_size
-        )
-        self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
+        if self.scorer is None:
+            self.scorer = await asyncio.to_thread(
+                LogprobModel, self.model_dir, device=self.device, dtype=self.dtype, chunk_size=self.chunk_size
+            )
+        if self._fingerprint is None:
+            self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
+        self._open_queue()
+
+    def _open_queue(self) -> None:
+        from hcapo_store.scoring.forward import ForwardQueue
+
+        self.computes_in()  # read while the model is here (prepare() closes a live backend before identity())
+        if self.queue is None:
+            self.queue = ForwardQueue(self.scorer)
 
     async def close(self) -> None:
+        queue, self.queue = self.queue, None
+        if queue is not None:
+            await asyncio.to_thread(queue.close)
         self.scorer = None
 
+    def computes_in(self) -> dict[str, str]:
+        """The loaded model's dtype and device type (read at start): recorded with the scorer."""
+        from hcapo_store.scoring.forward import dtype_name
+
+        if self.scorer is not None:
+            self._computes_in = {"dtype": dtype_name(self.scorer.dtype), "device": self.scorer.device.type}
+        if self._computes_in is None:
+            raise RuntimeError("start() the backend before asking for its identity")
+        return self._computes_in
+
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model_dir.name, "model_sha256": self._fingerprint}
+        identity = {"kind": self.kind, "model": self.model_dir.name, "model_sha256": self._fingerprint}
+        return {**identity, **precision_identity(**self.computes_in())}
 
     def context_length(self) -> int | None:
         value = getattr(self.scorer.model.config, "max_position_embeddings", None) if self.scorer else None
@@ -93,6 +131,9 @@ class InProcessBackend:
             return None
         return list(own(text, add_special_tokens=False)["input_ids"]), False
 
+    def model_id(self) -> str:
+        return str(self.model_dir)
+
     async def score(self, prompt: StepPrompt) -> BackendScore:
         return (await self._score_spans(prompt.input_ids, [(prompt.first_scored, len(prompt.input_ids))]))[0]
 
@@ -101,19 +142,24 @@ class InProcessBackend:
         return await self._score_spans(group.input_ids, group.spans)
 
     async def _score_spans(self, ids: Sequence[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
+        """The request is checked and put in tensors in a worker thread (while the model runs
+        another), then queued for the model's thread (``ForwardQueue``)."""
         started = time.monotonic()
+        if self.queue is None:
+            self._open_queue()
         try:
-            values = await asyncio.to_thread(self.scorer.score_spans, ids, spans)
+            request = await asyncio.to_thread(self.scorer.prepare, ids, spans)
+            values = await asyncio.wrap_future(self.queue.submit(request))
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
             raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
         latency = time.monotonic() - started
         return [
             BackendScore(
-                logprobs=[float(x) for x in v],
+                logprobs=v,
                 prompt_tokens=len(ids),
                 cached_tokens=0,
                 latency_s=latency,
-                model_id=str(self.model_dir),
+                model_id=self.model_id(),
             )
             for v in values
         ]
@@ -125,12 +171,15 @@ class LiveModelBackend(InProcessBackend):
     Its weights change between iterations and are not fingerprinted (hashing a large model
     at every step would cost more than the scoring): the caller names them with
     ``weight_version``, which is part of the scorer, so scores of two versions never meet in
-    one credit run. The model is put in eval mode for each forward pass and given back in the
-    mode it was in (dropout must not touch the scores)."""
+    one credit run; so are its dtype and device type. The model is
+    used where it is, in its dtype, put in eval mode for each forward pass and given back in
+    the mode it was in (dropout must not touch the scores)."""
 
     kind = "transformers-live"
 
-    def __init__(self, model: Any, *, weight_version: str, chunk_size: int = 512, name: str | None = None) -> None:
+    def __init__(
+        self, model: Any, *, weight_version: str, chunk_size: int = defaults.LM_HEAD_ROWS, name: str | None = None
+    ) -> None:
         if not weight_version:
             raise ValueError("a live model needs its weight_version (e.g. the training step)")
         config_name = str(getattr(model.config, "_name_or_path", "") or "live-model")
@@ -144,9 +193,11 @@ class LiveModelBackend(InProcessBackend):
 
         if self.scorer is None:
             self.scorer = LogprobModel(self.model_name, chunk_size=self.chunk_size, loaded=self.live)
+        self._open_queue()
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "model": self.model_name, "weight_version": self.version}
+        # always both: a live scorer is new at every weight version anyway
+        return {"kind": self.kind, "model": self.model_name, "weight_version": self.version, **self.computes_in()}
 
     def weight_version(self) -> str:
         return self.version
@@ -160,11 +211,5 @@ class LiveModelBackend(InProcessBackend):
     async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
         return None  # no directory, so no tokenizer of its own to probe against
 
-    async def _score_spans(self, ids: Sequence[int], spans: list[tuple[int, int]]) -> list[BackendScore]:
-        was_training = self.live.training
-        self.live.eval()
-        try:
-            scores = await super()._score_spans(ids, spans)
-        finally:
-            self.live.train(was_training)
-        return [dataclasses.replace(s, model_id=f"{self.model_name}@{self.version}") for s in scores]
+    def model_id(self) -> str:
+        return f"{self.model_name}@{self.version}"

@@ -21,7 +21,13 @@ import orjson
 
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.rendering.requests import StepPrompt
-from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, checked_cached_tokens, routing_headers
+from hcapo_store.scoring.backends.base import (
+    LOGPROB_FLOOR,
+    BackendScore,
+    checked_cached_tokens,
+    precision_identity,
+    routing_headers,
+)
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 
 
@@ -264,7 +270,13 @@ class SGLangBackend(HttpBackend):
             "model": self.model,
             "server_model": self.server_model_id(),
             "max_new_tokens": self.max_new_tokens,
+            **(precision_identity(**self.computes_in()) if self.computes_in() else {}),
         }
+
+    def computes_in(self) -> dict[str, str]:
+        """The served dtype and device type, when the server reports them (the reference server)."""
+        dtype, device = self.model_info.get("dtype"), self.model_info.get("device")
+        return {"dtype": str(dtype), "device": str(device)} if dtype and device else {}
 
     def context_length(self) -> int | None:
         # SGLang takes at most max_req_input_len input tokens; a model of context 32768 accepts
@@ -349,4 +361,4 @@ class SGLangBackend(HttpBackend):
 
 
 def _served_facts(model_info: dict[str, Any]) -> dict[str, Any]:
-    return {k: model_info.get(k) for k in ("model_path", "tokenizer_path", "weight_version")}
+    return {k: model_info.get(k) for k in ("model_path", "tokenizer_path", "weight_version", "dtype", "device")}
