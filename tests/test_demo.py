@@ -41,3 +41,14 @@ def test_demo_end_to_end(runner, tmp_path):
     assert verdict.startswith("verdict: ") and out["verdict"] == again["verdict"] == verdict
     last = r.output.strip().splitlines()[-1]
     assert last.startswith(verdict + " (run 'default'") and "diagnose" in last
+
+
+def test_demo_without_db_makes_its_own_folder(runner, tmp_path, monkeypatch):
+    """`hcapo-store demo` on a fresh machine: no --db, a folder that does not exist yet. A missing
+    --db folder is refused elsewhere; the demo's own folder is made by the demo."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HCAPO_STORE_DB", raising=False)
+    r = runner.invoke(cli, ["demo", "--dir", "new/nested", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["score"]["failed"] == 0
+    assert (tmp_path / "new" / "nested" / "demo.db").is_file()

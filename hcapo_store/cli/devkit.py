@@ -96,7 +96,8 @@ def demo(ctx: click.Context, workdir: Path, as_json: bool) -> None:
     from hcapo_store.devkit.demo import demo_summary, manual_commands, run_demo
 
     state: Ctx = ctx.obj
-    if state.db is None:
+    if state.db is None:  # the demo's own folder: made here, as a missing --db folder is refused
+        workdir.mkdir(parents=True, exist_ok=True)
         state.db = str(workdir / "demo.db")
     store = state.store()
     result = run_demo(
