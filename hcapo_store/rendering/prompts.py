@@ -268,7 +268,7 @@ class PromptBuilder:
     ) -> tuple[list[StepPrompt | PromptFailure], list[tuple[int, int]]]:
         """Every step's result, and (position, chain number) of those built on a bounded render."""
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
-        anchors: dict[tuple[str, bool], list[int]] = {}
+        anchors: dict[tuple[Any, ...], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
         bounded: list[tuple[int, int]] = []
         for step in steps:
@@ -292,7 +292,7 @@ class PromptBuilder:
         step: Any,
         hindsight: str | None,
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]],
-        anchors: dict[tuple[str, bool], list[int]],
+        anchors: dict[tuple[Any, ...], list[int]],
         *,
         whole: bool,
     ) -> tuple[StepPrompt | PromptFailure, int | None]:
@@ -375,7 +375,10 @@ class PromptBuilder:
             return exc.reason
         return span.start, span.end
 
-    def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
+    def _anchor(self, anchors: dict[tuple[Any, ...], list[int]], key: tuple[Any, ...], first: dict) -> list[int]:
+        # by the first message's text too: under --truncation turns a window that leaves turns
+        # out ends the head with the marker, and a head of one message carries it in its anchor
+        key = (*key, first.get("content"))
         if key not in anchors:
             anchors[key] = self.anchor_ids(first)
         return anchors[key]
