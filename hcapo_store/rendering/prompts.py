@@ -39,14 +39,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hcapo_store.rendering.bounded import BOUND_ADVANCE as BOUND_ADVANCE
-from hcapo_store.rendering.bounded import BOUND_START as BOUND_START
-from hcapo_store.rendering.bounded import BOUND_TARGET as BOUND_TARGET
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.bounded import BoundedRenders, NeedWhole, checked_positions
 from hcapo_store.rendering.hindsight import EPISODE_HINDSIGHT_TEMPLATE as EPISODE_HINDSIGHT_TEMPLATE
-from hcapo_store.rendering.hindsight import HINDSIGHT_PLACEHOLDERS as HINDSIGHT_PLACEHOLDERS
 from hcapo_store.rendering.hindsight import HINDSIGHT_TEMPLATE as HINDSIGHT_TEMPLATE
-from hcapo_store.rendering.hindsight import PER_STEP_PLACEHOLDERS as PER_STEP_PLACEHOLDERS
 from hcapo_store.rendering.hindsight import PROMPT_LAYOUTS as PROMPT_LAYOUTS
 from hcapo_store.rendering.hindsight import PromptLayout as PromptLayout
 from hcapo_store.rendering.hindsight import check_hindsight_template as check_hindsight_template
@@ -56,15 +52,13 @@ from hcapo_store.rendering.hindsight import layout_template as layout_template
 from hcapo_store.rendering.hindsight import read_field as read_field
 from hcapo_store.rendering.hindsight import template_hash as template_hash
 from hcapo_store.rendering.messages import flatten_messages as flatten_messages
-from hcapo_store.rendering.messages import normalize_message as normalize_message
 from hcapo_store.rendering.messages import normalize_messages as normalize_messages
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.rendering.prompt_rule import TRUNCATION_MARKER as TRUNCATION_MARKER
 from hcapo_store.rendering.prompt_rule import RenderedStep, check_step, whole_history, whole_turns
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
-from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_chat
-from hcapo_store.rendering.turn_windows import TURN_OVERHEAD_TOKENS as TURN_OVERHEAD_TOKENS
+from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_by_rule, render_chat
 from hcapo_store.rendering.turn_windows import TurnWindows
 
 PROMPT_BUILDER_VERSION = 1
@@ -80,6 +74,8 @@ Truncation = Literal["sliding", "window", "turns"]
 TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window", "turns")
 # --truncation window: the window start moves in blocks of this fraction of the tail budget.
 WINDOW_BLOCK_FRACTION = 4
+# --truncation turns: sampled steps checked against the rule are at most this far into a session
+TURN_CHECK_MESSAGES = 128
 
 
 @dataclass
@@ -111,7 +107,17 @@ class PromptBuilder:
         action_span: ActionSpan = "rendered",
         hindsight: bool = True,
         layout: PromptLayout = "per-step",
+        rendering: Literal["fast", "reference"] | None = None,
     ) -> None:
+        self._settings: dict[str, Any] = dict(
+            hindsight_template=hindsight_template,
+            max_context=max_context,
+            max_logprob_tokens=max_logprob_tokens,
+            truncation=truncation,
+            action_span=action_span,
+            hindsight=hindsight,
+            layout=layout,
+        )
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
         if truncation not in TRUNCATIONS:
@@ -132,7 +138,9 @@ class PromptBuilder:
         self.hindsight_template = hindsight_template
         self.max_context = max_context
         self.max_logprob_tokens = max_logprob_tokens
-        self.encoder = SegmentEncoder(tokenizer)
+        # "reference": the rules only (verify.py; None: HCAPO_RENDERING decides)
+        self.reference = verify.reference_mode() if rendering is None else rendering == "reference"
+        self.encoder = SegmentEncoder(tokenizer, reference=self.reference)
         self._known: PlainCache | None = None  # set while build_episode renders one episode
 
         # the fast strategies (each tested equal to the rule: prompt_rule.py)
@@ -158,6 +166,10 @@ class PromptBuilder:
         if layout == "episode" and not self._locator.available:
             raise ValueError("the episode layout needs a fast tokenizer (character offsets)")
 
+    def by_rule(self) -> PromptBuilder:
+        """A builder of the same settings that runs the rules only (the scorer fingerprint's)."""
+        return self if self.reference else PromptBuilder(self.tokenizer, **self._settings, rendering="reference")
+
     def anchor_ids(self, first: dict) -> list[int]:
         """The first message (hindsight block included) alone: what a truncated prompt keeps."""
         return self.encoder.encode_once(self._render([first], generation=False))
@@ -179,7 +191,14 @@ class PromptBuilder:
 
     # -- rendering: the rule (prompt_rule.py) or a fast strategy; only the path differs
 
+    def render(self, messages: list[dict], *, generation: bool) -> str:
+        """The chat template's text of ``messages``: the project's sandbox (render_chat), or in
+        reference mode ``apply_chat_template`` itself."""
+        return self._render(messages, generation=generation)
+
     def _render(self, messages: list[dict], *, generation: bool) -> str:
+        if self.reference:
+            return render_by_rule(self.tokenizer, messages, generation=generation)
         return render_chat(self.tokenizer, messages, generation=generation, known=self._known)
 
     def _texts(
@@ -222,9 +241,7 @@ class PromptBuilder:
         history; a chain starts with such a pair of renders anyway, so the check adds at most
         that much again, plus about four for the halving. Returns what differed, or None."""
 
-        def encode(text: str) -> list[int]:  # through the episode's cached pieces
-            return self.encoder.encode(text, self.encoder.new_state())
-
+        encode = self._fresh_encode
         for n in checked_positions([chain for _, chain in bounded]):
             position = bounded[n][0]
             exact = self._exact_step(messages, normalized, outcome, steps[position], encode)
@@ -232,12 +249,52 @@ class PromptBuilder:
                 return f"step {read_field(steps[position], 'step_index')} differs from its whole-history build"
         return None
 
+    def _fresh_encode(self, text: str) -> list[int]:
+        """``text``'s ids through the episode's cached pieces (a rule's texts, checked)."""
+        return self.encoder.encode(text, self.encoder.new_state())
+
+    def _rule_steps(
+        self, messages: Sequence[Mapping[str, Any]], normalized: list[dict], outcome: Any, steps: Sequence[Any]
+    ) -> list[StepPrompt | PromptFailure]:
+        """Every step built by the rule (a strategy disagreed for this episode)."""
+        return [self._exact_step(messages, normalized, outcome, step, self._fresh_encode) for step in steps]
+
+    def _check_turns(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        outcome: Any,
+        steps: Sequence[Any],
+        results: list[StepPrompt | PromptFailure],
+    ) -> str | None:
+        """verify.TURN_WINDOWS's policy: the step where the session first crosses the budget
+        (its first prompt that leaves anything out) is built by the rule, and one in 16 of the
+        later ones whose step is at most TURN_CHECK_MESSAGES messages in (the rule renders every
+        window from the earliest start: a long session's late step would cost its square).
+        Returns what differed, or None."""
+        crossed = False
+        for step, result in zip(steps, results):
+            if not (isinstance(result, StepPrompt) and result.truncated_prefix_tokens):
+                continue
+            if crossed:
+                if read_field(step, "message_index") > TURN_CHECK_MESSAGES or not verify.due(verify.TURN_WINDOWS):
+                    continue
+            crossed = True
+            if self._exact_step(messages, normalized, outcome, step, self._fresh_encode) != result:
+                return f"step {read_field(step, 'step_index')} differs from the whole-turns rule's build"
+        return None
+
     # -- public entry points
 
     def build_episode(
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
+        """Every step's prompt (or failure), through the fast strategies, each held to its
+        rule by verify.py's policy: a disagreement stores the rule's prompts for the episode.
+        In reference mode, the rule for every step (:meth:`build_step_reference`)."""
         normalized = normalize_messages(messages)
+        if self.reference:
+            return [self._exact_step(messages, normalized, outcome, step, self.encoder.encode_whole) for step in steps]
         # Each message is rendered again for every later step: whether it is plain JSON data
         # is checked once per episode (the normalized messages do not change meanwhile).
         self._known = {}
@@ -249,10 +306,16 @@ class PromptBuilder:
             mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if bounded else None
             if mismatch is not None:
                 # Never store a prompt on trust: build every step on its whole history.
+                verify.disagreed(verify.BOUNDED_RENDERS, mismatch)
                 reason = mismatch
                 self._bounded.start_episode(on=False)
                 results, bounded = self._build_steps(messages, normalized, outcome, steps)
             self.bounded_steps += len(bounded)
+            if self.truncation == "turns":
+                mismatch = self._check_turns(messages, normalized, outcome, steps, results)
+                if mismatch is not None:
+                    verify.disagreed(verify.TURN_WINDOWS, mismatch)
+                    results = self._rule_steps(messages, normalized, outcome, steps)
             if reason is not None:
                 self.whole_history_episodes += 1
                 log.info("a long session's steps render their whole history (%s)", reason)

@@ -16,6 +16,7 @@ import httpx
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.masking import mask_url
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_LOGPROB_TOKENS,
@@ -31,12 +32,13 @@ from hcapo_store.rendering.prompts import (
     template_hash,
 )
 from hcapo_store.rendering.requests import PromptFailure
-from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.template import TemplateRejected, render_by_rule
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
 from hcapo_store.scoring.grouping import Grouping, plan_requests
+from hcapo_store.scoring.results import fallback_text
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
 from hcapo_store.storage import db
@@ -294,6 +296,8 @@ class DryRun:
     # the square of a session's steps).
     truncated_steps: int = 0
     quadratic_in_session: bool = False
+    # fast rendering strategies that disagreed with their rule while planning (rendering/verify.py)
+    strategy_fallbacks: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (
@@ -302,6 +306,7 @@ class DryRun:
             f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
             "nothing was sent"
         )
+        text += f"\n{fallback_text(self.strategy_fallbacks)}"
         if self.truncated_steps and self.quadratic_in_session:
             text += (
                 f"\nnote: {self.truncated_steps} step(s) have more history than --max-context, and for some "
@@ -334,6 +339,7 @@ def dry_run(
         limit=limit,
     )
     whole_before = prep.builder.whole_history_episodes
+    fallbacks_before = verify.fallbacks()
     with db.read(store.engine) as conn:
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
@@ -364,6 +370,7 @@ def dry_run(
         failures,
         truncated,
         prep.builder.whole_history_episodes > whole_before,
+        verify.since(fallbacks_before),
     )
 
 
@@ -395,8 +402,8 @@ def probe_text(tokenizer: Any) -> str:
     """A text to compare two tokenizers on: the fingerprint's probe conversation as this
     tokenizer's chat template renders it (its special tokens, reasoning and tool-call markup,
     non-ASCII letters, runs of spaces), else the conversation's plain text."""
-    try:
-        return render_chat(tokenizer, PROBE_MESSAGES, generation=False)
+    try:  # apply_chat_template itself: the check runs through no fast strategy
+        return render_by_rule(tokenizer, PROBE_MESSAGES, generation=False)
     except TemplateRejected:
         return "\n".join(str(m["content"]) for m in PROBE_MESSAGES)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import GroupPrompt, PromptFailure
 from hcapo_store.scoring import defaults, work_queue
@@ -143,6 +144,7 @@ class Scheduler:
 
     async def _run(self) -> ScoreReport:
         started = time.monotonic()
+        fallbacks_before = verify.fallbacks()
         work_queue.reap_dead_local_workers(self.store)
         self.report.planned = work_queue.count_claimable(self.store, self.scorer_id, self.options.filters)
         if self.options.limit is not None:
@@ -179,6 +181,7 @@ class Scheduler:
                 self._stopping.is_set() and self.report.server_down is None and not (write_error or self._model_error)
             )
             self.report.elapsed_s = time.monotonic() - started
+            self.report.strategy_fallbacks = verify.since(fallbacks_before)
             failed = write_error or self._model_error
             released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
         if write_error is not None:
