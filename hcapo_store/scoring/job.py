@@ -66,6 +66,9 @@ class ScoreConfig:
     hindsight_template: str = HINDSIGHT_TEMPLATE
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
+    # vLLM's --logprobs-mode the scorer declares (anything but raw_logprobs is a scorer of its own;
+    # a server that reports another mode is refused)
+    logprobs_mode: str = "raw_logprobs"
     device: str = "cpu"
     request_timeout: float | None = defaults.REQUEST_TIMEOUT_S  # seconds per HTTP request; None: the same
     truncation: Truncation = defaults.TRUNCATION  # or "window"/"turns" (other prompts: part of the scorer)
@@ -125,7 +128,13 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "vllm":
         from hcapo_store.scoring.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, timeout=_http_timeout(cfg))
+        return VLLMBackend(
+            cfg.server,
+            model=cfg.model,
+            api_key=cfg.api_key,
+            logprobs_mode=cfg.logprobs_mode,
+            timeout=_http_timeout(cfg),
+        )
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
 
 

@@ -10,6 +10,7 @@ returns as null. Every returned token id and the count are checked; an HTTP 200 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -201,6 +202,20 @@ def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> lis
     return logprobs
 
 
+# server_info keys that change an input token's logprob (the temperature it is scaled by, the
+# original or processed distribution): recorded in the scorer's identity where echoed
+_LOGPROB_KEY = re.compile(r"logprob|temperature|temp_scaled")
+
+
+def logprob_settings(server_info: dict[str, Any]) -> dict[str, Any]:
+    """The server's settings that change input logprobs, where it reports them (scalars only)."""
+    return {
+        k: v
+        for k, v in sorted(server_info.items())
+        if _LOGPROB_KEY.search(k) and (v is None or isinstance(v, (str, int, float, bool)))
+    }
+
+
 class SGLangBackend(HttpBackend):
     kind = "sglang"
 
@@ -264,6 +279,14 @@ class SGLangBackend(HttpBackend):
             "model": self.model,
             "server_model": self.server_model_id(),
             "max_new_tokens": self.max_new_tokens,
+            # what changes the numbers, where the server reports it (only then: existing scorers
+            # of a server that reports nothing keep their ids)
+            **(
+                {"engine": {"name": "sglang", "version": version}}
+                if (version := self.server_info.get("version"))
+                else {}
+            ),
+            **({"logprob_settings": settings} if (settings := logprob_settings(self.server_info)) else {}),
         }
 
     def context_length(self) -> int | None:
