@@ -74,7 +74,7 @@ def test_a_wrong_placement_is_caught_and_the_rule_placed(fresh_policy, monkeypat
         return placement
 
     monkeypatch.setattr(Placer, "place", wrong)
-    monkeypatch.setattr(verify, "_uses", Counter())
+    monkeypatch.setattr(verify, "_uses", Counter(placement=verify.PLACEMENT.every - 1))  # the next one is sampled
     before = verify.fallbacks().get("placement", 0)
     assert EpisodeLayout(builder).requests(messages, outcome, steps) == right
     assert verify.fallbacks()["placement"] == before + 1

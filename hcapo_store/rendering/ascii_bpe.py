@@ -24,9 +24,16 @@ Why it is exact, and when it is used (:meth:`AsciiBpe.of` says why not otherwise
   backend's own ByteLevel) and given to the backend's own model (``model.tokenize``); its
   tokens must spell the pre-token exactly, else the text goes to the backend.
 
-tests/test_ascii_bpe.py holds it to ``backend.encode`` on every string of up to four
-characters over a representative of each character class, every pair of ASCII characters,
-and long texts.
+* Every key of the pipeline parts it reads must be one it knows (``KNOWN_KEYS``): an option a
+  later ``tokenizers`` adds refuses the strategy, whatever its value.
+
+What is checked, and how: tests/test_ascii_bpe.py holds it to ``backend.encode`` on every
+string of up to four characters over a representative of each character class, every pair
+of ASCII characters, and long texts. At run time (verify.ASCII_BPE) the first 256 pieces of
+each process and one in 256 after are encoded by the backend too; a difference switches the
+strategy off for the process and counts an ``ascii_bpe`` fallback. The scorer fingerprint
+and the server-tokenizer check never go through it (they use the backend tokenizer), so a
+``tokenizers`` release that changes ASCII text changes the fingerprint.
 """
 
 from __future__ import annotations

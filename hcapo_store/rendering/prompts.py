@@ -5,18 +5,25 @@ For step t (assistant message m) the request is ``prefix + action`` where
 and ``full = render(messages[:m + 1])``; both texts are tokenized with
 ``add_special_tokens=False`` and the action is ``full_ids[len(prefix_ids):]``.
 
-Two implementations produce the same ids:
+Two implementations, meant to produce the same ids:
 
 * :meth:`PromptBuilder.build_step_reference` is the rule: the texts of prompt_rule.py (the
   whole history for ``sliding``/``window``, the whole-turns rule for ``turns``), each
   tokenized from scratch, which is what the original ``_build_prompt_pair`` did for
   ``sliding`` (minus its bugs, see below);
-* :meth:`PromptBuilder.build_episode` reaches the same texts and ids through the fast
+* :meth:`PromptBuilder.build_episode` reaches the texts and ids through the fast
   strategies: :class:`~hcapo_store.rendering.bounded.BoundedRenders` (long sessions in
-  ``sliding``/``window``, checked against the rule after each episode),
-  :class:`~hcapo_store.rendering.turn_windows.TurnWindows` (``turns``) and
-  :class:`SegmentEncoder`'s cached pieces (reusing the ids of the text shared with the
-  previous render).
+  ``sliding``/``window``), :class:`~hcapo_store.rendering.turn_windows.TurnWindows`
+  (``turns``), :class:`SegmentEncoder`'s cached pieces (reusing the ids of the text shared
+  with the previous render, ASCII pieces through ascii_bpe.py) and the template sandbox.
+  Each is held to its rule by verify.py's check policy (the last step of every bounded
+  chain; the step where a ``turns`` session first crosses the budget and a sample after; the
+  first ASCII pieces of a process and a sample after; a template's first render): where one
+  differs, the rule's prompts are what the episode gets, and the fallback is counted. Steps
+  not sampled are not compared at run time; tests compare them on sampled sessions
+  (tests/test_differential.py and the files named in prompt_rule.py). With
+  ``HCAPO_RENDERING=reference`` (or ``rendering="reference"``) ``build_episode`` is the rule
+  for every step.
 
 Differences from the original, on purpose:
 
@@ -177,7 +184,11 @@ class PromptBuilder:
     @property
     def thread_safe(self) -> bool:
         """Whether episodes may be prepared in several threads at once: the episode layout
-        keeps no token cache and, on the fast path, tokenizes through the backend only."""
+        keeps no per-episode token cache (what it shares is safe to share: ascii_bpe.py's memo
+        is a dict whose single operations the GIL keeps whole, verify.py counts under a lock).
+        It does not make preparation parallel: ascii_bpe.py tokenizes pure-ASCII pieces in
+        Python, under the GIL; only the backend's share (the other pieces, encoded in one
+        batch without the GIL) and the waits overlap."""
         return self.layout == "episode" and self.encoder.fast_path_off_reason is None
 
     @functools.cached_property

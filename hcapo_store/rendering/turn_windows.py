@@ -6,8 +6,18 @@ from the turns' own token counts, then judged on its real render and walked to i
 neighbour, so a step renders about three windows of at most ``max_context`` (the guess, its
 neighbour, the shortest window) instead of its whole history. The guess only chooses where
 to look: the window taken is the earliest that fits among the candidates rendered, the same
-as the rule's while a window's prefix grows with the turns it holds (tested equal to the
-rule: tests/test_prompt_rule.py, tests/test_turns_truncation.py).
+as the rule's while a window's prefix grows with the turns it holds. Two cases where it does
+not are handled (:meth:`TurnWindows._earliest_fit`): the whole history, the one window
+without the truncation marker, can be shorter than the window one turn shorter (issue 40:
+a template that drops earlier reasoning once a user turn follows), so it is tried whenever
+it may fit; and when two windows rendered break the order, the rule's scan decides.
+
+What is checked, and how: at run time the step where a session first crosses the budget, and
+one in 16 of the later windowed steps (up to prompts.TURN_CHECK_MESSAGES messages in), are
+built by the rule; a difference stores the rule's prompts for the episode and counts a
+``turn_windows`` fallback (verify.py). Tests hold it to the rule on sampled sessions
+(tests/test_turns_truncation.py, tests/test_prompt_rule.py, tests/test_differential.py);
+nothing proves the two equal for every template.
 """
 
 from __future__ import annotations

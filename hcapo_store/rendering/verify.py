@@ -50,7 +50,7 @@ class Strategy:
     policy: str  # when it is checked, in words
     scope: Literal["episode", "process"]  # what one disagreement switches off
     first: int = 0  # the first uses checked (per process)
-    every: int = 0  # then one use in ``every`` (0: none)
+    every: int = 0  # then the last use of every ``every`` (0: none)
 
 
 ASCII_BPE = Strategy(
@@ -83,9 +83,8 @@ TURN_WINDOWS = Strategy(
 PLACEMENT = Strategy(
     "placement",
     "placement.place_by_rule (one render per step, apply_chat_template, tokenizer offsets)",
-    "one step of the first episode of each process, then of one episode in 64",
+    "one step (the middle one) of one episode in 64 (the 64th of the process, the 128th, ...)",
     "episode",
-    first=1,
     every=64,
 )
 STRATEGIES: dict[str, Strategy] = {
@@ -103,7 +102,7 @@ def due(strategy: Strategy) -> bool:
     with _lock:
         n = _uses[strategy.name]
         _uses[strategy.name] = n + 1
-    return n < strategy.first or (strategy.every > 0 and (n - strategy.first) % strategy.every == 0)
+    return n < strategy.first or (strategy.every > 0 and (n - strategy.first + 1) % strategy.every == 0)
 
 
 def disagreed(strategy: Strategy, detail: str) -> None:

@@ -114,9 +114,9 @@ class Scheduler:
         self._stop_requested: asyncio.Event | None = None  # set in the loop when _stopping is
         self._loop: asyncio.AbstractEventLoop | None = None
         self._claimed = 0
-        # The per-step layout's token caches are not thread-safe; the episode layout keeps none
-        # and tokenizes through the backend alone, so episodes are prepared side by side (the
-        # backend releases the GIL while it encodes).
+        # The per-step layout's token caches are not thread-safe; the episode layout keeps none,
+        # so its episodes are prepared side by side (PromptBuilder.thread_safe says what of that
+        # runs in parallel: the backend's share of tokenizing, not the ASCII pieces).
         self._build_lock = contextlib.nullcontext() if builder.thread_safe else threading.Lock()
 
     def stop(self) -> None:
