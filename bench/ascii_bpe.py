@@ -100,8 +100,11 @@ else:
     sys.exit("unknown library " + library)
 def run():
     return tok.encode_batch(pieces, add_special_tokens=False)
-def offsets(e):  # tokenizers 1.0's Encoding has none
-    return [list(o) for o in e.offsets] if hasattr(e, "offsets") else None
+def offsets(e):  # tokenizers 1.0's Encoding has none; fastokens raises NotImplementedError
+    try:
+        return [list(o) for o in e.offsets]
+    except (AttributeError, NotImplementedError):
+        return None
 json.dump([[list(e.ids), offsets(e)] for e in run()], open(out_file, "w"))
 print(version, flush=True)
 for line in sys.stdin:

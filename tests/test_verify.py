@@ -9,8 +9,8 @@ SQLite files.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ from hcapo_store.rendering.turn_windows import TurnWindows
 @pytest.fixture
 def fresh_policy(monkeypatch):
     """Each check policy starts over, as in a new process (its first uses are checked)."""
-    monkeypatch.setattr(verify, "_uses", Counter())
+    monkeypatch.setattr(verify, "_uses", {})
 
 
 def _always_the_shortest(self, index, count, m, budget, overhead, prefix_len):  # a wrong TurnWindows
@@ -74,7 +74,8 @@ def test_a_wrong_placement_is_caught_and_the_rule_placed(fresh_policy, monkeypat
         return placement
 
     monkeypatch.setattr(Placer, "place", wrong)
-    monkeypatch.setattr(verify, "_uses", Counter(placement=verify.PLACEMENT.every - 1))  # the next one is sampled
+    # the next one is sampled
+    monkeypatch.setattr(verify, "_uses", {"placement": itertools.count(verify.PLACEMENT.every - 1)})
     before = verify.fallbacks().get("placement", 0)
     assert EpisodeLayout(builder).requests(messages, outcome, steps) == right
     assert verify.fallbacks()["placement"] == before + 1
@@ -157,7 +158,7 @@ def test_a_planted_disagreement_is_counted_and_the_rules_numbers_stored(tmp_path
         reference = _score(dbs["reference"], server.url, tiny_model_dir, "--truncation", "turns")
         monkeypatch.delenv(verify.RENDERING_ENV)
         monkeypatch.setattr(TurnWindows, "_earliest_fit", _always_the_shortest)
-        monkeypatch.setattr(verify, "_uses", Counter())
+        monkeypatch.setattr(verify, "_uses", {})
         argv = ["--db", dbs["planted"], "score", "--server", server.url, "--tokenizer", str(tiny_model_dir)]
         dry = CliRunner().invoke(cli, [*argv, "--max-context", "1024", "--truncation", "turns", "--dry-run"])
         assert dry.exit_code == 0, dry.output

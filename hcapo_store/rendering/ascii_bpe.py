@@ -29,8 +29,8 @@ Why it is exact, and when it is used (:meth:`AsciiBpe.of` says why not otherwise
 
 What is checked, and how: tests/test_ascii_bpe.py holds it to ``backend.encode`` on every
 string of up to four characters over a representative of each character class, every pair
-of ASCII characters, and long texts. At run time (verify.ASCII_BPE) the first 256 pieces of
-each process and one in 256 after are encoded by the backend too; a difference switches the
+of ASCII characters, and long texts. At run time (verify.ASCII_BPE) the first 64 pieces of
+each process and one in 512 after are encoded by the backend too; a difference switches the
 strategy off for the process and counts an ``ascii_bpe`` fallback. The scorer fingerprint
 and the server-tokenizer check never go through it (they use the backend tokenizer), so a
 ``tokenizers`` release that changes ASCII text changes the fingerprint.

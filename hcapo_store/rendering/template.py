@@ -182,6 +182,14 @@ def _plain(value: Any) -> bool:
     return False
 
 
+def _special_source(tokenizer: Any) -> Any:
+    """What a tokenizer's special tokens are read from, cheap to compare: transformers' own
+    map of them (a copy of it compares equal at once while it holds the same objects; setting
+    a token replaces its entry), else the public map."""
+    raw = getattr(tokenizer, "_special_tokens_map", None)
+    return raw if isinstance(raw, dict) else tokenizer.special_tokens_map
+
+
 class _DirectRenderer:
     """A tokenizer's template compiled in our sandbox and the variables transformers renders
     it with (the tokenizer's special tokens)."""
@@ -192,6 +200,7 @@ class _DirectRenderer:
         self.template = template
         self.compiled = compiled
         self.variables = variables
+        self.source: Any = None  # what the variables were read from (_special_source), to notice a change
         self.agreed = False  # its first render equalled apply_chat_template's
         self.timed_out: str | None = None  # a render ran past RENDER_SECONDS: refused from then on
 
@@ -208,7 +217,7 @@ class _DirectRenderer:
         if template not in known:
             known[template] = cls._build(tokenizer, template)
         renderer = known[template]
-        if renderer is not None and renderer.variables != tokenizer.special_tokens_map:
+        if renderer is not None and renderer.source != _special_source(tokenizer):
             # the caller changed the tokenizer's special tokens: render with the new ones,
             # checked against apply_chat_template again
             renderer = known[template] = cls._build(tokenizer, template)
@@ -217,10 +226,13 @@ class _DirectRenderer:
     @classmethod
     def _build(cls, tokenizer: Any, template: str) -> _DirectRenderer | None:
         try:
+            source = dict(_special_source(tokenizer))  # a copy: the tokenizer's map changes in place
             variables = dict(tokenizer.special_tokens_map)
             if not _plain(variables):  # transformers would copy them into plain data: its own path
                 return None
-            return cls(template, compile_template(template), variables)
+            renderer = cls(template, compile_template(template), variables)
+            renderer.source = source
+            return renderer
         except Exception:  # a template our sandbox cannot compile: apply_chat_template's verdict stands
             return None
 

@@ -19,10 +19,12 @@ wrong is caught, counted, and the rule's prompt stored).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,10 +58,10 @@ class Strategy:
 ASCII_BPE = Strategy(
     "ascii_bpe",
     "backend.encode (the tokenizers library's own pipeline)",
-    "the first 256 pieces of each process, then one piece in 256",
+    "the first 64 pieces of each process, then one piece in 512",
     "process",
-    first=256,
-    every=256,
+    first=64,
+    every=512,
 )
 TEMPLATE_SANDBOX = Strategy(
     "template_sandbox",
@@ -92,16 +94,19 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 _lock = threading.Lock()
-_uses: Counter[str] = Counter()
+_uses: dict[str, Iterator[int]] = {}  # each strategy's uses, counted (next() on a count is atomic)
 _fallbacks: Counter[str] = Counter()
 _logged: set[str] = set()
 
 
 def due(strategy: Strategy) -> bool:
     """Whether this use of ``strategy`` is one its policy checks (counts the use)."""
-    with _lock:
-        n = _uses[strategy.name]
-        _uses[strategy.name] = n + 1
+    try:
+        n = next(_uses[strategy.name])
+    except KeyError:
+        with _lock:
+            uses = _uses.setdefault(strategy.name, itertools.count())
+        n = next(uses)
     return n < strategy.first or (strategy.every > 0 and (n - strategy.first + 1) % strategy.every == 0)
 
 
