@@ -194,3 +194,38 @@ def test_reference_mode_stores_the_demo_and_samples_bit_for_bit(tmp_path, tiny_m
     fast = _stored(dbs["fast"])
     assert len({key[0] for key in fast}) == 2  # two scorers, one per layout: the same ids in both modes
     assert _stored(dbs["reference"]) == fast
+
+
+# The rendering tests that hold prompts to rules written out independently in the tests (not
+# to this package's own rules), and so mean something in both modes; CI runs them here again
+# under HCAPO_RENDERING=reference (the default mode runs them where they live).
+REFERENCE_MODE_TESTS = [
+    "tests/test_turns_truncation.py::test_each_prompt_is_the_rendering_of_the_most_recent_turns_that_fit[qwen3]",
+    "tests/test_turns_truncation.py::test_each_prompt_is_the_rendering_of_the_most_recent_turns_that_fit[chatml-bos]",
+    "tests/test_prompts.py::test_truncation_keeps_anchor_marker_tail_and_whole_action",
+    "tests/test_prompts.py::test_template_rejection_flattens_and_records_it",
+    "tests/test_prompts.py::test_qwen3_history_rewrite_is_an_alignment_failure",
+    "tests/test_prompts.py::test_max_logprob_tokens_scores_the_suffix",
+    "tests/test_prompts.py::test_fingerprint_of_real_tokenizer",
+    "tests/test_episode_layout.py::test_windows_stay_within_budget_and_score_every_step_once",
+]
+
+
+@pytest.mark.slow
+def test_the_rendering_tests_pass_in_reference_mode():
+    import os
+    import subprocess
+    import sys
+
+    from _shared import REPO
+
+    env = {**os.environ, verify.RENDERING_ENV: "reference"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *REFERENCE_MODE_TESTS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
