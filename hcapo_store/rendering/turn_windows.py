@@ -101,15 +101,15 @@ class TurnWindows:
         one id less for a merge at an edge; 0 when the template rejects them): how much the whole history is longer, at least,
         than a window that leaves ``k`` messages out, besides the marker."""
         if self._floor is None:
-            call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
-            tool = {"role": "tool", "content": "", "tool_call_id": "c", "name": "f"}
-            base = [
+            call: dict = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+            tool: dict = {"role": "tool", "content": "", "tool_call_id": "c", "name": "f"}
+            base: list[dict] = [
                 {"role": "user", "content": "a"},
                 {"role": "assistant", "content": "b", "tool_calls": [call]},
                 tool,
                 {"role": "assistant", "content": "c"},
             ]
-            inserted = [{"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
+            inserted: list[dict] = [{"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
             try:
                 shortest = len(self.encoder.encode_once(self._render(base, generation=False)))
                 added = [

@@ -201,12 +201,12 @@ class VLLMBackend(HttpBackend):
         info = await self.get_optional("/version")
         self.version = info.get("version") if isinstance(info, dict) else None
         self.served_logprobs_mode = await self._read_logprobs_mode()
-        served = self.served_logprobs_mode
-        if served is not None and served != self.logprobs_mode:
+        mode = self.served_logprobs_mode
+        if mode is not None and mode != self.logprobs_mode:
             raise ScoringError(
-                f"the vLLM server at {self.display_url} runs --logprobs-mode {served}: its prompt_logprobs "
+                f"the vLLM server at {self.display_url} runs --logprobs-mode {mode}: its prompt_logprobs "
                 f"are not {self.logprobs_mode.replace('_', ' ')}; restart it with --logprobs-mode "
-                f"{self.logprobs_mode}, or declare the mode (ScoreConfig.logprobs_mode={served!r}): a new scorer"
+                f"{self.logprobs_mode}, or declare the mode (ScoreConfig.logprobs_mode={mode!r}): a new scorer"
             )
         self.remember_served()
 
