@@ -103,6 +103,8 @@ def _counting_renders(builder: PromptBuilder) -> list[int]:
 def test_a_long_session_renders_bounded_windows():
     """The point of the mode: a step renders a few windows of at most max_context, never its
     whole history (counted in rendered messages, not in seconds)."""
+    from hcapo_store.rendering.prompts import TURN_CHECK_MESSAGES
+
     tok = real_tokenizer("qwen2.5")
     messages, outcome, steps = episode(11, steps=300, tool_chars=300, extra_user_turns=False)
     builder = PromptBuilder(tok, max_context=1200, truncation="turns")
@@ -110,7 +112,14 @@ def test_a_long_session_renders_bounded_windows():
     prompts = builder.build_episode(messages, outcome, steps)
     assert all(isinstance(p, StepPrompt) and len(p.input_ids) <= 1200 for p in prompts)
     assert len(messages) > 600
-    assert max(sizes) < 60  # a window, not a history of 600+ messages
+    # the run-time check (verify.TURN_WINDOWS) builds a few early steps by the rule, whose
+    # windows reach at most TURN_CHECK_MESSAGES messages in
+    assert max(sizes) <= TURN_CHECK_MESSAGES + 1
+    # the strategy itself: a window, not a history of 600+ messages
+    sizes.clear()
+    builder._check_turns = lambda *args: None  # type: ignore[method-assign]
+    assert builder.build_episode(messages, outcome, steps) == prompts
+    assert max(sizes) < 60
     assert len(sizes) <= 8 * len(steps)  # a few renders per step, however long the session
     # The sliding rule renders each step's whole history.
     sliding = PromptBuilder(tok, max_context=1200)
