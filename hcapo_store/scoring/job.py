@@ -138,6 +138,12 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
 
 
+def _reported(backend: Backend) -> dict[str, Any]:
+    reported = getattr(backend, "reported", None)
+    facts = reported() if reported is not None else None
+    return {"server": facts} if facts else {}
+
+
 def _tokenizer_location(cfg: ScoreConfig, backend: Backend) -> str:
     if cfg.tokenizer:
         return cfg.tokenizer
@@ -254,7 +260,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
         "rendering_sha256": rendering_fingerprint(builder),
-        "provenance": {"libraries": library_versions()},  # recorded, not part of the id
+        # recorded, not part of the id: the libraries, and what the server reports of itself
+        # where it is not part of the backend's identity (SGLang: backends/sglang.py, reported)
+        "provenance": {"libraries": library_versions(), **_reported(backend)},
     }
     if cfg.prompt_layout != "per-step":  # only when set: the default keeps existing scorer ids
         spec["prompt_layout"] = cfg.prompt_layout

@@ -279,14 +279,18 @@ class SGLangBackend(HttpBackend):
             "model": self.model,
             "server_model": self.server_model_id(),
             "max_new_tokens": self.max_new_tokens,
-            # what changes the numbers, where the server reports it (only then: existing scorers
-            # of a server that reports nothing keep their ids)
-            **(
-                {"engine": {"name": "sglang", "version": version}}
-                if (version := self.server_info.get("version"))
-                else {}
-            ),
-            **({"logprob_settings": settings} if (settings := logprob_settings(self.server_info)) else {}),
+        }
+
+    def reported(self) -> dict[str, Any]:
+        """What the server reports of itself that changes its numbers: the engine's version and
+        the settings that change input logprobs (recorded with the scorer, not in its id: an
+        SGLang router answers server_info itself, without them, so the same workers would be
+        two scorers through the router and direct)."""
+        version = self.server_info.get("version")
+        settings = logprob_settings(self.server_info)
+        return {
+            **({"engine": {"name": "sglang", "version": version}} if version else {}),
+            **({"logprob_settings": settings} if settings else {}),
         }
 
     def context_length(self) -> int | None:
