@@ -11,7 +11,7 @@ import itertools
 import random
 
 import pytest
-from _tokenizers import episode, named_tokenizer
+from _tokenizers import episode, named_tokenizer, real_tokenizer
 
 from hcapo_store.rendering.ascii_bpe import AsciiBpe, encode_pieces
 from hcapo_store.rendering.prompts import normalize_messages
@@ -135,3 +135,44 @@ def test_counting_texts_with_added_tokens_inside_counts_as_the_tokenizer(tmp_pat
     texts = ["plain words", f"before {marker} after", "more words\n"]
     assert encoder.count(texts) == [len(tok.encode(t, add_special_tokens=False)) for t in texts]
     assert encoder.count(texts[::2]) == [len(tok.encode(t, add_special_tokens=False)) for t in texts[::2]]
+
+
+def test_a_part_with_a_key_it_does_not_know_refuses_the_strategy():
+    """Issue 40: a newer tokenizers' option on a part this strategy reads (here a key on the
+    Split, as a later release would serialize it; this release drops unknown keys when it
+    loads a file) is not ignored: the strategy is refused, the backend tokenizes."""
+    import json as _json
+
+    backend = real_tokenizer("qwen3").backend_tokenizer
+
+    class NewerPart:
+        def __init__(self, part):
+            self.state = _json.loads(part.__getstate__())
+            self.state["pretokenizers"][0]["future_option"] = True
+
+        def __getstate__(self):
+            return _json.dumps(self.state)
+
+    class NewerBackend:
+        pre_tokenizer = NewerPart(backend.pre_tokenizer)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    assert AsciiBpe.of(backend)[0] is not None
+    fast, why = AsciiBpe.of(NewerBackend())
+    assert fast is None and "future_option" in (why or "")
+
+
+def test_the_memo_keeps_no_long_runs():
+    """Issue 41: forty distinct 1 MB runs kept 974 MB; a long pre-token is never remembered
+    and the remembered characters are bounded."""
+    from hcapo_store.rendering import ascii_bpe
+
+    tok = real_tokenizer("qwen3")
+    fast, _ = ascii_bpe.AsciiBpe.of(tok.backend_tokenizer)
+    assert fast is not None
+    for n in range(40):
+        assert fast.encode(" " * (20_000 + n) + "x") is not None
+    assert fast._memo_chars <= ascii_bpe.MEMO_CHARS + ascii_bpe.MEMO_WORD_CHARS
+    assert all(len(word) <= ascii_bpe.MEMO_WORD_CHARS for word in fast._memo)

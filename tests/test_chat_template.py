@@ -13,6 +13,7 @@ import pytest
 from _tokenizers import bos_tokenizer, episode, named_tokenizer
 
 from hcapo_store.rendering import template as chat_template
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import inject_hindsight, normalize_messages
 from hcapo_store.rendering.template import TemplateRejected, render_chat
 from hcapo_store.rendering.tokenizers import load_tokenizer
@@ -70,10 +71,12 @@ def test_a_transformers_that_renders_otherwise_keeps_its_own_text(tmp_path, monk
 
     monkeypatch.setattr(type(tok), "apply_chat_template", shifted)
     messages = [{"role": "user", "content": "hi"}]
+    before = verify.fallbacks().get("template_sandbox", 0)
     assert render_chat(tok, messages, generation=True) == shifted(
         tok, messages, tokenize=False, add_generation_prompt=True
     )
     assert _direct(tok) is None  # never used again for this template
+    assert verify.fallbacks()["template_sandbox"] == before + 1  # counted (issue 40)
     assert render_chat(tok, messages, generation=False).endswith("\n")
 
 
@@ -362,3 +365,32 @@ def test_the_globals_filters_and_tags_transformers_gives(tmp_path):
     too_long = [{"role": "user", "content": str(i)} for i in range(41)]
     with pytest.raises(TemplateRejected, match="TemplateError: too long"):
         render_chat(tok, too_long, generation=False)
+
+
+def test_changed_special_tokens_are_rendered_as_changed(tmp_path):
+    """Issue 41: render_chat kept a tokenizer's old special tokens after the caller changed them."""
+    tok = bos_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, messages, generation=False).startswith("<s>")
+    tok.bos_token = "</s>"
+    expected = tok.apply_chat_template(messages, tokenize=False)
+    assert expected.startswith("</s>")
+    assert render_chat(tok, messages, generation=False) == expected
+    assert render_chat(tok, messages, generation=False) == expected  # and once the new one agreed
+
+
+LOOPING = "{% for a in range(99999) %}{% for b in range(99999) %}{{ '' }}{% endfor %}{% endfor %}"
+
+
+def test_a_template_that_never_ends_fails_the_step_with_its_reason(tmp_path, monkeypatch):
+    """Issue 41: a chat template that loops (near) forever made ``score`` hang silently. A render
+    is bounded in time: the step fails as a template failure that says so, and the template is
+    refused from then on (the next render does not wait again)."""
+    from hcapo_store.rendering.prompts import PromptBuilder
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.2)
+    tok = bos_tokenizer(tmp_path, template=LOOPING)
+    messages, outcome, steps = episode(0, steps=3)
+    prompts = PromptBuilder(tok, max_context=4096).build_episode(messages, outcome, steps)
+    assert [p.reason for p in prompts] == ["template"] * 3
+    assert all("ran past 0.2 s" in p.message for p in prompts)

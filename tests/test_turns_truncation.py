@@ -103,6 +103,8 @@ def _counting_renders(builder: PromptBuilder) -> list[int]:
 def test_a_long_session_renders_bounded_windows():
     """The point of the mode: a step renders a few windows of at most max_context, never its
     whole history (counted in rendered messages, not in seconds)."""
+    from hcapo_store.rendering.prompts import TURN_CHECK_MESSAGES
+
     tok = real_tokenizer("qwen2.5")
     messages, outcome, steps = episode(11, steps=300, tool_chars=300, extra_user_turns=False)
     builder = PromptBuilder(tok, max_context=1200, truncation="turns")
@@ -110,7 +112,14 @@ def test_a_long_session_renders_bounded_windows():
     prompts = builder.build_episode(messages, outcome, steps)
     assert all(isinstance(p, StepPrompt) and len(p.input_ids) <= 1200 for p in prompts)
     assert len(messages) > 600
-    assert max(sizes) < 60  # a window, not a history of 600+ messages
+    # the run-time check (verify.TURN_WINDOWS) builds a few early steps by the rule, whose
+    # windows reach at most TURN_CHECK_MESSAGES messages in
+    assert max(sizes) <= TURN_CHECK_MESSAGES + 1
+    # the strategy itself: a window, not a history of 600+ messages
+    sizes.clear()
+    builder._check_turns = lambda *args: None  # type: ignore[method-assign]
+    assert builder.build_episode(messages, outcome, steps) == prompts
+    assert max(sizes) < 60
     assert len(sizes) <= 8 * len(steps)  # a few renders per step, however long the session
     # The sliding rule renders each step's whole history.
     sliding = PromptBuilder(tok, max_context=1200)
@@ -225,3 +234,76 @@ def test_a_dry_run_says_when_long_sessions_make_this_scorer_quadratic(tmp_path, 
     r = CliRunner().invoke(cli, [*argv, "--json"])  # the model's whole context: nothing cut, nothing to say
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["truncated_steps"] == 0
+
+
+def _reasoning_session(seed: int, steps: int = 10, user_at: int = 3):
+    """Issue 40's session: long reasoning, a user turn at step ``user_at`` (Qwen3's template
+    then drops the earlier steps' reasoning, so the whole history is short)."""
+    import random
+
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta run test file path value data build step".split()
+
+    def t(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    messages, rows = [{"role": "user", "content": "Task: " + t(20)}], []
+    for s in range(steps):
+        if s == user_at:
+            messages.append({"role": "user", "content": "Continue. " + t(5)})
+        messages.append({"role": "assistant", "content": f"<think>\n{t(150)}\n</think>\n\n{t(5)}"})
+        rows.append(
+            {
+                "step_index": s,
+                "message_index": len(messages) - 1,
+                "phase": "executing",
+                "subtask_id": None,
+                "subtask_reward": 0.5,
+            }
+        )
+    outcome = {"reward": 0.5, "phase": "executing", "plan_score": 0.5, "plan": [], "frozen_scores": {}}
+    return messages, outcome, rows
+
+
+def test_the_whole_history_is_taken_when_it_fits_though_a_shorter_window_is_longer():
+    """Issue 40: at max_context 485 step 4's whole history fits exactly (485 ids); the window
+    one turn shorter carries the marker and is longer (the turn it leaves out lost its
+    reasoning to the later user turn). The fast walk took a later window (479 ids, 320
+    truncated)."""
+    tok = real_tokenizer("qwen3")
+    messages, outcome, rows = _reasoning_session(0)
+    builder = PromptBuilder(tok, max_context=485, truncation="turns", max_logprob_tokens=0)
+    fast = builder.build_episode(messages, outcome, rows)
+    rule = builder.build_step_reference(messages, outcome, rows[4])
+    assert isinstance(rule, StepPrompt) and len(rule.input_ids) == 485 and rule.truncated_prefix_tokens == 0
+    assert fast[4] == rule
+    for row, prompt in zip(rows, fast, strict=True):
+        assert prompt == builder.build_step_reference(messages, outcome, row)
+
+
+def test_a_truncated_prompt_keeps_its_own_windows_anchor():
+    """A step whose window leaves turns out cuts its ids after the head with the marker; an
+    earlier step of the episode cut after the head without it (the anchor is the step's own,
+    not the episode's first)."""
+    import random
+
+    tok = real_tokenizer("qwen2.5")
+    rng = random.Random(3)
+    words = "alpha beta gamma delta run test file path value data build step é 東 \x07".split()
+
+    def t(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    messages = [{"role": "user", "content": "Task: " + t(8)}]
+    for reasoning, words_after in ((150, 4), (40, 5), (40, 10)):
+        messages.append({"role": "assistant", "content": f"<think>\n{t(reasoning)}\n</think>\n\n{t(words_after)}"})
+    rows = [
+        {"step_index": s, "message_index": s + 1, "phase": "executing", "subtask_id": None, "subtask_reward": 0.5}
+        for s in range(3)
+    ]
+    outcome = {"reward": 0.5, "phase": "executing", "plan_score": 0.5, "plan": [], "frozen_scores": {}}
+    builder = PromptBuilder(tok, max_context=200, truncation="turns", max_logprob_tokens=0)
+    fast = builder.build_episode(messages, outcome, rows)
+    assert any(isinstance(p, StepPrompt) and p.truncated_prefix_tokens for p in fast)
+    for row, prompt in zip(rows, fast, strict=True):
+        assert prompt == builder.build_step_reference(messages, outcome, row)

@@ -151,6 +151,7 @@ class _Fault:
             "data": [{"id": "served-name", "root": "/nowhere", "max_model_len": 4096}],
         }
         self.bodies: list[dict[str, Any]] = []
+        self.gets: dict[str, Any] = {}  # more GET routes (/version, /server_info) and their bodies
         fault = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -159,6 +160,8 @@ class _Fault:
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
                     self._send(200, json.dumps(fault.models).encode())
+                elif self.path in fault.gets:
+                    self._send(200, json.dumps(fault.gets[self.path]).encode())
                 else:
                     self._send(404, b'{"detail": "Not Found"}')
 
@@ -252,6 +255,26 @@ def test_a_completion_from_another_model_is_refused(fault: _Fault) -> None:
     assert "'served-name' -> 'another-model'" in str(info.value)
 
 
+def test_the_scorer_names_the_engine_and_its_logprobs_mode(fault: _Fault) -> None:
+    """Issue 40: vLLM's --logprobs-mode changes prompt_logprobs (vllm #47680): a server that
+    reports a mode other than raw log-probabilities is refused unless the scorer declares it,
+    and then it is in the scorer's identity, with the engine's version."""
+    fault.reply = (200, json.dumps(_good_body()).encode())
+    fault.gets["/version"] = {"version": "0.21.0"}
+    fault.gets["/server_info"] = {"vllm_config": "model='m', logprobs_mode=LogprobsMode.PROCESSED_LOGPROBS, seed=0"}
+    with pytest.raises(ScoringError, match="runs --logprobs-mode processed_logprobs"):
+        asyncio.run(_score_once(fault.url, _prompt()))
+    backend, result = asyncio.run(_score_once(fault.url, _prompt(), logprobs_mode="processed_logprobs"))
+    assert result.logprobs == pytest.approx([-1.8, -1.9, -2.0])
+    assert backend.identity()["logprobs_mode"] == "processed_logprobs"
+    assert backend.identity()["engine"] == {"name": "vllm", "version": "0.21.0"}
+    fault.gets["/server_info"] = {"vllm_config": "logprobs_mode=raw_logprobs"}
+    backend, _ = asyncio.run(_score_once(fault.url, _prompt()))
+    assert "logprobs_mode" not in backend.identity()  # raw: the default, named by its absence
+    with pytest.raises(ScoringError, match="logprobs mode must be one of"):
+        VLLMBackend(fault.url, logprobs_mode="softmax")
+
+
 def test_model_selection(fault: _Fault) -> None:
     fault.models = {"data": [{"id": "a"}, {"id": "b", "max_model_len": 100}]}
 
@@ -335,3 +358,24 @@ def test_score_steps_end_to_end_same_as_sglang(
         assert blobs["vllm"].keys() == blobs["sglang"].keys() and len(blobs["vllm"]) == 6
         for step, values in blobs["vllm"].items():
             np.testing.assert_allclose(values, blobs["sglang"][step], atol=TOL, rtol=0)
+
+
+def test_an_sglang_scorer_names_the_engine_and_its_logprob_settings(server: ReferenceServer) -> None:
+    """Issue 40: the engine's version where the server reports it, and the settings that change
+    input logprobs (the temperature they are scaled by) where it echoes them."""
+    from hcapo_store.devkit.refserver import SERVER_VERSION
+    from hcapo_store.scoring.backends.sglang import logprob_settings
+
+    async def identity() -> dict[str, Any]:
+        backend = SGLangBackend(server.url)
+        await backend.start()
+        try:
+            assert "engine" not in backend.identity()
+            return backend.reported()
+        finally:
+            await backend.close()
+
+    # recorded with the scorer (provenance), not in its id: a router answers server_info without them
+    assert asyncio.run(identity())["engine"] == {"name": "sglang", "version": SERVER_VERSION}
+    info = {"version": "0.5", "temp_scaled_logprobs": True, "input_logprob_temperature": 0.7, "port": 1, "x": [1]}
+    assert logprob_settings(info) == {"input_logprob_temperature": 0.7, "temp_scaled_logprobs": True}

@@ -10,6 +10,8 @@
 * ``prompts``: the per-step hindsight prompts (``requests``: what a prompt is in ids), built
   from ``hindsight`` (the outcome block) and ``messages`` (normalized, flattened);
 * ``prompt_rule``: the per-step rule stated plainly (whole history; whole turns), which the
-  fast strategies equal: ``bounded`` (long sliding/window sessions) and ``turn_windows``;
+  fast strategies stand in for: ``bounded`` (long sliding/window sessions) and ``turn_windows``;
+* ``verify``: every fast strategy's rule and check policy, the fallbacks counted, and the
+  reference mode (``HCAPO_RENDERING=reference``: the rules only);
 * ``episode_layout``: one rendering per episode, cut into windowed requests.
 """

@@ -24,9 +24,16 @@ Why it is exact, and when it is used (:meth:`AsciiBpe.of` says why not otherwise
   backend's own ByteLevel) and given to the backend's own model (``model.tokenize``); its
   tokens must spell the pre-token exactly, else the text goes to the backend.
 
-tests/test_ascii_bpe.py holds it to ``backend.encode`` on every string of up to four
-characters over a representative of each character class, every pair of ASCII characters,
-and long texts.
+* Every key of the pipeline parts it reads must be one it knows (``KNOWN_KEYS``): an option a
+  later ``tokenizers`` adds refuses the strategy, whatever its value.
+
+What is checked, and how: tests/test_ascii_bpe.py holds it to ``backend.encode`` on every
+string of up to four characters over a representative of each character class, every pair
+of ASCII characters, and long texts. At run time (verify.ASCII_BPE) the first 64 pieces of
+each process and one in 512 after are encoded by the backend too; a difference switches the
+strategy off for the process and counts an ``ascii_bpe`` fallback. The scorer fingerprint
+and the server-tokenizer check never go through it (they use the backend tokenizer), so a
+``tokenizers`` release that changes ASCII text changes the fingerprint.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import json
 import re
 from collections.abc import Sequence
 from typing import Any
+
+from hcapo_store.rendering import verify
 
 # The pre-tokenizer patterns this strategy reproduces, as the tokenizer files spell them.
 QWEN2_PATTERN = (
@@ -66,12 +75,44 @@ _ASCII_PATTERNS = {
     ),
 }
 
-# Distinct pre-tokens remembered (a few hundred bytes each); past this the memo starts over.
+# Distinct pre-tokens remembered; past either bound the memo starts over. The characters are
+# bounded too (a pre-token can be a megabyte of spaces: forty such runs kept 974 MB), and a
+# pre-token longer than MEMO_WORD_CHARS is never remembered.
 MEMO_LIMIT = 100_000
+MEMO_CHARS = 2_000_000
+MEMO_WORD_CHARS = 1024
+
+
+# Every key of the pipeline parts this strategy reads, by part type: a part with any other
+# key (a newer tokenizers' option) refuses the strategy, whatever its value.
+KNOWN_KEYS = {
+    "ByteLevel": {"type", "add_prefix_space", "trim_offsets", "use_regex"},
+    "Split": {"type", "pattern", "behavior", "invert"},
+    "Sequence": {"type", "pretokenizers", "normalizers", "processors"},
+    "NFC": {"type"},
+    "TemplateProcessing": {"type", "single", "pair", "special_tokens"},
+}
 
 
 def _state(part: Any) -> Any:
     return None if part is None else json.loads(part.__getstate__())
+
+
+def _unknown_keys(node: Any) -> str | None:
+    """The first key of a known pipeline part (or of one inside a Sequence) not in KNOWN_KEYS."""
+    if node is None:
+        return None
+    known = KNOWN_KEYS.get(node.get("type"))
+    if known is None:  # a type the checks below refuse in their own words
+        return None
+    extra = sorted(set(node) - known)
+    if extra:
+        return f"{node.get('type')} key {extra[0]!r}"
+    for child in node.get("pretokenizers") or node.get("normalizers") or node.get("processors") or ():
+        why = _unknown_keys(child)
+        if why:
+            return why
+    return None
 
 
 def _pipeline(backend: Any) -> tuple[str | None, str]:
@@ -81,6 +122,10 @@ def _pipeline(backend: Any) -> tuple[str | None, str]:
     normalizer = _state(backend.normalizer)
     post = _state(backend.post_processor)
     model = backend.model
+    for part in (pre, normalizer, post):
+        why = _unknown_keys(part)
+        if why is not None:
+            return None, f"a pipeline this strategy does not know: {why}"
     if normalizer is not None and normalizer.get("type") != "NFC":
         return None, f"normalizer {normalizer.get('type')}"
     if post is not None and not (
@@ -150,6 +195,8 @@ class AsciiBpe:
         self._alphabet = str.maketrans(letters)
         # pre-token -> (ids, each token's length in characters); None: the backend's call
         self._memo: dict[str, tuple[list[int], list[int]] | None] = {}
+        self._memo_chars = 0
+        self.off = False  # a sampled piece disagreed with the backend (verify.ASCII_BPE)
 
     @classmethod
     def of(cls, backend: Any) -> tuple[AsciiBpe | None, str | None]:
@@ -169,9 +216,13 @@ class AsciiBpe:
         values = [t.value for t in tokens]
         # the tokens must spell the pre-token (byte-level BPE always does; anything else: the backend)
         got = ([t.id for t in tokens], [len(v) for v in values]) if "".join(values) == mapped else None
-        if len(self._memo) >= MEMO_LIMIT:
+        if len(word) > MEMO_WORD_CHARS:
+            return got
+        if len(self._memo) >= MEMO_LIMIT or self._memo_chars >= MEMO_CHARS:
             self._memo.clear()
+            self._memo_chars = 0
         self._memo[word] = got
+        self._memo_chars += len(word)
         return got
 
     def encode(self, text: str) -> AsciiEncoding | None:
@@ -206,10 +257,19 @@ class AsciiBpe:
 
 def encode_pieces(backend: Any, fast: AsciiBpe | None, pieces: Sequence[str]) -> list[Any]:
     """Each piece's encoding (``.ids``, ``.offsets``, ``len``), as ``backend.encode_batch``
-    makes them: through ``fast`` where it vouches for a piece, the rest in one batch."""
-    if fast is None:
+    makes them: through ``fast`` where it vouches for a piece, the rest in one batch. The
+    pieces its policy samples (verify.ASCII_BPE) are encoded by the backend too; a
+    disagreement switches ``fast`` off for the process and the backend's encodings are used."""
+    if fast is None or fast.off:
         return list(backend.encode_batch(list(pieces), add_special_tokens=False))
     out: list[Any] = [fast.encode(p) for p in pieces]
+    for n, enc in enumerate(out):
+        if enc is not None and verify.due(verify.ASCII_BPE):
+            rule = backend.encode(pieces[n], add_special_tokens=False)
+            if rule.ids != enc.ids or [tuple(o) for o in rule.offsets] != enc.offsets:
+                fast.off = True
+                verify.disagreed(verify.ASCII_BPE, f"a piece of {len(pieces[n])} characters")
+                return list(backend.encode_batch(list(pieces), add_special_tokens=False))
     rest = [n for n, enc in enumerate(out) if enc is None]
     if rest:
         for n, enc in zip(rest, backend.encode_batch([pieces[n] for n in rest], add_special_tokens=False)):

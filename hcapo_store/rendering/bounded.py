@@ -15,7 +15,10 @@ query), so a session has one chain per stretch between user turns.
 Nothing built here is trusted: :func:`checked_positions` names the steps the prompt builder
 rebuilds on their whole history after the episode (the last step of **every** chain, where
 a count gone wrong shows, and halving back from the episode's last), and any difference
-sends the whole episode back to whole-history builds.
+sends the whole episode back to whole-history builds, counted as a fallback of
+``bounded_renders`` (verify.py). The other steps are not checked one by one: they are held
+equal to the rule by tests (tests/test_bounded_history.py, tests/test_differential.py), which
+sample sessions; nothing proves them equal.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from hcapo_store.rendering.placement import Placement, Placer, place_with_fallback
+from hcapo_store.rendering import verify
+from hcapo_store.rendering.placement import Placement, Placer, Steps, place_by_rule, place_with_fallback
 from hcapo_store.rendering.prompts import (
     PromptBuilder,
     flatten_messages,
@@ -45,7 +46,7 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.requests import FailureReason, GroupPrompt, IdsPrefix, PromptFailure, StepPrompt
 from hcapo_store.rendering.strings import common_prefix
-from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.template import TemplateRejected
 
 # A window after the first starts this fraction of the budget before its first step.
 CONTEXT_FRACTION = 2
@@ -77,7 +78,7 @@ class EpisodeLayout:
         block = hindsight_text(outcome, {}, self.builder.hindsight_template) if self.builder.hindsight else None
         try:
             placement, placed, flattened = place_with_fallback(
-                self.placer,
+                self,
                 inject_hindsight(normalize_messages(messages), block),
                 wanted,
                 lambda: flatten_messages(inject_hindsight(messages, block)),
@@ -90,6 +91,34 @@ class EpisodeLayout:
         floor = None if flattened else self._floor(placement, placed, through)
         return self._requests(placement, wanted, flattened, placed[0]), floor
 
+    def place(self, msgs: list[dict], steps: Steps) -> Placement:
+        """The placement of ``steps`` in ``msgs``: the linear :class:`Placer`, held to
+        ``place_by_rule`` by verify.PLACEMENT's policy (one step, the middle one, of the
+        episodes it samples: the whole rendering, its ids and that step's span or refusal);
+        on a disagreement the rule places the episode. In reference mode, the rule."""
+        if self.builder.reference:
+            return self._by_rule(msgs, steps)
+        placement = self.placer.place(msgs, steps)
+        if steps and verify.due(verify.PLACEMENT):
+            index = steps[len(steps) // 2][0]
+            rule = self._by_rule(msgs, [steps[len(steps) // 2]])
+            fast_span, rule_span = placement.spans.get(index), rule.spans.get(index)
+            if (
+                rule.text != placement.text
+                or rule.ids != list(placement.ids)
+                or (fast_span and (fast_span.start, fast_span.end)) != (rule_span and (rule_span.start, rule_span.end))
+                or (index in placement.refused) != (index in rule.refused)
+            ):
+                verify.disagreed(verify.PLACEMENT, f"step {index}'s placement differs from the rule's")
+                return self._by_rule(msgs, steps)
+        return placement
+
+    def _by_rule(self, msgs: list[dict], steps: Steps) -> Placement:
+        try:
+            return place_by_rule(self.builder.tokenizer, msgs, steps, reasoning_required=False)
+        except Exception as exc:  # the template's refusal of the whole conversation
+            raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
+
     def _floor(self, placement: Placement, placed: list[dict], through: int) -> int | None:
         """The floor's rendering (the messages through ``through``, normalized, the hindsight
         block in the first) shares most of the whole rendering: the whole rendering's ids
@@ -98,7 +127,7 @@ class EpisodeLayout:
         if through == len(placed) - 1:
             return len(placement.ids)
         try:
-            text = render_chat(self.builder.tokenizer, placed[: through + 1], generation=False)
+            text = self.builder.render(placed[: through + 1], generation=False)
         except TemplateRejected:
             return None
         cut = self.builder.encoder.clean_cut(placement.text, common_prefix(text, placement.text))
@@ -192,7 +221,7 @@ def conversation_tokens(
     for convert in (normalize_messages, flatten_messages):  # flattened only when the template rejects
         msgs = convert(shown)
         try:
-            text = render_chat(builder.tokenizer, inject_hindsight(msgs, block), generation=False)
+            text = builder.render(inject_hindsight(msgs, block), generation=False)
         except TemplateRejected:
             continue
         encoder = builder.encoder

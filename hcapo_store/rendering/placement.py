@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars, own_pieces
 from hcapo_store.rendering.segments import SegmentEncoder
@@ -247,8 +247,12 @@ class Placer:
         return out
 
 
+class _Places(Protocol):
+    def place(self, msgs: list[dict], steps: Steps) -> Placement: ...
+
+
 def place_with_fallback(
-    placer: Placer, msgs: list[dict], steps: Steps, flatten: Callable[[], list[dict]]
+    placer: _Places, msgs: list[dict], steps: Steps, flatten: Callable[[], list[dict]]
 ) -> tuple[Placement, list[dict], bool]:
     """``placer.place`` on the messages, else on ``flatten()`` (tool traffic as text) when the
     template rejects them; (placement, the messages placed, flattened). Raises

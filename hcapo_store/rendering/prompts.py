@@ -5,18 +5,25 @@ For step t (assistant message m) the request is ``prefix + action`` where
 and ``full = render(messages[:m + 1])``; both texts are tokenized with
 ``add_special_tokens=False`` and the action is ``full_ids[len(prefix_ids):]``.
 
-Two implementations produce the same ids:
+Two implementations, meant to produce the same ids:
 
 * :meth:`PromptBuilder.build_step_reference` is the rule: the texts of prompt_rule.py (the
   whole history for ``sliding``/``window``, the whole-turns rule for ``turns``), each
   tokenized from scratch, which is what the original ``_build_prompt_pair`` did for
   ``sliding`` (minus its bugs, see below);
-* :meth:`PromptBuilder.build_episode` reaches the same texts and ids through the fast
+* :meth:`PromptBuilder.build_episode` reaches the texts and ids through the fast
   strategies: :class:`~hcapo_store.rendering.bounded.BoundedRenders` (long sessions in
-  ``sliding``/``window``, checked against the rule after each episode),
-  :class:`~hcapo_store.rendering.turn_windows.TurnWindows` (``turns``) and
-  :class:`SegmentEncoder`'s cached pieces (reusing the ids of the text shared with the
-  previous render).
+  ``sliding``/``window``), :class:`~hcapo_store.rendering.turn_windows.TurnWindows`
+  (``turns``), :class:`SegmentEncoder`'s cached pieces (reusing the ids of the text shared
+  with the previous render, ASCII pieces through ascii_bpe.py) and the template sandbox.
+  Each is held to its rule by verify.py's check policy (the last step of every bounded
+  chain; the step where a ``turns`` session first crosses the budget and a sample after; the
+  first ASCII pieces of a process and a sample after; a template's first render): where one
+  differs, the rule's prompts are what the episode gets, and the fallback is counted. Steps
+  not sampled are not compared at run time; tests compare them on sampled sessions
+  (tests/test_differential.py and the files named in prompt_rule.py). With
+  ``HCAPO_RENDERING=reference`` (or ``rendering="reference"``) ``build_episode`` is the rule
+  for every step.
 
 Differences from the original, on purpose:
 
@@ -39,14 +46,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hcapo_store.rendering.bounded import BOUND_ADVANCE as BOUND_ADVANCE
-from hcapo_store.rendering.bounded import BOUND_START as BOUND_START
-from hcapo_store.rendering.bounded import BOUND_TARGET as BOUND_TARGET
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.bounded import BoundedRenders, NeedWhole, checked_positions
 from hcapo_store.rendering.hindsight import EPISODE_HINDSIGHT_TEMPLATE as EPISODE_HINDSIGHT_TEMPLATE
-from hcapo_store.rendering.hindsight import HINDSIGHT_PLACEHOLDERS as HINDSIGHT_PLACEHOLDERS
 from hcapo_store.rendering.hindsight import HINDSIGHT_TEMPLATE as HINDSIGHT_TEMPLATE
-from hcapo_store.rendering.hindsight import PER_STEP_PLACEHOLDERS as PER_STEP_PLACEHOLDERS
 from hcapo_store.rendering.hindsight import PROMPT_LAYOUTS as PROMPT_LAYOUTS
 from hcapo_store.rendering.hindsight import PromptLayout as PromptLayout
 from hcapo_store.rendering.hindsight import check_hindsight_template as check_hindsight_template
@@ -56,15 +59,13 @@ from hcapo_store.rendering.hindsight import layout_template as layout_template
 from hcapo_store.rendering.hindsight import read_field as read_field
 from hcapo_store.rendering.hindsight import template_hash as template_hash
 from hcapo_store.rendering.messages import flatten_messages as flatten_messages
-from hcapo_store.rendering.messages import normalize_message as normalize_message
 from hcapo_store.rendering.messages import normalize_messages as normalize_messages
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator
 from hcapo_store.rendering.prompt_rule import TRUNCATION_MARKER as TRUNCATION_MARKER
 from hcapo_store.rendering.prompt_rule import RenderedStep, check_step, whole_history, whole_turns
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
-from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_chat
-from hcapo_store.rendering.turn_windows import TURN_OVERHEAD_TOKENS as TURN_OVERHEAD_TOKENS
+from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_by_rule, render_chat
 from hcapo_store.rendering.turn_windows import TurnWindows
 
 PROMPT_BUILDER_VERSION = 1
@@ -80,6 +81,8 @@ Truncation = Literal["sliding", "window", "turns"]
 TRUNCATIONS: tuple[Truncation, ...] = ("sliding", "window", "turns")
 # --truncation window: the window start moves in blocks of this fraction of the tail budget.
 WINDOW_BLOCK_FRACTION = 4
+# --truncation turns: sampled steps checked against the rule are at most this far into a session
+TURN_CHECK_MESSAGES = 128
 
 
 @dataclass
@@ -111,7 +114,17 @@ class PromptBuilder:
         action_span: ActionSpan = "rendered",
         hindsight: bool = True,
         layout: PromptLayout = "per-step",
+        rendering: Literal["fast", "reference"] | None = None,
     ) -> None:
+        self._settings: dict[str, Any] = dict(
+            hindsight_template=hindsight_template,
+            max_context=max_context,
+            max_logprob_tokens=max_logprob_tokens,
+            truncation=truncation,
+            action_span=action_span,
+            hindsight=hindsight,
+            layout=layout,
+        )
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
         if truncation not in TRUNCATIONS:
@@ -132,7 +145,9 @@ class PromptBuilder:
         self.hindsight_template = hindsight_template
         self.max_context = max_context
         self.max_logprob_tokens = max_logprob_tokens
-        self.encoder = SegmentEncoder(tokenizer)
+        # "reference": the rules only (verify.py; None: HCAPO_RENDERING decides)
+        self.reference = verify.reference_mode() if rendering is None else rendering == "reference"
+        self.encoder = SegmentEncoder(tokenizer, reference=self.reference)
         self._known: PlainCache | None = None  # set while build_episode renders one episode
 
         # the fast strategies (each tested equal to the rule: prompt_rule.py)
@@ -158,6 +173,10 @@ class PromptBuilder:
         if layout == "episode" and not self._locator.available:
             raise ValueError("the episode layout needs a fast tokenizer (character offsets)")
 
+    def by_rule(self) -> PromptBuilder:
+        """A builder of the same settings that runs the rules only (the scorer fingerprint's)."""
+        return self if self.reference else PromptBuilder(self.tokenizer, **self._settings, rendering="reference")
+
     def anchor_ids(self, first: dict) -> list[int]:
         """The first message (hindsight block included) alone: what a truncated prompt keeps."""
         return self.encoder.encode_once(self._render([first], generation=False))
@@ -165,7 +184,11 @@ class PromptBuilder:
     @property
     def thread_safe(self) -> bool:
         """Whether episodes may be prepared in several threads at once: the episode layout
-        keeps no token cache and, on the fast path, tokenizes through the backend only."""
+        keeps no per-episode token cache (what it shares is safe to share: ascii_bpe.py's memo
+        is a dict whose single operations the GIL keeps whole, verify.py counts under a lock).
+        It does not make preparation parallel: ascii_bpe.py tokenizes pure-ASCII pieces in
+        Python, under the GIL; only the backend's share (the other pieces, encoded in one
+        batch without the GIL) and the waits overlap."""
         return self.layout == "episode" and self.encoder.fast_path_off_reason is None
 
     @functools.cached_property
@@ -179,7 +202,14 @@ class PromptBuilder:
 
     # -- rendering: the rule (prompt_rule.py) or a fast strategy; only the path differs
 
+    def render(self, messages: list[dict], *, generation: bool) -> str:
+        """The chat template's text of ``messages``: the project's sandbox (render_chat), or in
+        reference mode ``apply_chat_template`` itself."""
+        return self._render(messages, generation=generation)
+
     def _render(self, messages: list[dict], *, generation: bool) -> str:
+        if self.reference:
+            return render_by_rule(self.tokenizer, messages, generation=generation)
         return render_chat(self.tokenizer, messages, generation=generation, known=self._known)
 
     def _texts(
@@ -222,9 +252,7 @@ class PromptBuilder:
         history; a chain starts with such a pair of renders anyway, so the check adds at most
         that much again, plus about four for the halving. Returns what differed, or None."""
 
-        def encode(text: str) -> list[int]:  # through the episode's cached pieces
-            return self.encoder.encode(text, self.encoder.new_state())
-
+        encode = self._fresh_encode
         for n in checked_positions([chain for _, chain in bounded]):
             position = bounded[n][0]
             exact = self._exact_step(messages, normalized, outcome, steps[position], encode)
@@ -232,12 +260,52 @@ class PromptBuilder:
                 return f"step {read_field(steps[position], 'step_index')} differs from its whole-history build"
         return None
 
+    def _fresh_encode(self, text: str) -> list[int]:
+        """``text``'s ids through the episode's cached pieces (a rule's texts, checked)."""
+        return self.encoder.encode(text, self.encoder.new_state())
+
+    def _rule_steps(
+        self, messages: Sequence[Mapping[str, Any]], normalized: list[dict], outcome: Any, steps: Sequence[Any]
+    ) -> list[StepPrompt | PromptFailure]:
+        """Every step built by the rule (a strategy disagreed for this episode)."""
+        return [self._exact_step(messages, normalized, outcome, step, self._fresh_encode) for step in steps]
+
+    def _check_turns(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        outcome: Any,
+        steps: Sequence[Any],
+        results: list[StepPrompt | PromptFailure],
+    ) -> str | None:
+        """verify.TURN_WINDOWS's policy: the step where the session first crosses the budget
+        (its first prompt that leaves anything out) is built by the rule, and one in 16 of the
+        later ones whose step is at most TURN_CHECK_MESSAGES messages in (the rule renders every
+        window from the earliest start: a long session's late step would cost its square).
+        Returns what differed, or None."""
+        crossed = False
+        for step, result in zip(steps, results):
+            if not (isinstance(result, StepPrompt) and result.truncated_prefix_tokens):
+                continue
+            if crossed:
+                if read_field(step, "message_index") > TURN_CHECK_MESSAGES or not verify.due(verify.TURN_WINDOWS):
+                    continue
+            crossed = True
+            if self._exact_step(messages, normalized, outcome, step, self._fresh_encode) != result:
+                return f"step {read_field(step, 'step_index')} differs from the whole-turns rule's build"
+        return None
+
     # -- public entry points
 
     def build_episode(
         self, messages: Sequence[Mapping[str, Any]], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
+        """Every step's prompt (or failure), through the fast strategies, each held to its
+        rule by verify.py's policy: a disagreement stores the rule's prompts for the episode.
+        In reference mode, the rule for every step (:meth:`build_step_reference`)."""
         normalized = normalize_messages(messages)
+        if self.reference:
+            return [self._exact_step(messages, normalized, outcome, step, self.encoder.encode_whole) for step in steps]
         # Each message is rendered again for every later step: whether it is plain JSON data
         # is checked once per episode (the normalized messages do not change meanwhile).
         self._known = {}
@@ -249,10 +317,16 @@ class PromptBuilder:
             mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if bounded else None
             if mismatch is not None:
                 # Never store a prompt on trust: build every step on its whole history.
+                verify.disagreed(verify.BOUNDED_RENDERS, mismatch)
                 reason = mismatch
                 self._bounded.start_episode(on=False)
                 results, bounded = self._build_steps(messages, normalized, outcome, steps)
             self.bounded_steps += len(bounded)
+            if self.truncation == "turns":
+                mismatch = self._check_turns(messages, normalized, outcome, steps, results)
+                if mismatch is not None:
+                    verify.disagreed(verify.TURN_WINDOWS, mismatch)
+                    results = self._rule_steps(messages, normalized, outcome, steps)
             if reason is not None:
                 self.whole_history_episodes += 1
                 log.info("a long session's steps render their whole history (%s)", reason)
@@ -268,7 +342,7 @@ class PromptBuilder:
     ) -> tuple[list[StepPrompt | PromptFailure], list[tuple[int, int]]]:
         """Every step's result, and (position, chain number) of those built on a bounded render."""
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]] = {}
-        anchors: dict[tuple[str, bool], list[int]] = {}
+        anchors: dict[tuple[Any, ...], list[int]] = {}
         results: list[StepPrompt | PromptFailure] = []
         bounded: list[tuple[int, int]] = []
         for step in steps:
@@ -292,7 +366,7 @@ class PromptBuilder:
         step: Any,
         hindsight: str | None,
         states: dict[tuple[str | None, bool], tuple[RenderState, RenderState]],
-        anchors: dict[tuple[str, bool], list[int]],
+        anchors: dict[tuple[Any, ...], list[int]],
         *,
         whole: bool,
     ) -> tuple[StepPrompt | PromptFailure, int | None]:
@@ -375,7 +449,10 @@ class PromptBuilder:
             return exc.reason
         return span.start, span.end
 
-    def _anchor(self, anchors: dict[tuple[str, bool], list[int]], key: tuple[str, bool], first: dict) -> list[int]:
+    def _anchor(self, anchors: dict[tuple[Any, ...], list[int]], key: tuple[Any, ...], first: dict) -> list[int]:
+        # by the first message's text too: under --truncation turns a window that leaves turns
+        # out ends the head with the marker, and a head of one message carries it in its anchor
+        key = (*key, first.get("content"))
         if key not in anchors:
             anchors[key] = self.anchor_ids(first)
         return anchors[key]

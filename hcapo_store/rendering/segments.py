@@ -40,9 +40,10 @@ class SegmentEncoder:
     the changed part.
     """
 
-    def __init__(self, tokenizer: Any, *, ascii_fast: bool = True) -> None:
+    def __init__(self, tokenizer: Any, *, ascii_fast: bool = True, reference: bool = False) -> None:
         self._tokenizer = tokenizer
-        self.fast_path_off_reason = self._fast_path_reason(tokenizer)
+        # reference: every text tokenized whole by the tokenizer itself (HCAPO_RENDERING=reference)
+        self.fast_path_off_reason = "reference mode" if reference else self._fast_path_reason(tokenizer)
         self._token_ids: dict[str, int] = {}
         self._splitter: re.Pattern[str] | None = None
         # ASCII pieces through ascii_bpe.py (the same ids and offsets, a third of the CPU)

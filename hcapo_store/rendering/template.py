@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 import weakref
 from datetime import datetime
 from types import BuiltinMethodType
@@ -35,7 +37,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+
+from hcapo_store.rendering import verify
 
 # message keys transformers copies under other names before rendering (_alias_reasoning_fields)
 _REASONING_FIELDS = frozenset(("reasoning_content", "thinking", "reasoning"))
@@ -44,6 +48,57 @@ _SCALARS = (str, int, float, bool, type(None))
 
 class TemplateRejected(Exception):
     """The chat template refused these messages (the message says how)."""
+
+
+# One render in our sandbox may take this long; past it the render fails (TemplateRejected,
+# the step fails with the reason) and the template is refused from then on.
+RENDER_SECONDS = 10.0
+_clock = threading.local()  # .deadline: time.monotonic() past which this thread's render stops
+
+
+class RenderTimeout(TemplateError):
+    """A render ran past RENDER_SECONDS (a template loop that does not end)."""
+
+
+def _check_deadline() -> None:
+    deadline = getattr(_clock, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        _clock.deadline = None
+        raise RenderTimeout(f"the chat template ran past {RENDER_SECONDS:g} s (a loop that does not end?)")
+
+
+class _BoundedRange:
+    """``range(...)`` in a template: jinja2's sandboxed range, whose iteration checks the
+    render's deadline (the loops a template can make run without bound are over ranges)."""
+
+    __slots__ = ("_range",)
+
+    def __init__(self, *args: Any) -> None:
+        self._range = safe_range(*args)
+
+    def __iter__(self) -> Any:
+        for n, value in enumerate(self._range):
+            if not n & 255:
+                _check_deadline()
+            yield value
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._range[key]
+
+    def __contains__(self, value: Any) -> bool:
+        return value in self._range
+
+    def __reversed__(self) -> Any:
+        return iter(_BoundedRange.of(self._range[::-1]))
+
+    @classmethod
+    def of(cls, inner: range) -> _BoundedRange:
+        out = cls.__new__(cls)
+        out._range = inner
+        return out
 
 
 # message id -> (the message, what is rendered of it): see render_chat's ``known``
@@ -71,6 +126,14 @@ def render_chat(
             return direct.render(tokenizer, messages, plain, generation, tools)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, tools=tools)
     except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
+        raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
+
+
+def render_by_rule(tokenizer: Any, messages: list[dict], *, generation: bool) -> str:
+    """The rule render_chat stands in for: ``apply_chat_template`` itself (reference mode)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    except Exception as exc:
         raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -119,6 +182,14 @@ def _plain(value: Any) -> bool:
     return False
 
 
+def _special_source(tokenizer: Any) -> Any:
+    """What a tokenizer's special tokens are read from, cheap to compare: transformers' own
+    map of them (a copy of it compares equal at once while it holds the same objects; setting
+    a token replaces its entry), else the public map."""
+    raw = getattr(tokenizer, "_special_tokens_map", None)
+    return raw if isinstance(raw, dict) else tokenizer.special_tokens_map
+
+
 class _DirectRenderer:
     """A tokenizer's template compiled in our sandbox and the variables transformers renders
     it with (the tokenizer's special tokens)."""
@@ -129,7 +200,9 @@ class _DirectRenderer:
         self.template = template
         self.compiled = compiled
         self.variables = variables
+        self.source: Any = None  # what the variables were read from (_special_source), to notice a change
         self.agreed = False  # its first render equalled apply_chat_template's
+        self.timed_out: str | None = None  # a render ran past RENDER_SECONDS: refused from then on
 
     @classmethod
     def of(cls, tokenizer: Any, tools: list[dict] | None = None) -> _DirectRenderer | None:
@@ -143,40 +216,63 @@ class _DirectRenderer:
             return None
         if template not in known:
             known[template] = cls._build(tokenizer, template)
-        return known[template]
+        renderer = known[template]
+        if renderer is not None and renderer.source != _special_source(tokenizer):
+            # the caller changed the tokenizer's special tokens: render with the new ones,
+            # checked against apply_chat_template again
+            renderer = known[template] = cls._build(tokenizer, template)
+        return renderer
 
     @classmethod
     def _build(cls, tokenizer: Any, template: str) -> _DirectRenderer | None:
         try:
+            source = dict(_special_source(tokenizer))  # a copy: the tokenizer's map changes in place
             variables = dict(tokenizer.special_tokens_map)
             if not _plain(variables):  # transformers would copy them into plain data: its own path
                 return None
-            return cls(template, compile_template(template), variables)
+            renderer = cls(template, compile_template(template), variables)
+            renderer.source = source
+            return renderer
         except Exception:  # a template our sandbox cannot compile: apply_chat_template's verdict stands
             return None
 
     def render(
         self, tokenizer: Any, messages: list[dict], plain: list[dict], generation: bool, tools: list[dict] | None
     ) -> str:
+        if self.timed_out is not None:
+            raise RenderTimeout(self.timed_out)
         if self.agreed:
             return self._render(plain, generation, tools)
+        # ours first, under the time bound: a template that never ends is refused before
+        # apply_chat_template (which has none) is asked
+        try:
+            ours: str | None = self._render(plain, generation, tools)
+        except RenderTimeout:
+            raise
+        except Exception:
+            ours = None
         reference = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation, tools=tools
         )
-        try:
-            agrees = self._render(plain, generation, tools) == reference
-        except Exception:
-            agrees = False
-        if agrees:
+        if ours == reference:
             self.agreed = True
         else:  # this transformers renders otherwise: its own path from now on
             _DirectRenderer._by_tokenizer[tokenizer][self.template] = None
+            if ours is not None:
+                verify.disagreed(verify.TEMPLATE_SANDBOX, "the first render differs from apply_chat_template's")
         return reference
 
     def _render(self, plain: list[dict], generation: bool, tools: list[dict] | None) -> str:
-        return self.compiled.render(
-            messages=plain, tools=tools, documents=None, add_generation_prompt=generation, **self.variables
-        )
+        _clock.deadline = time.monotonic() + RENDER_SECONDS
+        try:
+            return self.compiled.render(
+                messages=plain, tools=tools, documents=None, add_generation_prompt=generation, **self.variables
+            )
+        except RenderTimeout as exc:
+            self.timed_out = str(exc)
+            raise
+        finally:
+            _clock.deadline = None
 
 
 # --------------------------------------------------------------------------- our sandbox
@@ -287,7 +383,9 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         self.globals["strftime_now"] = _strftime_now
         self.globals["dict"] = _TemplateDict()
         self.globals["namespace"] = _TemplateNamespace
+        self.globals["range"] = _BoundedRange
         self._verdicts: dict[tuple[type, str], bool] = {}
+        self._calls = 0
         self._safe_str = frozenset(
             name
             for name in dir(str)
@@ -314,6 +412,9 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         # positional-only, as jinja2's: a call's own keyword arguments may be named obj or context
+        self._calls += 1
+        if not self._calls & 1023:
+            _check_deadline()
         if type(obj) is BuiltinMethodType and type(obj.__self__) is str:
             kwargs.pop("_block_vars", None)
             kwargs.pop("_loop_vars", None)

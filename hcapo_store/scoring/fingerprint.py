@@ -5,9 +5,13 @@ can render or tokenize differently under another transformers, tokenizers or jin
 fixed probe conversation (system, user, an assistant turn with thinking and a tool call,
 the tool's result, a final assistant turn) is built exactly as steps are, through
 ``PromptBuilder.build_episode``, and the hash of the resulting token ids is part of the
-identity. The library versions are recorded with the scorer (``spec["provenance"]``) but
-are not part of its id: an upgrade that renders the probe to the same ids keeps the
-scorer, one that renders it differently makes a new scorer.
+identity. The probe is built by the rules only (``PromptBuilder.by_rule``: ``apply_chat_template``
+and the ``tokenizers`` backend's own pipeline, never the fast strategies of
+rendering/verify.py, which reproduce them), so what a ``transformers``, ``tokenizers`` or
+``jinja2`` upgrade changes on the probe, ASCII text included, changes the fingerprint. The
+library versions are recorded with the scorer (``spec["provenance"]``) but are not part of
+its id: an upgrade that renders the probe to the same ids keeps the scorer, one that renders
+it differently makes a new scorer.
 """
 
 from __future__ import annotations
@@ -56,7 +60,10 @@ PROBE_STEPS = [
 
 
 def rendering_fingerprint(builder: PromptBuilder) -> str:
-    """SHA-256 of the probe's prompts as the builder makes them (ids, spans, failures)."""
+    """SHA-256 of the probe's prompts as the builder's rules make them (ids, spans, failures):
+    ``apply_chat_template`` and the backend tokenizer itself, never a fast strategy
+    (rendering/verify.py), so the fingerprint sees what the libraries do."""
+    builder = builder.by_rule()
     digest = hashlib.sha256()
     if builder.layout == "episode":
         digest.update(b"layout:episode\n")

@@ -16,6 +16,7 @@ import httpx
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.ingestion.sources import ConvertOptions
 from hcapo_store.masking import mask_url
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_LOGPROB_TOKENS,
@@ -31,12 +32,13 @@ from hcapo_store.rendering.prompts import (
     template_hash,
 )
 from hcapo_store.rendering.requests import PromptFailure
-from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.template import TemplateRejected, render_by_rule
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
 from hcapo_store.scoring.grouping import Grouping, plan_requests
+from hcapo_store.scoring.results import fallback_text
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
 from hcapo_store.storage import db
@@ -64,6 +66,9 @@ class ScoreConfig:
     hindsight_template: str = HINDSIGHT_TEMPLATE
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
+    # vLLM's --logprobs-mode the scorer declares (anything but raw_logprobs is a scorer of its own;
+    # a server that reports another mode is refused)
+    logprobs_mode: str = "raw_logprobs"
     # The in-process model (--backend transformers): cpu, cuda, cuda:N (None: the GPU when there
     # is one) and bfloat16/float16/float32 (None: the checkpoint's own on a GPU, float32 on CPU).
     device: str | None = None
@@ -128,8 +133,20 @@ def make_backend(cfg: ScoreConfig) -> Backend:
     if cfg.backend == "vllm":
         from hcapo_store.scoring.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.server, model=cfg.model, api_key=cfg.api_key, timeout=_http_timeout(cfg))
+        return VLLMBackend(
+            cfg.server,
+            model=cfg.model,
+            api_key=cfg.api_key,
+            logprobs_mode=cfg.logprobs_mode,
+            timeout=_http_timeout(cfg),
+        )
     raise ScoringError(f"unknown backend {cfg.backend!r}: choose sglang, vllm or transformers")
+
+
+def _reported(backend: Backend) -> dict[str, Any]:
+    reported = getattr(backend, "reported", None)
+    facts = reported() if reported is not None else None
+    return {"server": facts} if facts else {}
 
 
 def _tokenizer_location(cfg: ScoreConfig, backend: Backend) -> str:
@@ -248,7 +265,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,
         "rendering_sha256": rendering_fingerprint(builder),
-        "provenance": {"libraries": library_versions()},  # recorded, not part of the id
+        # recorded, not part of the id: the libraries, and what the server reports of itself
+        # where it is not part of the backend's identity (SGLang: backends/sglang.py, reported)
+        "provenance": {"libraries": library_versions(), **_reported(backend)},
     }
     computes_in = getattr(backend, "computes_in", None)
     if callable(computes_in) and computes_in():  # dtype and device type, even where not in the id
@@ -304,6 +323,8 @@ class DryRun:
     # the square of a session's steps).
     truncated_steps: int = 0
     quadratic_in_session: bool = False
+    # fast rendering strategies that disagreed with their rule while planning (rendering/verify.py)
+    strategy_fallbacks: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (
@@ -312,6 +333,7 @@ class DryRun:
             f"prompt tokens ({self.scored_tokens} scored), {self.prompt_failures} prompt failure(s); "
             "nothing was sent"
         )
+        text += f"\n{fallback_text(self.strategy_fallbacks)}"
         if self.truncated_steps and self.quadratic_in_session:
             text += (
                 f"\nnote: {self.truncated_steps} step(s) have more history than --max-context, and for some "
@@ -344,6 +366,7 @@ def dry_run(
         limit=limit,
     )
     whole_before = prep.builder.whole_history_episodes
+    fallbacks_before = verify.fallbacks()
     with db.read(store.engine) as conn:
         by_episode: dict[int, set[int]] = {}
         for ep, idx in rows:
@@ -374,6 +397,7 @@ def dry_run(
         failures,
         truncated,
         prep.builder.whole_history_episodes > whole_before,
+        verify.since(fallbacks_before),
     )
 
 
@@ -405,8 +429,8 @@ def probe_text(tokenizer: Any) -> str:
     """A text to compare two tokenizers on: the fingerprint's probe conversation as this
     tokenizer's chat template renders it (its special tokens, reasoning and tool-call markup,
     non-ASCII letters, runs of spaces), else the conversation's plain text."""
-    try:
-        return render_chat(tokenizer, PROBE_MESSAGES, generation=False)
+    try:  # apply_chat_template itself: the check runs through no fast strategy
+        return render_by_rule(tokenizer, PROBE_MESSAGES, generation=False)
     except TemplateRejected:
         return "\n".join(str(m["content"]) for m in PROBE_MESSAGES)
 

@@ -33,6 +33,9 @@ class ScoreReport:
     cancelled: int = 0  # in-flight requests cancelled after the stop grace period
     failure_kinds: Counter = field(default_factory=Counter)
     first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message), distinct, in order
+    # fast rendering strategies that disagreed with their rule during the run, by strategy:
+    # the rule's prompts were stored (rendering/verify.py)
+    strategy_fallbacks: dict[str, int] = field(default_factory=dict)
 
     def note_error(self, kind: str, message: str) -> None:
         if len(self.first_errors) < FIRST_ERRORS and all(m != message for _, m in self.first_errors):
@@ -54,12 +57,15 @@ class ScoreReport:
             line += f" — interrupted, {self.released} leased step(s) returned to the queue"
         if self.cancelled:
             line += f" ({self.cancelled} request(s) in flight cancelled)"
+        if self.strategy_fallbacks:
+            line += f"; {fallback_text(self.strategy_fallbacks)}"
         return line
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("failure_kinds", "first_errors")}
         d["failure_kinds"] = dict(self.failure_kinds)
         d["first_errors"] = [{"kind": k, "message": m} for k, m in self.first_errors]
+        d["strategy_fallbacks"] = dict(self.strategy_fallbacks)
         return d
 
     def error_lines(self, width: int = 300) -> list[str]:
@@ -70,6 +76,14 @@ class ScoreReport:
             text = text if text.startswith(f"{kind}:") else f"{kind}: {text}"
             lines.append(text if len(text) <= width else text[: width - 1] + "…")
         return lines
+
+
+def fallback_text(fallbacks: dict[str, int]) -> str:
+    """``strategy fallbacks: none`` or each strategy's count (the rule's prompts stored)."""
+    if not fallbacks:
+        return "strategy fallbacks: none"
+    counts = ", ".join(f"{name} {n}" for name, n in sorted(fallbacks.items()))
+    return f"strategy fallbacks (the rule's prompts stored): {counts}"
 
 
 def score_row(

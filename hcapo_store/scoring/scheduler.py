@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
+from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import GroupPrompt, PromptFailure
 from hcapo_store.scoring import defaults, work_queue
@@ -113,9 +114,9 @@ class Scheduler:
         self._stop_requested: asyncio.Event | None = None  # set in the loop when _stopping is
         self._loop: asyncio.AbstractEventLoop | None = None
         self._claimed = 0
-        # The per-step layout's token caches are not thread-safe; the episode layout keeps none
-        # and tokenizes through the backend alone, so episodes are prepared side by side (the
-        # backend releases the GIL while it encodes).
+        # The per-step layout's token caches are not thread-safe; the episode layout keeps none,
+        # so its episodes are prepared side by side (PromptBuilder.thread_safe says what of that
+        # runs in parallel: the backend's share of tokenizing, not the ASCII pieces).
         self._build_lock = contextlib.nullcontext() if builder.thread_safe else threading.Lock()
 
     def stop(self) -> None:
@@ -143,6 +144,7 @@ class Scheduler:
 
     async def _run(self) -> ScoreReport:
         started = time.monotonic()
+        fallbacks_before = verify.fallbacks()
         work_queue.reap_dead_local_workers(self.store)
         self.report.planned = work_queue.count_claimable(self.store, self.scorer_id, self.options.filters)
         if self.options.limit is not None:
@@ -179,6 +181,7 @@ class Scheduler:
                 self._stopping.is_set() and self.report.server_down is None and not (write_error or self._model_error)
             )
             self.report.elapsed_s = time.monotonic() - started
+            self.report.strategy_fallbacks = verify.since(fallbacks_before)
             failed = write_error or self._model_error
             released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
         if write_error is not None:

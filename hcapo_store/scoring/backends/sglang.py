@@ -10,6 +10,7 @@ returns as null. Every returned token id and the count are checked; an HTTP 200 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -207,6 +208,20 @@ def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> lis
     return logprobs
 
 
+# server_info keys that change an input token's logprob (the temperature it is scaled by, the
+# original or processed distribution): recorded in the scorer's identity where echoed
+_LOGPROB_KEY = re.compile(r"logprob|temperature|temp_scaled")
+
+
+def logprob_settings(server_info: dict[str, Any]) -> dict[str, Any]:
+    """The server's settings that change input logprobs, where it reports them (scalars only)."""
+    return {
+        k: v
+        for k, v in sorted(server_info.items())
+        if _LOGPROB_KEY.search(k) and (v is None or isinstance(v, (str, int, float, bool)))
+    }
+
+
 class SGLangBackend(HttpBackend):
     kind = "sglang"
 
@@ -277,6 +292,18 @@ class SGLangBackend(HttpBackend):
         """The served dtype and device type, when the server reports them (the reference server)."""
         dtype, device = self.model_info.get("dtype"), self.model_info.get("device")
         return {"dtype": str(dtype), "device": str(device)} if dtype and device else {}
+
+    def reported(self) -> dict[str, Any]:
+        """What the server reports of itself that changes its numbers: the engine's version and
+        the settings that change input logprobs (recorded with the scorer, not in its id: an
+        SGLang router answers server_info itself, without them, so the same workers would be
+        two scorers through the router and direct)."""
+        version = self.server_info.get("version")
+        settings = logprob_settings(self.server_info)
+        return {
+            **({"engine": {"name": "sglang", "version": version}} if version else {}),
+            **({"logprob_settings": settings} if settings else {}),
+        }
 
     def context_length(self) -> int | None:
         # SGLang takes at most max_req_input_len input tokens; a model of context 32768 accepts

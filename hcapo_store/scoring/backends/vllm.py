@@ -15,7 +15,9 @@ clamp of ``-inf``), which is not a log-probability we can store.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from typing import Any
 
@@ -27,6 +29,11 @@ from hcapo_store.scoring.backends.base import BackendScore, checked_cached_token
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
+# vLLM's --logprobs-mode (since vllm #47680 prompt_logprobs follow it): only raw log-probabilities
+# are scored unless the scorer declares another mode (ScoreConfig.logprobs_mode)
+RAW_LOGPROBS = "raw_logprobs"
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+_MODE_IN_CONFIG = re.compile(r"logprobs_mode\W{0,4}(?:LogprobsMode\.)?([A-Za-z_]+)")
 DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (vLLM's SamplingParams)
 
 
@@ -142,10 +149,15 @@ class VLLMBackend(HttpBackend):
         model: str | None = None,
         api_key: str | None = None,
         prompt_logprobs: int = DEFAULT_PROMPT_LOGPROBS,
+        logprobs_mode: str = RAW_LOGPROBS,
         client: HttpClient | None = None,
         timeout: float | httpx.Timeout | None = None,
     ) -> None:
         super().__init__(url, api_key=api_key, client=client, timeout=timeout)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ScoringError(f"logprobs mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode  # what the scorer declares the server's mode is
+        self.served_logprobs_mode: str | None = None  # what the server says (/server_info), when it does
         self.requested_model = model
         self.model = model  # the served model name sent with every request (learned in start())
         self.prompt_logprobs = prompt_logprobs
@@ -188,7 +200,25 @@ class VLLMBackend(HttpBackend):
         self.model = self.model_card["id"]
         info = await self.get_optional("/version")
         self.version = info.get("version") if isinstance(info, dict) else None
+        self.served_logprobs_mode = await self._read_logprobs_mode()
+        mode = self.served_logprobs_mode
+        if mode is not None and mode != self.logprobs_mode:
+            raise ScoringError(
+                f"the vLLM server at {self.display_url} runs --logprobs-mode {mode}: its prompt_logprobs "
+                f"are not {self.logprobs_mode.replace('_', ' ')}; restart it with --logprobs-mode "
+                f"{self.logprobs_mode}, or declare the mode (ScoreConfig.logprobs_mode={mode!r}): a new scorer"
+            )
         self.remember_served()
+
+    async def _read_logprobs_mode(self) -> str | None:
+        """The server's --logprobs-mode where it says (``/server_info``, which vLLM answers in its
+        development mode with its whole config); None when it does not."""
+        info = await self.get_optional("/server_info")
+        if not isinstance(info, dict):
+            return None
+        match = _MODE_IN_CONFIG.search(json.dumps(info))
+        mode = match.group(1).lower() if match else None
+        return mode if mode in LOGPROBS_MODES else None
 
     def server_model_id(self) -> str | None:
         return self.model_card.get("root") or self.model
@@ -203,6 +233,10 @@ class VLLMBackend(HttpBackend):
             "model": self.model,
             "server_model": self.server_model_id(),
             "prompt_logprobs": self.prompt_logprobs,
+            # what changes the numbers, where known: only when set or reported (existing
+            # scorers of a server that reports neither keep their ids)
+            **({"logprobs_mode": self.logprobs_mode} if self.logprobs_mode != RAW_LOGPROBS else {}),
+            **({"engine": {"name": "vllm", "version": self.version}} if self.version else {}),
         }
 
     def context_length(self) -> int | None:

@@ -1,0 +1,139 @@
+"""Every fast strategy held to its rule at run time, in one frame (docs/ARCHITECTURE.md).
+
+The stored logprob is the one the plain rule defines (prompt_rule.py, ``place_by_rule``,
+``backend.encode``, ``apply_chat_template``). Each shortcut beside a rule is a
+:class:`Strategy` here: it names the rule it stands in for and when it is checked against
+it (its policy: the first uses of each process or episode, then a sample). A disagreement is
+handled the same way for all of them: the strategy is switched off (for the episode, or for
+the rest of the process), the rule's result is what is stored, and the fallback is counted
+(:func:`fallbacks`, the run's ``ScoreReport.strategy_fallbacks`` and ``score --json``'s
+``"strategy_fallbacks"``) and logged once per strategy.
+
+``HCAPO_RENDERING=reference`` in the environment runs the rules only (:func:`reference_mode`):
+slower, the same stored numbers.
+
+The checks sample; they do not prove. What is tested beyond them: tests/test_differential.py
+(property-based sessions against the rules), tests/test_verify.py (a strategy patched to be
+wrong is caught, counted, and the rule's prompt stored).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+RENDERING_ENV = "HCAPO_RENDERING"
+RENDERING_MODES = ("fast", "reference")
+
+
+def reference_mode() -> bool:
+    """Whether this process runs the rules only (``HCAPO_RENDERING=reference``); read at each
+    builder's creation, so a test may set it for one builder."""
+    mode = os.environ.get(RENDERING_ENV, "").strip().lower() or "fast"
+    if mode not in RENDERING_MODES:
+        raise ValueError(f"{RENDERING_ENV} must be one of {RENDERING_MODES}, got {mode!r}")
+    return mode == "reference"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A shortcut beside a rule: what it is held to, when, and what a disagreement turns off."""
+
+    name: str
+    rule: str  # what it must equal
+    policy: str  # when it is checked, in words
+    scope: Literal["episode", "process"]  # what one disagreement switches off
+    first: int = 0  # the first uses checked (per process)
+    every: int = 0  # then the last use of every ``every`` (0: none)
+
+
+ASCII_BPE = Strategy(
+    "ascii_bpe",
+    "backend.encode (the tokenizers library's own pipeline)",
+    "the first 64 pieces of each process, then one piece in 512",
+    "process",
+    first=64,
+    every=512,
+)
+TEMPLATE_SANDBOX = Strategy(
+    "template_sandbox",
+    "tokenizer.apply_chat_template",
+    "the first render of each tokenizer's template (and again when its special tokens change)",
+    "process",
+)
+BOUNDED_RENDERS = Strategy(
+    "bounded_renders",
+    "the step's whole-history render (prompt_rule.whole_history)",
+    "the last step of every chain, and from the episode's last step halving back to its first",
+    "episode",
+)
+TURN_WINDOWS = Strategy(
+    "turn_windows",
+    "prompt_rule.whole_turns (every window scanned from the earliest start)",
+    "the step where a session first crosses the budget, then one windowed step in 16",
+    "episode",
+    every=16,
+)
+PLACEMENT = Strategy(
+    "placement",
+    "placement.place_by_rule (one render per step, apply_chat_template, tokenizer offsets)",
+    "one step (the middle one) of one episode in 64 (the 64th of the process, the 128th, ...)",
+    "episode",
+    every=64,
+)
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT)
+}
+
+_lock = threading.Lock()
+_uses: dict[str, Iterator[int]] = {}  # each strategy's uses, counted (next() on a count is atomic)
+_fallbacks: Counter[str] = Counter()
+_logged: set[str] = set()
+
+
+def due(strategy: Strategy) -> bool:
+    """Whether this use of ``strategy`` is one its policy checks (counts the use)."""
+    try:
+        n = next(_uses[strategy.name])
+    except KeyError:
+        with _lock:
+            uses = _uses.setdefault(strategy.name, itertools.count())
+        n = next(uses)
+    return n < strategy.first or (strategy.every > 0 and (n - strategy.first + 1) % strategy.every == 0)
+
+
+def disagreed(strategy: Strategy, detail: str) -> None:
+    """Count one fallback to ``strategy``'s rule (the caller stores the rule's result and
+    switches the strategy off for its scope); the first of each strategy is logged."""
+    with _lock:
+        _fallbacks[strategy.name] += 1
+        first = strategy.name not in _logged
+        _logged.add(strategy.name)
+    if first:
+        log.warning(
+            "rendering: %s disagreed with its rule (%s): %s; switched off for the %s, the rule's result stored",
+            strategy.name,
+            strategy.rule,
+            detail,
+            strategy.scope,
+        )
+
+
+def fallbacks() -> dict[str, int]:
+    """The fallbacks counted in this process so far, by strategy."""
+    with _lock:
+        return {k: v for k, v in _fallbacks.items() if v}
+
+
+def since(before: dict[str, int]) -> dict[str, int]:
+    """The fallbacks counted since ``before`` (a :func:`fallbacks` snapshot)."""
+    now = fallbacks()
+    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
