@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu as base  # noqa: E402  bench/gpu.py: the model, the episodes, the end-to-end run, the floor
+import gpu as base  # bench/gpu.py: the model, the episodes, the end-to-end run, the floor
 
 SCORED_SHARE = 0.42  # of an episode's positions scored in the episode layout (21 of every 50)
 SCORED_EVERY = 50
@@ -342,7 +342,10 @@ def measure_shape(
             try:
                 result[key] = fn()
             except Exception as exc:
-                result[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+                result[key] = {
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
         flush(f"{key}: {json.dumps(result[key])[:200]}")
         return result[key]
 
@@ -361,7 +364,9 @@ def measure_shape(
 
     # the floor at the episodes' own length and twice it (a packed pair): what share_of_floor divides by
     floor = step(
-        "floor", lambda: base.measure_floor(model, device, [length, 2 * length], vocab, 0.0 if tiny else 1.0), 20 if big else 6
+        "floor",
+        lambda: base.measure_floor(model, device, [length, 2 * length], vocab, 0.0 if tiny else 1.0),
+        20 if big else 6,
     )
     floor = floor if isinstance(floor, dict) and "error" not in floor and "skipped" not in floor else {}
 
@@ -476,7 +481,9 @@ def measure_shape(
         if interval is not None:
             sys.setswitchinterval(interval)
         try:
-            version = f"{shape}-c{concurrency}-{'switch' if interval else 'default'}-{'profiled' if profile_at else 'plain'}"
+            version = (
+                f"{shape}-c{concurrency}-{'switch' if interval else 'default'}-{'profiled' if profile_at else 'plain'}"
+            )
             done = base.score_run(
                 model, episodes, ids, layout="episode", concurrency=concurrency, version=version, hook=hook
             )
@@ -519,14 +526,17 @@ def measure_shape(
             try:
                 switch[key] = run(concurrency, interval)
             except Exception as exc:
-                switch[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]}
-            flush(f"switch {key}: {json.dumps({k: switch[key].get(k) for k in ('share_of_floor', 'gpu_busy_share', 'forward_event_over_floor', 'forward_off_cpu_ms_median', 'error')})}")
+                switch[key] = {
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
+            flush(
+                f"switch {key}: {json.dumps({k: switch[key].get(k) for k in ('share_of_floor', 'gpu_busy_share', 'forward_event_over_floor', 'forward_off_cpu_ms_median', 'error')})}"
+            )
 
     step("in_run", lambda: run(4, None, set(args.profile_forwards)), seconds + 6)
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    del model
-    gc.collect()
 
 
 def memory_counters(device: Any) -> dict[str, int]:
