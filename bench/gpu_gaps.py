@@ -266,6 +266,7 @@ class Probe:
         self.profile_at = set(profile_at)
         self.trace = trace  # index -> Path | None
         self.rows: list[dict[str, Any]] = []
+        self.slots: list[int] = []  # each row's index in scorer.timings (one entry per forward)
         self.inner = scorer._forward
         scorer._forward = self
         if scorer.timings is None:
@@ -274,9 +275,15 @@ class Probe:
     def __call__(self, batch: Any) -> Any:
         index = len(self.rows)
         row: dict[str, Any] = {"lengths": [r.length for r in batch], "scored": sum(len(r.rows) for r in batch)}
-        capture = profiling(self.device) if index in self.profile_at else contextlib.nullcontext()
+        stack, prof = contextlib.ExitStack(), None
+        if index in self.profile_at:
+            try:  # a profiler that will not start must not fail the forward
+                prof = stack.enter_context(profiling(self.device))
+            except Exception as exc:
+                row["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        slot = len(self.scorer.timings)
         try:
-            with capture as prof:
+            with stack:
                 wall, cpu = time.perf_counter(), time.thread_time()
                 out = self.inner(batch)
                 row["wall_ms"] = round((time.perf_counter() - wall) * 1000, 3)
@@ -292,13 +299,15 @@ class Probe:
             except Exception as exc:
                 row["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
         self.rows.append(row)
+        self.slots.append(slot)
         return out
 
     def finish(self) -> list[dict[str, Any]]:
         """The rows with each forward's event ms (LogprobModel.timings, one per forward)."""
         base.sync(self.device)
-        timings = self.scorer.timings or []
-        for row, (start, end, _) in zip(self.rows, timings[-len(self.rows) :] if self.rows else []):
+        timings = self.scorer.timings
+        for row, slot in zip(self.rows, self.slots):
+            start, end, _ = timings[slot]
             row["event_ms"] = round(elapsed_ms(start, end), 3)
             row["off_cpu_ms"] = round(row["wall_ms"] - row["cpu_ms"], 3)
         return self.rows
@@ -410,6 +419,9 @@ def measure_shape(
                 "gap_share": gap_share(spans_act.get("busy_ms", float("nan")), spans_ms),
                 "profiled": spans_act,
                 "profiled_event_ms": rows[1 + args.reps]["event_ms"],
+                "profiled_event_minus_span_ms": round(
+                    rows[1 + args.reps]["event_ms"] - spans_act.get("span_ms", float("nan")), 3
+                ),
             },
             "body": {
                 "event_ms": round(statistics.median(body_ms), 3),
@@ -509,6 +521,9 @@ def measure_shape(
             prof = f.get("profile")
             if prof and "event_ms" in f:
                 f["gap_share"] = gap_share(prof["busy_ms"], f["event_ms"])
+                f["event_minus_span_ms"] = round(
+                    f["event_ms"] - prof["span_ms"], 3
+                )  # before the first kernel, after the last
                 if plain:
                     f["gap_share_vs_unprofiled"] = gap_share(prof["busy_ms"], per_token * sum(f["lengths"]))
         row["forwards_detail"] = forwards
