@@ -193,7 +193,9 @@ def profiling(device: Any) -> Any:
 def activity(prof: Any, device: Any, trace: Path | None = None) -> dict[str, Any]:
     """The device work of a profiler capture: kernels (and copies, memsets) on a GPU, the top-level
     CPU ops on a CPU. ``busy_ms``: the union of their intervals; ``span_ms``: first start to last
-    end; the gaps between them by size; the heaviest kernels and the CUDA runtime calls."""
+    end; the gaps between them by size; the heaviest kernels and the CUDA runtime calls; the host's
+    kernel launches: their span (beside the kernels' span: launch-bound when alike) and the long
+    gaps between them (the launching thread stopped: a GIL wait, a synchronisation)."""
     from torch.autograd import DeviceType
 
     events = [e for e in prof.events() if not getattr(e, "is_user_annotation", False)]
@@ -223,14 +225,26 @@ def activity(prof: Any, device: Any, trace: Path | None = None) -> dict[str, Any
         entry[0] += 1
         entry[1] += e.time_range.end - e.time_range.start
     runtime: dict[str, list[float]] = {}
-    for e in events:  # CUDA runtime API calls, any thread
-        if e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+    for e in events:  # CUDA runtime and driver API calls, any thread
+        if e.device_type == DeviceType.CPU and e.name.startswith("cu"):
             entry = runtime.setdefault(e.name, [0, 0.0, 0.0])
             took = e.time_range.end - e.time_range.start
             entry[0] += 1
             entry[1] += took
             entry[2] = max(entry[2], took)
+    # the host's pace: kernel launches (any thread) and the gaps between them (a GIL wait shows as ms)
+    launches = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith(("cudaLaunch", "cuLaunch"))
+    )
+    launch_gaps = [b[0] - a[1] for a, b in zip(launches, launches[1:])]
+    long_gaps = [g for g in launch_gaps if g > GAP_BUCKETS_US[-1]]
     out: dict[str, Any] = {
+        "launches": len(launches),
+        "launch_span_ms": round((launches[-1][1] - launches[0][0]) / 1000, 3) if launches else None,
+        "launch_gaps_gt_500us": [len(long_gaps), round(sum(long_gaps) / 1000, 3)],  # [count, ms]
+        "launch_max_gap_ms": round(max(launch_gaps, default=0.0) / 1000, 3),
         "kernels": len(work),
         "kernel_sum_ms": round(sum(e.time_range.end - e.time_range.start for e in work) / 1000, 3),
         "busy_ms": round(busy / 1000, 3),
@@ -380,6 +394,8 @@ def measure_shape(
     floor = floor if isinstance(floor, dict) and "error" not in floor and "skipped" not in floor else {}
 
     def alone() -> dict[str, Any]:
+        with profiling(device):  # the profiler's own first start (CUPTI) stays out of the forwards
+            torch.ones(8, device=device).add_(1)
         scorer = LogprobModel("bench", loaded=model, pack_tokens=defaults.PACK_TOKENS)
         probe = Probe(scorer, device)
         for _ in range(1 + args.reps):  # the first: warm-up
@@ -583,7 +599,9 @@ def summary(doc: dict[str, Any]) -> list[str]:
         if "score_spans" in a:
             s, b = a["score_spans"], a["body"]
             parts.append(
-                f"alone: spans {s['event_ms']} ms (gap {s['gap_share']}), body {b['event_ms']} ms (gap {b['gap_share']}),"
+                f"alone: spans {s['event_ms']} ms (gap {s['gap_share']}, launches over"
+                f" {s['profiled'].get('launch_span_ms')} ms, kernels over {s['profiled'].get('span_ms')} ms),"
+                f" body {b['event_ms']} ms (gap {b['gap_share']}),"
                 f" packed2 {a['packed2']['event_ms']} ms (gap {a['packed2']['gap_share']})"
             )
         h = r.get("head", {})
@@ -603,7 +621,8 @@ def summary(doc: dict[str, Any]) -> list[str]:
             if "gap_share" in f:
                 parts.append(
                     f"in-run fwd {f['lengths']}: {f['event_ms']} ms, kernels {f['profile']['busy_ms']} ms,"
-                    f" gap {f['gap_share']} (vs unprofiled {f.get('gap_share_vs_unprofiled')})"
+                    f" gap {f['gap_share']} (vs unprofiled {f.get('gap_share_vs_unprofiled')}),"
+                    f" launch gaps >0.5 ms {f['profile']['launch_gaps_gt_500us']}, kernel gaps {f['profile']['gaps']}"
                 )
         lines.append("; ".join(parts))
     return lines

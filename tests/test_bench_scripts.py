@@ -147,4 +147,5 @@ def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
         assert len(forwards) == row["forwards"] and all(f["event_ms"] > 0 and f["off_cpu_ms"] >= -1 for f in forwards)
     profiled = [f for f in shape["in_run"]["forwards_detail"] if "profile" in f]
     assert len(profiled) == 1 and profiled[0]["profile"]["kernels"] > 0 and "gap_share" in profiled[0]
+    assert {"launches", "launch_span_ms", "launch_gaps_gt_500us", "gaps", "runtime"} <= set(profiled[0]["profile"])
     assert doc["summary"] and r.stdout.startswith("tiny (L=")
