@@ -14,7 +14,9 @@ scored as in the episode layout):
 * ``alone`` (a): ``LogprobModel.score_spans`` with no event loop beside it, and the decoder body
   alone (``model.model(ids)``), and two sequences packed into one forward: CUDA-event ms (median,
   unprofiled) and, from one torch.profiler capture, the kernels' busy ms (their union), count, and
-  the gaps between them by size. ``gap_share`` = 1 - kernel busy / event ms: the GPU idle inside.
+  the gaps between them by size, and the host's kernel launches (their span beside the kernels':
+  alike when the host sets the pace; gaps over 0.5 ms: the launching thread stopped, e.g. waiting
+  for the GIL). ``gap_share`` = 1 - kernel busy / event ms: the GPU idle inside the forward.
 * ``head`` (d): the LM-head part alone on the sequence's ~3.9k scored rows: the
   ``_target_logprobs`` chunk loop at the configured ``chunk_size`` (512), at 2048, and all rows in
   one chunk, and the head's matrix product alone (its floor).
@@ -27,7 +29,8 @@ scored as in the episode layout):
   event ms, beside the unprofiled forwards of the same run (``gap_share_vs_unprofiled``: kernel
   busy over the unprofiled forwards' median event ms per token, scaled to the profiled one's tokens).
 
-Hooks only: each forward is wrapped on the run's LogprobModel instance (``_forward``), nothing of
+``--traces`` (default on, GPU only) writes each profiled forward's chrome trace beside ``--out``
+(``gaps-SHAPE-alone.json.gz``, ``-body``, ``-in-run-N``). Hooks only: each forward is wrapped on the run's LogprobModel instance (``_forward``), nothing of
 the library changes. Every measurement catches its own error (recorded, the rest still run), the
 JSON (``--out``, else ``$OUT/gaps.json``) is rewritten after each, and a progress line with the
 elapsed seconds goes to stderr. ``--size tiny`` runs the same code on the CPU in seconds: there
