@@ -30,8 +30,8 @@ scored as in the episode layout):
   busy over the unprofiled forwards' median event ms per token, scaled to the profiled one's tokens).
 
 ``--traces`` (default on, GPU only) writes each profiled forward's chrome trace beside ``--out``
-(``gaps-SHAPE-alone.json.gz``, ``-body``, ``-in-run-N``). Hooks only: each forward is wrapped on the run's LogprobModel instance (``_forward``), nothing of
-the library changes. Every measurement catches its own error (recorded, the rest still run), the
+(``gaps-SHAPE-alone.json.gz``, ``-body``, ``-in-run-N``). Hooks only: each forward is wrapped on
+the run's LogprobModel instance (``_forward``), nothing of the library changes. Every measurement catches its own error (recorded, the rest still run), the
 JSON (``--out``, else ``$OUT/gaps.json``) is rewritten after each, and a progress line with the
 elapsed seconds goes to stderr. ``--size tiny`` runs the same code on the CPU in seconds: there
 the profiler's top-level CPU ops stand in for kernels and the host clock for CUDA events.
