@@ -356,9 +356,12 @@ class Episodes:
         return {"count": len(self.ids), "steps_each": self.steps, "ingest_s": round(self.ingest_s, 2)}
 
 
-def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, concurrency: int, version: str) -> dict:
+def score_run(
+    model: Any, episodes: Episodes, ids: list[str], *, layout: str, concurrency: int, version: str, hook: Any = None
+) -> dict:
     """``prepare`` + ``run_scoring`` with the live backend over ``ids``; the forwards timed with
-    CUDA events (LogprobModel.timings)."""
+    CUDA events (LogprobModel.timings). ``hook``: called with the run's LogprobModel once it is
+    made, before its first forward (bench/gpu_gaps.py wraps its forwards)."""
     from hcapo_store.scoring import defaults
     from hcapo_store.scoring.backends.inprocess import LiveModelBackend
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
@@ -374,6 +377,8 @@ def score_run(model: Any, episodes: Episodes, ids: list[str], *, layout: str, co
             await super().start()
             self.scorer.timings = timings
             self.scorer.pack_tokens = defaults.PACK_TOKENS  # as on a GPU, on the CPU too (tiny)
+            if hook is not None:
+                hook(self.scorer)
 
     backend = Timed(model, weight_version=version, name="bench")
     cfg = ScoreConfig(

@@ -112,3 +112,40 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
     assert per_step["sent_tokens"] / per_step["episodes"] > 2 * episode["sent_tokens"] / episode["episodes"]
     drift = shape["drift"]
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
+
+
+def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """bench/gpu_gaps.py's every measurement on the CPU (--size tiny; the profiler's CPU ops stand in
+    for kernels): the forward alone and the body, the LM-head chunks, the runs at two switch
+    intervals, the profiled forward inside a run, in the JSON the GPU run writes."""
+    out = tmp_path / "gaps.json"
+    r = _run(str(BENCH / "gpu_gaps.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "] tiny: in_run: " in r.stderr  # a progress line per measurement
+    doc = json.loads(out.read_text())
+    (shape,) = doc["shapes"]
+    assert "error" not in shape, shape.get("traceback")
+    for key in ("floor", "alone", "head", "in_run"):
+        assert "error" not in shape[key] and "skipped" not in shape[key], (key, shape[key])
+    alone = shape["alone"]
+    for part in ("score_spans", "body", "packed2"):
+        profiled = alone[part]["profiled"]
+        assert (
+            alone[part]["event_ms"] > 0 and profiled["kernels"] > 0 and 0 < profiled["busy_ms"] <= profiled["span_ms"]
+        )
+        assert sum(n for n, _ in profiled["gaps"].values()) <= profiled["kernels"] - 1
+    head = shape["head"]
+    chunks = [v for v in head.values() if isinstance(v, dict)]
+    assert head["rows"] > 0 and len(chunks) >= 2 and all(c["max_abs_diff_vs_one_chunk"] < 1e-4 for c in chunks)
+    assert set(shape["switch"]) == {"c4/default", "c4/switch"}
+    assert (
+        shape["switch"]["c4/switch"]["switch_interval_s"] == 1e-4 != shape["switch"]["c4/default"]["switch_interval_s"]
+    )
+    for key, row in [*shape["switch"].items(), ("in_run", shape["in_run"])]:
+        assert row["failed"] == 0 and row["steps"] > 0 and 0 < row["share_of_floor"], key
+        forwards = row["forwards_detail"]
+        assert len(forwards) == row["forwards"] and all(f["event_ms"] > 0 and f["off_cpu_ms"] >= -1 for f in forwards)
+    profiled = [f for f in shape["in_run"]["forwards_detail"] if "profile" in f]
+    assert len(profiled) == 1 and profiled[0]["profile"]["kernels"] > 0 and "gap_share" in profiled[0]
+    assert {"launches", "launch_span_ms", "launch_gaps_gt_500us", "gaps", "runtime"} <= set(profiled[0]["profile"])
+    assert doc["summary"] and r.stdout.startswith("tiny (L=")
