@@ -33,11 +33,12 @@ from test_tokenized import _rows, scored_with
 from hcapo_store.errors import ExportError
 from hcapo_store.ingestion.parsing import ConvertOptions
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.export import export_dataset
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.messages import flatten_messages
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff

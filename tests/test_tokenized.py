@@ -15,9 +15,9 @@ from hcapo_store.cli import cli
 from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.original_math import build_hcapo_rows
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.outputs.tokenized import IGNORE_INDEX
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages

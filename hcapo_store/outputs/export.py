@@ -24,18 +24,15 @@ from sqlalchemy import Connection
 
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.lookup import RunInfo, get_run
+from hcapo_store.credits.weights import NO_MIN_REWARD, RunWeights, run_weights, stream
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
-    NO_MIN_REWARD,
-    RunWeights,
     WrittenRows,
     episode_id_value,
     episode_ids,
     run_provenance,
     run_warnings,
-    run_weights,
-    stream,
     summary_path_for,
     write_json,
     write_jsonl,
@@ -340,7 +337,7 @@ def export_dataset(
     ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
     ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
     ``omega``, ``min_reward``, ``group_by``, ``use_smoothed``: None = the credit run's own,
-    whose stored advantages are then written as they are (``rows.run_weights``).
+    whose stored advantages are then written as they are (``credits/weights.py``'s ``run_weights``).
     ``warnings`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset. ``on_progress(done, total)``: after each episode.
     ``top_k`` (tokenized only): the run's scorer's top-k per token (``outputs/topk.py``).
