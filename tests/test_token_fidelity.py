@@ -38,6 +38,7 @@ from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.messages import flatten_messages
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.scoring.scorer import remember_tokenizer
 from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -199,8 +200,9 @@ def _qwen3_scorer(store: Store) -> tuple[Any, Path]:
     if not tok_dir.is_dir():
         pytest.skip(f"the real tokenizer {tok_dir} is absent")
     tok = load_tokenizer(tok_dir)
-    add_scorer(store, "sc", spec={"tokenizer": tokenizer_fingerprint(tok, tok_dir), "max_logprob_tokens": 2048})
-    scorer_tokenizer(store, "sc", tok_dir)  # as `score --tokenizer` leaves it: loaded from there once
+    fingerprint = tokenizer_fingerprint(tok, tok_dir)
+    add_scorer(store, "sc", spec={"tokenizer": fingerprint, "max_logprob_tokens": 2048})
+    remember_tokenizer(store, fingerprint["files_sha256"], tok_dir)  # as `score --tokenizer` records it
     return tok, tok_dir
 
 

@@ -15,7 +15,7 @@ from hcapo_store.rendering.tokenizers import (
     tokenizer_content,
     tokenizer_fingerprint,
 )
-from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
+from hcapo_store.scoring.scorer import known_tokenizer_dirs, scorer_spec
 from hcapo_store.storage.store import Store
 
 
@@ -28,10 +28,11 @@ def scorer_tokenizer(
 ) -> tuple[Any, dict[str, Any]]:
     """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the
     scorer's. Without a directory: the first of those the scorer's tokenizer was loaded from
-    before (``score``, an earlier export: the store's ``tokenizer_locations``) whose files
-    still hash exactly as the scorer's did: a directory the store names is anyone's choice who
-    could write to it, so a copy equal by content only is not taken from it (pass it with
-    ``--tokenizer``). ``note`` is told which directory was taken and why."""
+    (recorded when scoring: ``score``, ``score-rollout``; the store's ``tokenizer_locations``)
+    whose files still hash exactly as the scorer's did: a directory the store names is anyone's
+    choice who could write to it, so a copy equal by content only is not taken from it (pass it
+    with ``--tokenizer``). ``note`` is told which directory was taken and why. Reads the store
+    only: a read-only credential can export and hand off."""
     theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
     if tokenizer_dir is not None:
         return _checked_tokenizer(store, scorer_id, theirs, tokenizer_dir)
@@ -54,7 +55,6 @@ def scorer_tokenizer(
                 f"tokenizer: {candidate} (no --tokenizer: the store records it as where scorer {scorer_id[:12]}'s "
                 f"tokenizer {theirs.get('name', '?')!r} was loaded from, and its files hash as the scorer's)"
             )
-        remember_tokenizer(store, mine["files_sha256"], candidate)
         return tokenizer, mine
     where = f" (where the store says it was: {', '.join(tried)})" if tried else ""
     raise ExportError(
@@ -74,7 +74,6 @@ def _checked_tokenizer(
     same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
     if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy
         _check_content(store, scorer_id, theirs, tokenizer, tokenizer_dir)
-    remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
     return tokenizer, mine
 
 
@@ -106,6 +105,7 @@ def _check_content(
         )
     raise ExportError(
         f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used (files_sha256 differs; {used}), "
-        "and that tokenizer is not where it was loaded before, so the two cannot be compared by content: "
-        "pass the scorer's tokenizer directory once (then re-saved copies of it are recognised)"
+        "and the store records no directory where that tokenizer is, so the two cannot be compared by content: "
+        "pass the scorer's own tokenizer directory, or run its `score` once more with `--tokenizer DIR` "
+        "(it records where the tokenizer is; then re-saved copies of it are recognised)"
     )
