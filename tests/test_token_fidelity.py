@@ -265,6 +265,7 @@ def test_the_trainer_hands_off_with_its_checkpoints_copy(store: Store, tmp_path:
     if not samples.is_dir() or not tok_dir.is_dir():
         pytest.skip("the shared samples or the Qwen3 tokenizer are absent")
     scored_with(store, samples, tok_dir)
+    remember_tokenizer(store, store_files_sha256(store), tok_dir)  # as `score --tokenizer` records it
     original = Handoff(store, "r", tokenizer=tok_dir)
     load_tokenizer(tok_dir).save_pretrained(tmp_path / "checkpoint-1")
     copy = Handoff(store, "r", tokenizer=tmp_path / "checkpoint-1")

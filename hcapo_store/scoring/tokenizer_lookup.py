@@ -15,7 +15,7 @@ from hcapo_store.rendering.tokenizers import (
     tokenizer_content,
     tokenizer_fingerprint,
 )
-from hcapo_store.scoring.scorer import known_tokenizer_dirs, scorer_spec
+from hcapo_store.scoring.scorer import scorer_tokenizer_record
 from hcapo_store.storage.store import Store
 
 
@@ -33,11 +33,11 @@ def scorer_tokenizer(
     choice who could write to it, so a copy equal by content only is not taken from it (pass it
     with ``--tokenizer``). ``note`` is told which directory was taken and why. Reads the store
     only: a read-only credential can export and hand off."""
-    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
+    theirs, known = scorer_tokenizer_record(store, scorer_id)
     if tokenizer_dir is not None:
-        return _checked_tokenizer(store, scorer_id, theirs, tokenizer_dir)
+        return _checked_tokenizer(scorer_id, theirs, known, tokenizer_dir)
     tried = []
-    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
+    for candidate in known:
         if not candidate.is_dir():
             tried.append(f"{candidate} (not there)")
             continue
@@ -64,7 +64,7 @@ def scorer_tokenizer(
 
 
 def _checked_tokenizer(
-    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer_dir: str | Path
+    scorer_id: str, theirs: dict[str, Any], known: list[Path], tokenizer_dir: str | Path
 ) -> tuple[Any, dict[str, Any]]:
     try:
         tokenizer = load_tokenizer(tokenizer_dir)
@@ -73,19 +73,19 @@ def _checked_tokenizer(
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
     same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
     if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy
-        _check_content(store, scorer_id, theirs, tokenizer, tokenizer_dir)
+        _check_content(scorer_id, theirs, known, tokenizer, tokenizer_dir)
     return tokenizer, mine
 
 
 def _check_content(
-    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer: Any, tokenizer_dir: str | Path
+    scorer_id: str, theirs: dict[str, Any], known: list[Path], tokenizer: Any, tokenizer_dir: str | Path
 ) -> None:
     """Accept ``tokenizer`` when its content (vocabulary, merges, added tokens, pipeline, chat
     template) equals that of the scorer's tokenizer, found where it was loaded before with its
     bytes unchanged (stored fingerprints hold file hashes only, so the content is computed on load).
     A trainer's ``save_pretrained`` copy passes; one changed merge does not."""
     used = f"the scorer used {theirs.get('name', '?')!r}"
-    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
+    for candidate in known:  # where the scorer's tokenizer was loaded from, most recent first
         if not candidate.is_dir():
             continue
         try:
