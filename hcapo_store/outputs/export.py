@@ -29,10 +29,12 @@ from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     WrittenRows,
+    add_signs,
     episode_id_value,
     episode_ids,
     run_provenance,
     run_warnings,
+    signal_warning,
     summary_path_for,
     write_json,
     write_jsonl,
@@ -233,22 +235,6 @@ def _rows(
             "_grpo_advantage": round(float(grpo[i]), 6),
             "_num_steps": len(w),
         }
-
-
-def add_signs(signs: dict[str, int], weights: Any) -> None:
-    """Count a row's step advantages by sign into ``signs`` (positive / negative / zero)."""
-    for x in weights:
-        signs["positive" if x > 0 else "negative" if x < 0 else "zero"] += 1
-
-
-def signal_warning(run: RunInfo, warnings: list[str]) -> None:
-    """An export of a run whose hindsight term is zero on every step says so (credits/signal.py)."""
-    signal = run.credit_signal
-    if signal is not None and signal.zero and signal.steps:
-        warnings.append(
-            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages "
-            "(recompute with --no-dense-rewards or --variant paper)"
-        )
 
 
 class _Stats:

@@ -1,5 +1,6 @@
-"""What the exports share: episode ids, provenance, and writing rows as JSON, JSONL or Parquet
-(no export layout of its own; the run's weights and episodes are ``credits/weights.py``'s)."""
+"""What the exports share: episode ids, warnings and counts, provenance, and writing rows as
+JSON, JSONL or Parquet (no export layout of its own; the run's weights and episodes are
+``credits/weights.py``'s)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,22 @@ def episode_id_value(external_id: str | None, name: str) -> int | str:
 
 def run_warnings(run: RunInfo) -> list[str]:
     return [run.stale] if run.stale else []
+
+
+def add_signs(signs: dict[str, int], weights: Any) -> None:
+    """Count a row's step advantages by sign into ``signs`` (positive / negative / zero)."""
+    for x in weights:
+        signs["positive" if x > 0 else "negative" if x < 0 else "zero"] += 1
+
+
+def signal_warning(run: RunInfo, warnings: list[str]) -> None:
+    """An export of a run whose hindsight term is zero on every step says so (credits/signal.py)."""
+    signal = run.credit_signal
+    if signal is not None and signal.zero and signal.steps:
+        warnings.append(
+            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages "
+            "(recompute with --no-dense-rewards or --variant paper)"
+        )
 
 
 def episode_ids(episodes: list[dict[str, Any]]) -> list[int | str]:

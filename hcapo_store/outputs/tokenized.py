@@ -24,13 +24,14 @@ from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
 from hcapo_store.credits.weights import add_step_indices, run_weights
 from hcapo_store.errors import ExportError
-from hcapo_store.outputs.export import add_signs, signal_warning
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     WrittenRows,
+    add_signs,
     episode_ids,
     run_provenance,
     run_warnings,
+    signal_warning,
     summary_path_for,
     write_json,
     write_jsonl,
