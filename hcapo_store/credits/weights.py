@@ -29,7 +29,7 @@ def stream(conn: Connection, sql: str, params: dict[str, Any]) -> Iterator[Any]:
 
 
 SELECT_SQL = """
-SELECT e.id, e.name, e.external_id, e.reward, s.message_index, c.{q}, c.advantage, c.a_macro
+SELECT e.id, e.name, e.external_id, e.reward, s.message_index, c.{q}, c.advantage, c.a_macro, s.step_index
 FROM credits c
 JOIN steps s ON s.id = c.step_id
 JOIN episodes e ON e.id = s.episode_id
@@ -50,7 +50,8 @@ def selected_episodes(conn: Connection, run: RunInfo, min_reward: float, use_smo
                 "name": g[0][1],
                 "external_id": g[0][2],
                 "reward": g[0][3],
-                "indices": [r[4] for r in g],
+                "indices": [r[4] for r in g],  # message indices of the credited steps, in step order
+                "step_indices": [r[8] for r in g],
                 "q": np.asarray([r[5] for r in g], dtype=np.float64),
                 "advantage": np.asarray([np.nan if r[6] is None else r[6] for r in g], dtype=np.float64),
                 "a_macro": np.nan if g[0][7] is None else float(g[0][7]),
@@ -144,22 +145,6 @@ def run_weights(
         episode_groups(conn, episodes, group_by, warnings),
     )
     return RunWeights(episodes, eq8.grpo, eq8.weights, False, "computed", omega, min_reward, group_by, use_smoothed)
-
-
-def add_step_indices(conn: Connection, episodes: list[dict[str, Any]], run: RunInfo) -> None:
-    """Adds each episode's credited step indices (in the order of ``indices``)."""
-    rows = conn.execute(
-        text(
-            "SELECT s.episode_id, s.step_index FROM credits c JOIN steps s ON s.id = c.step_id "
-            "WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index"
-        ),
-        {"run": run.id},
-    )
-    by_ep: dict[int, list[int]] = {}
-    for ep_id, index in rows:
-        by_ep.setdefault(ep_id, []).append(index)
-    for ep in episodes:
-        ep["step_indices"] = by_ep[ep["id"]]
 
 
 def episode_groups(

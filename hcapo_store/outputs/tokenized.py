@@ -22,7 +22,7 @@ from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
-from hcapo_store.credits.weights import add_step_indices, run_weights
+from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
@@ -205,7 +205,6 @@ def export_tokenized(
             "rendering": rendering,
             "variant": run.variant,
         }
-        add_step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
         if (
             top_k

@@ -49,7 +49,7 @@ from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
 from hcapo_store.credits.log_ratio import span_mismatch, token_advantages
 from hcapo_store.credits.lookup import RunInfo, get_run
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
-from hcapo_store.credits.weights import add_step_indices, run_weights
+from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer
@@ -140,7 +140,6 @@ class Handoff:
     def _load(self) -> None:
         with db.read(self.store.engine) as conn:
             rw = run_weights(conn, self.run, self.warnings)
-            add_step_indices(conn, rw.episodes, self.run)
             rows = conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id}).all()
         self._names = {int(i): n for i, n, _ in rows}
         self._external = {int(i): str(x) for i, _, x in rows if x is not None}  # the collector's ids
