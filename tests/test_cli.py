@@ -169,7 +169,7 @@ def test_shared_option_sets_agree():
 
 def test_export_dataset_help_names_the_tokenized_columns(runner):
     """Issue 39 §7: the tokenized rows' ids are ``token_ids`` (not ``input_ids``), and the help says so."""
-    from hcapo_store.outputs.token_format import COLUMNS
+    from hcapo_store.rendering.token_format import COLUMNS
 
     result = runner.invoke(cli, ["export", "dataset", "--help"], catch_exceptions=False, terminal_width=400)
     assert all(column in result.output for column in COLUMNS), result.output

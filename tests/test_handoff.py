@@ -334,3 +334,51 @@ def test_a_run_without_hindsight_term_is_refused_unless_plain_grpo_is_asked_for(
     compute_credits(store, CreditParams(variant="paper"), name="p")
     signal = Handoff(store, "p", tokenizer=demo_tokenizer_dir).signal
     assert signal is not None and signal.hindsight_nonzero_steps > signal.steps / 2 and signal.varying_episodes > 0
+
+
+def test_a_read_only_credential_exports_tokenized_rows_and_hands_off(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, db_path: Path, runner, monkeypatch
+) -> None:
+    """Export and ``Handoff`` only read the store (issue 41): every connection opened from here on
+    refuses writes (SQLite's ``PRAGMA query_only``, which holds for root too, unlike a 0444 file),
+    and ``export dataset --tokenized`` (with and without ``--tokenizer``) and ``Handoff`` still work.
+    Where the tokenizer is was recorded when scoring."""
+    from sqlalchemy import event
+
+    from hcapo_store.cli import cli
+    from hcapo_store.errors import StoreError
+    from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+    from hcapo_store.scoring.scorer import remember_tokenizer
+    from hcapo_store.storage import db
+
+    scored_with(store, samples, demo_tokenizer_dir)
+    files_sha256 = tokenizer_fingerprint(load_tokenizer(demo_tokenizer_dir), demo_tokenizer_dir)["files_sha256"]
+    remember_tokenizer(store, files_sha256, demo_tokenizer_dir)  # what `score --tokenizer` records
+    store.close()
+    make_engine = db.make_engine
+
+    def read_only_engine(url: str):
+        engine = make_engine(url)
+
+        @event.listens_for(engine, "connect")
+        def _query_only(dbapi_conn, _record) -> None:
+            dbapi_conn.execute("PRAGMA query_only = ON")
+
+        return engine
+
+    monkeypatch.setattr(db, "make_engine", read_only_engine)
+    with Store.open(str(db_path), create=False) as ro:
+        with pytest.raises(StoreError, match="readonly"):  # the credential is read-only indeed
+            remember_tokenizer(ro, files_sha256, tmp_path)
+        export = ["--db", str(db_path), "export", "dataset", "--tokenized", "--min-reward", "0"]
+        found = runner.invoke(cli, [*export, str(tmp_path / "found.jsonl")])
+        assert found.exit_code == 0, found.output
+        given = runner.invoke(cli, [*export, str(tmp_path / "given.jsonl"), "--tokenizer", str(demo_tokenizer_dir)])
+        assert given.exit_code == 0, given.output
+        assert (tmp_path / "found.jsonl").read_bytes() == (tmp_path / "given.jsonl").read_bytes()
+        handoff = Handoff(ro, "r", tokenizer=demo_tokenizer_dir)
+        rows = _rows(tmp_path / "given.jsonl")
+        assert rows
+        for row in rows:
+            credit = handoff.advantages(row["episode"], row["token_ids"])
+            assert np.allclose(credit.advantages, row["advantages"], atol=1e-6)

@@ -88,6 +88,20 @@ def test_the_pipeline_never_imports_the_trainers():
     assert users == []
 
 
+def test_training_reads_no_outputs():
+    """training/ meets trainers on its own floor: what it shares with the exports (the rendering
+    and alignment, the scorer's tokenizer lookup, a run's weights, the tokenized columns) lives
+    below both, in rendering/, scoring/ and credits/; it never reads through outputs/."""
+    through = [
+        f"{name} -> {target}"
+        for name, targets in _graph(top_level_only=False).items()
+        if name.startswith("hcapo_store.training")
+        for target in targets
+        if target.startswith("hcapo_store.outputs")
+    ]
+    assert through == []
+
+
 def test_no_module_level_import_cycle():
     graph = _graph(top_level_only=True)
     index: dict[str, int] = {}

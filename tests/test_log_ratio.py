@@ -19,8 +19,8 @@ from hcapo_store.cli import cli
 from hcapo_store.credits.log_ratio import LogRatioParams, compute_log_ratio
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer
 from hcapo_store.outputs.export import export_dataset
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages

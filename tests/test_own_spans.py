@@ -20,7 +20,7 @@ from hcapo_store.cli import cli
 from hcapo_store.credits.compute import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.ingestion.sources import ConvertOptions
-from hcapo_store.outputs.alignment import EpisodeRenderer
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.own_tokens import own_pieces
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages

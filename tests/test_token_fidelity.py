@@ -33,11 +33,13 @@ from test_tokenized import _rows, scored_with
 from hcapo_store.errors import ExportError
 from hcapo_store.ingestion.parsing import ConvertOptions
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer, scorer_tokenizer
 from hcapo_store.outputs.export import export_dataset
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.messages import flatten_messages
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.scoring.scorer import remember_tokenizer
+from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff
@@ -198,8 +200,9 @@ def _qwen3_scorer(store: Store) -> tuple[Any, Path]:
     if not tok_dir.is_dir():
         pytest.skip(f"the real tokenizer {tok_dir} is absent")
     tok = load_tokenizer(tok_dir)
-    add_scorer(store, "sc", spec={"tokenizer": tokenizer_fingerprint(tok, tok_dir), "max_logprob_tokens": 2048})
-    scorer_tokenizer(store, "sc", tok_dir)  # as `score --tokenizer` leaves it: loaded from there once
+    fingerprint = tokenizer_fingerprint(tok, tok_dir)
+    add_scorer(store, "sc", spec={"tokenizer": fingerprint, "max_logprob_tokens": 2048})
+    remember_tokenizer(store, fingerprint["files_sha256"], tok_dir)  # as `score --tokenizer` records it
     return tok, tok_dir
 
 
@@ -262,6 +265,7 @@ def test_the_trainer_hands_off_with_its_checkpoints_copy(store: Store, tmp_path:
     if not samples.is_dir() or not tok_dir.is_dir():
         pytest.skip("the shared samples or the Qwen3 tokenizer are absent")
     scored_with(store, samples, tok_dir)
+    remember_tokenizer(store, store_files_sha256(store), tok_dir)  # as `score --tokenizer` records it
     original = Handoff(store, "r", tokenizer=tok_dir)
     load_tokenizer(tok_dir).save_pretrained(tmp_path / "checkpoint-1")
     copy = Handoff(store, "r", tokenizer=tmp_path / "checkpoint-1")

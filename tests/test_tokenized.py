@@ -15,9 +15,9 @@ from hcapo_store.cli import cli
 from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.original_math import build_hcapo_rows
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.outputs.tokenized import IGNORE_INDEX
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.storage.episodes import load_messages
@@ -319,18 +319,27 @@ def test_cli_tokenized_needs_tokenizer(
     assert f"export: {n}/{n} episodes" in r.stderr  # progress with its total (a pipe: one log line at the end)
 
 
-def test_the_scorers_tokenizer_is_found_where_it_was_given_before(
+def test_the_scorers_tokenizer_is_found_where_scoring_loaded_it(
     store: Store, samples: Path, demo_tokenizer_dir: Path, tmp_path: Path, runner, db_path: Path
 ) -> None:
     import shutil
 
+    from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer
+
     copy = tmp_path / "tok-copy"
     shutil.copytree(demo_tokenizer_dir, copy)
     scored_with(store, samples, copy)
+    files_sha256 = tokenizer_fingerprint(load_tokenizer(copy), copy)["files_sha256"]
+    other = tmp_path / "tok-other"
+    shutil.copytree(demo_tokenizer_dir, other)
     export = ["--db", str(db_path), "export", "dataset", "--tokenized", "--min-reward", "0"]
+    given = runner.invoke(cli, [*export, str(tmp_path / "given.jsonl"), "--tokenizer", str(other)])
+    assert given.exit_code == 0, given.output
+    assert known_tokenizer_dirs(store, files_sha256) == []  # an export records nothing: it only reads
+    remember_tokenizer(store, files_sha256, copy)  # what `score --tokenizer` records
     first = runner.invoke(cli, [*export, str(tmp_path / "a.jsonl"), "--tokenizer", str(copy)])
     assert first.exit_code == 0, first.output
-    again = runner.invoke(cli, [*export, str(tmp_path / "b.jsonl")])  # no --tokenizer: the one given before
+    again = runner.invoke(cli, [*export, str(tmp_path / "b.jsonl")])  # no --tokenizer: where scoring loaded it
     assert again.exit_code == 0, again.output
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     summary = json.loads((tmp_path / "b.jsonl.summary.json").read_text())

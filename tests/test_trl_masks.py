@@ -28,7 +28,7 @@ from _shared import SAMPLES
 from _tokenizers import real_tokenizer
 
 from hcapo_store.ingestion.pipeline import ingest
-from hcapo_store.outputs.alignment import EpisodeRenderer
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.prompts import normalize_messages
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store

@@ -70,7 +70,7 @@ def export_hindsight(state: Ctx, out_dir: Path, run: str | None) -> None:
     "--tokenizer",
     type=click.Path(exists=True, file_okay=False),
     metavar="DIR",
-    help="With --tokenized: the scorer's tokenizer directory (default: where `score` or an earlier export "
+    help="With --tokenized: the scorer's tokenizer directory (default: where `score` "
     "loaded it, when its files still match).",
 )
 @click.option(

@@ -163,17 +163,22 @@ def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
 def get_run(store: Store, name: str | None = None) -> RunInfo:
     """A run by name (with its staleness); with no name, the only run (else an error listing them)."""
     with db.read(store.engine) as conn:
+        names = None if name is not None else _run_names(conn)
+        if names is not None and len(names) == 1:
+            name = names[0]
         if name is not None:
             run = find_run(conn, "r.name = :name", name=name)
             if run is not None:
                 return run_staleness(conn, run)
-        names = [r[0] for r in conn.execute(text("SELECT name FROM credit_runs ORDER BY id"))]
-    if name is None and len(names) == 1:
-        return get_run(store, names[0])
+        names = _run_names(conn) if names is None else names
     known = ", ".join(names) if names else "none; run `credits compute` first"
     if name is None:
         raise CreditError(f"several credit runs, pick one: {known}")
     raise CreditError(f"no credit run named {name!r} (runs: {known})")
+
+
+def _run_names(conn: Connection) -> list[str]:
+    return [r[0] for r in conn.execute(text("SELECT name FROM credit_runs ORDER BY id"))]
 
 
 def resolve_run(store: Store, run: RunInfo | str | None) -> RunInfo:

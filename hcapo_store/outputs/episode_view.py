@@ -141,7 +141,6 @@ class TokenRebuilder:
     """Rebuilds the scored tokens of steps as scoring built them, for the heat maps."""
 
     def __init__(self, store: Store, scorer_id: str, tokenizer_dir: str | Path) -> None:
-        from hcapo_store.outputs.alignment import scorer_tokenizer
         from hcapo_store.rendering.prompts import (
             HINDSIGHT_TEMPLATE,
             PromptBuilder,
@@ -149,6 +148,7 @@ class TokenRebuilder:
             layout_template,
             template_hash,
         )
+        from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 
         self.scorer_id = scorer_id
         self.note: str | None = None

@@ -24,18 +24,17 @@ from sqlalchemy import Connection
 
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.lookup import RunInfo, get_run
+from hcapo_store.credits.weights import NO_MIN_REWARD, RunWeights, run_weights, stream
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
-    NO_MIN_REWARD,
-    RunWeights,
     WrittenRows,
+    add_signs,
     episode_id_value,
     episode_ids,
     run_provenance,
     run_warnings,
-    run_weights,
-    stream,
+    signal_warning,
     summary_path_for,
     write_json,
     write_jsonl,
@@ -238,22 +237,6 @@ def _rows(
         }
 
 
-def add_signs(signs: dict[str, int], weights: Any) -> None:
-    """Count a row's step advantages by sign into ``signs`` (positive / negative / zero)."""
-    for x in weights:
-        signs["positive" if x > 0 else "negative" if x < 0 else "zero"] += 1
-
-
-def signal_warning(run: RunInfo, warnings: list[str]) -> None:
-    """An export of a run whose hindsight term is zero on every step says so (credits/signal.py)."""
-    signal = run.credit_signal
-    if signal is not None and signal.zero and signal.steps:
-        warnings.append(
-            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages "
-            "(recompute with --no-dense-rewards or --variant paper)"
-        )
-
-
 class _Stats:
     def __init__(self) -> None:
         self.rows = self.steps = self.nonzero = self.dropped_all_zero = 0
@@ -340,7 +323,7 @@ def export_dataset(
     ``"weight"`` on each credited assistant message) or ``tokenized`` (token-level rows, see
     ``hcapo_store.outputs.tokenized``; needs ``tokenizer``, the scorer's tokenizer directory).
     ``omega``, ``min_reward``, ``group_by``, ``use_smoothed``: None = the credit run's own,
-    whose stored advantages are then written as they are (``rows.run_weights``).
+    whose stored advantages are then written as they are (``credits/weights.py``'s ``run_weights``).
     ``warnings`` says what the caller should know: a stale run, a ``group_by``
     tag the episodes lack, an empty dataset. ``on_progress(done, total)``: after each episode.
     ``top_k`` (tokenized only): the run's scorer's top-k per token (``outputs/topk.py``).

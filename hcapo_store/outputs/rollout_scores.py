@@ -6,7 +6,7 @@ A trainer's rollouts carry the behaviour policy's logprob of every sampled token
 log-ratio run (``credits compute --variant log-ratio --against``) without any model call.
 
 Each step's entries are checked against the tokenizer's ids of that step: the policy's own
-tokens as the tokenized export places them (``turns`` rendering, ``outputs/alignment.py``),
+tokens as the tokenized export places them (``turns`` rendering, ``rendering/alignment.py``),
 token by token (the id where the entry names one, else its bytes, else its text against the
 id's decoding). The entries cover those tokens exactly, or all but a final end-of-turn token
 an API does not report (then the scored span is one shorter than the step's own tokens, and
@@ -35,7 +35,7 @@ from sqlalchemy import text
 from hcapo_store.clock import utcnow
 from hcapo_store.errors import ScoringError
 from hcapo_store.ingestion.rollout_logprobs import RolloutFormatError, RolloutTokens, read_rollout
-from hcapo_store.outputs.alignment import EpisodeRenderer
+from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_label
 from hcapo_store.storage import db

@@ -6,7 +6,7 @@ turn by turn as the policy produced it; ``whole``: one chat-template rendering),
 (-100 outside credited tokens) and per-token ``advantages`` (each credited step's Eq. 8
 weight on the policy's own tokens of its action: never a role header or a wrapper the
 template inserts). Where the spans come from and how they are checked:
-``outputs/alignment.py``. A step whose own tokens are not in the rendering is refused
+``rendering/alignment.py``. A step whose own tokens are not in the rendering is refused
 (``unaligned_steps`` with the reason; counted by kind in the summary), never moved.
 """
 
@@ -22,26 +22,27 @@ from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import place_token_values
 from hcapo_store.credits.lookup import get_run
+from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import ExportError
-from hcapo_store.outputs.alignment import RENDERINGS, Alignment, EpisodeRenderer, scorer_tokenizer
-from hcapo_store.outputs.export import add_signs, signal_warning
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
     WrittenRows,
-    add_step_indices,
+    add_signs,
     episode_ids,
     run_provenance,
     run_warnings,
-    run_weights,
+    signal_warning,
     summary_path_for,
     write_json,
     write_jsonl,
     write_parquet,
 )
-from hcapo_store.outputs.token_format import IGNORE_INDEX, TOKEN_IDS
 from hcapo_store.outputs.topk import place as place_topk
 from hcapo_store.outputs.topk import step_topk
+from hcapo_store.rendering.alignment import RENDERINGS, Alignment, EpisodeRenderer
+from hcapo_store.rendering.token_format import IGNORE_INDEX, TOKEN_IDS
 from hcapo_store.rendering.tokenizers import content_sha256
+from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -169,7 +170,7 @@ def export_tokenized(
     ``tokenizer`` is the directory of the tokenizer the run's scorer used (checked against
     the scorer's fingerprint); None: where it was loaded before, if its files still match. Episodes with no weighted token are left out, as in the
     default export. ``rendering``: ``turns`` (the conversation as the policy produced it, turn
-    by turn) or ``whole`` (one chat-template rendering); see ``outputs/alignment.py``.
+    by turn) or ``whole`` (one chat-template rendering); see ``rendering/alignment.py``.
     """
     if rendering not in RENDERINGS:
         raise ExportError(f"unknown rendering {rendering!r}: use one of {', '.join(RENDERINGS)}")
@@ -204,7 +205,6 @@ def export_tokenized(
             "rendering": rendering,
             "variant": run.variant,
         }
-        add_step_indices(conn, episodes, run)
         ids = episode_ids(episodes)
         if (
             top_k

@@ -191,7 +191,11 @@ def computes_in(spec: dict[str, Any]) -> str:
 
 def scorer_spec(store: Store, scorer_id: str) -> dict[str, Any]:
     with db.read(store.engine) as conn:
-        spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
+        return _spec(conn, scorer_id)
+
+
+def _spec(conn: Connection, scorer_id: str) -> dict[str, Any]:
+    spec = conn.execute(text("SELECT spec FROM scorers WHERE id = :id"), {"id": scorer_id}).scalar()
     return json.loads(spec) if spec else {}
 
 
@@ -218,8 +222,20 @@ def remember_tokenizer(store: Store, files_sha256: str, directory: str | Path) -
 def known_tokenizer_dirs(store: Store, files_sha256: str) -> list[Path]:
     """Directories a tokenizer with these files was loaded from, most recently seen first."""
     with db.read(store.engine) as conn:
-        rows = conn.execute(
-            text("SELECT path FROM tokenizer_locations WHERE files_sha256 = :h ORDER BY seen_at DESC, path"),
-            {"h": files_sha256},
-        ).all()
+        return _tokenizer_dirs(conn, files_sha256)
+
+
+def _tokenizer_dirs(conn: Connection, files_sha256: str) -> list[Path]:
+    rows = conn.execute(
+        text("SELECT path FROM tokenizer_locations WHERE files_sha256 = :h ORDER BY seen_at DESC, path"),
+        {"h": files_sha256},
+    ).all()
     return [Path(r[0]) for r in rows]
+
+
+def scorer_tokenizer_record(store: Store, scorer_id: str) -> tuple[dict[str, Any], list[Path]]:
+    """In one read: the scorer's tokenizer fingerprint (``{}`` for a scorer without one) and the
+    directories a tokenizer with its files was loaded from, most recently seen first."""
+    with db.read(store.engine) as conn:
+        theirs = _spec(conn, scorer_id).get("tokenizer") or {}
+        return theirs, _tokenizer_dirs(conn, theirs.get("files_sha256") or "")

@@ -1,6 +1,6 @@
 """The tokenized export as a trainer reads it, and the checks before a trainer may use it.
 
-The ids are ``token_ids``, not ``input_ids`` (``outputs/token_format.py`` says why);
+The ids are ``token_ids``, not ``input_ids`` (``rendering/token_format.py`` says why);
 ``as_model_inputs`` gives them that name for a trainer that does use the advantages.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import TrainingDataError
-from hcapo_store.outputs.token_format import COLUMNS, FINGERPRINT_KEYS, TOKEN_IDS
+from hcapo_store.rendering.token_format import COLUMNS, FINGERPRINT_KEYS, TOKEN_IDS
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

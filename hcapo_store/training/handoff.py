@@ -6,7 +6,7 @@
     credit = handoff.advantages("3-1", token_ids)   # the collector's own id (JSONL episode_id, Pi session id)
 
 The trainer tokenized the conversation its own way; the store knows, per step, the policy's
-own tokens (``outputs/alignment.py``: its reasoning, text, tool calls and end-of-turn token,
+own tokens (``rendering/alignment.py``: its reasoning, text, tool calls and end-of-turn token,
 never a header or a wrapper the template inserts). If the trainer's ids are one of the two
 renderings the tokenized export writes (``turns`` or ``whole``), the spans are those. Otherwise
 each step's own tokens are looked up in order in the trainer's ids, right after the same
@@ -49,10 +49,11 @@ from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
 from hcapo_store.credits.log_ratio import span_mismatch, token_advantages
 from hcapo_store.credits.lookup import RunInfo, get_run
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
+from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
-from hcapo_store.outputs.alignment import Alignment, EpisodeRenderer, scorer_tokenizer
-from hcapo_store.outputs.rows import add_step_indices, run_weights
+from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer
+from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -139,7 +140,6 @@ class Handoff:
     def _load(self) -> None:
         with db.read(self.store.engine) as conn:
             rw = run_weights(conn, self.run, self.warnings)
-            add_step_indices(conn, rw.episodes, self.run)
             rows = conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id}).all()
         self._names = {int(i): n for i, n, _ in rows}
         self._external = {int(i): str(x) for i, _, x in rows if x is not None}  # the collector's ids

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hcapo_store.outputs.token_format import IGNORE_INDEX
+from hcapo_store.rendering.token_format import IGNORE_INDEX
 
 NORMALIZE = ("tokens", "weights")
 

@@ -23,7 +23,7 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from hcapo_store.errors import TrainingDataError
-from hcapo_store.outputs.token_format import COLUMNS, IGNORE_INDEX
+from hcapo_store.rendering.token_format import COLUMNS, IGNORE_INDEX
 from hcapo_store.training.data import as_model_inputs, check_tokenizer, read_rows
 from hcapo_store.training.loss import NORMALIZE, weighted_nll
 

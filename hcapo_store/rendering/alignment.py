@@ -32,9 +32,7 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hcapo_store.errors import ExportError
@@ -46,14 +44,6 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
-from hcapo_store.rendering.tokenizers import (
-    content_difference,
-    load_tokenizer,
-    tokenizer_content,
-    tokenizer_fingerprint,
-)
-from hcapo_store.scoring.scorer import known_tokenizer_dirs, remember_tokenizer, scorer_spec
-from hcapo_store.storage.store import Store
 
 RENDERINGS = ("turns", "whole")
 
@@ -194,95 +184,3 @@ def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | N
     if full[: len(step)] != step:
         return "rendering: the whole episode renders this turn (or an earlier one) differently"
     return None
-
-
-def scorer_tokenizer(
-    store: Store,
-    scorer_id: str,
-    tokenizer_dir: str | Path | None = None,
-    *,
-    note: Callable[[str], None] | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer in ``tokenizer_dir`` and its fingerprint, refused unless it is the
-    scorer's. Without a directory: the first of those the scorer's tokenizer was loaded from
-    before (``score``, an earlier export: the store's ``tokenizer_locations``) whose files
-    still hash exactly as the scorer's did: a directory the store names is anyone's choice who
-    could write to it, so a copy equal by content only is not taken from it (pass it with
-    ``--tokenizer``). ``note`` is told which directory was taken and why."""
-    theirs = scorer_spec(store, scorer_id).get("tokenizer") or {}
-    if tokenizer_dir is not None:
-        return _checked_tokenizer(store, scorer_id, theirs, tokenizer_dir)
-    tried = []
-    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
-        if not candidate.is_dir():
-            tried.append(f"{candidate} (not there)")
-            continue
-        try:
-            tokenizer = load_tokenizer(candidate)
-        except (OSError, ValueError):
-            tried.append(f"{candidate} (cannot be loaded)")
-            continue
-        mine = tokenizer_fingerprint(tokenizer, candidate)
-        if any(theirs.get(key) != mine[key] for key in ("files_sha256", "chat_template_sha256")):
-            tried.append(f"{candidate} (its files' hashes differ from the scorer's)")
-            continue
-        if note is not None:
-            note(
-                f"tokenizer: {candidate} (no --tokenizer: the store records it as where scorer {scorer_id[:12]}'s "
-                f"tokenizer {theirs.get('name', '?')!r} was loaded from, and its files hash as the scorer's)"
-            )
-        remember_tokenizer(store, mine["files_sha256"], candidate)
-        return tokenizer, mine
-    where = f" (where the store says it was: {', '.join(tried)})" if tried else ""
-    raise ExportError(
-        f"this needs the tokenizer scorer {scorer_id[:12]} used ({theirs.get('name', '?')!r}){where}: "
-        "pass its directory with --tokenizer DIR"
-    )
-
-
-def _checked_tokenizer(
-    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer_dir: str | Path
-) -> tuple[Any, dict[str, Any]]:
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
-    mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
-    if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy
-        _check_content(store, scorer_id, theirs, tokenizer, tokenizer_dir)
-    remember_tokenizer(store, mine["files_sha256"], tokenizer_dir)
-    return tokenizer, mine
-
-
-def _check_content(
-    store: Store, scorer_id: str, theirs: dict[str, Any], tokenizer: Any, tokenizer_dir: str | Path
-) -> None:
-    """Accept ``tokenizer`` when its content (vocabulary, merges, added tokens, pipeline, chat
-    template) equals that of the scorer's tokenizer, found where it was loaded before with its
-    bytes unchanged (stored fingerprints hold file hashes only, so the content is computed on load).
-    A trainer's ``save_pretrained`` copy passes; one changed merge does not."""
-    used = f"the scorer used {theirs.get('name', '?')!r}"
-    for candidate in known_tokenizer_dirs(store, theirs.get("files_sha256") or ""):
-        if not candidate.is_dir():
-            continue
-        try:
-            reference = load_tokenizer(candidate)
-        except (OSError, ValueError):
-            continue
-        ref_print = tokenizer_fingerprint(reference, candidate)
-        if any(theirs.get(key) != ref_print[key] for key in ("files_sha256", "chat_template_sha256")):
-            continue  # changed since it was remembered
-        differs = content_difference(tokenizer_content(tokenizer), tokenizer_content(reference))
-        if not differs:
-            return
-        raise ExportError(
-            f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used: its "
-            f"{', '.join(d.replace('_', ' ') for d in differs)} differ from {candidate} ({used}): "
-            "pass that tokenizer directory"
-        )
-    raise ExportError(
-        f"tokenizer {tokenizer_dir} is not the one scorer {scorer_id[:12]} used (files_sha256 differs; {used}), "
-        "and that tokenizer is not where it was loaded before, so the two cannot be compared by content: "
-        "pass the scorer's tokenizer directory once (then re-saved copies of it are recognised)"
-    )
