@@ -162,6 +162,7 @@ def test_shared_option_sets_agree():
         "poll_seconds",
         "poll_only",
         "follow_links",
+        "compaction",  # ingest's (cli/params.compaction_option)
         "as_json",
     }
     assert {p.name for p in follow.params} == scorer | set(CREDIT_KEYWORDS) | own

@@ -257,7 +257,7 @@ def test_qwen25_against_qwen3_is_refused_and_qwen3_saved_again_is_not(
 
 def test_every_sglang_scoring_request_sends_logprob_start_len(tmp_path, runner, episodes_dir, tiny_model_dir):
     """SGLang since PR #17395 returns only the last position's logit for a prefill-only request
-    without it (SERVERS.md, "Late-2026 notes"): every scoring request must carry it."""
+    without it (docs/SCORING.md "Connections"): every scoring request must carry it."""
     db = _db(tmp_path, episodes_dir)
     with make_server(tiny_model_dir) as ref:
         r = runner.invoke(
@@ -286,8 +286,8 @@ def test_every_sglang_scoring_request_sends_logprob_start_len(tmp_path, runner, 
 
 
 def test_every_vllm_scoring_request_sends_detokenize_false(tmp_path, runner, episodes_dir, tiny_model_dir):
-    """vLLM otherwise decodes every returned candidate to text on its event loop (SERVERS.md,
-    "Late-2026 notes"); the reference server then leaves decoded_token null, as vLLM does."""
+    """vLLM otherwise decodes every returned candidate to text on its event loop (docs/SCORING.md,
+    "Connections"); the reference server then leaves decoded_token null, as vLLM does."""
     db = _db(tmp_path, episodes_dir)
     with make_server(tiny_model_dir) as ref:
         r = runner.invoke(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 from test_tokenized import scored_with
 
@@ -16,6 +17,7 @@ from hcapo_store.outputs.export import export_dataset
 from hcapo_store.storage.store import Store
 
 
+@pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_weighted_training_step_lowers_the_loss(
     store: Store, samples: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -51,6 +53,7 @@ def test_weighted_training_step_lowers_the_loss(
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path) -> None:
     """examples/train_grpo_hcapo.py: TRL's GRPO steps whose advantages come from the store."""
     out = subprocess.run(

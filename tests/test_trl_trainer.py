@@ -104,6 +104,7 @@ def test_the_loss_is_the_advantage_weighted_nll(
     assert want != pytest.approx(_independent_loss(model, rows, "tokens" if normalize == "weights" else "weights"))
 
 
+@pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_training_lowers_the_weighted_loss(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     ds = load_tokenized_export(exported)
     config = _config(tmp_path, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
@@ -210,6 +211,7 @@ def test_signed_advantages_of_the_paper_variant(
         weights.compute_loss(model, batch)
 
 
+@pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_the_example_takes_signed_advantages_only_when_asked(
     store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import conversion_options
-from hcapo_store.ingestion.sources import COMPACTION_MODES, INPUT_FORMATS, ConvertOptions
+from hcapo_store.cli.params import compaction_option, conversion_options
+from hcapo_store.ingestion.sources import INPUT_FORMATS, ConvertOptions
 
 
 def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
@@ -51,15 +51,7 @@ def _parse_tags(values: tuple[str, ...]) -> dict[str, str]:
     "results (task_id, trial, reward, traj; episode id TASK-TRIAL); openai-list = the objects a JSONL "
     "line holds (messages, reward, optional episode_id …).",
 )
-@click.option(
-    "--compaction",
-    type=click.Choice(COMPACTION_MODES),
-    default=ConvertOptions().compaction,
-    show_default=True,
-    help="Pi sessions with compaction entries: full = every message in file order (the original "
-    "loader's transcript); context = what the agent saw after the last compaction (its summary as a "
-    "user message, then the kept and later entries). Either way such an episode gets a warning.",
-)
+@compaction_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def ingest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
@@ -12,7 +13,7 @@ import click
 from hcapo_store import formatting
 from hcapo_store.cli.credits import CREDIT_KEYWORDS, credit_options, credit_params
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import FiniteFloat, int_range
+from hcapo_store.cli.params import FiniteFloat, compaction_option, int_range
 from hcapo_store.cli.score import scorer_options, scorer_setup
 
 EXIT_WAITING = 3  # --until-idle ended while episodes or batches still waited (named)
@@ -22,6 +23,7 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
 @cli.command(epilog=REFERENCE)
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @scorer_options
+@compaction_option
 @credit_options
 @click.option(
     "--batch-by",
@@ -82,6 +84,7 @@ def follow(
     poll_seconds,
     poll_only,
     follow_links,
+    compaction,
     as_json,
     **kw,
 ) -> None:
@@ -108,7 +111,7 @@ def follow(
             batch_by=batch_by,
             batch_timeout=batch_timeout,
             params=params,
-            conversion=cfg.conversion,
+            conversion=dataclasses.replace(cfg.conversion, compaction=compaction),
             follow_links=follow_links,
         )
     except UsageError as exc:  # an option's value: refused like any other bad option, before any work

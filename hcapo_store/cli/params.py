@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from hcapo_store.ingestion.sources import ConvertOptions
+from hcapo_store.ingestion.sources import COMPACTION_MODES, ConvertOptions
 
 INT32_MAX = 2**31 - 1
 
@@ -122,3 +122,17 @@ def conversion_options(thinking_help: str, cut_help: str) -> Callable[[F], F]:
         )(command)
 
     return decorate
+
+
+def compaction_option(command: F) -> F:
+    """``--compaction full|context``, declared once for ``ingest`` and ``follow`` (the two
+    commands that convert sources), with the library's default (``ConvertOptions``)."""
+    return click.option(
+        "--compaction",
+        type=click.Choice(COMPACTION_MODES),
+        default=ConvertOptions().compaction,
+        show_default=True,
+        help="Pi sessions with compaction entries: full = every message in file order (the original "
+        "loader's transcript); context = what the agent saw after the last compaction (its summary as a "
+        "user message, then the kept and later entries). Either way such an episode gets a warning.",
+    )(command)

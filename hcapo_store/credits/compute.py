@@ -30,8 +30,10 @@ from hcapo_store.errors import CreditError
 from hcapo_store.ingestion import fields
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
+from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
+RUN_TRIES = 5  # looks again after another writer created this run (or took its name) first
 FETCH_ROWS = 50_000  # rows per fetch of the streaming select
 INSERT_ROWS = 100_000  # credits per executemany call
 MAX_LISTED_INCOMPLETE = 10_000  # names kept in credit_runs.incomplete; the count is exact
@@ -133,11 +135,27 @@ def compute_credits(
             return ComputeResult(
                 existing, False, _existing_message(existing, name), seconds=time.perf_counter() - started
             )
-        run_name = _choose_name(conn, name, default, h, existing)
-        if existing is not None:
-            conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
-            conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-        run_id = _insert_run(conn, run_name, scorer_id, params, h, scope)
+        for _ in range(RUN_TRIES):
+            run_name = _choose_name(conn, name, default, h, existing)
+            if existing is not None:
+                conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
+                conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
+            run_id = _insert_run(conn, run_name, scorer_id, params, h, scope)
+            if run_id is not None:
+                break
+            # Another writer created this run (or took this name) first; on PostgreSQL the insert
+            # waited for its commit. The same run: return it, as if it had been there before.
+            existing = find_run(conn, "r.run_hash = :h", h=h)
+            if existing is not None and not replace:
+                run_staleness(conn, existing)
+                return ComputeResult(
+                    existing, False, _existing_message(existing, name), seconds=time.perf_counter() - started
+                )
+        else:
+            raise CreditError(
+                f"other writers created a credit run with this name or these parameters first {RUN_TRIES} times "
+                "in a row: no run stored (run it again)"
+            )
         totals = _fill_run(conn, run_id, scorer_id, params, on_progress, scope)
         if note:
             totals.signal = dataclasses.replace(totals.signal, note=note) if totals.signal else None
@@ -244,25 +262,28 @@ def scoped_run_hash(conn: Connection, scorer_id: str, params: CreditParams, scop
 
 def _insert_run(
     conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str, scope: Sequence[int] | None = None
-) -> int:
-    return int(
-        conn.execute(
-            text(
-                "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-                "incomplete_episodes, incomplete, created_at, variant, episode_scope) "
-                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant, :scope) RETURNING id"
-            ),
-            {
-                "name": name,
-                "scorer": scorer_id,
-                "params": canonical_json(params.as_dict(), ascii_only=True),
-                "h": h,
-                "at": utcnow().isoformat(timespec="seconds"),
-                "variant": params.variant,
-                "scope": None if scope is None else json.dumps(list(scope)),
-            },
-        ).scalar_one()
+) -> int | None:
+    """The new run's id, or None when a run with this hash or this name exists already (insert
+    once, storage/once.py: two writers of the same run at once see no error)."""
+    run_id = insert_once(
+        conn,
+        "credit_runs",
+        {
+            "name": name,
+            "scorer_id": scorer_id,
+            "params": canonical_json(params.as_dict(), ascii_only=True),
+            "run_hash": h,
+            "episodes": 0,
+            "steps": 0,
+            "incomplete_episodes": 0,
+            "incomplete": None,
+            "created_at": utcnow().isoformat(timespec="seconds"),
+            "variant": params.variant,
+            "episode_scope": None if scope is None else json.dumps(list(scope)),
+        },
+        unique=None,  # run_hash or name: whichever a racing writer took first
     )
+    return None if run_id is None else int(run_id)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Does the hindsight signal carry information? Numbers from a credit run's stored values.
 
-HCAPO-PAPER.md §3: an online implementation needed several evaluation rounds to find that its
+docs/PAPER.md §2: an online implementation needed several evaluation rounds to find that its
 ratio was inert (the spread of ρ collapsed) and that its micro term tracked action length.
 ``diagnose_run`` computes, from one SQL pass over the run (no model call), the spread of ρ_raw,
 the share clipped at each bound, the correlations of ρ_raw and of the micro term with the
@@ -351,5 +351,5 @@ def _baseline(conn: Connection, steps: _Steps, scorer: str) -> dict[str, Any]:
         "lift_quantiles": {k: _number(float(v)) for k, v in zip(("p05", "p50", "p95"), q)},
         "corr_lift_rho": _pearson(lift, steps.rho_raw[mine]),
         "note": "lift = log π_hind − log π per step (mean over the scored tokens): how much the outcome "
-        "changes the policy's view of the action; a diagnostic, not the estimator (HCAPO-PAPER.md §3)",
+        "changes the policy's view of the action; a diagnostic, not the estimator (docs/PAPER.md §2)",
     }

@@ -1,6 +1,6 @@
-"""The paper's estimator (HCAPO Algorithm 1; ../shared/reference/HCAPO-PAPER.md §1), vectorised.
+"""The paper's estimator (HCAPO Algorithm 1; docs/PAPER.md §1), vectorised.
 
-Where it departs from the original scripts (``equations.py``; HCAPO-PAPER.md §2):
+Where it departs from the original scripts (``equations.py``; docs/CREDITS.md "Two estimators"):
 
 * the return is terminal, G_t = γ^(T−1−t)·R, unless ``dense`` keeps the scripts' subtask return;
 * smoothing is one step with the raw next value: Q̃_t = α·Q_t + (1−α)·Q_{t+1}; the last step

@@ -406,7 +406,7 @@ def _continues(handle: IO[bytes], cursor: JsonlCursor) -> bool:
 
 INPUT_FORMATS = ("tau-bench", "openai-list")
 _SNIFF_BYTES = 64 << 10
-# The entry types of a Pi session file (docs: FORMATS-ORIGIN §3.2); Pi writes "type" first.
+# The entry types of a Pi session file (docs/INGEST.md "Pi session entries"); Pi writes "type" first.
 _PI_ENTRY = re.compile(
     rb'\A\{\s*"type"\s*:\s*"(session|message|model_change|thinking_level_change|compaction|branch_summary|'
     rb'custom|custom_message|label|session_info)"'

@@ -67,6 +67,13 @@ class ConvertOptions:
             d["compaction"] = self.compaction
         return d
 
+    def episode_columns(self) -> dict[str, Any]:
+        """The options every stored episode records in its own columns (``episodes.include_thinking``,
+        ``max_tool_result_chars``): what a scorer selects episodes by (its spec's ``conversion``,
+        the queue's filter). ``compaction`` is ingest's alone: it decides which messages are
+        stored, and scoring reads the stored messages as they are."""
+        return {"include_thinking": self.include_thinking, "max_tool_result_chars": self.max_tool_result_chars}
+
 
 @dataclass
 class ParsedEpisode:

@@ -35,6 +35,7 @@ from hcapo_store.ingestion.parsing import ConvertOptions, MessageRow, ParsedEpis
 from hcapo_store.storage import db
 from hcapo_store.storage.bulk import insert_rows
 from hcapo_store.storage.models import TAG_KEY_LENGTH, Episode, Message, Step, Subtask, Tag
+from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 from hcapo_store.tool_arguments import dumps_text
 
@@ -44,6 +45,7 @@ STEP_COLUMNS = ("episode_id", "step_index", "message_index", "phase", "subtask_i
 BATCH_EPISODES = 64
 BATCH_SECONDS = 1.0
 MAX_LISTED = 200  # failures/skips/warnings listed by name; counts are always complete
+STORE_TRIES = 5  # looks again after another writer stored the same key (or name) first
 MAX_KEY_BYTES = 2000  # PostgreSQL's btree refuses index rows over ~2700 bytes
 WARNINGS_QUERY = "SELECT name, warnings FROM episodes WHERE is_current AND warnings IS NOT NULL"
 
@@ -283,29 +285,27 @@ def _ingest_one(
     try:
         # A savepoint per episode: a database error on this episode undoes only this episode.
         with conn.begin_nested():
-            # The latest version: current unless every version was retired by hand (SQL).
-            latest = conn.execute(
-                select(
-                    Episode.id,
-                    Episode.content_hash,
-                    Episode.version,
-                    Episode.name,
-                    Episode.is_current,
-                    Episode.source_path,
-                )
-                .where(Episode.source_key == item.key)
-                .order_by(Episode.version.desc())
-                .limit(1)
-            ).first()
-            current = latest if latest is not None and latest.is_current else None
-            if current is not None and current.content_hash == item.content_hash:
-                if tags:
-                    _set_tags(conn, current.id, tags)
-            else:
-                parsed = item.load()
+            for _ in range(STORE_TRIES):
+                latest = _latest(conn, item.key)
+                current = latest if latest is not None and latest.is_current else None
+                if current is not None and current.content_hash == item.content_hash:
+                    if tags:
+                        _set_tags(conn, current.id, tags)
+                    break
+                if parsed is None:
+                    parsed = item.load()
                 # One name for all versions of an episode; a new episode gets a free one.
                 name = latest.name if latest is not None else _free_name(conn, item)
                 stored_id = _store_version(conn, parsed, item, name, latest, current, options, tags)
+                if stored_id is not None:
+                    break
+                # Another writer stored this version (or took this name) first: look again.
+            else:
+                raise IngestError(
+                    f"other writers stored this episode's key or name first {STORE_TRIES} times in a row: "
+                    "not stored (ingest it again)",
+                    path=where,
+                )
     except SkipEpisode as exc:
         report.skipped[_reason_class(str(exc))] += 1
         if len(report.skips) < MAX_LISTED:
@@ -320,13 +320,14 @@ def _ingest_one(
         why = f"{where}: the database refused this episode: {_first_line(exc)}"
         _fail(report, where, why)
         return SourceOutcome(where, item.path, "failed", why)
-    if parsed is None:
+    if stored_id is None:
         assert current is not None  # unchanged: the current version holds this content
         seen.setdefault(item.key, (item.content_hash, where))
         _unchanged(report, item, current)
         return SourceOutcome(
             where, item.path, "unchanged", episode_id=int(current.id), elsewhere=current.source_path != item.path
         )
+    assert parsed is not None  # stored: parsed to be written
     seen[item.key] = (item.content_hash, where)
     pending.steps += len(parsed.steps)
     pending.warnings += len(parsed.warnings)
@@ -356,6 +357,16 @@ def _free_name(conn: Connection, item: Source) -> str:
     raise AssertionError("unreachable: name candidates are endless")  # pragma: no cover
 
 
+def _latest(conn: Connection, key: str) -> Any:
+    """The key's latest version: current unless every version was retired by hand (SQL)."""
+    return conn.execute(
+        select(Episode.id, Episode.content_hash, Episode.version, Episode.name, Episode.is_current, Episode.source_path)
+        .where(Episode.source_key == key)
+        .order_by(Episode.version.desc())
+        .limit(1)
+    ).first()
+
+
 def _store_version(
     conn: Connection,
     parsed: ParsedEpisode,
@@ -365,10 +376,14 @@ def _store_version(
     current: Any,
     options: ConvertOptions,
     tags: dict[str, str],
-) -> int:
+) -> int | None:
+    """The new version's id, or None when another writer stored this key's version (or an
+    episode with this name) first: nothing was written, the caller looks again."""
     episode_id = _insert_episode(
         conn, parsed, options, source=item, name=name, version=1 if latest is None else latest.version + 1
     )
+    if episode_id is None:
+        return None
     if current is not None:
         conn.execute(update(Episode).where(Episode.id == current.id).values(is_current=False))
         old_tags = conn.execute(select(Tag.key, Tag.value).where(Tag.episode_id == current.id)).all()
@@ -434,9 +449,12 @@ def _set_tags(conn: Connection, episode_id: int, tags: dict[str, str]) -> None:
 
 def _insert_episode(
     conn: Connection, ep: ParsedEpisode, options: ConvertOptions, *, source: Source, name: str, version: int
-) -> int:
-    episode_id = conn.execute(
-        insert(Episode).returning(Episode.id),
+) -> int | None:
+    """Insert once (storage/once.py): two ingesters of the same episode version never see an
+    error; the one that comes second gets None (on PostgreSQL after the first one commits)."""
+    episode_id = insert_once(
+        conn,
+        "episodes",
         {
             "source_key": source.key,
             "source_path": source.path,
@@ -461,7 +479,11 @@ def _insert_episode(
             "raw_source": ep.raw_source,
             "ingested_at": utcnow().isoformat(timespec="seconds"),
         },
-    ).scalar_one()
+        unique=None,  # key+version or name+version: whichever a racing writer took first
+    )
+    if episode_id is None:
+        return None
+    episode_id = int(episode_id)
     insert_rows(
         conn,
         Message,

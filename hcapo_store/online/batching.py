@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import IntegrityError
 
 from hcapo_store.canonical import canonical_json
 from hcapo_store.credits.compute import compute_credits, scoped_run_hash
-from hcapo_store.credits.equations import CreditParams
-from hcapo_store.errors import CreditError, StoreError
+from hcapo_store.errors import CreditError
 from hcapo_store.ingestion.fields import source_field
 from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
 from hcapo_store.online.scanning import file_field, split_location
@@ -244,7 +242,14 @@ class Batcher:
         run_id: int | None = None
         if ids:
             try:
-                result = compute(self.store, self.cfg.params, f"batch-{batch_hash[:12]}", self.prep.scorer_id, ids)
+                # two followers publishing the same batch at once get the same run (insert once)
+                result = compute_credits(
+                    self.store,
+                    self.cfg.params,
+                    name=f"batch-{batch_hash[:12]}",
+                    scorer=self.prep.scorer_id,
+                    episodes=ids,
+                )
                 run_id, run_name = result.run.id, result.run.name
             except CreditError:  # every episode of the batch failed: the row says so, no run
                 pass
@@ -298,14 +303,6 @@ class Batcher:
             row["lag_s"],
             members=[BatchMember(m["name"], m["external_id"], int(m["id"]), int(m["version"])) for m in members],
         )
-
-
-def compute(store: Store, params: CreditParams, name: str, scorer: str, ids: list[int]) -> Any:
-    try:
-        return compute_credits(store, params, name=name, scorer=scorer, episodes=ids)
-    except (IntegrityError, StoreError):
-        # two followers computed the same run at once: the other one's is the same run
-        return compute_credits(store, params, name=name, scorer=scorer, episodes=ids)
 
 
 def already_there(store: Store, batch_hash: str) -> bool:

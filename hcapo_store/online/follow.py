@@ -221,15 +221,8 @@ class Follower:
                 "cursors": self.cursors,
                 "roots": self.roots,
             }
+            # another follower storing the same version at once is no failure: ingest inserts once
             part = ingest(self.store, mine, on_outcome=lambda o: outcomes.__setitem__(o.location, o), **kw)
-            raced = {o.location for o in outcomes.values() if o.outcome == "failed" and _lost_a_race(o.reason or "")}
-            if raced:  # another follower stored the same version first: read again, now unchanged
-                part.failures = [(src, error) for src, error in part.failures if src not in raced]
-                part.failed -= len(raced)
-                again = sorted({Path(outcomes[loc].path) for loc in raced})
-                for file in again:  # a JSONL file: its cursor goes back to read the raced lines again
-                    self.cursors.pop(file, None)
-                _merge(part, ingest(self.store, again, on_outcome=lambda o: outcomes.__setitem__(o.location, o), **kw))
             _merge(result, part)
         report.ingest = result
         for file, cursor in self.cursors.items():
@@ -340,11 +333,6 @@ def _added(total: ScoreReport, part: ScoreReport) -> ScoreReport:
         total.note_error(kind, message)
     total.interrupted, total.server_down = part.interrupted, part.server_down
     return total
-
-
-def _lost_a_race(error: str) -> bool:
-    """An insert refused because the same episode version was just stored by someone else."""
-    return "refused this episode" in error and ("duplicate key" in error or "UNIQUE constraint failed" in error)
 
 
 def _merge(total: IngestReport, part: IngestReport) -> None:

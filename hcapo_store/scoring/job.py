@@ -260,7 +260,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
         "hindsight_template_sha256": template_hash(builder.hindsight_template),
-        "conversion": cfg.conversion.as_dict(),
+        "conversion": cfg.conversion.episode_columns(),  # compaction is ingest's: not a scorer's
         "max_context": max_context,
         "max_logprob_tokens": cfg.max_logprob_tokens,
         "prompt_builder_version": PROMPT_BUILDER_VERSION,

@@ -16,14 +16,18 @@ from sqlalchemy import Connection, text
 
 
 def insert_once(
-    conn: Connection, table: str, row: Mapping[str, Any], *, unique: Sequence[str], returning: str = "id"
+    conn: Connection, table: str, row: Mapping[str, Any], *, unique: Sequence[str] | None, returning: str = "id"
 ) -> Any | None:
     """Insert ``row`` (column -> value) into ``table`` unless a row with the same ``unique``
     columns exists: the new row's ``returning`` column, or None when it was there already.
+    ``unique=None``: unless the row collides with any of the table's unique constraints (a
+    table with two, such as an episode's key+version and name+version, where a racing writer
+    may take either first; the caller then looks again at what is there).
     ``table`` and the column names are the code's own identifiers, never user input."""
     columns = list(row)
+    target = "" if unique is None else f"({', '.join(unique)}) "
     sql = (
         f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(':' + c for c in columns)}) "
-        f"ON CONFLICT ({', '.join(unique)}) DO NOTHING RETURNING {returning}"
+        f"ON CONFLICT {target}DO NOTHING RETURNING {returning}"
     )
     return conn.execute(text(sql), dict(row)).scalar()

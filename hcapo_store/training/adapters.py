@@ -1,4 +1,4 @@
-"""The shapes three RL frameworks take per-token advantages in (../shared TRAINERS.md), filled
+"""The shapes three RL frameworks take per-token advantages in (docs/TRAINERS.md), filled
 from a ``Handoff``. Plain lists and numpy arrays: no framework is imported here (slime's hook
 makes torch tensors, importing torch when slime calls it).
 

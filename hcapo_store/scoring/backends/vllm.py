@@ -5,7 +5,7 @@ We send the token ids as ``prompt`` (no tokenizer runs, so no BOS is added),
 ``max_tokens: 1`` (vLLM rejects 0 outside the echo path), ``temperature: 0``,
 ``prompt_logprobs`` and ``detokenize: false`` (otherwise vLLM decodes every returned
 candidate token to text on its event loop and stalls the engine; we read ids only:
-SERVERS.md, "Late-2026 notes"). vLLM computes logprobs for the whole prompt (there is no start
+docs/SCORING.md "Connections"). vLLM computes logprobs for the whole prompt (there is no start
 offset): entry 0 is null, and entry ``i`` is a dict keyed by token id *as a string*
 that always contains the prompt token at ``i`` (plus the top-k). We keep entries
 ``first_scored:`` and check everything we can: the count, every position's token id,
