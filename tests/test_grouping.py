@@ -313,8 +313,8 @@ def test_in_process_group_runs_the_lm_head_on_the_spans_only_in_chunks(tiny_mode
 
     model = LogprobModel(tiny_model_dir, chunk_size=7)
     rows: list[int] = []
-    head = model._log_softmax
-    model._log_softmax = lambda hidden: (rows.append(hidden.shape[0]), head(hidden))[1]  # type: ignore[method-assign]
+    head = model._target_logprobs  # the LM head and its logsumexp, on the rows it is given
+    model._target_logprobs = lambda hidden, targets: (rows.append(hidden.shape[0]), head(hidden, targets))[1]  # type: ignore[method-assign]
     ids = [(i * 37) % 1800 + 3 for i in range(300)]
     spans = [(40, 52), (120, 121), (200, 230), (290, 300)]
     values = model.score_spans(ids, spans)
