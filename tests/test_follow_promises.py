@@ -274,7 +274,7 @@ def test_an_idle_cycle_runs_no_query(tmp_path: Path, ref, tiny_model_dir: Path) 
 
 def test_the_lists_kept_between_reports_are_bounded() -> None:
     """A week of failures with nobody draining them keeps MAX_LISTED messages and counts the rest."""
-    from hcapo_store.online.follow import MAX_LISTED, FollowStatus
+    from hcapo_store.online.state import MAX_LISTED, FollowStatus
 
     status = FollowStatus()
     for i in range(MAX_LISTED + 50):

@@ -41,7 +41,7 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.compute import ComputeResult, _raw_stream
+from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream
 from hcapo_store.credits.equations import grpo_advantages
 from hcapo_store.credits.lookup import find_run, run_staleness
 from hcapo_store.errors import CreditError, InvalidCreditParams
@@ -398,22 +398,6 @@ def _write_block(
     conn.exec_driver_sql(token_sql, token_rows)
 
 
-CREDIT_COLUMNS = (
-    "run_id",
-    "step_id",
-    "mean_logprob",
-    "token_count",
-    "pi_hind",
-    "rho_raw",
-    "rho",
-    "r_t",
-    "discount",
-    "q_h",
-    "q_h_smoothed",
-    "a_macro",
-    "micro",
-    "advantage",
-)
 TOKEN_COLUMNS = ("run_id", "step_id", "token_count", "log_ratios", "advantages")
 
 

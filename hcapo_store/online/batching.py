@@ -25,7 +25,7 @@ from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
 if TYPE_CHECKING:
-    from hcapo_store.online.follow import CycleReport, FollowConfig, FollowStatus
+    from hcapo_store.online.state import CycleReport, FollowConfig, FollowStatus
 
 
 @dataclass

@@ -30,19 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.equations import CreditParams
-from hcapo_store.errors import InferenceError, IngestError, UsageError
+from hcapo_store.errors import InferenceError, IngestError
 from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest
-from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, ConvertOptions, JsonlCursor
-from hcapo_store.online.batches import BatchInfo
+from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, JsonlCursor
 from hcapo_store.online.batching import Batcher, Member
 from hcapo_store.online.scanning import Signature, result_state, rewritten, scan
+from hcapo_store.online.state import CycleReport, FollowConfig, FollowStatus
 from hcapo_store.online.waiting import ServerDown, Waiter, wait_for_server
 from hcapo_store.scoring.job import Prepared, run_scoring
 from hcapo_store.scoring.scheduler import RunOptions, ScoreReport
@@ -51,82 +50,12 @@ from hcapo_store.storage.store import Store
 
 __all__ = ["CycleReport", "FollowConfig", "FollowResult", "FollowStatus", "Follower", "ServerDown", "follow"]
 
-MAX_LISTED = 200
 # Episodes per scoring run of a cycle (``Follower._score_rounds``), at least 8 per request in
 # flight. A claim's cost grows with the run's episode filter: measured per claim (SQLite, a
 # loaded 2-core machine) 0.4 ms unfiltered, 4.8 ms at 64 ids, 38 ms at 256, 146 ms at 2,000,
 # 1,110 ms at 10,000 (×7.6 from 2,000: the issue's ×7 per step).
 SCORE_ROUND = 64
 ROUND_PER_REQUEST = 8
-
-
-@dataclass
-class FollowConfig:
-    paths: Sequence[Path]
-    group_size: int
-    batch_by: str = "parent"  # parent | tag:KEY | field:NAME (of result.json, or of the JSONL line)
-    batch_timeout: float | None = None  # seconds after a batch's last arrival: publish what is there
-    params: CreditParams = field(default_factory=CreditParams)
-    conversion: ConvertOptions = field(default_factory=ConvertOptions)
-    follow_links: bool = False  # read symbolic links that lead out of ``paths`` (refused by default)
-
-    def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise UsageError(f"--group-size must be at least 1, not {self.group_size}")
-        kind, _, name = self.batch_by.partition(":")
-        if self.batch_by != "parent" and not (kind in ("tag", "field") and name):
-            raise UsageError(f"--batch-by {self.batch_by!r}: use parent, tag:KEY or field:NAME")
-        self.paths = [Path(p).resolve() for p in self.paths]
-
-
-@dataclass
-class FollowStatus:
-    """What the live line shows."""
-
-    seen: int = 0
-    waiting: int = 0
-    ingested: int = 0
-    scored: int = 0
-    failed: int = 0
-    ingest_failed: int = 0
-    batches: int = 0
-    last_lag: float | None = None
-    known_elsewhere: int = 0  # unchanged episodes first stored from another place
-    # What to print, drained by the caller (the CLI, each cycle); at most MAX_LISTED kept
-    # between drains, the rest counted in ``unlisted``: memory stays bounded in a week's run.
-    failures: list[str] = field(default_factory=list)
-    notices: list[str] = field(default_factory=list)  # e.g. waiting for the server
-    unlisted: int = 0
-
-    def fail(self, message: str) -> None:
-        self._add(self.failures, message)
-
-    def notice(self, message: str) -> None:
-        self._add(self.notices, message)
-
-    def _add(self, into: list[str], message: str) -> None:
-        if len(into) < MAX_LISTED:
-            into.append(message)
-        else:
-            self.unlisted += 1
-
-    def line(self) -> str:
-        lag = "—" if self.last_lag is None else f"{self.last_lag:.1f} s"
-        known = f" · {self.known_elsewhere} already stored from another place" if self.known_elsewhere else ""
-        return (
-            f"follow: {self.seen} seen · {self.waiting} waiting · {self.ingested} ingested{known} · "
-            f"{self.scored} scored · {self.failed + self.ingest_failed} failed · {self.batches} batch(es) ready · "
-            f"lag {lag}"
-        )
-
-
-@dataclass
-class CycleReport:
-    changed: int = 0  # sources sent to ingest
-    ingest: IngestReport | None = None
-    score: ScoreReport | None = None
-    published: list[BatchInfo] = field(default_factory=list)
-    busy: bool = False  # something was ingested, scored or published
 
 
 # ---- the follower ----------------------------------------------------------------------------
