@@ -265,34 +265,16 @@ def test_a_superseded_batch_is_refused_naming_the_batch_that_replaced_it(tmp_pat
             Handoff(store, 999, tokenizer=tiny_model_dir)
 
 
-def test_a_stored_advantage_that_is_not_finite_never_reaches_a_trainer(
-    store: Store, samples: Path, demo_tokenizer_dir: Path
+@pytest.mark.parametrize(
+    ("stored", "said"),
+    [
+        ("NULL", "is nan"),  # a damaged row: the database's NULL is numpy's NaN
+        ("1e39", r"is 1e\+39, beyond float32's range"),  # finite in float64, inf in float32: refused after the cast
+    ],
+)
+def test_a_stored_advantage_that_is_not_finite_in_float32_never_reaches_a_trainer(
+    store: Store, samples: Path, demo_tokenizer_dir: Path, stored: str, said: str
 ) -> None:
-    scored_with(store, samples, demo_tokenizer_dir)
-    compute_credits(store, CreditParams(variant="paper"), name="p")
-    name, step = store.query(
-        "SELECT episode, step_index FROM step_credits WHERE run = 'p' ORDER BY episode, step_index LIMIT 1",
-        read_only=True,
-    )[1][0]
-    with store.engine.begin() as conn:  # a damaged row: the database's NULL is numpy's NaN
-        conn.execute(
-            text(
-                "UPDATE credits SET advantage = NULL WHERE run_id = (SELECT id FROM credit_runs WHERE name = 'p') "
-                "AND step_id = (SELECT s.id FROM steps s JOIN episodes e ON e.id = s.episode_id "
-                "WHERE e.name = :n AND s.step_index = :i AND e.is_current)"
-            ),
-            {"n": name, "i": step},
-        )
-    handoff = Handoff(store, "p", tokenizer=demo_tokenizer_dir)
-    ids = handoff.rendered_ids(name, "whole")
-    with pytest.raises(HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is nan"):
-        handoff.advantages(name, ids, strict=False)
-
-
-def test_a_stored_advantage_beyond_float32_never_reaches_a_trainer_as_inf(
-    store: Store, samples: Path, demo_tokenizer_dir: Path
-) -> None:
-    """1e39 is finite in float64 and inf in float32: refused after the cast, naming the step."""
     scored_with(store, samples, demo_tokenizer_dir)
     compute_credits(store, CreditParams(variant="paper"), name="p")
     name, step = store.query(
@@ -302,7 +284,7 @@ def test_a_stored_advantage_beyond_float32_never_reaches_a_trainer_as_inf(
     with store.engine.begin() as conn:
         conn.execute(
             text(
-                "UPDATE credits SET advantage = 1e39 WHERE run_id = (SELECT id FROM credit_runs WHERE name = 'p') "
+                f"UPDATE credits SET advantage = {stored} WHERE run_id = (SELECT id FROM credit_runs WHERE name = 'p') "
                 "AND step_id = (SELECT s.id FROM steps s JOIN episodes e ON e.id = s.episode_id "
                 "WHERE e.name = :n AND s.step_index = :i AND e.is_current)"
             ),
@@ -310,9 +292,7 @@ def test_a_stored_advantage_beyond_float32_never_reaches_a_trainer_as_inf(
         )
     handoff = Handoff(store, "p", tokenizer=demo_tokenizer_dir)
     ids = handoff.rendered_ids(name, "whole")
-    with pytest.raises(
-        HandoffError, match=rf"^episode {name}: step {step}'s stored advantage is 1e\+39, beyond float32's range"
-    ):
+    with pytest.raises(HandoffError, match=rf"^episode {name}: step {step}'s stored advantage {said}"):
         handoff.advantages(name, ids, strict=False)
 
 

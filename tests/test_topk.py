@@ -124,18 +124,7 @@ def test_vllm_top_k_equals_the_in_process_one_and_the_cap_is_refused_up_front(tm
         r = runner.invoke(cli, [*argv, "--top-k", str(K), "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.output)["top_k"]["stored"] == 3
-    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), top_k=K))
-    with db.read(store.engine) as conn:
-        episode = load_episode(conn, 1)
-    served = {
-        i: TopK.decode(ids, lps, n, k)
-        for i, k, n, ids, lps in store.query(
-            "SELECT s.step_index, t.k, t.token_count, t.ids, t.logprobs FROM topk_scores t JOIN steps s ON s.id = t.step_id"
-        )[1]
-    }
-    for prompt in prep.builder.build_episode(episode.messages, episode.outcome, episode.steps):
-        own = prep.backend.scorer.score_positions(prompt.input_ids, prompt.first_scored, top_k=K).top
-        assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
+    _assert_served_top_k_is_the_in_process_one(store, tiny_model_dir)
 
 
 def test_sglang_top_k_equals_the_in_process_one(tmp_path, tiny_model_dir, runner):
@@ -151,21 +140,7 @@ def test_sglang_top_k_equals_the_in_process_one(tmp_path, tiny_model_dir, runner
         r = runner.invoke(cli, [*argv, "--top-k", str(K), "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.output)["top_k"] == {"k": K, "stored": 3, "failed": 0, "failures": {}}
-    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), top_k=K))
-    with db.read(store.engine) as conn:
-        episode = load_episode(conn, 1)
-    served = {
-        i: TopK.decode(ids, lps, n, k)
-        for i, k, n, ids, lps in store.query(
-            "SELECT s.step_index, t.k, t.token_count, t.ids, t.logprobs FROM topk_scores t JOIN steps s ON s.id = t.step_id"
-        )[1]
-    }
-    for prompt in prep.builder.build_episode(episode.messages, episode.outcome, episode.steps):
-        own = prep.backend.scorer.score_positions(prompt.input_ids, prompt.first_scored, top_k=K).top
-        assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
-        assert served[prompt.step_index].logprobs == pytest.approx(
-            np.asarray([[v for _, v in row] for row in own]), abs=2e-3, rel=1e-3
-        )
+    _assert_served_top_k_is_the_in_process_one(store, tiny_model_dir)
 
 
 def test_top_k_out_of_range_is_refused_up_front(tmp_path, runner):
@@ -201,3 +176,25 @@ def test_topk_round_trip_and_size():
     back = TopK.decode(blob_ids, blob_lps, 7, 20)
     assert np.array_equal(back.ids, ids)
     assert back.logprobs == pytest.approx(lps, abs=1e-2)
+
+
+def _assert_served_top_k_is_the_in_process_one(store: Store, tiny_model_dir: Path) -> None:
+    """Episode 1's stored top-K (from a server) equals the in-process scorer's own, step by step:
+    the same token ids in the same order, the same logprobs within float16's storage."""
+    prep = prepare(store, ScoreConfig(backend="transformers", model=str(tiny_model_dir), top_k=K))
+    with db.read(store.engine) as conn:
+        episode = load_episode(conn, 1)
+    served = {
+        i: TopK.decode(ids, lps, n, k)
+        for i, k, n, ids, lps in store.query(
+            "SELECT s.step_index, t.k, t.token_count, t.ids, t.logprobs FROM topk_scores t JOIN steps s ON s.id = t.step_id"
+        )[1]
+    }
+    prompts = list(prep.builder.build_episode(episode.messages, episode.outcome, episode.steps))
+    assert prompts and set(served) == {p.step_index for p in prompts}
+    for prompt in prompts:
+        own = prep.backend.scorer.score_positions(prompt.input_ids, prompt.first_scored, top_k=K).top
+        assert served[prompt.step_index].ids.tolist() == [[t for t, _ in row] for row in own]
+        assert served[prompt.step_index].logprobs == pytest.approx(
+            np.asarray([[v for _, v in row] for row in own]), abs=2e-3, rel=1e-3
+        )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import click
@@ -11,7 +10,7 @@ from hcapo_store import formatting
 from hcapo_store.cli import log_ratio
 from hcapo_store.cli.log_ratio import log_ratio_options
 from hcapo_store.cli.main import Ctx, Group, cli, echo_json, pass_ctx, warn
-from hcapo_store.cli.params import FiniteFloat, int_range
+from hcapo_store.cli.params import FiniteFloat, apply_options, int_range
 from hcapo_store.credits.params import CreditParams
 
 
@@ -130,10 +129,7 @@ CREDIT_KEYWORDS = (
 )
 
 
-def credit_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(CREDIT_OPTIONS):
-        command = option(command)
-    return command
+credit_options = apply_options(CREDIT_OPTIONS)
 
 
 def credit_params(

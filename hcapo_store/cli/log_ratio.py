@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import click
 
-from hcapo_store.cli.params import FiniteFloat
+from hcapo_store.cli.params import FiniteFloat, apply_options
 
 # LogRatioParams' defaults, mirrored for --help without importing numpy at start-up;
 # tests/test_log_ratio.py holds the two equal.
@@ -72,10 +71,7 @@ HCAPO_ONLY = (
 )
 
 
-def log_ratio_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(OPTIONS):
-        command = option(command)
-    return command
+log_ratio_options = apply_options(OPTIONS)
 
 
 def _given(option: str) -> bool:

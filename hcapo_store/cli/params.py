@@ -100,6 +100,18 @@ class Device(click.ParamType):
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def apply_options(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    """One decorator of a list of ``click.option``s, in the list's order in ``--help`` (an option
+    list declared once and shared: the credit, scorer and log-ratio options)."""
+
+    def decorate(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 def conversion_options(thinking_help: str, cut_help: str) -> Callable[[F], F]:
     """``--include-thinking/--no-thinking`` and ``--max-tool-result-chars``, declared once for
     ``ingest`` and ``score`` (and anything that selects episodes by how they were converted),

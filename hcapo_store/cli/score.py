@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import click
 
 from hcapo_store import formatting
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
-from hcapo_store.cli.params import Device, FiniteFloat, ServerURL, conversion_options, int_range
+from hcapo_store.cli.params import Device, FiniteFloat, ServerURL, apply_options, conversion_options, int_range
 from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
 from hcapo_store.scoring import defaults
 
@@ -168,10 +167,7 @@ SCORER_OPTIONS = [
 ]
 
 
-def scorer_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(SCORER_OPTIONS):
-        command = option(command)
-    return command
+scorer_options = apply_options(SCORER_OPTIONS)
 
 
 def scorer_setup(
