@@ -38,6 +38,11 @@ class StoreError(HcapoError):
     """The database cannot be opened or used."""
 
 
+class StoreGone(StoreError):
+    """The database is not there any more (``Store.identity``): the SQLite file deleted, the
+    PostgreSQL database dropped, or its server not answering. The message says which."""
+
+
 class SchemaOutOfDate(StoreError):
     """The database is behind the code's schema head; the user must upgrade it."""
 

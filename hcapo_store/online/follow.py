@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from hcapo_store.clock import utcnow
-from hcapo_store.errors import InferenceError, IngestError
+from hcapo_store.errors import InferenceError, IngestError, StoreError, StoreGone
 from hcapo_store.ingestion.pipeline import IngestReport, SourceOutcome, ingest
 from hcapo_store.ingestion.sources import RESULT_FILE, SESSION_FILE, JsonlCursor
 from hcapo_store.online.batching import Batcher, Member
@@ -66,8 +68,9 @@ class Follower:
 
     It keeps, in memory, every arrival by its batch key and the keys with work left (*open*):
     a cycle reads from the database only the members of open keys, so an idle cycle costs no
-    query whatever the store holds. A restart rebuilds this from one full look (everything is
-    read again, as unchanged) and the database (what is scored and published)."""
+    query whatever the store holds (on PostgreSQL one: the store's identity, ``check_store``).
+    A restart rebuilds this from one full look (everything is read again, as unchanged) and
+    the database (what is scored and published)."""
 
     def __init__(
         self,
@@ -89,6 +92,7 @@ class Follower:
         self.status = FollowStatus()
         self.batches = Batcher(store, prep, cfg, self.status, now, self.roots)  # arrivals by batch key
         self._looked_once = False
+        self.identity = store.identity()  # the database it started on (``check_store``)
 
     # -- 1, 2: scan and ingest ----------------------------------------------------------------
     def _ingest_changes(self, report: CycleReport) -> None:
@@ -229,7 +233,7 @@ class Follower:
     # -- one round ------------------------------------------------------------------------------
     def cycle(self) -> CycleReport:
         report = CycleReport()
-        self.store.check_in_place()  # deleted or replaced under us: stop, never report work that exists nowhere
+        self.check_store()  # deleted, dropped or replaced under us: stop, never report work that exists nowhere
         self._ingest_changes(report)
         if not self.batches.open:
             return report  # nothing left to do: no query at all
@@ -244,8 +248,31 @@ class Follower:
             exc.report = report  # the rounds published before it are shown
             raise
         self.batches.publish(rows, report)  # batches with nothing to score: failures, timeouts
-        self.store.check_in_place()
+        self.check_store()
         return report
+
+    def check_store(self) -> None:
+        """``StoreError`` in one line when the database this follower started on is not the one
+        its connections reach now: a SQLite file deleted or replaced (its connections would go
+        on writing to the old, unlinked file), a PostgreSQL database dropped (or its server
+        gone), dropped and created again, or its tables made again (``Store.identity``). Asked
+        before and after each round, and after a database error in one."""
+        try:
+            now = self.store.identity()
+        except StoreGone as exc:
+            raise StoreError(
+                f"{exc} while this process used it: stopping (start again on the database to use)"
+            ) from exc
+        if now != self.identity:
+            what = (
+                "file"
+                if self.store.dialect == "sqlite"
+                else "database (dropped and created again, or its tables made again)"
+            )
+            raise StoreError(
+                f"the database {self.store.display} was replaced by another {what} while this process used it: "
+                "stopping (what was written since went elsewhere; start again on the database to use)"
+            )
 
 
 def _unscored(row: dict[str, Any]) -> bool:
@@ -315,6 +342,9 @@ def follow(
         try:
             report = follower.cycle()
             backoff = 1.0
+        except (StoreError, SQLAlchemyError):
+            follower.check_store()  # a database gone or replaced in the middle of a round: said so
+            raise
         except ServerDown as exc:
             follower.status.notice(
                 f"the scoring server stopped answering ({exc}); trying again as soon as it answers "

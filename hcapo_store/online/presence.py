@@ -8,6 +8,7 @@ user to start one.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 
+from hcapo_store.errors import StoreError
 from hcapo_store.processes import pid_alive
 from hcapo_store.status_report import STALE_WITHOUT_LEASES_SECONDS
 from hcapo_store.storage import db
 from hcapo_store.storage.store import Store
 
 FOLLOWING = "following"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,13 @@ class Presence:
         self._last = (time.monotonic(), scored, failed)
 
     def leave(self) -> None:
-        leave(self.store, self.id)
+        """Marked ``stopped``; where the database cannot take it (dropped, not answering: the
+        reason ``follow`` stops), the row is left to age out by its heartbeat, and the stop's
+        own reason is what the user reads."""
+        try:
+            leave(self.store, self.id)
+        except StoreError as exc:
+            log.info("follow: could not mark %s stopped: %s", self.id, exc)
 
 
 def beat(store: Store, me: str, *, scored: int, failed: int) -> None:

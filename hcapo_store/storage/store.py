@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from hcapo_store.errors import StoreError
+from hcapo_store.errors import StoreError, StoreGone
 from hcapo_store.storage import db, readonly
 
 
@@ -24,8 +24,7 @@ class Store:
     _reader: Engine | None = field(default=None, repr=False)
     _reader_checked: bool = field(default=False, repr=False)
     _schema: str | None = field(default=None, repr=False)  # PostgreSQL: the store's tables' schema
-    # SQLite: the file's (device, inode) when it was opened (``check_in_place``).
-    _file_id: tuple[int, int] | None = field(default=None, repr=False)
+    _pg_system: bool | None = field(default=None, repr=False)  # may ``identity`` read the cluster's id
 
     @classmethod
     def open(cls, location: str | None = None, *, create: bool = True) -> Store:
@@ -44,21 +43,36 @@ class Store:
         except BaseException:
             engine.dispose()
             raise
-        return cls(url=url, engine=engine, _file_id=_file_id(url))
+        return cls(url=url, engine=engine)
 
-    def check_in_place(self) -> None:
-        """Raise ``StoreError`` when the SQLite file this store opened was deleted or replaced
-        since (its connections would go on writing to the old, unlinked file: work that exists
-        nowhere). A long-running process (``follow``) asks before and after each round."""
-        if self._file_id is None:
-            return
-        now = _file_id(self.url)
-        if now != self._file_id:
-            what = "deleted" if now is None else "replaced by another file"
-            raise StoreError(
-                f"the database {self.display} was {what} while this process used it: stopping "
-                "(what was written since went to the old file; start again on the database to use)"
-            )
+    def identity(self) -> tuple[Any, ...]:
+        """What this database is, now: equal values, the same database. SQLite: its file's
+        (device, inode); PostgreSQL: the cluster's system identifier (where the role may read
+        it), the database's oid and the oids of the store's ``episodes`` and ``batches`` tables,
+        so a database dropped and created again, or its tables dropped and migrated again,
+        is another one. ``StoreGone`` (saying which) when it is not there: the file deleted,
+        the database dropped, its tables dropped, or its server not answering. A long-running
+        process (``follow``) compares it with the value it started with."""
+        if self.dialect != "postgresql":
+            now = _file_id(self.url)
+            if now is None and db.sqlite_file(self.url) is not None:
+                raise StoreGone(f"the database {self.display} was deleted")
+            return ("sqlite", now)
+        schema = self.schema  # read when the store was first used: kept
+        try:
+            with self.engine.connect() as conn:
+                if self._pg_system is None:
+                    self._pg_system = _pg_may_read_system(conn)
+                found = _pg_identity(conn, schema, self._pg_system)
+        except SQLAlchemyError as exc:
+            orig = getattr(exc, "orig", None) or exc
+            first = (str(orig).strip().splitlines() or [type(orig).__name__])[0].split("FATAL:")[-1].strip()
+            if getattr(orig, "sqlstate", None) == "3D000" or ('database "' in first and "does not exist" in first):
+                raise StoreGone(f"the database {self.display} was dropped ({first})") from exc
+            raise StoreGone(f"the database {self.display} stopped answering ({first})") from exc
+        if None in found[-2:]:
+            raise StoreGone(f"the database {self.display} lost its tables (the store's schema was dropped)")
+        return ("postgresql", *found)
 
     @property
     def display(self) -> str:
@@ -275,3 +289,26 @@ def _file_id(url: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def _pg_identity(conn: Connection, schema: str, system: bool) -> tuple[Any, ...]:
+    """(system identifier or None, database oid, episodes' oid, batches' oid) in one statement;
+    a table's oid is None when it is not there. ``system``: the role may call
+    ``pg_control_system()`` (a server can revoke it)."""
+    row = conn.execute(
+        text(
+            "SELECT "
+            + ("(SELECT system_identifier FROM pg_catalog.pg_control_system()), " if system else "NULL, ")
+            + "(SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()), "
+            "to_regclass(format('%I.%I', CAST(:s AS text), 'episodes'))::oid, "
+            "to_regclass(format('%I.%I', CAST(:s AS text), 'batches'))::oid"
+        ),
+        {"s": schema},
+    ).one()
+    return tuple(None if v is None else int(v) for v in row)
+
+
+def _pg_may_read_system(conn: Connection) -> bool:
+    return bool(
+        conn.execute(text("SELECT has_function_privilege('pg_catalog.pg_control_system()', 'EXECUTE')")).scalar()
+    )
