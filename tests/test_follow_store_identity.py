@@ -16,21 +16,16 @@ from pathlib import Path
 
 import pg
 import pytest
+import test_follow_round4
+from test_follow_round4 import _follower
 
-from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.devkit.refserver import ReferenceServer
 from hcapo_store.errors import StoreError, StoreGone
-from hcapo_store.online.follow import FollowConfig, Follower
-from hcapo_store.scoring.job import ScoreConfig, prepare
-from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.storage.store import Store
 
+ref = test_follow_round4.ref  # the fixture: a reference server over the tiny model, one per module
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
-    with make_server(tiny_model_dir) as server:
-        yield server
 
 
 @pytest.fixture
@@ -50,11 +45,6 @@ def root(tmp_path: Path) -> Path:
     folder.mkdir()
     (folder / "eps.jsonl").write_text(json.dumps(line) + "\n")
     return folder
-
-
-def _follower(store: Store, ref: ReferenceServer, tiny: Path, root: Path) -> Follower:
-    prep = prepare(store, ScoreConfig(server=ref.url, tokenizer=str(tiny), max_context=2048))
-    return Follower(store, prep, FollowConfig(paths=[root], group_size=1), RunOptions())
 
 
 def _admin(sql: str) -> None:
@@ -116,7 +106,7 @@ def test_postgres_database_replaced_under_follow_stops_it(
 ) -> None:
     name = _database(pg_url)
     with Store.open(pg_url) as store:
-        follower = _follower(store, ref, tiny_model_dir, root)
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=1)
         assert len(follower.cycle().published) == 1
         if how.startswith("database"):
             _admin(f'DROP DATABASE "{name}" WITH (FORCE)')

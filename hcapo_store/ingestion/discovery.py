@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+from hcapo_store.canonical import canonical_json
 from hcapo_store.errors import IngestError
 from hcapo_store.ingestion import episode_keys
 from hcapo_store.ingestion.files import kind_of, lstat_or_none, open_regular, read_regular, why_unreadable
@@ -50,6 +51,12 @@ class Source:
     content_hash: str
     load: Callable[[], ParsedEpisode]
     prefixes: tuple[str, ...] = ()  # the root's parent directory names, to make the name unique
+    # The same content's hash as stores written by earlier versions computed it (an episode
+    # directory's result.json by its bytes): a stored version with it is this version too.
+    earlier_hash: str | None = None
+
+    def is_stored_as(self, content_hash: str) -> bool:
+        return content_hash in (self.content_hash, self.earlier_hash)
 
 
 def iter_sources(
@@ -242,12 +249,30 @@ def _canonical(data: bytes | None, *, lines: bool, final_newline: bool = False) 
     return data
 
 
+def result_identity(data: bytes) -> bytes:
+    """What of a ``result.json`` is its episode's identity (the one rule of ``ingest`` and
+    ``follow``): its parsed content as canonical JSON (sorted keys, no whitespace), so the same
+    document saved again with other whitespace, key order, a BOM or CRLF is the same version,
+    and a changed value is a new one. Bytes that are no UTF-8 JSON count as they are (after
+    the BOM and CRLF, ``_canonical``): such a file fails to ingest either way."""
+    data = _canonical(data, lines=False) or b""
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+        return canonical_json(parsed).encode()
+    except (ValueError, RecursionError):  # no JSON (UnicodeDecodeError is a ValueError)
+        return data
+
+
 def _episode_dir_source(
     directory: Path, options: ConvertOptions, root: Path, roots: Sequence[Path] | None = None
 ) -> Source:
     result_bytes = _canonical(read_regular(directory / RESULT_FILE, MAX_RESULT_BYTES, roots=roots), lines=False)
     session_bytes = _canonical(read_regular(directory / SESSION_FILE, MAX_SESSION_BYTES, roots=roots), lines=True)
-    digest = _hash(options, result_bytes or b"", b"\x00" if session_bytes is None else session_bytes)
+    session_part = b"\x00" if session_bytes is None else session_bytes
+    digest = _hash(options, b"" if result_bytes is None else result_identity(result_bytes), session_part)
+    # Stores written before result.json's identity was its parsed content hold the bytes' hash:
+    # an episode whose files did not change is still that version, not a new one.
+    by_bytes = _hash(options, result_bytes or b"", session_part)
     try:
         key = episode_keys.session_key(session_bytes)
     except episode_keys.BadEpisodeId as exc:
@@ -258,6 +283,7 @@ def _episode_dir_source(
         path=str(directory),
         location=str(directory),
         content_hash=digest,
+        earlier_hash=None if by_bytes == digest else by_bytes,
         # a partial of module-level code (not a closure): a worker process can run it
         load=partial(parse_episode_dir, directory, result_bytes, session_bytes, options, digest),
         prefixes=episode_keys.ancestors(root),

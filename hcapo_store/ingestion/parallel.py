@@ -100,7 +100,7 @@ def parse_ahead(
         if pool is None and (broken or len(candidates) < MIN_PARALLEL):
             candidates = []  # no pool would start for so few: no lookup either (follow's batches)
         known = stored(candidates) if candidates else set()
-        todo = {id(s) for s in candidates if (s.key, s.content_hash) not in known}
+        todo = {id(s) for s in candidates if not {(s.key, s.content_hash), (s.key, s.earlier_hash)} & known}
         if pool is None and not broken and len(todo) >= MIN_PARALLEL:
             pool = _start(jobs)
         for item in chunk:

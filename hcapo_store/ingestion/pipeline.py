@@ -288,7 +288,7 @@ def _ingest_one(
             for _ in range(STORE_TRIES):
                 latest = _latest(conn, item.key)
                 current = latest if latest is not None and latest.is_current else None
-                if current is not None and current.content_hash == item.content_hash:
+                if current is not None and item.is_stored_as(current.content_hash):
                     if tags:
                         _set_tags(conn, current.id, tags)
                     break

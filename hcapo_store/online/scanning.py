@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hcapo_store.canonical import canonical_json
 from hcapo_store.errors import IngestError
-from hcapo_store.ingestion.discovery import MAX_JSONL_LINE_BYTES
+from hcapo_store.ingestion.discovery import MAX_JSONL_LINE_BYTES, result_identity
 from hcapo_store.ingestion.fields import source_field
 from hcapo_store.ingestion.files import lstat_or_none, open_regular, outside, read_regular, why_unreadable
 from hcapo_store.ingestion.sources import MAX_RESULT_BYTES, RESULT_FILE, SESSION_FILE
@@ -123,11 +122,7 @@ def result_state(directory: Path, roots: Sequence[Path] | None) -> tuple[str | N
     except (ValueError, RecursionError):
         return f"{RESULT_FILE} is not whole JSON yet", None
     if isinstance(result, dict) and (result.get("episode_reward") is not None or result.get("error")):
-        try:
-            identity = hashlib.sha256(canonical_json(result).encode()).hexdigest()
-        except (TypeError, ValueError):  # a value canonical JSON refuses (NaN): no identity, read as changed
-            identity = None
-        return None, identity
+        return None, hashlib.sha256(result_identity(data)).hexdigest()
     return "no reward yet", None
 
 
