@@ -41,16 +41,23 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream
+from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream, scope_identities
 from hcapo_store.credits.equations import grpo_advantages
-from hcapo_store.credits.lookup import find_run, run_staleness
+from hcapo_store.credits.lookup import find_run, run_staleness, scope_sql
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
+from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
 VARIANT = "log-ratio"
 GATES = ("none", "sigmoid")
+# The students a per-batch run (``follow``, TRL's ``StoreAdvantages``) produces itself for each
+# batch: the teacher's own scorer without the hindsight block, or the rollouts' own logprobs
+# (``score-rollout``'s, from the ingested records). ``credits compute --against`` names a stored scorer.
+NO_HINDSIGHT = "no-hindsight"
+ROLLOUT = "rollout"
+BATCH_STUDENTS = (NO_HINDSIGHT, ROLLOUT)
 
 # Pass 1 (no blobs): which episodes are complete under both scorers, the same tokens per step.
 COUNTS_SQL = """
@@ -61,7 +68,7 @@ FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
 LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
-WHERE e.is_current IS TRUE
+WHERE e.is_current IS TRUE{scope}
 ORDER BY e.id, s.step_index
 """
 
@@ -72,7 +79,7 @@ FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
 LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
-WHERE e.is_current IS TRUE
+WHERE e.is_current IS TRUE{scope}
 ORDER BY e.id, s.step_index
 """
 
@@ -221,9 +228,14 @@ def compute_log_ratio(
     name: str | None = None,
     allow_mixed: bool = False,
     replace: bool = False,
+    episodes: Sequence[int] | None = None,
 ) -> ComputeResult:
-    """Compute (or find) the log-ratio run of (teacher ``scorer``, student ``against``, params)."""
+    """Compute (or find) the log-ratio run of (teacher ``scorer``, student ``against``, params).
+    ``episodes``: the run covers only these episode ids (a batch of ``follow`` or of TRL's
+    ``StoreAdvantages``: its GRPO statistics are the batch's own); part of the run's identity,
+    by the episodes' content, as ``compute_credits``' scoped runs."""
     started = time.perf_counter()
+    scope = None if episodes is None else sorted({int(i) for i in episodes})
     with db.write(store.engine) as conn:
         teacher_id, _ = resolve_scorer(conn, scorer)
         try:
@@ -234,7 +246,10 @@ def compute_log_ratio(
             raise CreditError("--variant log-ratio: --scorer and --against name the same scorer: every ratio is 0")
         warnings = check_pair(_spec(conn, teacher_id), _spec(conn, student_id), allow_mixed)
         stored = params.as_dict(student_id)
-        h = content_hash({"scorer_id": teacher_id, "variant": VARIANT, "params": stored}, ascii_only=True)
+        identity: dict[str, Any] = {"scorer_id": teacher_id, "variant": VARIANT, "params": stored}
+        if scope is not None:
+            identity["episodes"] = scope_identities(conn, scope)
+        h = content_hash(identity, ascii_only=True)
         existing = find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
@@ -251,9 +266,15 @@ def compute_log_ratio(
             for table in ("token_credits", "credits"):
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id = :id"), {"id": existing.id})
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-        run_id = _insert_run(conn, run_name, teacher_id, stored, h)
-        episodes, steps, incomplete = _fill(conn, run_id, teacher_id, student_id, params, warnings)
-        if episodes == 0:
+        run_id = _insert_run(conn, run_name, teacher_id, stored, h, scope)
+        if run_id is None:  # another writer (a second follower on the same batch) stored it first
+            raced = find_run(conn, "r.run_hash = :h", h=h)
+            if raced is None:
+                raise CreditError(f"the name {run_name!r} is already used by another credit run; pick another --name")
+            msg = f"credit run {raced.name!r} already has these scorers and parameters: returned it"
+            return ComputeResult(raced, False, msg, seconds=time.perf_counter() - started)
+        n_episodes, steps, incomplete = _fill(conn, run_id, teacher_id, student_id, params, warnings, scope)
+        if n_episodes == 0:
             raise CreditError(
                 f"no episode is completely scored under both scorers {teacher_id[:12]} and {student_id[:12]} "
                 f"({len(incomplete)} incomplete): nothing to credit, no run stored; score the missing steps first"
@@ -263,7 +284,7 @@ def compute_log_ratio(
                 "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
                 "incomplete = :inc WHERE id = :id"
             ),
-            {"e": episodes, "s": steps, "ni": len(incomplete), "inc": json.dumps(incomplete[:10_000]), "id": run_id},
+            {"e": n_episodes, "s": steps, "ni": len(incomplete), "inc": json.dumps(incomplete[:10_000]), "id": run_id},
         )
         run = find_run(conn, "r.id = :id", id=run_id)
     assert run is not None
@@ -277,24 +298,29 @@ def compute_log_ratio(
     return ComputeResult(run, True, msg, seconds=time.perf_counter() - started)
 
 
-def _insert_run(conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str) -> int:
-    return int(
-        conn.execute(
-            text(
-                "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-                "incomplete_episodes, incomplete, created_at, variant, episode_scope) "
-                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant, NULL) RETURNING id"
-            ),
-            {
-                "name": name,
-                "scorer": scorer_id,
-                "params": canonical_json(stored, ascii_only=True),
-                "h": h,
-                "at": utcnow().isoformat(timespec="seconds"),
-                "variant": VARIANT,
-            },
-        ).scalar_one()
+def _insert_run(
+    conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str, scope: Sequence[int] | None
+) -> int | None:
+    """The new run's id, or None when a run with this hash or name exists (insert once)."""
+    run_id = insert_once(
+        conn,
+        "credit_runs",
+        {
+            "name": name,
+            "scorer_id": scorer_id,
+            "params": canonical_json(stored, ascii_only=True),
+            "run_hash": h,
+            "episodes": 0,
+            "steps": 0,
+            "incomplete_episodes": 0,
+            "incomplete": None,
+            "created_at": utcnow().isoformat(timespec="seconds"),
+            "variant": VARIANT,
+            "episode_scope": None if scope is None else json.dumps(list(scope)),
+        },
+        unique=None,
     )
+    return None if run_id is None else int(run_id)
 
 
 def _fill(
@@ -304,10 +330,12 @@ def _fill(
     student_id: str,
     params: LogRatioParams,
     warnings: list[str],
+    scope: Sequence[int] | None = None,
 ) -> tuple[int, int, list[str]]:
     """Pass 1 finds the complete episodes (and refuses a step scored over other tokens); pass 2
     streams the blobs and writes each block's credits: memory is one block's, whatever the store."""
     bind = {"teacher": teacher_id, "student": student_id}
+    where = scope_sql(scope)
     complete: dict[int, float] = {}  # episode id -> reward
     incomplete: list[str] = []
     current: list[Any] = []
@@ -326,7 +354,7 @@ def _fill(
                 )
         complete[int(rows[0][0])] = float(rows[0][2])
 
-    for block in _raw_stream(conn, text(COUNTS_SQL), bind):
+    for block in _raw_stream(conn, text(COUNTS_SQL.format(scope=where)), bind):
         for r in block:
             if current and r[0] != current[0][0]:
                 close(current)
@@ -347,7 +375,7 @@ def _fill(
         _insert_sql(conn, "token_credits", TOKEN_COLUMNS),
     )
     steps = 0
-    for block in _raw_stream(conn, text(STREAM_SQL), bind):
+    for block in _raw_stream(conn, text(STREAM_SQL.format(scope=where)), bind):
         rows = [r for r in block if r[0] in a_by_episode]
         if rows:
             _write_block(conn, run_id, rows, a_by_episode, complete, params, credit_sql, token_sql)

@@ -1,0 +1,164 @@
+"""Log-ratio runs on the online paths (issue 42): ``follow --variant log-ratio`` and TRL's
+``StoreAdvantages(variant="log-ratio")`` compute each batch's run as teacher − student, and the
+advantages that reach the trainer carry that signal: non-zero where the two logprobs differ,
+equal to a plain subtraction of the stored scores, and moved when a stored teacher logprob
+moves. A real follower over real files, a real server over a tiny real model, real SQLite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+
+from hcapo_store.cli import cli
+from hcapo_store.credits.log_ratio import LogRatioParams, compute_log_ratio
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
+from hcapo_store.online.follow import FollowConfig, Follower
+from hcapo_store.scoring.job import ScoreConfig, prepare
+from hcapo_store.scoring.scheduler import RunOptions
+from hcapo_store.storage import db
+from hcapo_store.storage.store import Store
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
+
+
+def _line(i: int, reward: float) -> str:
+    return json.dumps(
+        {
+            "episode_id": f"ep-{i}",
+            "reward": reward,
+            "messages": [
+                {"role": "user", "content": f"task {i}"},
+                {"role": "assistant", "content": f"I will look {i}."},
+                {"role": "user", "content": "ok"},
+                {"role": "assistant", "content": f"done {i}"},
+            ],
+        }
+    )
+
+
+def _scores(store: Store, scorer: str) -> dict[int, np.ndarray]:
+    """step id -> the scorer's stored per-token logprobs (float32), read plainly."""
+    rows = store.query("SELECT step_id, token_logprobs FROM scores WHERE scorer_id = :s", {"s": scorer})[1]
+    return {int(s): np.frombuffer(bytes(b), dtype="<f4") for s, b in rows}
+
+
+def _steps(store: Store) -> dict[tuple[str, int], int]:
+    rows = store.query("SELECT e.name, s.step_index, s.id FROM steps s JOIN episodes e ON e.id = s.episode_id")[1]
+    return {(n, int(i)): int(sid) for n, i, sid in rows}
+
+
+def _placed(store: Store, run: str, tokenizer: Path) -> dict[tuple[str, int], np.ndarray]:
+    """What the trainers' hand-off places on each step's own tokens of each episode."""
+    from hcapo_store.training.handoff import Handoff
+
+    handoff = Handoff(store, run, tokenizer=tokenizer)
+    names = [n for (n,) in store.query("SELECT name FROM episodes WHERE is_current")[1]]
+    out = {}
+    for name in names:
+        credit = handoff.advantages(name, handoff.rendered_ids(name))
+        assert not credit.refused, credit.refused
+        for index, (a, b) in credit.spans.items():
+            out[(name, int(index))] = np.asarray(credit.advantages[a:b], dtype=np.float32)
+    return out
+
+
+def test_follow_publishes_log_ratio_batches_whose_handoff_is_teacher_minus_student(
+    tmp_path: Path, ref: ReferenceServer, tiny_model_dir: Path
+) -> None:
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    (root / "eps.jsonl").write_text(_line(0, 1.0) + "\n" + _line(1, 0.0) + "\n")
+    with Store.open(str(tmp_path / "s.db")) as store:
+        cfg = ScoreConfig(server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048, action_span="policy")
+        teacher = prepare(store, cfg)
+        student = prepare(store, dataclasses.replace(cfg, hindsight=False))
+        follow_cfg = FollowConfig(paths=[root], group_size=2, log_ratio=LogRatioParams(), against="no-hindsight")
+        follower = Follower(store, teacher, follow_cfg, RunOptions(), student=student)
+        (batch,) = follower.cycle().published
+        assert batch.status == "ready" and batch.credit_run is not None, batch
+        run = store.query("SELECT variant, scorer_id, params FROM credit_runs WHERE name = :n", {"n": batch.credit_run})
+        variant, scorer_id, params = run[1][0]
+        assert (variant, scorer_id, json.loads(params)["against"]) == ("log-ratio", teacher.scorer_id, student.scorer_id)
+        t, s = _scores(store, teacher.scorer_id), _scores(store, student.scorer_id)
+        steps = _steps(store)
+        assert len(t) == len(s) == len(steps) == 4
+        placed = _placed(store, batch.credit_run, tiny_model_dir)
+        assert set(placed) == set(steps)
+        for key, step_id in steps.items():
+            want = t[step_id].astype(np.float64) - s[step_id].astype(np.float64)  # kl_coef 1, no gate, A_i 0
+            np.testing.assert_allclose(placed[key], want, rtol=0, atol=1e-6)
+        every = np.concatenate(list(placed.values()))
+        assert np.count_nonzero(every) > len(every) // 2  # the hindsight block moves the logprobs: a signal
+        # a second cycle publishes nothing again
+        assert follower.cycle().published == []
+
+        # the signal follows the stored teacher logprob: move one token's by +0.75, recompute the batch's run
+        key = min(steps)
+        step_id = steps[key]
+        moved = t[step_id].copy()
+        moved[0] += 0.75
+        with db.write(store.engine) as conn:
+            conn.execute(
+                text("UPDATE scores SET token_logprobs = :b WHERE step_id = :s AND scorer_id = :t"),
+                {"b": moved.astype("<f4").tobytes(), "s": step_id, "t": teacher.scorer_id},
+            )
+        ids = [int(i) for (i,) in store.query("SELECT id FROM episodes WHERE is_current")[1]]
+        again = compute_log_ratio(
+            store, LogRatioParams(), scorer=teacher.scorer_id, against=student.scorer_id, episodes=ids, replace=True
+        )
+        assert again.run.name == batch.credit_run  # the same batch run, recomputed
+        after = _placed(store, batch.credit_run, tiny_model_dir)
+        assert after[key][0] == pytest.approx(placed[key][0] + 0.75, abs=1e-5)
+        np.testing.assert_array_equal(after[key][1:], placed[key][1:])
+        for other in set(steps) - {key}:
+            np.testing.assert_array_equal(after[other], placed[other])
+
+
+def test_follow_cli_log_ratio_options_and_one_line_refusals(
+    tmp_path: Path, runner, ref: ReferenceServer, tiny_model_dir: Path
+) -> None:
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    (root / "eps.jsonl").write_text(_line(0, 1.0) + "\n" + _line(1, 0.5) + "\n")
+    db_ = str(tmp_path / "s.db")
+    base = ["--db", db_, "follow", str(root), "--server", ref.url, "--tokenizer", str(tiny_model_dir)]
+    base += ["--max-context", "2048", "--action-span", "policy", "--group-size", "2", "--once"]
+    for extra, message in (
+        (["--variant", "log-ratio"], "--variant log-ratio needs --against SCORER"),
+        (["--variant", "log-ratio", "--against", "base"], "use --against no-hindsight or --against rollout"),
+        (["--variant", "log-ratio", "--against", "rollout", "--omega", "2"], "--omega does not apply"),
+        (["--against", "no-hindsight"], "--against applies to --variant log-ratio only"),
+        (["--variant", "log-ratio", "--against", "rollout", "--gate-temperature", "0"], "gate_temperature"),
+    ):
+        r = runner.invoke(cli, [*base, *extra])
+        assert r.exit_code == 2 or r.exit_code == 1, r.output
+        assert message in r.output, r.output
+        assert len([ln for ln in r.output.splitlines() if ln.startswith("Error")]) == 1, r.output
+    with Store.open(db_) as store:
+        assert store.query("SELECT COUNT(*) FROM batches")[1][0][0] == 0  # nothing published by a refused command
+    r = runner.invoke(
+        cli,
+        [*base, "--variant", "log-ratio", "--against", "no-hindsight", "--gate", "sigmoid", "--grpo", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    (published,) = [json.loads(ln) for ln in r.output.splitlines() if ln.startswith("{")]
+    with Store.open(db_) as store:
+        (params,) = store.query(
+            "SELECT params FROM credit_runs WHERE name = :n AND variant = 'log-ratio'", {"n": published["credit_run"]}
+        )[1][0]
+        values = store.query(
+            "SELECT advantage FROM step_credits WHERE run = :n", {"n": published["credit_run"]}
+        )[1]
+    p = json.loads(params)
+    assert (p["gate"], p["grpo"], p["kl_coef"]) == ("sigmoid", True, LogRatioParams().kl_coef)
+    assert len(values) == 4 and any(v != 0 for (v,) in values)
