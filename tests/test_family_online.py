@@ -162,3 +162,100 @@ def test_follow_cli_log_ratio_options_and_one_line_refusals(
     p = json.loads(params)
     assert (p["gate"], p["grpo"], p["kl_coef"]) == ("sigmoid", True, LogRatioParams().kl_coef)
     assert len(values) == 4 and any(v != 0 for (v,) in values)
+
+
+# ---- TRL's StoreAdvantages ------------------------------------------------------------------------
+
+
+def _rollouts(tok, model):
+    from hcapo_store.training.trl_grpo import RolloutBatch
+
+    prompt = [{"role": "user", "content": "Write some signs."}]
+    texts = ["!#$", "#!", "$$!(", "(+"]
+    prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+    completion_ids = [tok.encode(c, add_special_tokens=False) + [tok.eos_token_id] for c in texts]
+    return RolloutBatch(
+        step=0,
+        prompts=[prompt] * 4,
+        completions=[[{"role": "assistant", "content": c}] for c in texts],
+        prompt_ids=[prompt_ids] * 4,
+        completion_ids=completion_ids,
+        loss_mask=[[1] * len(c) for c in completion_ids],
+        rewards=[1.0, 0.0, 1.0, 0.0],
+        groups=[0, 0, 0, 0],
+        trl_advantages=[1.0, -1.0, 1.0, -1.0],
+        inputs=[{}] * 4,
+        model=model,
+    )
+
+
+def test_store_advantages_log_ratio_reach_the_trainer_as_grpo_plus_teacher_minus_student(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hcapo_store.training.handoff import Handoff
+    from hcapo_store.training.trl_grpo import HandoffAdvantages, StoreAdvantages, place
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).float().eval()
+    batch = _rollouts(tok, model)
+    width = max(map(len, batch.completion_ids))
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(
+            store, tokenizer=tiny_model_dir, workdir=tmp_path / "r", run_id="lr", variant="log-ratio", against="no-hindsight"
+        )
+        trained = place(batch, source(batch), width).numpy()  # what the trainer's loss gets
+        run, teacher, student = source.runs[0], source.scorers[0], source.students[0]
+        specs = dict(store.query("SELECT id, spec FROM scorers")[1])
+        assert json.loads(specs[student])["hindsight"] is False and teacher != student
+        assert store.query("SELECT variant FROM credit_runs WHERE name = :n", {"n": run})[1] == [("log-ratio",)]
+        t, s = _scores(store, teacher), _scores(store, student)
+        step_of = {name: sid for (name, _), sid in _steps(store).items()}
+        grpo = [1.0, -1.0, 1.0, -1.0]  # the group's rewards 1, 0, 1, 0 normalised (the default grpo=True)
+        for i, ids in enumerate(batch.completion_ids):
+            step_id = step_of[source.episodes[0][i]]
+            d = t[step_id].astype(np.float64) - s[step_id].astype(np.float64)
+            assert len(d) == len(ids)  # the completion's own tokens, scored by both (action_span policy)
+            np.testing.assert_allclose(trained[i, : len(ids)], grpo[i] + d, rtol=0, atol=1e-5)
+            assert not trained[i, len(ids) :].any()
+        signal = trained[:, :width] - np.asarray(grpo)[:, None]
+        assert np.count_nonzero(np.abs(signal) > 1e-6) > signal.size // 3
+
+        # move one stored teacher logprob: the batch's run recomputed, the trainer's values move there only
+        step_id = step_of[source.episodes[0][2]]
+        moved = t[step_id].copy()
+        moved[1] -= 0.5
+        with db.write(store.engine) as conn:
+            conn.execute(
+                text("UPDATE scores SET token_logprobs = :b WHERE step_id = :s AND scorer_id = :t"),
+                {"b": moved.astype("<f4").tobytes(), "s": step_id, "t": teacher},
+            )
+        ids = [int(i) for (i,) in store.query("SELECT id FROM episodes WHERE is_current")[1]]
+        compute_log_ratio(store, source.log_ratio, scorer=teacher, against=student, episodes=ids, replace=True)
+        lookup = HandoffAdvantages(Handoff(store, run, tokenizer=tiny_model_dir), source.episode_name)
+        after = place(batch, lookup(batch), width).numpy()
+        delta = after - trained
+        assert delta[2, 1] == pytest.approx(-0.5, abs=1e-5)
+        delta[2, 1] = 0.0
+        assert not np.abs(delta).max() > 1e-6
+
+
+def test_store_advantages_log_ratio_refusals(tmp_path: Path) -> None:
+    from hcapo_store.credits.params import CreditParams
+    from hcapo_store.training.trl_grpo import StoreAdvantages
+
+    with Store.open(str(tmp_path / "s.db")) as store:
+        kw = {"tokenizer": tmp_path, "workdir": tmp_path}
+        for extra, message in (
+            ({"variant": "log-ratio"}, "needs against='no-hindsight'"),
+            ({"variant": "log-ratio", "against": "rollout"}, "needs against='no-hindsight'"),
+            ({"variant": "log-ratio", "against": "no-hindsight", "params": CreditParams()}, "params= are HCAPO's"),
+            ({"against": "no-hindsight"}, "apply to variant='log-ratio' only"),
+            ({"variant": "grpo"}, "variant must be None"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                StoreAdvantages(store, **kw, **extra)  # type: ignore[arg-type]
+        source = StoreAdvantages(store, **kw, variant="log-ratio", against="no-hindsight")  # type: ignore[arg-type]
+        assert source.log_ratio == LogRatioParams(grpo=True, group_by="group")
+        assert source.log_ratio.kl_coef == LogRatioParams().kl_coef  # the library's defaults otherwise
