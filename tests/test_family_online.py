@@ -88,7 +88,11 @@ def test_follow_publishes_log_ratio_batches_whose_handoff_is_teacher_minus_stude
         assert batch.status == "ready" and batch.credit_run is not None, batch
         run = store.query("SELECT variant, scorer_id, params FROM credit_runs WHERE name = :n", {"n": batch.credit_run})
         variant, scorer_id, params = run[1][0]
-        assert (variant, scorer_id, json.loads(params)["against"]) == ("log-ratio", teacher.scorer_id, student.scorer_id)
+        assert (variant, scorer_id, json.loads(params)["against"]) == (
+            "log-ratio",
+            teacher.scorer_id,
+            student.scorer_id,
+        )
         t, s = _scores(store, teacher.scorer_id), _scores(store, student.scorer_id)
         steps = _steps(store)
         assert len(t) == len(s) == len(steps) == 4
@@ -156,9 +160,7 @@ def test_follow_cli_log_ratio_options_and_one_line_refusals(
         (params,) = store.query(
             "SELECT params FROM credit_runs WHERE name = :n AND variant = 'log-ratio'", {"n": published["credit_run"]}
         )[1][0]
-        values = store.query(
-            "SELECT advantage FROM step_credits WHERE run = :n", {"n": published["credit_run"]}
-        )[1]
+        values = store.query("SELECT advantage FROM step_credits WHERE run = :n", {"n": published["credit_run"]})[1]
     p = json.loads(params)
     assert (p["gate"], p["grpo"], p["kl_coef"]) == ("sigmoid", True, LogRatioParams().kl_coef)
     assert len(values) == 4 and any(v != 0 for (v,) in values)
@@ -203,7 +205,12 @@ def test_store_advantages_log_ratio_reach_the_trainer_as_grpo_plus_teacher_minus
     width = max(map(len, batch.completion_ids))
     with Store.open(str(tmp_path / "s.db")) as store:
         source = StoreAdvantages(
-            store, tokenizer=tiny_model_dir, workdir=tmp_path / "r", run_id="lr", variant="log-ratio", against="no-hindsight"
+            store,
+            tokenizer=tiny_model_dir,
+            workdir=tmp_path / "r",
+            run_id="lr",
+            variant="log-ratio",
+            against="no-hindsight",
         )
         trained = place(batch, source(batch), width).numpy()  # what the trainer's loss gets
         run, teacher, student = source.runs[0], source.scorers[0], source.students[0]
@@ -259,3 +266,61 @@ def test_store_advantages_log_ratio_refusals(tmp_path: Path) -> None:
         source = StoreAdvantages(store, **kw, variant="log-ratio", against="no-hindsight")  # type: ignore[arg-type]
         assert source.log_ratio == LogRatioParams(grpo=True, group_by="group")
         assert source.log_ratio.kl_coef == LogRatioParams().kl_coef  # the library's defaults otherwise
+
+
+def _rollout_line(tok, i: int, reward: float) -> tuple[str, list[list[float]]]:
+    """An OpenAI-shaped record: ``logprobs`` beside each assistant message (its own tokens and the
+    end-of-turn token), as a vLLM server reports them."""
+    import random
+
+    from test_rollout_scores import _entries
+
+    rng = random.Random(i)
+    messages: list[dict] = [{"role": "user", "content": f"task {i}"}]
+    values = []
+    for t, content in enumerate(["the cat sat", "then it ran"]):
+        entries = _entries(tok, content, rng, end=True)
+        values.append([e["logprob"] for e in entries])
+        messages.append({"role": "assistant", "content": content, "logprobs": {"content": entries}})
+        if t == 0:
+            messages.append({"role": "user", "content": "go on"})
+    record = {"episode_id": f"r{i}", "reward": reward, "engine": "vllm", "model": "policy", "messages": messages}
+    return json.dumps(record), values
+
+
+@pytest.mark.parametrize("allow_mixed", [False, True])
+def test_follow_against_the_rollouts_own_logprobs(
+    tmp_path: Path, ref: ReferenceServer, tiny_model_dir: Path, allow_mixed: bool
+) -> None:
+    from hcapo_store.rendering.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    lines, values = zip(*(_rollout_line(tok, i, float(i)) for i in range(2)))
+    (root / "eps.jsonl").write_text("".join(line + "\n" for line in lines))
+    with Store.open(str(tmp_path / "s.db")) as store:
+        cfg = ScoreConfig(server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048, action_span="policy")
+        teacher = prepare(store, cfg)
+        follow_cfg = FollowConfig(
+            paths=[root], group_size=2, log_ratio=LogRatioParams(), against="rollout", allow_mixed=allow_mixed
+        )
+        follower = Follower(store, teacher, follow_cfg, RunOptions())
+        (batch,) = follower.cycle().published
+        if not allow_mixed:  # the rollouts were sampled by vLLM, the teacher is another engine: refused, said
+            assert batch.status == "failed" and batch.credit_run is None
+            assert any("differ in engines" in f and "--allow-mixed" in f for f in follower.status.failures)
+            return
+        assert batch.status == "ready", (batch, follower.status.failures)
+        assert not follower.status.failures
+        (student,) = [s for (s,) in store.query("SELECT id FROM scorers WHERE spec LIKE '%\"rollout\"%'")[1]]
+        t = _scores(store, teacher.scorer_id)
+        steps = _steps(store)
+        placed = _placed(store, batch.credit_run, tiny_model_dir)
+        names = sorted({n for n, _ in steps})
+        for e, name in enumerate(names):
+            for index in range(2):
+                rollout = np.asarray(values[e][index], dtype=np.float32).astype(np.float64)
+                want = t[steps[(name, index)]].astype(np.float64) - rollout
+                np.testing.assert_allclose(placed[(name, index)], want, rtol=0, atol=1e-5)
+        assert student
