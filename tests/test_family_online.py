@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sqlalchemy import text
 
 from hcapo_store.cli import cli
@@ -324,3 +325,72 @@ def test_follow_against_the_rollouts_own_logprobs(
                 want = t[steps[(name, index)]].astype(np.float64) - rollout
                 np.testing.assert_allclose(placed[(name, index)], want, rtol=0, atol=1e-5)
         assert student
+
+
+@pytest.mark.slow
+def test_verl_handoff_places_a_log_ratio_batch_per_token(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """verl's side (``VerlHandoff``, what the registered ``hcapo`` estimator calls) on a batch a
+    log-ratio follower published: each response token of a step gets teacher − student."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hcapo_store.online.batches import find_batch
+    from hcapo_store.scoring.backends.inprocess import LiveModelBackend
+    from hcapo_store.training.verl_batch import VerlHandoff, write_rollout
+
+    turns = [["look at the box", "open it"], ["look at the door", "close it"]]
+    samples = []
+    for k, (a, b) in enumerate(turns):
+        msgs = [
+            {"role": "user", "content": "Task u0: find the key"},
+            {"role": "assistant", "content": a},
+            {"role": "user", "content": "tool: nothing"},
+            {"role": "assistant", "content": b},
+        ]
+        write_rollout(tmp_path / "rollouts", 1, "u0", f"u0-{k}", float(k), msgs)
+        samples.append(msgs)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    with Store.open(str(tmp_path / "s.db")) as store:
+        backend = LiveModelBackend(model, weight_version="v1")
+        cfg = ScoreConfig(
+            backend=LiveModelBackend.kind, tokenizer=str(tiny_model_dir), weight_version="v1", action_span="policy"
+        )
+        teacher = prepare(store, cfg, backend)
+        student = prepare(store, dataclasses.replace(cfg, hindsight=False), backend)
+        follow_cfg = FollowConfig(
+            [tmp_path / "rollouts"], 2, "field:uid", log_ratio=LogRatioParams(grpo=True), against="no-hindsight"
+        )
+        follower = Follower(store, teacher, follow_cfg, RunOptions(concurrency=1), student=student)
+        (batch,) = follower.cycle().published
+        assert batch.credit_run is not None and find_batch(store, "u0") is not None
+        prompts, responses, masks = [], [], []
+        for msgs in samples:
+            full = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+            prompt = list(
+                tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True, return_dict=False)
+            )
+            tool_end = len(
+                tok.apply_chat_template(msgs[:3], tokenize=True, add_generation_prompt=True, return_dict=False)
+            )
+            tool_start = len(tok.apply_chat_template(msgs[:2], tokenize=True, return_dict=False))
+            mask = [0 if tool_start <= len(prompt) + j < tool_end else 1 for j in range(len(full) - len(prompt))]
+            prompts.append(prompt)
+            responses.append(full[len(prompt) :])
+            masks.append(mask)
+        width = max(map(len, responses))
+        resp = np.zeros((2, width), dtype=np.int64)
+        mask = np.zeros_like(resp)
+        for i, (r, m) in enumerate(zip(responses, masks)):
+            resp[i, : len(r)], mask[i, : len(m)] = r, m
+        got = VerlHandoff(store, tiny_model_dir, weight_version="v1").advantages(["u0", "u0"], prompts, resp, mask)
+        t, s = _scores(store, teacher.scorer_id), _scores(store, student.scorer_id)
+        steps = _steps(store)
+        names = {ext: name for name, ext in store.query("SELECT name, external_id FROM episodes")[1]}
+        grpo = [-1.0, 1.0]  # rewards 0 and 1 in one group
+        for i in range(2):
+            name = names[f"u0-{i}"]
+            want = [grpo[i] + t[steps[(name, k)]].astype(np.float64) - s[steps[(name, k)]] for k in range(2)]
+            flat = np.concatenate(want)
+            placed = got[i][got[i] != 0]
+            assert len(placed) == len(flat)  # every action token, nothing else (tool result, headers: 0)
+            np.testing.assert_allclose(placed, flat, rtol=0, atol=1e-5)
