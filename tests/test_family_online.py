@@ -394,3 +394,45 @@ def test_verl_handoff_places_a_log_ratio_batch_per_token(tmp_path: Path, tiny_mo
             placed = got[i][got[i] != 0]
             assert len(placed) == len(flat)  # every action token, nothing else (tool result, headers: 0)
             np.testing.assert_allclose(placed, flat, rtol=0, atol=1e-5)
+
+
+def test_log_ratio_runs_on_postgresql_scoped_and_whole(tmp_path: Path) -> None:
+    """The aggregated first pass, the scoped run and the other-tokens refusal on PostgreSQL."""
+    from pg import fresh_database
+    from test_log_ratio import _episodes, _score
+
+    from hcapo_store.errors import CreditError
+    from hcapo_store.ingestion.pipeline import ingest
+
+    spec = json.dumps({"tokenizer": {"files_sha256": "f" * 64}, "backend": {"kind": "sglang", "model": "m"}})
+    with fresh_database("family") as url, Store.open(url) as store:
+        assert ingest(store, [_episodes(tmp_path / "eps.jsonl", n=3)]).failed == 0
+        with db.write(store.engine) as conn:
+            for sid in ("teacher", "student"):
+                conn.execute(
+                    text("INSERT INTO scorers (id, label, spec, created_at) VALUES (:i, :l, :s, '2026-11-27')"),
+                    {"i": sid, "l": sid, "s": spec},
+                )
+            steps = conn.execute(text("SELECT id FROM steps ORDER BY id")).scalars().all()
+            for k, sid in enumerate(steps):
+                _score(conn, "teacher", sid, [-1.0 - k, -0.5])
+                _score(conn, "student", sid, [-1.5, -0.5 - k / 4])
+        ids = [int(i) for (i,) in store.query("SELECT id FROM episodes ORDER BY id")[1]]
+        scoped = compute_log_ratio(store, scorer="teacher", against="student", episodes=ids[:2]).run
+        whole = compute_log_ratio(store, scorer="teacher", against="student").run
+        assert (scoped.episodes, whole.episodes) == (2, 3) and scoped.name != whole.name
+        values = dict(
+            store.query("SELECT step_id, log_ratios FROM token_credits WHERE run_id = :r", {"r": whole.id})[1]
+        )
+        for k, sid in enumerate(steps):
+            want = np.asarray([-1.0 - k, -0.5], np.float32).astype(np.float64) - np.asarray(
+                [-1.5, -0.5 - k / 4], np.float32
+            )
+            np.testing.assert_allclose(np.frombuffer(bytes(values[sid]), "<f4"), want, atol=1e-6)
+        with db.write(store.engine) as conn:  # one step scored over another count of tokens by the student
+            conn.execute(
+                text("UPDATE scores SET total_action_tokens = 7 WHERE scorer_id = 'student' AND step_id = :s"),
+                {"s": steps[4]},
+            )
+        with pytest.raises(CreditError, match=r"episode \S+ step \d+: the two scorers scored other tokens"):
+            compute_log_ratio(store, LogRatioParams(kl_coef=2.0), scorer="teacher", against="student")
