@@ -147,23 +147,7 @@ def test_top_k_out_of_range_is_refused_up_front(tmp_path, runner):
     db_ = str(tmp_path / "s.db")
     r = runner.invoke(cli, ["--db", db_, "score", "--backend", "transformers", "--model", "x", "--top-k", "5000"])
     assert r.exit_code != 0 and "--top-k must be in [1, 1024]" in r.output
-    r = runner.invoke(
-        cli,
-        [
-            "--db",
-            db_,
-            "score",
-            "--backend",
-            "transformers",
-            "--model",
-            "x",
-            "--top-k",
-            "5",
-            "--prompt-layout",
-            "episode",
-        ],
-    )
-    assert r.exit_code != 0 and "--top-k takes the per-step layout" in r.output
+    # (the episode layout takes --top-k: tests/test_topk_one_request.py)
     assert not Path(db_).exists()  # refused before the store was created
 
 

@@ -18,7 +18,7 @@ OPTIONS = [
         "--against",
         metavar="SCORER",
         help="log-ratio: the student scorer (id, prefix or label), e.g. a --no-hindsight or rollout scorer of the "
-        "same tokens; --scorer is the teacher.",
+        "same tokens; --scorer is the teacher. follow: no-hindsight or rollout (made per batch).",
     ),
     click.option(
         "--allow-mixed",
@@ -96,10 +96,11 @@ def split(variant: str, kw: dict[str, Any]) -> dict[str, Any]:
     return mine
 
 
-def compute(state: Any, name: str | None, scorer: str | None, recompute: bool, group_by: str | None, mine: dict) -> Any:
-    from hcapo_store.credits.log_ratio import LogRatioParams, compute_log_ratio
+def params_of(mine: dict, group_by: str | None) -> Any:
+    """``LogRatioParams`` of the options (bad values refused by it, one line)."""
+    from hcapo_store.credits.log_ratio import LogRatioParams
 
-    params = LogRatioParams(
+    return LogRatioParams(
         kl_coef=mine["kl_coef"],
         gate=mine["gate"],
         gate_temperature=mine["gate_temperature"],
@@ -107,6 +108,33 @@ def compute(state: Any, name: str | None, scorer: str | None, recompute: bool, g
         group_by=group_by,
         clip=mine["clip"],
     )
+
+
+def follow_student(store: Any, cfg: Any, prep: Any, follow_cfg: Any) -> Any:
+    """``follow --variant log-ratio --against no-hindsight``: the follower's scorer without the
+    hindsight block (the same backend), its pair checked before anything is scored; else None."""
+    import dataclasses
+
+    from hcapo_store.credits.log_ratio import NO_HINDSIGHT, check_pair
+    from hcapo_store.errors import CreditError
+    from hcapo_store.scoring.job import prepare
+
+    if follow_cfg.log_ratio is None or follow_cfg.against != NO_HINDSIGHT:
+        return None
+    if not cfg.hindsight:
+        raise click.UsageError("--against no-hindsight: the follower's own scorer is --no-hindsight already")
+    student = prepare(store, dataclasses.replace(cfg, hindsight=False), prep.backend)
+    try:
+        check_pair(prep.spec, student.spec, follow_cfg.allow_mixed)
+    except CreditError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return student
+
+
+def compute(state: Any, name: str | None, scorer: str | None, recompute: bool, group_by: str | None, mine: dict) -> Any:
+    from hcapo_store.credits.log_ratio import compute_log_ratio
+
+    params = params_of(mine, group_by)
     return compute_log_ratio(
         state.store(create=False),
         params,

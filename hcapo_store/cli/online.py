@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 
 from hcapo_store import formatting
+from hcapo_store.cli import log_ratio
 from hcapo_store.cli.credits import CREDIT_KEYWORDS, credit_options, credit_params
+from hcapo_store.cli.log_ratio import log_ratio_options
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import FiniteFloat, compaction_option, int_range
 from hcapo_store.cli.score import scorer_options, scorer_setup
@@ -25,6 +27,7 @@ REFERENCE = "Reference: README (Online: follow and the trainer hand-off) in the 
 @scorer_options
 @compaction_option
 @credit_options
+@log_ratio_options
 @click.option(
     "--batch-by",
     default="parent",
@@ -93,6 +96,10 @@ def follow(
 
     Safe to kill and restart (nothing is scored or published twice); SIGTERM or Ctrl-C stops
     after the request in flight. Several `follow` processes on one PostgreSQL database share the work.
+
+    `--variant log-ratio --against no-hindsight|rollout`: each batch's run is a log-ratio run of
+    this scorer (the teacher) against the same scorer without the hindsight block (scored in the
+    same rounds) or the rollouts' own logprobs (stored from the records, as `score-rollout`).
     """
     import json
 
@@ -100,9 +107,16 @@ def follow(
     from hcapo_store.online.follow import follow as run_follow
     from hcapo_store.scoring.job import prepare
 
+    mine = log_ratio.split(kw["variant"], kw)
+    variant = kw["variant"]
+    if variant == "log-ratio":
+        kw["variant"] = "paper"  # HCAPO's params are not read; the log-ratio run's are below
+    group_by = kw["group_by"]
     params = credit_params(**{k: kw.pop(k) for k in CREDIT_KEYWORDS})
     cfg, options = scorer_setup(**kw)  # what is left: the scorer options
     from hcapo_store.errors import UsageError
+
+    lr_params = log_ratio.params_of(mine, group_by) if variant == "log-ratio" else None
 
     try:
         follow_cfg = FollowConfig(
@@ -113,12 +127,16 @@ def follow(
             params=params,
             conversion=dataclasses.replace(cfg.conversion, compaction=compaction),
             follow_links=follow_links,
+            log_ratio=lr_params,
+            against=mine["against"],
+            allow_mixed=mine["allow_mixed"],
         )
     except UsageError as exc:  # an option's value: refused like any other bad option, before any work
         raise click.UsageError(str(exc)) from exc
     store = state.store()
     prep = prepare(store, cfg)
-    follower = Follower(store, prep, follow_cfg, options)
+    student = log_ratio.follow_student(store, cfg, prep, follow_cfg)
+    follower = Follower(store, prep, follow_cfg, options, student=student)
     from hcapo_store.credits.lookup import signal_text  # each batch's hindsight signal, in its line
 
     stop = threading.Event()

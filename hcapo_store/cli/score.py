@@ -348,7 +348,8 @@ def score(
     if top_k and not (report.interrupted or report.server_down):
         from hcapo_store.scoring.topk import score_topk
 
-        topk = score_topk(store, prep, top_k, filters=filters)
+        topk = score_topk(store, prep, top_k, filters=filters)  # steps scored earlier without their top-k
+        topk.stored += report.scored  # the scoring requests carried the top-k of every step they scored
         extra["top_k"] = topk.as_dict()
         if not as_json:
             click.echo(f"top-{top_k}: stored for {topk.stored} step(s), {topk.failed_count} failed")

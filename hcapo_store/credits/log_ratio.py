@@ -41,28 +41,52 @@ from sqlalchemy import Connection, text
 
 from hcapo_store.canonical import canonical_json, content_hash
 from hcapo_store.clock import utcnow
-from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream
+from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream, scope_identities
 from hcapo_store.credits.equations import grpo_advantages
-from hcapo_store.credits.lookup import find_run, run_staleness
+from hcapo_store.credits.lookup import find_run, run_staleness, scope_sql
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
+from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
 VARIANT = "log-ratio"
 GATES = ("none", "sigmoid")
+# The students a per-batch run (``follow``, TRL's ``StoreAdvantages``) produces itself for each
+# batch: the teacher's own scorer without the hindsight block, or the rollouts' own logprobs
+# (``score-rollout``'s, from the ingested records). ``credits compute --against`` names a stored scorer.
+NO_HINDSIGHT = "no-hindsight"
+ROLLOUT = "rollout"
+BATCH_STUDENTS = (NO_HINDSIGHT, ROLLOUT)
 
-# Pass 1 (no blobs): which episodes are complete under both scorers, the same tokens per step.
-COUNTS_SQL = """
-SELECT e.id, e.name, e.reward, s.step_index, t.step_id IS NULL, u.step_id IS NULL,
-       t.token_count, t.total_action_tokens, t.skipped_action_tokens,
-       u.token_count, u.total_action_tokens, u.skipped_action_tokens
+# Pass 1 (no blobs), aggregated by the database: per episode its steps, the steps each scorer
+# scored, and the steps both scored over other tokens (counts of scored, action, skipped tokens).
+_SAME = "COALESCE(t.{c}, -1) = COALESCE(u.{c}, -1)"
+COUNTS_SQL = (
+    """
+SELECT e.id, e.name, e.reward, COUNT(*), COUNT(t.step_id), COUNT(u.step_id),
+       SUM(CASE WHEN t.step_id IS NOT NULL AND u.step_id IS NOT NULL AND NOT ("""
+    + " AND ".join(_SAME.format(c=c) for c in ("token_count", "total_action_tokens", "skipped_action_tokens"))
+    + """) THEN 1 ELSE 0 END)
 FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
 LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
-WHERE e.is_current IS TRUE
-ORDER BY e.id, s.step_index
+WHERE e.is_current IS TRUE{scope}
+GROUP BY e.id, e.name, e.reward
+ORDER BY e.id
+"""
+)
+
+# The steps of one episode the two scorers scored over other tokens (to name the first).
+OTHER_TOKENS_SQL = """
+SELECT s.step_index, t.token_count, t.total_action_tokens, t.skipped_action_tokens,
+       u.token_count, u.total_action_tokens, u.skipped_action_tokens
+FROM steps s
+JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
+JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
+WHERE s.episode_id = :episode
+ORDER BY s.step_index
 """
 
 # Pass 2: the values, block by block.
@@ -72,7 +96,7 @@ FROM episodes e
 JOIN steps s ON s.episode_id = e.id
 LEFT JOIN scores t ON t.step_id = s.id AND t.scorer_id = :teacher
 LEFT JOIN scores u ON u.step_id = s.id AND u.scorer_id = :student
-WHERE e.is_current IS TRUE
+WHERE e.is_current IS TRUE{scope}
 ORDER BY e.id, s.step_index
 """
 
@@ -221,9 +245,14 @@ def compute_log_ratio(
     name: str | None = None,
     allow_mixed: bool = False,
     replace: bool = False,
+    episodes: Sequence[int] | None = None,
 ) -> ComputeResult:
-    """Compute (or find) the log-ratio run of (teacher ``scorer``, student ``against``, params)."""
+    """Compute (or find) the log-ratio run of (teacher ``scorer``, student ``against``, params).
+    ``episodes``: the run covers only these episode ids (a batch of ``follow`` or of TRL's
+    ``StoreAdvantages``: its GRPO statistics are the batch's own); part of the run's identity,
+    by the episodes' content, as ``compute_credits``' scoped runs."""
     started = time.perf_counter()
+    scope = None if episodes is None else sorted({int(i) for i in episodes})
     with db.write(store.engine) as conn:
         teacher_id, _ = resolve_scorer(conn, scorer)
         try:
@@ -234,7 +263,10 @@ def compute_log_ratio(
             raise CreditError("--variant log-ratio: --scorer and --against name the same scorer: every ratio is 0")
         warnings = check_pair(_spec(conn, teacher_id), _spec(conn, student_id), allow_mixed)
         stored = params.as_dict(student_id)
-        h = content_hash({"scorer_id": teacher_id, "variant": VARIANT, "params": stored}, ascii_only=True)
+        identity: dict[str, Any] = {"scorer_id": teacher_id, "variant": VARIANT, "params": stored}
+        if scope is not None:
+            identity["episodes"] = scope_identities(conn, scope)
+        h = content_hash(identity, ascii_only=True)
         existing = find_run(conn, "r.run_hash = :h", h=h)
         if existing is not None and not replace:
             run_staleness(conn, existing)
@@ -251,9 +283,15 @@ def compute_log_ratio(
             for table in ("token_credits", "credits"):
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id = :id"), {"id": existing.id})
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-        run_id = _insert_run(conn, run_name, teacher_id, stored, h)
-        episodes, steps, incomplete = _fill(conn, run_id, teacher_id, student_id, params, warnings)
-        if episodes == 0:
+        run_id = _insert_run(conn, run_name, teacher_id, stored, h, scope)
+        if run_id is None:  # another writer (a second follower on the same batch) stored it first
+            raced = find_run(conn, "r.run_hash = :h", h=h)
+            if raced is None:
+                raise CreditError(f"the name {run_name!r} is already used by another credit run; pick another --name")
+            msg = f"credit run {raced.name!r} already has these scorers and parameters: returned it"
+            return ComputeResult(raced, False, msg, seconds=time.perf_counter() - started)
+        n_episodes, steps, incomplete = _fill(conn, run_id, teacher_id, student_id, params, warnings, scope)
+        if n_episodes == 0:
             raise CreditError(
                 f"no episode is completely scored under both scorers {teacher_id[:12]} and {student_id[:12]} "
                 f"({len(incomplete)} incomplete): nothing to credit, no run stored; score the missing steps first"
@@ -263,7 +301,7 @@ def compute_log_ratio(
                 "UPDATE credit_runs SET episodes = :e, steps = :s, incomplete_episodes = :ni, "
                 "incomplete = :inc WHERE id = :id"
             ),
-            {"e": episodes, "s": steps, "ni": len(incomplete), "inc": json.dumps(incomplete[:10_000]), "id": run_id},
+            {"e": n_episodes, "s": steps, "ni": len(incomplete), "inc": json.dumps(incomplete[:10_000]), "id": run_id},
         )
         run = find_run(conn, "r.id = :id", id=run_id)
     assert run is not None
@@ -277,24 +315,29 @@ def compute_log_ratio(
     return ComputeResult(run, True, msg, seconds=time.perf_counter() - started)
 
 
-def _insert_run(conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str) -> int:
-    return int(
-        conn.execute(
-            text(
-                "INSERT INTO credit_runs (name, scorer_id, params, run_hash, episodes, steps, "
-                "incomplete_episodes, incomplete, created_at, variant, episode_scope) "
-                "VALUES (:name, :scorer, :params, :h, 0, 0, 0, NULL, :at, :variant, NULL) RETURNING id"
-            ),
-            {
-                "name": name,
-                "scorer": scorer_id,
-                "params": canonical_json(stored, ascii_only=True),
-                "h": h,
-                "at": utcnow().isoformat(timespec="seconds"),
-                "variant": VARIANT,
-            },
-        ).scalar_one()
+def _insert_run(
+    conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str, scope: Sequence[int] | None
+) -> int | None:
+    """The new run's id, or None when a run with this hash or name exists (insert once)."""
+    run_id = insert_once(
+        conn,
+        "credit_runs",
+        {
+            "name": name,
+            "scorer_id": scorer_id,
+            "params": canonical_json(stored, ascii_only=True),
+            "run_hash": h,
+            "episodes": 0,
+            "steps": 0,
+            "incomplete_episodes": 0,
+            "incomplete": None,
+            "created_at": utcnow().isoformat(timespec="seconds"),
+            "variant": VARIANT,
+            "episode_scope": None if scope is None else json.dumps(list(scope)),
+        },
+        unique=None,
     )
+    return None if run_id is None else int(run_id)
 
 
 def _fill(
@@ -304,36 +347,23 @@ def _fill(
     student_id: str,
     params: LogRatioParams,
     warnings: list[str],
+    scope: Sequence[int] | None = None,
 ) -> tuple[int, int, list[str]]:
     """Pass 1 finds the complete episodes (and refuses a step scored over other tokens); pass 2
     streams the blobs and writes each block's credits: memory is one block's, whatever the store."""
     bind = {"teacher": teacher_id, "student": student_id}
+    where = scope_sql(scope)
     complete: dict[int, float] = {}  # episode id -> reward
     incomplete: list[str] = []
-    current: list[Any] = []
-
-    def close(rows: list[Any]) -> None:
-        if any(r[4] or r[5] for r in rows):
-            incomplete.append(rows[0][1])
-            return
-        for r in rows:
-            if r[6:9] != r[9:12]:
-                raise CreditError(
-                    f"--variant log-ratio: episode {r[1]} step {r[3]}: the two scorers scored other tokens "
-                    f"(teacher {r[6]} of {r[7]} action tokens, {r[8]} skipped; student {r[9]} of {r[10]}, "
-                    f"{r[11]} skipped): score both with the same --action-span, --max-context and "
-                    "--max-logprob-tokens"
-                )
-        complete[int(rows[0][0])] = float(rows[0][2])
-
-    for block in _raw_stream(conn, text(COUNTS_SQL), bind):
-        for r in block:
-            if current and r[0] != current[0][0]:
-                close(current)
-                current = []
-            current.append(r)
-    if current:
-        close(current)
+    for ep_id, ep_name, reward, n, n_teacher, n_student, other in conn.execute(
+        text(COUNTS_SQL.format(scope=where)), bind
+    ):
+        if n_teacher < n or n_student < n:
+            incomplete.append(ep_name)
+        elif other:
+            _refuse_other_tokens(conn, bind, int(ep_id), ep_name)
+        else:
+            complete[int(ep_id)] = float(reward)
     if not complete:
         return 0, 0, incomplete
     ids = list(complete)
@@ -347,12 +377,23 @@ def _fill(
         _insert_sql(conn, "token_credits", TOKEN_COLUMNS),
     )
     steps = 0
-    for block in _raw_stream(conn, text(STREAM_SQL), bind):
+    for block in _raw_stream(conn, text(STREAM_SQL.format(scope=where)), bind):
         rows = [r for r in block if r[0] in a_by_episode]
         if rows:
             _write_block(conn, run_id, rows, a_by_episode, complete, params, credit_sql, token_sql)
             steps += len(rows)
     return len(complete), steps, incomplete
+
+
+def _refuse_other_tokens(conn: Connection, bind: dict[str, Any], episode_id: int, name: str) -> None:
+    for r in conn.execute(text(OTHER_TOKENS_SQL), {**bind, "episode": episode_id}):
+        if tuple(r[1:4]) != tuple(r[4:7]):
+            raise CreditError(
+                f"--variant log-ratio: episode {name} step {r[0]}: the two scorers scored other tokens "
+                f"(teacher {r[1]} of {r[2]} action tokens, {r[3]} skipped; student {r[4]} of {r[5]}, "
+                f"{r[6]} skipped): score both with the same --action-span, --max-context and "
+                "--max-logprob-tokens"
+            )
 
 
 def _write_block(
@@ -365,37 +406,51 @@ def _write_block(
     credit_sql: str,
     token_sql: str,
 ) -> None:
-    counts = np.asarray([r[3] for r in rows], dtype=np.int64)
-    teacher = np.frombuffer(b"".join(bytes(r[2]) for r in rows), dtype="<f4")
-    student = np.frombuffer(b"".join(bytes(r[5]) for r in rows), dtype="<f4")
+    """One block's credits and per-token values, written in two ``executemany``: the arithmetic
+    is numpy's over the block's tokens at once; per row only the slicing of the two blobs."""
+    n_rows = len(rows)
+    episode, step_id, t_blob, count_col, t_mean_col, s_blob = zip(*rows)
+    counts = np.fromiter(count_col, dtype=np.int64, count=n_rows)
+    teacher = np.frombuffer(b"".join(t_blob), dtype="<f4")
+    student = np.frombuffer(b"".join(s_blob), dtype="<f4")
     if len(teacher) != int(counts.sum()) or len(student) != len(teacher):
         raise CreditError("--variant log-ratio: a stored score's values do not match its token count")
-    a_step = np.asarray([a_by_episode[r[0]] for r in rows], dtype=np.float64)
+    a_step = np.fromiter((a_by_episode[e] for e in episode), dtype=np.float64, count=n_rows)
     arr = log_ratio_credits(teacher, student, counts, a_step, params)
-    t_mean = np.asarray([r[4] for r in rows], dtype=np.float64)
+    t_mean = np.fromiter(t_mean_col, dtype=np.float64, count=n_rows)
     columns = [
-        [int(r[1]) for r in rows],  # step_id
+        step_id,
         t_mean,  # mean_logprob: the teacher's, as an HCAPO run stores its scorer's
         counts,  # token_count
         np.exp(t_mean),  # pi_hind
         np.exp(arr.step_raw_log_ratio),  # rho_raw: the step's geometric-mean ratio π_teacher / π_student
         np.exp(arr.step_log_ratio),  # rho: the same after the clip
-        [rewards[r[0]] for r in rows],  # r_t: the episode's reward
-        np.ones(len(rows)),  # discount: none
+        [rewards[e] for e in episode],  # r_t: the episode's reward
+        np.ones(n_rows),  # discount: none
         arr.step_log_ratio,  # q_h: mean d_t
         arr.step_log_ratio,  # q_h_smoothed: no smoothing
         arr.a_macro,  # A_i (0 without --grpo)
         arr.step_term,  # micro: mean kl_coef · g_t · d_t
         arr.a_macro + arr.step_term,  # advantage: the mean of the per-token advantages
     ]
-    conn.exec_driver_sql(credit_sql, list(zip([run_id] * len(rows), *(np.asarray(c).tolist() for c in columns))))
-    ends = np.cumsum(counts)
-    lr32, adv32 = arr.log_ratio.astype("<f4"), arr.advantage.astype("<f4")
-    token_rows = [
-        (run_id, int(r[1]), int(n), lr32[b - n : b].tobytes(), adv32[b - n : b].tobytes())
-        for r, n, b in zip(rows, counts.tolist(), ends.tolist())
-    ]
-    conn.exec_driver_sql(token_sql, token_rows)
+    run = [run_id] * n_rows
+    conn.exec_driver_sql(credit_sql, list(zip(run, *(c.tolist() if isinstance(c, np.ndarray) else c for c in columns))))
+    # per step, its bytes of the two float32 arrays (4 bytes per token)
+    ends = (np.cumsum(counts) * 4).tolist()
+    starts = [0, *ends[:-1]]
+    lr, adv = arr.log_ratio.astype("<f4").tobytes(), arr.advantage.astype("<f4").tobytes()
+    conn.exec_driver_sql(
+        token_sql,
+        list(
+            zip(
+                run,
+                step_id,
+                counts.tolist(),
+                [lr[a:b] for a, b in zip(starts, ends)],
+                [adv[a:b] for a, b in zip(starts, ends)],
+            )
+        ),
+    )
 
 
 TOKEN_COLUMNS = ("run_id", "step_id", "token_count", "log_ratios", "advantages")

@@ -44,12 +44,15 @@ class Member:
 MEMBERS_SQL = """
 SELECT e.id, e.name, e.external_id, e.version, e.is_current, e.source_path, e.ingested_at, e.num_steps,
        (SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id AND EXISTS
-          (SELECT 1 FROM scores sc WHERE sc.step_id = s.id AND sc.scorer_id = :scorer)) AS scored,
+          (SELECT 1 FROM scores sc WHERE sc.step_id = s.id AND sc.scorer_id = :scorer){student_scored}) AS scored,
        (SELECT COUNT(*) FROM steps s WHERE s.episode_id = e.id AND EXISTS
-          (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id = :scorer AND a.status = 'failed')) AS failed
+          (SELECT 1 FROM attempts a WHERE a.step_id = s.id AND a.scorer_id IN ({scorers})
+           AND a.status = 'failed')) AS failed
 FROM episodes e
 WHERE e.id IN ({ids}) AND e.include_thinking = :thinking AND e.max_tool_result_chars = :tool_chars
 """
+# A log-ratio follower's no-hindsight student: a step is scored once both scored it, failed once either failed it.
+STUDENT_SCORED = " AND EXISTS (SELECT 1 FROM scores su WHERE su.step_id = s.id AND su.scorer_id = :student)"
 SQL_CHUNK = 500  # ids per IN list
 
 
@@ -65,8 +68,10 @@ class Batcher:
         status: FollowStatus,
         now: Callable[[], dt.datetime],
         roots: Sequence[Path] | None,
+        student: Prepared | None = None,
     ) -> None:
         self.store, self.prep, self.cfg, self.status, self.now, self.roots = store, prep, cfg, status, now, roots
+        self.student = student  # a log-ratio follower's --against no-hindsight scorer
         self.weight_version = prep.spec.get("weight_version")  # the scorer's
         self.members: dict[str, Member] = {}  # location -> its latest arrival
         self.key_of: dict[str, str] = {}  # location -> batch key
@@ -145,7 +150,14 @@ class Batcher:
             for start in range(0, len(ids), SQL_CHUNK):
                 chunk = ids[start : start + SQL_CHUNK]
                 bind: dict[str, Any] = {f"i{n}": i for n, i in enumerate(chunk)}
-                sql = MEMBERS_SQL.format(ids=", ".join(f":{k}" for k in bind))
+                both = self.student is not None
+                sql = MEMBERS_SQL.format(
+                    ids=", ".join(f":{k}" for k in bind),
+                    student_scored=STUDENT_SCORED if both else "",
+                    scorers=":scorer, :student" if both else ":scorer",
+                )
+                if self.student is not None:
+                    bind["student"] = self.student.scorer_id
                 bind |= {
                     "scorer": self.prep.scorer_id,
                     "thinking": conv["include_thinking"],
@@ -204,6 +216,61 @@ class Batcher:
                         + ", ".join(f"{f.name} ({f.reason})" for f in info.failed_episodes)
                     )
 
+    def _run_hash(self, conn: Any, ids: list[int]) -> str:
+        """The batch run's identity: scorer, parameters and the episodes by content."""
+        if self.cfg.log_ratio is None:
+            return scoped_run_hash(conn, self.prep.scorer_id, self.cfg.params, ids)
+        from hcapo_store.canonical import content_hash
+        from hcapo_store.credits.compute import scope_identities
+        from hcapo_store.credits.log_ratio import VARIANT
+
+        assert self.cfg.against is not None
+        identity = {
+            "scorer_id": self.prep.scorer_id,
+            "variant": VARIANT,
+            "params": self.cfg.log_ratio.as_dict(self.cfg.against),
+            "allow_mixed": self.cfg.allow_mixed,
+            "episodes": scope_identities(conn, ids),
+        }
+        return content_hash(identity, ascii_only=True)
+
+    def _log_ratio_run(self, ids: list[int], name: str) -> Any:
+        """The batch's log-ratio run: the follower's scorer (the teacher) against the batch's
+        student (``--against``): the same scorer without the hindsight block, scored with the
+        teacher in each round, or the rollouts' own logprobs, stored here from the records."""
+        from hcapo_store.credits.log_ratio import ROLLOUT, compute_log_ratio
+
+        assert self.cfg.log_ratio is not None
+        if self.cfg.against == ROLLOUT:
+            from hcapo_store.outputs.rollout_scores import store_rollout_scores
+
+            assert self.prep.tokenizer_dir is not None  # checked when the follower starts
+            report = store_rollout_scores(self.store, self.prep.tokenizer_dir, episodes=ids)
+            for failure in report.failures:
+                self.status.fail(f"--against rollout: {failure}")
+            if len(report.scorers) != 1:
+                raise CreditError(
+                    f"--against rollout: the batch's episodes carry the rollout logprobs of {len(report.scorers)} "
+                    "policies (engine, model, weight version), not one: no log-ratio run for it"
+                )
+            student = next(iter(report.scorers))
+        else:
+            assert self.student is not None
+            student = self.student.scorer_id
+        result = compute_log_ratio(
+            self.store,
+            self.cfg.log_ratio,
+            scorer=self.prep.scorer_id,
+            against=student,
+            name=name,
+            allow_mixed=self.cfg.allow_mixed,
+            episodes=ids,
+        )
+        if "; warning: " in result.message:
+            for warning in result.message.split("; warning: ")[1:]:
+                self.status.notice(f"batch run {result.run.name}: {warning}")
+        return result
+
     def still_waiting(self) -> list[str]:
         """The batches waiting for members, by name (``batch key: n of group size``)."""
         out = []
@@ -223,7 +290,7 @@ class Batcher:
     ) -> BatchInfo | None:
         ids = sorted(int(m["id"]) for m in members)
         with db.read(self.store.engine) as conn:  # the hash names episodes by content, not by id
-            batch_hash = scoped_run_hash(conn, self.prep.scorer_id, self.cfg.params, ids)
+            batch_hash = self._run_hash(conn, ids)
         if failed_inputs:  # the same stored episodes with other failed arrivals: another batch
             extra = canonical_json(sorted(m.name for m in failed_inputs))
             batch_hash = hashlib.sha256(f"{batch_hash}\n{extra}".encode()).hexdigest()
@@ -243,16 +310,20 @@ class Batcher:
         if ids:
             try:
                 # two followers publishing the same batch at once get the same run (insert once)
-                result = compute_credits(
-                    self.store,
-                    self.cfg.params,
-                    name=f"batch-{batch_hash[:12]}",
-                    scorer=self.prep.scorer_id,
-                    episodes=ids,
-                )
+                if self.cfg.log_ratio is None:
+                    result = compute_credits(
+                        self.store,
+                        self.cfg.params,
+                        name=f"batch-{batch_hash[:12]}",
+                        scorer=self.prep.scorer_id,
+                        episodes=ids,
+                    )
+                else:
+                    result = self._log_ratio_run(ids, f"batch-{batch_hash[:12]}")
                 run_id, run_name = result.run.id, result.run.name
-            except CreditError:  # every episode of the batch failed: the row says so, no run
-                pass
+            except CreditError as exc:  # every episode of the batch failed: the row says so, no run
+                if self.cfg.log_ratio is not None:  # or the two scorers were refused: said, never silent
+                    self.status.fail(f"batch {key}: {exc}")
         ready = self.now()
         row: dict[str, Any] = {
             "key": key,

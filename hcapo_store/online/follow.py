@@ -80,8 +80,19 @@ class Follower:
         options: RunOptions,
         *,
         now: Callable[[], dt.datetime] = utcnow,
+        student: Prepared | None = None,
     ) -> None:
+        """``student``: with ``cfg.log_ratio`` and ``--against no-hindsight``, the follower's scorer
+        without the hindsight block (``prepare`` of the same config with ``hindsight=False``):
+        every round scores it right after the teacher, and each batch's run is their log-ratio."""
+        from hcapo_store.credits.log_ratio import NO_HINDSIGHT, ROLLOUT
+
+        if cfg.log_ratio is not None and cfg.against == NO_HINDSIGHT and student is None:
+            raise ValueError("a log-ratio follower --against no-hindsight needs student= (the no-hindsight scorer)")
+        if cfg.log_ratio is not None and cfg.against == ROLLOUT and prep.tokenizer_dir is None:
+            raise ValueError("a log-ratio follower --against rollout needs a scorer with a tokenizer directory")
         self.store, self.prep, self.cfg, self.options = store, prep, cfg, options
+        self.student = student
         self.now = now
         self.roots: list[Path] | None = None if cfg.follow_links else list(cfg.paths)
         self.seen: dict[Path, Signature] = {}
@@ -90,7 +101,7 @@ class Follower:
         self.cursors: dict[Path, JsonlCursor] = {}
         self.result_ids: dict[Path, str | None] = {}  # episode directory -> its result.json's parsed identity
         self.status = FollowStatus()
-        self.batches = Batcher(store, prep, cfg, self.status, now, self.roots)  # arrivals by batch key
+        self.batches = Batcher(store, prep, cfg, self.status, now, self.roots, student)  # arrivals by batch key
         self._looked_once = False
         self.identity = store.identity()  # the database it started on (``check_store``)
 
@@ -214,6 +225,16 @@ class Follower:
         options = dataclasses.replace(self.options, filters=Filters(episodes=names))
         try:
             result = run_scoring(self.store, self.prep, options)
+            if self.student is not None and not (result.interrupted or result.server_down):
+                # the log-ratio's student, on the same episodes, before any of their batches is published
+                student = run_scoring(self.store, self.student, options)
+                self.status.failed += student.failed
+                if student.failed:
+                    self.status.fail(
+                        f"the no-hindsight scorer failed {student.failed} step(s): their episodes are incomplete "
+                        f"in the batch's log-ratio run ({student.first_errors[:1]})"
+                    )
+                result.interrupted, result.server_down = student.interrupted, student.server_down
         except InferenceError as exc:  # the server is gone before the first request (its info)
             raise ServerDown(str(exc)) from exc
         report.score = result if report.score is None else _added(report.score, result)

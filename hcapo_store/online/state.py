@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.log_ratio import BATCH_STUDENTS, LogRatioParams
 from hcapo_store.errors import UsageError
 from hcapo_store.ingestion.pipeline import IngestReport
 from hcapo_store.ingestion.sources import ConvertOptions
@@ -27,8 +28,19 @@ class FollowConfig:
     params: CreditParams = field(default_factory=CreditParams)
     conversion: ConvertOptions = field(default_factory=ConvertOptions)
     follow_links: bool = False  # read symbolic links that lead out of ``paths`` (refused by default)
+    # ``--variant log-ratio``: each batch's run is a log-ratio run of the follower's scorer (the
+    # teacher) against ``against`` (credits/log_ratio.py BATCH_STUDENTS), instead of HCAPO's ``params``
+    log_ratio: LogRatioParams | None = None
+    against: str | None = None
+    allow_mixed: bool = False
 
     def __post_init__(self) -> None:
+        if self.log_ratio is not None and self.against not in BATCH_STUDENTS:
+            raise UsageError(
+                f"--against {self.against!r}: follow computes the student of each batch itself: use "
+                f"--against {' or --against '.join(BATCH_STUDENTS)} (the scorer without the hindsight block, or "
+                "the rollouts' own logprobs)"
+            )
         if self.group_size < 1:
             raise UsageError(f"--group-size must be at least 1, not {self.group_size}")
         kind, _, name = self.batch_by.partition(":")

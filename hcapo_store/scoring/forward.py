@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,9 @@ class SpanRequest:
     tokens: torch.Tensor  # [length] token ids
     rows: torch.Tensor  # [scored] the positions whose logits score a token (target = tokens[row + 1])
     sizes: tuple[int, ...]  # scored tokens per span, in order
+    top_k: int = 0  # > 0: the forward also keeps each scored row's K most likely (id, logprob)
+    # filled by the forward when ``top_k``: one list of K pairs per scored row, in ``rows`` order
+    top: list[list[tuple[int, float]]] = field(default_factory=list, compare=False)
 
     @property
     def length(self) -> int:
@@ -168,9 +171,10 @@ class LogprobModel:
         forward up to ``pack_tokens`` (:meth:`run`)."""
         return self.run([self.prepare(ids, spans) for ids, spans in requests])
 
-    def prepare(self, input_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> SpanRequest:
+    def prepare(self, input_ids: Sequence[int], spans: Sequence[tuple[int, int]], top_k: int = 0) -> SpanRequest:
         """Check a request and put it in tensors: the CPU work of a request, done in the caller's
-        thread while the model runs another (raises ValueError on bad ids or spans)."""
+        thread while the model runs another (raises ValueError on bad ids or spans). ``top_k``:
+        the same forward also fills the request's ``top`` (``score --top-k``)."""
         if not input_ids:
             raise ValueError("input_ids cannot be empty.")
         n = len(input_ids)
@@ -193,7 +197,7 @@ class LogprobModel:
         if self.device.type == "cuda":  # pinned: the copy to the GPU is asynchronous
             tokens = tokens.pin_memory()
             rows = rows.pin_memory() if len(rows) else rows
-        return SpanRequest(tokens, rows, sizes)
+        return SpanRequest(tokens, rows, sizes, top_k)
 
     def run(self, requests: Sequence[SpanRequest]) -> list[list[list[float]]]:
         """The spans' log-probabilities of each prepared request, in order. Requests whose
@@ -231,6 +235,11 @@ class LogprobModel:
             flat = tokens.flatten()
             picked = [self._target_logprobs(hidden[chunk], flat[chunk + 1]) for chunk in rows.split(self.chunk_size)]
             values = (torch.cat(picked) if picked else torch.empty(0)).tolist()  # the one copy back
+            for i, r in enumerate(batch):  # top-k: the log-softmax of the same rows (score_positions')
+                if r.top_k:
+                    r.top.clear()
+                    for chunk in (r.rows.to(self.device) + i * width).split(self.chunk_size):
+                        r.top.extend(_top_k(self._log_softmax(hidden[chunk]), r.top_k))
             if self.timings is not None:
                 ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
                 if cuda:
@@ -288,8 +297,11 @@ class LogprobModel:
                 stop = min(start + self.chunk_size, end)
                 rows = self._log_softmax(hidden[start:stop])
                 scored = rows[: min(stop, len(ids) - 1) - start]
-                chosen = scored.gather(-1, tokens[start + 1 : start + 1 + len(scored), None])
-                logprobs += chosen[:, 0].tolist()
+                targets = tokens[start + 1 : start + 1 + len(scored)]
+                chosen = scored.gather(-1, targets[:, None])
+                # the sampled token's logprob as the span path computes it (its own head): the
+                # same value whether or not ranks or top-k are asked for
+                logprobs += self._target_logprobs(hidden[start : start + len(scored)], targets).tolist()
                 if ranks:
                     rank_list += ((scored > chosen).sum(-1) + 1).tolist()
                 if top_k:

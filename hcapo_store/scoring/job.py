@@ -283,6 +283,9 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         del spec["hindsight_template_sha256"]
     if cfg.top_k:  # only when asked: other scorers keep their ids
         spec["top_k"] = cfg.top_k
+        # each scoring request carries the top-k too (one request per step or episode: scoring/topk.py)
+        for each in getattr(backend, "backends", None) or [backend]:
+            each.top_k = cfg.top_k
     version = weight_version(cfg.weight_version, backend)
     if version is not None:  # only when there is one: other scorers keep their ids
         spec["weight_version"] = version

@@ -48,11 +48,14 @@ def score_live(
     name: str | None = None,
     prompt_layout: PromptLayout = defaults.PROMPT_LAYOUT,
     concurrency: int = defaults.CONCURRENCY,
+    hindsight: bool = True,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
     ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
     episodes are in flight: the next ones are rendered and prepared while the model runs the
-    current forward (one model thread; short requests share a forward on a GPU)."""
+    current forward (one model thread; short requests share a forward on a GPU).
+    ``hindsight=False``: the same prompts without the outcome (``score --no-hindsight``), e.g.
+    the student of a log-ratio run."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
     backend = LiveModelBackend(model, weight_version=weight_version, name=name)
@@ -66,6 +69,7 @@ def score_live(
         action_span=action_span,  # type: ignore[arg-type]
         weight_version=str(weight_version),
         prompt_layout=prompt_layout,
+        hindsight=hindsight,
         **extra,
     )
     prep = prepare(store, cfg, backend)

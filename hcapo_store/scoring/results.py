@@ -12,6 +12,7 @@ import numpy as np
 from hcapo_store.clock import utcnow
 from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
 from hcapo_store.scoring.backends.base import BackendScore
+from hcapo_store.scoring.work_queue import TOPK_KEY
 
 FIRST_ERRORS = 5  # distinct final errors kept in the report, to print
 
@@ -109,7 +110,17 @@ def score_row(
         "created_at": utcnow().isoformat(timespec="seconds"),
         "sent_tokens": sent_tokens,
         "sent_cached_tokens": sent_cached_tokens,
+        **({} if result.top is None else {TOPK_KEY: topk_row(result.top, values.size)}),
     }
+
+
+def topk_row(top: list[list[tuple[int, float]]], n: int) -> dict[str, Any]:
+    """The ``topk_scores`` columns of one step's top-k rows (storage/topk.py)."""
+    from hcapo_store.storage.topk import TopK
+
+    k = len(top[0]) if top else 0
+    ids, logprobs = TopK.of(top, k).encode()
+    return {"k": k, "token_count": n, "ids": ids, "logprobs": logprobs}
 
 
 def request_shares(group: GroupPrompt, cached: int | None) -> list[tuple[int, int | None]]:

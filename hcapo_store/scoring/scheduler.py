@@ -353,11 +353,21 @@ class Scheduler:
             results = [await self.backend.score(group.members[0])]
         else:
             results = await self.backend.score_group(group)
+        k = int(getattr(self.backend, "top_k", 0) or 0)
         for prompt, result in zip(group.members, results, strict=True):
             if len(result.logprobs) != prompt.scored_tokens:
                 raise InferenceError(
                     "mismatch",
                     f"backend returned {len(result.logprobs)} logprobs for {prompt.scored_tokens} scored tokens",
+                    retryable=False,
+                )
+            if k and (
+                result.top is None or len(result.top) != prompt.scored_tokens or any(len(r) != k for r in result.top)
+            ):
+                rows = None if result.top is None else len(result.top)
+                raise InferenceError(
+                    "mismatch",
+                    f"backend returned {rows} top-{k} rows for {prompt.scored_tokens} scored tokens",
                     retryable=False,
                 )
         return results

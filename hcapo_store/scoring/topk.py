@@ -1,19 +1,23 @@
 """``score --top-k K``: the K most likely ids and their logprobs at every scored position.
 
-After a scorer's logprobs are stored, each scored step's request is built again with the
-scorer's own prompt builder (the same ids, the same scored span) and sent for its top-k;
-the result is checked against the stored score (one row per scored token) and stored in
-``topk_scores`` (``storage/topk.py``: int32 ids + float16 logprobs). K is part of the scorer
-(``"top_k"`` in its spec), so a top-k run is a scorer of its own and its steps' top-k come
-from exactly the model, template and span its logprobs do.
+The scoring request itself carries them: ``prepare`` sets the backend's ``top_k`` and every
+request (one per step, a group's, or the episode layout's one per episode) asks for the
+logprobs and the top-k together; the scheduler checks one row of K per scored token and the
+writer stores them in ``topk_scores`` (``storage/topk.py``: int32 ids + float16 logprobs) in
+the transaction of their score. K is part of the scorer (``"top_k"`` in its spec), so a top-k
+run is a scorer of its own and its steps' top-k come from exactly the model, template and span
+its logprobs do.
 
-Backends: the in-process model (``score_positions(top_k=K)``: ``torch.topk`` of the
-log-softmax of the same rows its logprobs gather from) and vLLM (``prompt_logprobs: K``; each
-position's entries by their rank, the sampled token's own entry checked against the stored
-logprob's request). vLLM caps K at its ``--max-logprobs`` (default 20): ``probe`` asks once
-before anything is scored and refuses with the server's cap named. SGLang:
-``top_logprobs_num: K`` on ``/generate`` (``input_top_logprobs``). The per-step layout only
-(the episode layout scores every step in one rendering).
+Backends: the in-process model (the same forward: ``torch.topk`` of the log-softmax of the rows
+its logprobs are taken from), vLLM (``prompt_logprobs: K``: each position's entries by their
+rank, beside the sampled token's own entry, which gives the stored logprob) and SGLang
+(``top_logprobs_num: K`` with ``return_logprob``: ``input_top_logprobs`` beside
+``input_token_logprobs``). vLLM caps K at its ``--max-logprobs`` (default 20): ``probe`` asks
+once before anything is scored and refuses with the server's cap named.
+
+``score_topk`` is for steps a scorer stored without their top-k (an earlier version sent a
+second request per step): it builds each such step's request again (per-step layout) and asks
+for the top-k alone.
 """
 
 from __future__ import annotations
@@ -61,11 +65,10 @@ class TopkReport:
 
 
 def check_top_k(k: int, backend_kind: str, layout: str = "per-step") -> None:
-    """Refuses a K, a backend or a layout before anything is sent."""
+    """Refuses a K or a backend before anything is sent (either prompt layout: the top-k come
+    with the scoring request, whatever it covers)."""
     if not 1 <= k <= MAX_TOP_K:
         raise ScoringError(f"--top-k must be in [1, {MAX_TOP_K}], got {k}")
-    if layout == "episode":
-        raise ScoringError("--top-k takes the per-step layout (--prompt-layout per-step)")
     if backend_kind not in TOPK_BACKENDS:
         raise ScoringError(
             f"--top-k is not supported by the {backend_kind} backend: "
@@ -111,6 +114,11 @@ def vllm_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, floa
     from hcapo_store.scoring.backends.vllm import parse_response
 
     parse_response(prompt, body)  # the same checks as the logprobs' own request (ids, counts, values)
+    return vllm_ranked(prompt, body, k)
+
+
+def vllm_ranked(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """``vllm_top`` of an answer ``parse_response`` already checked (the scoring request's own)."""
     entries = body["choices"][0]["prompt_logprobs"]
     out = []
     for i in range(prompt.first_scored, len(prompt.input_ids)):
@@ -138,6 +146,11 @@ def sglang_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, fl
     from hcapo_store.scoring.backends.sglang import parse_response
 
     parse_response(prompt, body)  # the same checks as the logprobs' own request
+    return sglang_entries(prompt, body, k)
+
+
+def sglang_entries(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """``sglang_top`` of an answer ``parse_response`` already checked (the scoring request's own)."""
     entries = (body.get("meta_info") or {}).get("input_top_logprobs") if isinstance(body, dict) else None
     n = len(prompt.input_ids) - prompt.first_scored
     if not isinstance(entries, list) or len(entries) != n + 1:
@@ -222,6 +235,16 @@ async def score_topk_async(
     for ep_id, wanted in by_episode.items():
         with db.read(store.engine) as conn:
             episode = load_episode(conn, ep_id)
+        if prep.builder.layout == "episode":  # one rendering for every step: not rebuilt per step here
+            for index in sorted(wanted):
+                _fail(
+                    report,
+                    episode.name,
+                    index,
+                    "scored without its top-k; the episode layout's top-k comes "
+                    "with its scoring request only: score these steps again under a new scorer",
+                )
+            continue
         steps = [s for s in episode.steps if s.step_index in wanted]
         rows = []
         for prompt in prep.builder.build_episode(episode.messages, episode.outcome, steps):

@@ -342,6 +342,9 @@ def leases_of_others(store: Store, scorer_id: str, worker: str, filters: Filters
     return [OthersLeases(str(owner), int(n), float(until)) for owner, n, until in rows]
 
 
+TOPK_KEY = "topk"  # a score row's top-k (``score --top-k``), written to topk_scores beside its score
+
+
 @dataclass
 class StepResult:
     """One finished attempt, to be written by the single writer."""
@@ -379,20 +382,35 @@ def write_results(conn: Connection, scorer_id: str, worker: str, outcomes: list[
         chunk = attempt_ids[i : i + _IDS_PER_STATEMENT]
         won.update(conn.execute(_FINISH_ATTEMPTS, {"ids": chunk, "now": now}).scalars())
     rows = []
+    topk_rows = []
     for o in successes:
         if o.attempt_id not in won:
             continue  # someone else finished this step first (or a duplicate in this batch)
         won.discard(o.attempt_id)
         assert o.score_row is not None
-        rows.append(
-            {**OPTIONAL_SCORE_COLUMNS, **o.score_row, "step_id": o.step_id, "scorer_id": scorer_id, "worker_id": worker}
-        )
+        row = {
+            **OPTIONAL_SCORE_COLUMNS,
+            **o.score_row,
+            "step_id": o.step_id,
+            "scorer_id": scorer_id,
+            "worker_id": worker,
+        }
+        top = row.pop(TOPK_KEY, None)  # score --top-k: from the same request, stored with its score
+        if top is not None:
+            topk_rows.append({**top, "step_id": o.step_id, "scorer_id": scorer_id})
+        rows.append(row)
     if rows:
         conn.execute(_INSERT_SCORE, rows)
+    if topk_rows:
+        conn.execute(_INSERT_TOPK, topk_rows)
     return len(rows), failed, len(successes) - len(rows)
 
 
 _IDS_PER_STATEMENT = 500  # well under SQLite's bound-variable limit
+_INSERT_TOPK = text(
+    "INSERT INTO topk_scores (step_id, scorer_id, k, token_count, ids, logprobs) "
+    "VALUES (:step_id, :scorer_id, :k, :token_count, :ids, :logprobs)"
+)
 _FINISH_ATTEMPTS = text(
     "UPDATE attempts SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, updated_at = :now "
     "WHERE id IN :ids AND status <> 'done' RETURNING id"

@@ -42,6 +42,7 @@ import torch
 import trl
 from trl import GRPOTrainer
 
+from hcapo_store.credits.log_ratio import LogRatioParams
 from hcapo_store.credits.params import CreditParams
 from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import HandoffError
@@ -281,6 +282,14 @@ class StoreAdvantages(HandoffAdvantages):
     token the loss does not train, raises a ``HandoffError`` naming the row, episode and step;
     ``strict=False`` leaves that step at 0 and lists it in ``refused``.
 
+    ``variant="log-ratio"``: the batch's run is a log-ratio run instead (credits/log_ratio.py,
+    docs/FAMILY.md): the policy scores the rollouts twice with ``action_span="policy"`` (the
+    completion's own tokens), as the teacher (with the hindsight block) and as the student
+    ``against="no-hindsight"`` (the same prompts without it), and each completion token gets
+    ``A_i + kl_coef · g_t · (log π_teacher − log π_student)``. ``log_ratio``: its options
+    (``LogRatioParams``, whose defaults are the library's), default ``LogRatioParams(grpo=True,
+    group_by="group")``: the GRPO group's advantage stays the backbone, the log-ratio the dense term.
+
     ``signals[step]``: the batch's hindsight signal (the share of steps whose hindsight term is
     non-zero, the spread of advantages within an episode; the trainer logs both). A batch whose
     hindsight term is zero on every step while its advantages are not is refused with a
@@ -297,9 +306,31 @@ class StoreAdvantages(HandoffAdvantages):
         strict: bool = True,
         run_id: str | None = None,
         allow_zero_hindsight: bool = False,
+        variant: str | None = None,
+        against: str | None = None,
+        log_ratio: LogRatioParams | None = None,
+        allow_mixed: bool = False,
     ) -> None:
         import uuid
 
+        from hcapo_store.credits.log_ratio import NO_HINDSIGHT, VARIANT
+
+        if variant not in (None, VARIANT):
+            raise ValueError(f"variant must be None (HCAPO's run, by params=) or {VARIANT!r}, not {variant!r}")
+        if variant == VARIANT:
+            if against != NO_HINDSIGHT:
+                raise ValueError(
+                    f"variant='log-ratio' needs against='{NO_HINDSIGHT}' (the policy scores each batch without the "
+                    f"hindsight block as the student), not {against!r}"
+                )
+            if params is not None:
+                raise ValueError("params= are HCAPO's: a log-ratio run takes log_ratio=LogRatioParams(...)")
+        elif against is not None or log_ratio is not None or allow_mixed:
+            raise ValueError("against=, log_ratio= and allow_mixed= apply to variant='log-ratio' only")
+        self.variant, self.against, self.allow_mixed = variant, against, allow_mixed
+        # the library's defaults (credits/log_ratio.py) with GRPO per batch group as the backbone
+        self.log_ratio = (log_ratio or LogRatioParams(grpo=True, group_by=GROUP_TAG)) if variant == VARIANT else None
+        self.students: dict[int, str] = {}  # step -> the log-ratio's student scorer id
         self.store = store
         # in every episode id, file name and weight version: JSONL ids are scoped by file name, and a
         # restarted training run must not make its step 0 a new version of the last run's step 0
@@ -400,12 +431,22 @@ class StoreAdvantages(HandoffAdvantages):
         if not names:
             return out
         version = f"{self.run_id}/step-{batch.step}"
+        # a log-ratio run places per-token values: scored on the completion's own tokens
+        span = "policy" if self.log_ratio is not None else "rendered"
         live = score_live(
-            self.store, batch.model, tokenizer=self.tokenizer, weight_version=version, episodes=list(names.values())
+            self.store,
+            batch.model,
+            tokenizer=self.tokenizer,
+            weight_version=version,
+            episodes=list(names.values()),
+            action_span=span,
         )
         if live.report.failed:
             raise HandoffError(f"step {batch.step}: scoring the rollouts failed: {live.report.first_errors}")
-        run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
+        if self.log_ratio is None:
+            run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
+        else:
+            run = self._log_ratio_run(batch, version, list(names.values()), live.scorer_id, episode_ids)
         self.runs[batch.step] = run.run.name
         self.scorers[batch.step] = live.scorer_id
         # a batch whose hindsight term is zero on every step is refused (plain GRPO) unless opted into
@@ -419,6 +460,38 @@ class StoreAdvantages(HandoffAdvantages):
                 continue  # nothing of it is trained (e.g. a masked truncated completion)
             out[i] = self.row(handoff, batch, i, name)
         return out
+
+    def _log_ratio_run(
+        self, batch: RolloutBatch, version: str, names: list[str], teacher: str, episode_ids: list[int]
+    ) -> Any:
+        """The batch's log-ratio run: the policy without the hindsight block is the student."""
+        from hcapo_store.credits.log_ratio import compute_log_ratio
+        from hcapo_store.scoring.live import score_live
+
+        assert self.log_ratio is not None
+        student = score_live(
+            self.store,
+            batch.model,
+            tokenizer=self.tokenizer,
+            weight_version=version,
+            episodes=names,
+            action_span="policy",
+            hindsight=False,
+        )
+        if student.report.failed:
+            raise HandoffError(
+                f"step {batch.step}: scoring the rollouts without the hindsight block failed: "
+                f"{student.report.first_errors}"
+            )
+        self.students[batch.step] = student.scorer_id
+        return compute_log_ratio(
+            self.store,
+            self.log_ratio,
+            scorer=teacher,
+            against=student.scorer_id,
+            allow_mixed=self.allow_mixed,
+            episodes=episode_ids,
+        )
 
 
 __all__ = [

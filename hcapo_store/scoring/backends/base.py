@@ -55,6 +55,9 @@ class BackendScore:
     cached_tokens: int | None = None
     latency_s: float | None = None
     model_id: str | None = None
+    # ``score --top-k K`` (the backend's ``top_k``): per scored token its K most likely
+    # (id, logprob), from the same request as ``logprobs`` (scoring/topk.py); None otherwise
+    top: list[list[tuple[int, float]]] | None = None
 
 
 class Backend(Protocol):
@@ -87,6 +90,11 @@ def split_score(group: GroupPrompt, result: BackendScore) -> list[BackendScore]:
             cached_tokens=result.cached_tokens,
             latency_s=result.latency_s,
             model_id=result.model_id,
+            top=top,
         )
-        for values in group.split(result.logprobs)
+        for values, top in zip(
+            group.split(result.logprobs),
+            group.split(result.top) if result.top is not None else [None] * len(group.members),
+            strict=True,
+        )
     ]

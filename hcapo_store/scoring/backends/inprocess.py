@@ -41,6 +41,7 @@ class InProcessBackend:
     of the scorer unless float32 on the CPU (``precision_identity``)."""
 
     kind = "transformers"
+    top_k = 0  # ``score --top-k K``: set by ``prepare``; the same forward keeps each row's top K
 
     def __init__(
         self,
@@ -148,11 +149,15 @@ class InProcessBackend:
         if self.queue is None:
             self._open_queue()
         try:
-            request = await asyncio.to_thread(self.scorer.prepare, ids, spans)
+            request = await asyncio.to_thread(self.scorer.prepare, ids, spans, self.top_k)
             values = await asyncio.wrap_future(self.queue.submit(request))
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
             raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
         latency = time.monotonic() - started
+        tops: list[list[list[tuple[int, float]]] | None] = [None] * len(values)
+        if self.top_k:  # the request's rows, span by span
+            ends = [sum(len(v) for v in values[: i + 1]) for i in range(len(values))]
+            tops = [request.top[end - len(v) : end] for v, end in zip(values, ends)]
         return [
             BackendScore(
                 logprobs=v,
@@ -160,8 +165,9 @@ class InProcessBackend:
                 cached_tokens=0,
                 latency_s=latency,
                 model_id=self.model_id(),
+                top=top,
             )
-            for v in values
+            for v, top in zip(values, tops)
         ]
 
 

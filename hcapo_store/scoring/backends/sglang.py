@@ -224,6 +224,7 @@ def logprob_settings(server_info: dict[str, Any]) -> dict[str, Any]:
 
 class SGLangBackend(HttpBackend):
     kind = "sglang"
+    top_k = 0  # ``score --top-k K``: set by ``prepare``; the request asks top_logprobs_num K (scoring/topk.py)
 
     def __init__(
         self,
@@ -318,21 +319,25 @@ class SGLangBackend(HttpBackend):
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
-        body = await self._started().post_json(
-            "/generate",
-            build_payload(prompt, max_new_tokens=self.max_new_tokens),
-            routing_headers(prompt),
-            decode=decode_generate,
-        )
+        payload = build_payload(prompt, max_new_tokens=self.max_new_tokens)
+        if self.top_k:  # the same request: input_top_logprobs beside input_token_logprobs
+            payload["top_logprobs_num"] = self.top_k
+        body = await self._started().post_json("/generate", payload, routing_headers(prompt), decode=decode_generate)
         await self.verify_model()
         self._check_weight_version(body)
         result = parse_response(prompt, body)
+        top = None
+        if self.top_k:
+            from hcapo_store.scoring.topk import sglang_entries
+
+            top = sglang_entries(prompt, body[0] if isinstance(body, list) else body, self.top_k)
         return BackendScore(
             logprobs=result.logprobs,
             prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             latency_s=time.monotonic() - started,
             model_id=self.server_model_id(),
+            top=top,
         )
 
     def weight_version(self) -> str | None:

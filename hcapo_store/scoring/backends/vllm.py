@@ -141,6 +141,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
 
 class VLLMBackend(HttpBackend):
     kind = "vllm"
+    top_k = 0  # ``score --top-k K``: set by ``prepare``; the request asks prompt_logprobs K (scoring/topk.py)
 
     def __init__(
         self,
@@ -249,7 +250,8 @@ class VLLMBackend(HttpBackend):
         started = time.monotonic()
         body = await client.post_json(
             "/v1/completions",
-            build_payload(prompt, model=self.model, prompt_logprobs=self.prompt_logprobs),
+            # top-k: prompt_logprobs K gives each position's K most likely with the sampled token's own
+            build_payload(prompt, model=self.model, prompt_logprobs=max(self.prompt_logprobs, self.top_k)),
             routing_headers(prompt),
         )
         await self.verify_model()
@@ -257,12 +259,18 @@ class VLLMBackend(HttpBackend):
         if isinstance(reported, str) and reported != self.model:  # every completion names its model
             self._compare_served({**(self.served or {}), "id": reported}, "in a response")
         result = parse_response(prompt, body)
+        top = None
+        if self.top_k:
+            from hcapo_store.scoring.topk import vllm_ranked
+
+            top = vllm_ranked(prompt, body, self.top_k)
         return BackendScore(
             logprobs=result.logprobs,
             prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             latency_s=time.monotonic() - started,
             model_id=self.server_model_id(),
+            top=top,
         )
 
     async def server_tokens(self, text: str) -> tuple[list[int], bool] | None:
