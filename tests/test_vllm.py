@@ -160,8 +160,8 @@ class _Fault:
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
                     self._send(200, json.dumps(fault.models).encode())
-                elif self.path in fault.gets:
-                    self._send(200, json.dumps(fault.gets[self.path]).encode())
+                elif self.path.split("?")[0] in fault.gets:
+                    self._send(200, json.dumps(fault.gets[self.path.split("?")[0]]).encode())
                 else:
                     self._send(404, b'{"detail": "Not Found"}')
 
