@@ -126,6 +126,12 @@ class ReferenceServer(BackgroundHTTPServer):
             "max_req_input_len": context - 1 if context else None,
             "max_total_num_tokens": context,
             "skip_tokenizer_init": self.tokenizer is None,
+            # what it computes with, named as SGLang's server_args name them (its own, truly: one
+            # process, no tensor parallelism, no quantization, the KV "cache" in the model's dtype)
+            "dtype": dtype_name(self.scorer.dtype),
+            "tp_size": 1,
+            "quantization": None,
+            "kv_cache_dtype": "auto",
             "scorer": self.scorer.model_info(),
             **({"vllm_config": {"model_config": {"logprobs_mode": self.logprobs_mode}}} if self.logprobs_mode else {}),
         }
