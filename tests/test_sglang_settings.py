@@ -13,6 +13,7 @@ import logging
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -184,10 +185,8 @@ class _OldRouter:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        import threading
-
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = "http://127.0.0.1:%d" % self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def close(self) -> None:
         self.httpd.shutdown()
