@@ -99,5 +99,18 @@ def test_follow_takes_the_option_and_the_default_lives_in_the_library(runner) ->
     for command in ("score", "follow"):
         r = runner.invoke(cli, [command, "--help"])
         assert r.exit_code == 0 and "--logprobs-mode" in r.output, command
+    # follow shares score's scorer options: the same check, before any server is asked
+    argv = [
+        "follow",
+        ".",
+        "--group-size",
+        "4",
+        "--server",
+        "http://127.0.0.1:9",
+        "--logprobs-mode",
+        "processed_logprobs",
+    ]
+    r = runner.invoke(cli, argv)
+    assert r.exit_code == 2 and "--logprobs-mode is the vLLM server's" in r.output
     assert ScoreConfig().logprobs_mode == RAW_LOGPROBS == defaults.LOGPROBS_MODE == "raw_logprobs"
     assert VLLMBackend("http://127.0.0.1:9").logprobs_mode == defaults.LOGPROBS_MODE
