@@ -160,8 +160,8 @@ class _Fault:
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
                     self._send(200, json.dumps(fault.models).encode())
-                elif self.path in fault.gets:
-                    self._send(200, json.dumps(fault.gets[self.path]).encode())
+                elif self.path.split("?")[0] in fault.gets:
+                    self._send(200, json.dumps(fault.gets[self.path.split("?")[0]]).encode())
                 else:
                     self._send(404, b'{"detail": "Not Found"}')
 
@@ -370,12 +370,12 @@ def test_an_sglang_scorer_names_the_engine_and_its_logprob_settings(server: Refe
         backend = SGLangBackend(server.url)
         await backend.start()
         try:
-            assert "engine" not in backend.identity()
-            return backend.reported()
+            assert backend.reported() == {"engine_settings": "the server"}
+            return backend.identity()
         finally:
             await backend.close()
 
-    # recorded with the scorer (provenance), not in its id: a router answers server_info without them
-    assert asyncio.run(identity())["engine"] == {"name": "sglang", "version": SERVER_VERSION}
+    # in the scorer's id (behind a router, read from its workers: tests/test_sglang_settings.py)
+    assert asyncio.run(identity())["engine"]["version"] == SERVER_VERSION
     info = {"version": "0.5", "temp_scaled_logprobs": True, "input_logprob_temperature": 0.7, "port": 1, "x": [1]}
     assert logprob_settings(info) == {"input_logprob_temperature": 0.7, "temp_scaled_logprobs": True}

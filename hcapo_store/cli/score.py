@@ -158,6 +158,14 @@ SCORER_OPTIONS = [
         "own for `diagnose --baseline` (never an estimator).",
     ),
     click.option(
+        "--logprobs-mode",
+        type=click.Choice(defaults.SCORABLE_LOGPROBS_MODES),
+        default=defaults.LOGPROBS_MODE,
+        show_default=True,
+        help="The --logprobs-mode the vLLM server runs (--backend vllm; since vLLM #47680 prompt_logprobs follow "
+        "it). A server that reports another mode is refused; a mode other than raw_logprobs is a scorer of its own.",
+    ),
+    click.option(
         "--weight-version",
         metavar="V",
         help="The policy's weight version the scores come from (online RL: e.g. the training step). Part of "
@@ -196,6 +204,7 @@ def scorer_setup(
     weight_version,
     device=None,
     dtype=None,
+    logprobs_mode=defaults.LOGPROBS_MODE,
     limit=None,
 ) -> tuple[Any, Any]:
     """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
@@ -205,6 +214,8 @@ def scorer_setup(
         raise click.UsageError(
             "--device and --dtype choose where --backend transformers runs: a server decides its own"
         )
+    if logprobs_mode != defaults.LOGPROBS_MODE and backend != "vllm":
+        raise click.UsageError("--logprobs-mode is the vLLM server's (--backend vllm): other backends have none")
     if prompt_layout == "episode":
         context = click.get_current_context()
         given = [
@@ -240,6 +251,7 @@ def scorer_setup(
         weight_version=weight_version,
         device=device,
         dtype=dtype,
+        logprobs_mode=logprobs_mode,
     )
     if hindsight_template and no_hindsight:
         raise click.UsageError("--hindsight-template and --no-hindsight contradict each other: pick one")

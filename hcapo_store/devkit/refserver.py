@@ -79,6 +79,10 @@ class ReferenceServer(BackgroundHTTPServer):
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.advertise_context = True  # False: enforce the limit without saying it (as older servers)
         self.max_logprobs = 20  # vLLM's --max-logprobs (its default): a larger prompt_logprobs is refused
+        # vLLM's --logprobs-mode, reported in /server_info as vLLM's development mode does (its config,
+        # model_config.logprobs_mode); None: not reported. The numbers stay raw log-probabilities (what
+        # processed_logprobs also are for a scoring request: temperature 0, no logits processors).
+        self.logprobs_mode: str | None = None
         self.requests = 0
         self.sequences = 0
         self.routing_keys: list[str | None] = []  # X-SMG-Routing-Key of each scoring request, in order
@@ -122,7 +126,14 @@ class ReferenceServer(BackgroundHTTPServer):
             "max_req_input_len": context - 1 if context else None,
             "max_total_num_tokens": context,
             "skip_tokenizer_init": self.tokenizer is None,
+            # what it computes with, named as SGLang's server_args name them (its own, truly: one
+            # process, no tensor parallelism, no quantization, the KV "cache" in the model's dtype)
+            "dtype": dtype_name(self.scorer.dtype),
+            "tp_size": 1,
+            "quantization": None,
+            "kv_cache_dtype": "auto",
             "scorer": self.scorer.model_info(),
+            **({"vllm_config": {"model_config": {"logprobs_mode": self.logprobs_mode}}} if self.logprobs_mode else {}),
         }
 
     def models(self) -> JSON:

@@ -255,7 +255,9 @@ class AsciiBpe:
         return out
 
 
-def encode_pieces(backend: Any, fast: AsciiBpe | None, pieces: Sequence[str]) -> list[Any]:
+def encode_pieces(
+    backend: Any, fast: AsciiBpe | None, pieces: Sequence[str], checks: verify.Checks = verify.CHECKED
+) -> list[Any]:
     """Each piece's encoding (``.ids``, ``.offsets``, ``len``), as ``backend.encode_batch``
     makes them: through ``fast`` where it vouches for a piece, the rest in one batch. The
     pieces its policy samples (verify.ASCII_BPE) are encoded by the backend too; a
@@ -263,13 +265,14 @@ def encode_pieces(backend: Any, fast: AsciiBpe | None, pieces: Sequence[str]) ->
     if fast is None or fast.off:
         return list(backend.encode_batch(list(pieces), add_special_tokens=False))
     out: list[Any] = [fast.encode(p) for p in pieces]
-    for n, enc in enumerate(out):
-        if enc is not None and verify.due(verify.ASCII_BPE):
-            rule = backend.encode(pieces[n], add_special_tokens=False)
-            if rule.ids != enc.ids or [tuple(o) for o in rule.offsets] != enc.offsets:
-                fast.off = True
-                verify.disagreed(verify.ASCII_BPE, f"a piece of {len(pieces[n])} characters")
-                return list(backend.encode_batch(list(pieces), add_special_tokens=False))
+    vouched = [n for n, enc in enumerate(out) if enc is not None]
+    for k in checks.sampled(verify.ASCII_BPE, len(vouched)):
+        n, enc = vouched[k], out[vouched[k]]
+        rule = backend.encode(pieces[n], add_special_tokens=False)
+        if rule.ids != enc.ids or [tuple(o) for o in rule.offsets] != enc.offsets:
+            fast.off = True
+            verify.disagreed(verify.ASCII_BPE, f"a piece of {len(pieces[n])} characters")
+            return list(backend.encode_batch(list(pieces), add_special_tokens=False))
     rest = [n for n, enc in enumerate(out) if enc is None]
     if rest:
         for n, enc in zip(rest, backend.encode_batch([pieces[n] for n in rest], add_special_tokens=False)):

@@ -99,7 +99,7 @@ class EpisodeLayout:
         if self.builder.reference:
             return self._by_rule(msgs, steps)
         placement = self.placer.place(msgs, steps)
-        if steps and verify.due(verify.PLACEMENT):
+        if steps and self.builder.checks.due(verify.PLACEMENT):
             index = steps[len(steps) // 2][0]
             rule = self._by_rule(msgs, [steps[len(steps) // 2]])
             fast_span, rule_span = placement.spans.get(index), rule.spans.get(index)

@@ -115,6 +115,7 @@ class PromptBuilder:
         hindsight: bool = True,
         layout: PromptLayout = "per-step",
         rendering: Literal["fast", "reference"] | None = None,
+        checks: verify.Checks = verify.CHECKED,
     ) -> None:
         self._settings: dict[str, Any] = dict(
             hindsight_template=hindsight_template,
@@ -147,7 +148,8 @@ class PromptBuilder:
         self.max_logprob_tokens = max_logprob_tokens
         # "reference": the rules only (verify.py; None: HCAPO_RENDERING decides)
         self.reference = verify.reference_mode() if rendering is None else rendering == "reference"
-        self.encoder = SegmentEncoder(tokenizer, reference=self.reference)
+        self.checks = checks  # the strategies held to their rules (verify.py); UNCHECKED: measuring only
+        self.encoder = SegmentEncoder(tokenizer, reference=self.reference, checks=checks)
         self._known: PlainCache | None = None  # set while build_episode renders one episode
 
         # the fast strategies (each tested equal to the rule: prompt_rule.py)
@@ -288,7 +290,7 @@ class PromptBuilder:
             if not (isinstance(result, StepPrompt) and result.truncated_prefix_tokens):
                 continue
             if crossed:
-                if read_field(step, "message_index") > TURN_CHECK_MESSAGES or not verify.due(verify.TURN_WINDOWS):
+                if read_field(step, "message_index") > TURN_CHECK_MESSAGES or not self.checks.due(verify.TURN_WINDOWS):
                     continue
             crossed = True
             if self._exact_step(messages, normalized, outcome, step, self._fresh_encode) != result:
@@ -314,7 +316,8 @@ class PromptBuilder:
             self._bounded.start_episode(on=self._can_bound)
             results, bounded = self._build_steps(messages, normalized, outcome, steps)
             reason = self._bounded.unbounded
-            mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if bounded else None
+            checked = bounded and self.checks.on
+            mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if checked else None
             if mismatch is not None:
                 # Never store a prompt on trust: build every step on its whole history.
                 verify.disagreed(verify.BOUNDED_RENDERS, mismatch)
@@ -322,7 +325,7 @@ class PromptBuilder:
                 self._bounded.start_episode(on=False)
                 results, bounded = self._build_steps(messages, normalized, outcome, steps)
             self.bounded_steps += len(bounded)
-            if self.truncation == "turns":
+            if self.truncation == "turns" and self.checks.on:
                 mismatch = self._check_turns(messages, normalized, outcome, steps, results)
                 if mismatch is not None:
                     verify.disagreed(verify.TURN_WINDOWS, mismatch)

@@ -13,6 +13,7 @@ from operator import itemgetter
 from typing import Any, overload
 
 from hcapo_store.rendering.ascii_bpe import AsciiBpe, encode_pieces
+from hcapo_store.rendering.verify import CHECKED, Checks
 
 
 def _walk_json(node: Any) -> list[dict]:
@@ -40,8 +41,11 @@ class SegmentEncoder:
     the changed part.
     """
 
-    def __init__(self, tokenizer: Any, *, ascii_fast: bool = True, reference: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, *, ascii_fast: bool = True, reference: bool = False, checks: Checks = CHECKED
+    ) -> None:
         self._tokenizer = tokenizer
+        self._checks = checks  # ascii_bpe.py's pieces held to backend.encode by its policy (verify.py)
         # reference: every text tokenized whole by the tokenizer itself (HCAPO_RENDERING=reference)
         self.fast_path_off_reason = "reference mode" if reference else self._fast_path_reason(tokenizer)
         self._token_ids: dict[str, int] = {}
@@ -205,7 +209,7 @@ class SegmentEncoder:
     def _encode_all(self, texts: list[str]) -> list[Any]:
         """Each text's encoding (``.ids``, ``.offsets``), as ``encode_batch`` makes them; the
         texts are pieces (no added token inside)."""
-        return encode_pieces(self._backend, self._ascii, texts)
+        return encode_pieces(self._backend, self._ascii, texts, self._checks)
 
 
 class RenderState:

@@ -65,12 +65,19 @@ def tokenizer_fingerprint(tokenizer: Any, path_or_name: str | Path) -> dict[str,
         template = None
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
     bos = tokenizer.bos_token_id
+    import tokenizers
+
     return {
         "name": directory.name,
         "files": files,
         "files_sha256": digest.hexdigest(),
         "chat_template_sha256": None if template is None else _sha256(template.encode("utf-8")),
         "adds_bos": bos is not None and bool(probe) and probe[0] == bos,
+        # what turns the files into ids: the scorer names everything that changes its numbers, so
+        # a `tokenizers` upgrade (or another transformers tokenizer class) starts a new scorer even
+        # where the probe conversation tokenizes the same (docs/SCORING.md)
+        "tokenizers_version": tokenizers.__version__,
+        "class": type(tokenizer).__name__,
     }
 
 

@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -85,13 +85,39 @@ TURN_WINDOWS = Strategy(
 PLACEMENT = Strategy(
     "placement",
     "placement.place_by_rule (one render per step, apply_chat_template, tokenizer offsets)",
-    "one step (the middle one) of one episode in 64 (the 64th of the process, the 128th, ...)",
+    "one step (the middle one) of one episode in 128 (the 128th of the process, the 256th, ...)",
     "episode",
-    every=64,
+    # one check costs ~3 episodes' preparation (a 25k-token episode): one in 64 was ~5 % of the
+    # preparation's CPU per step on the budget shape, one in 128 is ~2.5 % (bench/verify_cost.py)
+    every=128,
 )
 STRATEGIES: dict[str, Strategy] = {
     s.name: s for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT)
 }
+
+
+@dataclass(frozen=True)
+class Checks:
+    """Whether a builder's strategies are held to their rules at run time: :data:`CHECKED`
+    (every strategy's policy above; the default of every builder) or :data:`UNCHECKED` (no
+    check: the strategies' results are used on trust). UNCHECKED exists to measure what the
+    checks cost against the same process without them (bench/verify_cost.py); nothing that
+    stores a score uses it. The sandbox's one check of each template's first render is per
+    process, outside any builder, and not switched by it."""
+
+    on: bool = True
+
+    def due(self, strategy: Strategy) -> bool:
+        """Whether this use of ``strategy`` is checked (counted only when checks are on)."""
+        return self.on and due(strategy)
+
+    def sampled(self, strategy: Strategy, n: int) -> list[int]:
+        """Which of the next ``n`` uses of ``strategy`` are checked (counted only when checks are on)."""
+        return sampled(strategy, n) if self.on else []
+
+
+CHECKED = Checks(on=True)
+UNCHECKED = Checks(on=False)
 
 _lock = threading.Lock()
 _uses: dict[str, Iterator[int]] = {}  # each strategy's uses, counted (next() on a count is atomic)
@@ -101,13 +127,34 @@ _logged: set[str] = set()
 
 def due(strategy: Strategy) -> bool:
     """Whether this use of ``strategy`` is one its policy checks (counts the use)."""
+    n = next(_counter(strategy))
+    return n < strategy.first or (strategy.every > 0 and (n - strategy.first + 1) % strategy.every == 0)
+
+
+def sampled(strategy: Strategy, n: int) -> list[int]:
+    """The positions among the next ``n`` uses of ``strategy`` that :func:`due` would check, the
+    ``n`` uses counted at once (one call for a batch of pieces, not one per piece: the per-piece
+    calls were about 1 % of the preparation's CPU on the budget shape, bench/verify_cost.py)."""
+    if n <= 0:
+        return []
+    uses = _counter(strategy)
+    start = next(uses)
+    if n > 1:
+        deque(itertools.islice(uses, n - 1), maxlen=0)  # the other n - 1 uses, at C speed
+    checked = list(range(min(n, max(0, strategy.first - start))))
+    if strategy.every > 0:
+        low = max(strategy.first - start, 0)  # the first position past the first uses
+        residue = (strategy.first - 1 - start) % strategy.every
+        checked += range(low + (residue - low) % strategy.every, n, strategy.every)
+    return checked
+
+
+def _counter(strategy: Strategy) -> Iterator[int]:
     try:
-        n = next(_uses[strategy.name])
+        return _uses[strategy.name]
     except KeyError:
         with _lock:
-            uses = _uses.setdefault(strategy.name, itertools.count())
-        n = next(uses)
-    return n < strategy.first or (strategy.every > 0 and (n - strategy.first + 1) % strategy.every == 0)
+            return _uses.setdefault(strategy.name, itertools.count())
 
 
 def disagreed(strategy: Strategy, detail: str) -> None:

@@ -15,6 +15,12 @@ GROUPING: Final = "grouped"  # steps whose prompts are exact prefixes of one ano
 TRUNCATION: Final = "sliding"  # the original's tail per step
 ACTION_SPAN: Final = "rendered"  # the original's: everything the template renders for the turn
 PROMPT_LAYOUT: Final = "per-step"  # the original's: a prompt per step
+# vLLM's --logprobs-mode (vLLM's own names; since vllm #47680 prompt_logprobs follow it). A scorer
+# declares the mode its server runs (score/follow --logprobs-mode); only the log-probability modes
+# can be stored (the logits modes are not log-probabilities); raw_logprobs, vLLM's default, is ours.
+LOGPROBS_MODE: Final = "raw_logprobs"
+LOGPROBS_MODES: Final = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+SCORABLE_LOGPROBS_MODES: Final = ("raw_logprobs", "processed_logprobs")
 
 # The in-process model (score --backend transformers, serve-reference, score_live).
 DTYPES: Final = ("bfloat16", "float16", "float32")  # --dtype; None: the checkpoint's own on a GPU, float32 on CPU

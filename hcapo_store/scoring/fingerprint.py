@@ -9,9 +9,10 @@ identity. The probe is built by the rules only (``PromptBuilder.by_rule``: ``app
 and the ``tokenizers`` backend's own pipeline, never the fast strategies of
 rendering/verify.py, which reproduce them), so what a ``transformers``, ``tokenizers`` or
 ``jinja2`` upgrade changes on the probe, ASCII text included, changes the fingerprint. The
-library versions are recorded with the scorer (``spec["provenance"]``) but are not part of
-its id: an upgrade that renders the probe to the same ids keeps the scorer, one that renders
-it differently makes a new scorer.
+library versions are recorded with the scorer (``spec["provenance"]``); of them only
+``tokenizers``' is part of its id (in the tokenizer fingerprint, rendering/tokenizers.py: a
+release can change ids the probe does not reach). A transformers or jinja2 upgrade that renders
+the probe to the same ids keeps the scorer, one that renders it differently makes a new scorer.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class ScoreConfig:
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
     # vLLM's --logprobs-mode the scorer declares (anything but raw_logprobs is a scorer of its own;
     # a server that reports another mode is refused)
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = defaults.LOGPROBS_MODE
     # The in-process model (--backend transformers): cpu, cuda, cuda:N (None: the GPU when there
     # is one) and bfloat16/float16/float32 (None: the checkpoint's own on a GPU, float32 on CPU).
     device: str | None = None

@@ -44,6 +44,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
     tok = spec.get("tokenizer") or {}
     if tok:
         parts.append(f"tok={tok.get('name', '?')}@{str(tok.get('files_sha256') or '')[:8]}")
+    if tok.get("tokenizers_version"):  # in the id since issue 40: an upgrade shows in `scorers list`
+        parts.append(f"tokenizers={tok['tokenizers_version']}")
     parts += [f"ctx={spec['max_context']}", f"lp={spec['max_logprob_tokens']}"]
     template = spec.get("hindsight_template_sha256")
     if template and template != template_hash(HINDSIGHT_TEMPLATE):

@@ -9,6 +9,7 @@ returns as null. Every returned token id and the count are checked; an HTTP 200 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -21,6 +22,7 @@ import numpy as np
 import orjson
 
 from hcapo_store.errors import InferenceError, ScoringError
+from hcapo_store.masking import mask_url
 from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.base import (
     LOGPROB_FLOOR,
@@ -30,6 +32,8 @@ from hcapo_store.scoring.backends.base import (
     routing_headers,
 )
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
+
+log = logging.getLogger(__name__)
 
 
 def build_payload(prompt: StepPrompt, *, max_new_tokens: int = 0) -> dict[str, Any]:
@@ -209,8 +213,33 @@ def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> lis
 
 
 # server_info keys that change an input token's logprob (the temperature it is scaled by, the
-# original or processed distribution): recorded in the scorer's identity where echoed
+# original or processed distribution): part of the scorer's identity where echoed
 _LOGPROB_KEY = re.compile(r"logprob|temperature|temp_scaled")
+
+# SGLang's server_args (echoed whole by /server_info) that change the numbers a prefill computes,
+# each part of the scorer's identity where the server reports it. Never a volatile field (ports,
+# hosts, memory fractions and token pools derived from free memory, pids, load): those differ
+# between identical servers.
+ENGINE_SETTINGS: dict[str, str] = {
+    "version": "the engine's build: its kernels",
+    "revision": "the weights' revision (the model path is the scorer's server_model)",
+    "dtype": "what the model computes in",
+    "quantization": "the weights' quantization",
+    "torchao_config": "torchao's quantization",
+    "kv_cache_dtype": "what the attention reads the context from",
+    "enable_fp32_lm_head": "the LM head's precision (the logits)",
+    "tp_size": "tensor parallelism: how each matmul's sums are split and reduced",
+    "pp_size": "pipeline parallelism",
+    "ep_size": "expert parallelism",
+    "enable_dp_attention": "data-parallel attention",
+    "moe_runner_backend": "the MoE kernels",
+    "attention_backend": "the attention kernels",
+    "prefill_attention_backend": "the prefill's attention kernels",
+    "triton_attention_reduce_in_fp32": "the triton attention's reduction precision",
+    "enable_deterministic_inference": "batch-invariant kernels",
+    "rl_on_policy_target": "the kernels matched to a trainer's",
+    "json_model_override_args": "overrides of the model's config",
+}
 
 
 def logprob_settings(server_info: dict[str, Any]) -> dict[str, Any]:
@@ -220,6 +249,22 @@ def logprob_settings(server_info: dict[str, Any]) -> dict[str, Any]:
         for k, v in sorted(server_info.items())
         if _LOGPROB_KEY.search(k) and (v is None or isinstance(v, (str, int, float, bool)))
     }
+
+
+def engine_settings(server_info: dict[str, Any]) -> dict[str, Any]:
+    """The settings of :data:`ENGINE_SETTINGS` and the logprob settings the server reports."""
+    settings = {k: server_info[k] for k in ENGINE_SETTINGS if k in server_info}
+    return {k: v for k, v in {**settings, **logprob_settings(server_info)}.items() if v is None or _scalar(v)}
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
+def is_router(server_info: dict[str, Any]) -> bool:
+    """An SGLang router (sglang-router, ``smg``) answers ``/get_server_info`` itself, with its own
+    counts (``router_manager``, ``workers_count``) and none of its workers' settings."""
+    return "version" not in server_info and any(k in server_info for k in ("router_manager", "workers_count"))
 
 
 class SGLangBackend(HttpBackend):
@@ -241,13 +286,80 @@ class SGLangBackend(HttpBackend):
         self.max_new_tokens = max_new_tokens
         self.model_info: dict[str, Any] = {}
         self.server_info: dict[str, Any] = {}
+        # what the engine computes with (engine_settings); None: not readable (settings_source says why)
+        self.settings: dict[str, Any] | None = None
+        self.settings_source = ""
+        self.worker_infos: list[dict[str, Any]] = []  # behind a router: each worker's server_info
 
     async def start(self) -> None:
         self.model_info = await self._read_model_info()
         # The SGLang router forwards only the older names (/get_*) to a worker.
-        self.server_info = await self.get_optional("/server_info") or await self.get_optional("/get_server_info") or {}
+        self.server_info = await self._read_server_info(self._open())
         self._check_requested_model()
+        if not self.settings_source:  # once per backend: prepare() and the run share them
+            await self._read_settings()
         self.remember_served()
+
+    @staticmethod
+    async def _read_server_info(client: HttpClient) -> dict[str, Any]:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = await client.get_json(path)
+            except InferenceError as exc:
+                if not exc.kind.startswith("http_4"):
+                    raise
+                continue
+            return info if isinstance(info, dict) else {}
+        return {}
+
+    async def _read_settings(self) -> None:
+        """The engine's settings (:func:`engine_settings`): the server's own, or behind a router
+        each worker's, asked directly (the router's ``/workers`` lists them); workers that
+        disagree are refused, naming the setting. Nothing readable (a router without
+        ``/workers``, workers out of reach): no settings in the scorer, as before, said in the
+        spec's provenance and in one logged line."""
+        if not is_router(self.server_info):
+            self.settings, self.settings_source = engine_settings(self.server_info), "the server"
+            return
+        listed = await self.get_optional("/workers")
+        workers = listed.get("workers") if isinstance(listed, dict) else None
+        urls = [w["url"] for w in workers or [] if isinstance(w, dict) and isinstance(w.get("url"), str)]
+        if not urls:
+            return self._unreadable("the router lists no workers (GET /workers)")
+        seen: dict[str, dict[str, Any]] = {}
+        for url in urls:
+            client = HttpClient(url, api_key=self.api_key, timeout=10.0)
+            try:
+                info = await self._read_server_info(client)
+            except InferenceError as exc:
+                return self._unreadable(f"worker {mask_url(url)} cannot be asked directly ({exc.kind})")
+            finally:
+                await client.close()
+            if "version" not in info:
+                return self._unreadable(f"worker {mask_url(url)} reports no server_info")
+            seen[url] = engine_settings(info)
+            self.worker_infos.append(info)
+        first_url, first = next(iter(seen.items()))
+        for url, settings in seen.items():
+            differ = sorted(k for k in set(first) | set(settings) if first.get(k) != settings.get(k))
+            if differ:
+                k = differ[0]
+                raise ScoringError(
+                    f"the workers behind the SGLang router at {self.display_url} run with other settings: "
+                    f"{k} {first.get(k)!r} at {mask_url(first_url)}, {settings.get(k)!r} at {mask_url(url)} "
+                    f"({ENGINE_SETTINGS.get(k, 'a logprob setting')}): their scores would be two scorers' under "
+                    "one; give each group of workers its own router"
+                )
+        self.settings, self.settings_source = first, f"{len(seen)} worker(s) behind the router, asked directly"
+
+    def _unreadable(self, why: str) -> None:
+        self.settings_source = f"not read: {why}"
+        self.worker_infos = []  # the input limit is then the router's answer, as before
+        log.warning(
+            "the SGLang router at %s: the engine's settings could not be read (%s); the scorer does not name them",
+            self.display_url,
+            why,
+        )
 
     def _check_requested_model(self) -> None:
         """``--model NAME`` labels the scores: refuse before any request when the server
@@ -269,10 +381,16 @@ class SGLangBackend(HttpBackend):
         return info if isinstance(info, dict) else {}
 
     def served_facts(self) -> dict[str, Any]:
-        return _served_facts(self.model_info)
+        # a server asked directly: its settings too (a restart with others stops a run; behind a
+        # router they are the workers', read when the run starts)
+        direct = self.settings_source == "the server" and self.settings
+        return {**_served_facts(self.model_info), **({"engine": self.settings} if direct else {})}
 
     async def read_served_facts(self) -> dict[str, Any]:
-        return _served_facts(await self._read_model_info())
+        facts = _served_facts(await self._read_model_info())
+        if self.settings_source == "the server" and self.settings:
+            facts["engine"] = engine_settings(await self._read_server_info(self._open()))
+        return facts
 
     def server_model_id(self) -> str | None:
         return self.model_info.get("model_path") or self.model_info.get("served_model_name")
@@ -287,6 +405,8 @@ class SGLangBackend(HttpBackend):
             "server_model": self.server_model_id(),
             "max_new_tokens": self.max_new_tokens,
             **(precision_identity(**self.computes_in()) if self.computes_in() else {}),
+            # what the engine computes with, where it says (server_info; behind a router, its workers')
+            **({"engine": {"name": "sglang", **self.settings}} if self.settings else {}),
         }
 
     def computes_in(self) -> dict[str, str]:
@@ -295,27 +415,15 @@ class SGLangBackend(HttpBackend):
         return {"dtype": str(dtype), "device": str(device)} if dtype and device else {}
 
     def reported(self) -> dict[str, Any]:
-        """What the server reports of itself that changes its numbers: the engine's version and
-        the settings that change input logprobs (recorded with the scorer, not in its id: an
-        SGLang router answers server_info itself, without them, so the same workers would be
-        two scorers through the router and direct)."""
-        version = self.server_info.get("version")
-        settings = logprob_settings(self.server_info)
-        return {
-            **({"engine": {"name": "sglang", "version": version}} if version else {}),
-            **({"logprob_settings": settings} if settings else {}),
-        }
+        """Recorded with the scorer (provenance, not its id): where the engine's settings in its
+        identity were read, or why they could not be (an SGLang router without ``/workers``)."""
+        return {"engine_settings": self.settings_source} if self.settings_source else {}
 
     def context_length(self) -> int | None:
-        # SGLang takes at most max_req_input_len input tokens; a model of context 32768 accepts
-        # 32767 (it keeps one position to generate), so context_length alone means one less.
-        info = {**self.model_info, **self.server_info}
-        limit, context = info.get("max_req_input_len"), info.get("context_length")
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-            return limit
-        if isinstance(context, int) and not isinstance(context, bool) and context > 1:
-            return context - 1
-        return None
+        """The input limit: the server's, or behind a router the smallest of its workers'."""
+        limits = [_input_limit({**self.model_info, **info}) for info in self.worker_infos or [self.server_info]]
+        known = [n for n in limits if n is not None]
+        return min(known) if known else None
 
     async def score(self, prompt: StepPrompt) -> BackendScore:
         started = time.monotonic()
@@ -390,6 +498,17 @@ class SGLangBackend(HttpBackend):
         return await self._rejection(
             "/generate", {"input_ids": [token_id], "sampling_params": {"max_new_tokens": 0}, "stream": False}
         )
+
+
+def _input_limit(info: dict[str, Any]) -> int | None:
+    # SGLang takes at most max_req_input_len input tokens; a model of context 32768 accepts
+    # 32767 (it keeps one position to generate), so context_length alone means one less.
+    limit, context = info.get("max_req_input_len"), info.get("context_length")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    if isinstance(context, int) and not isinstance(context, bool) and context > 1:
+        return context - 1
+    return None
 
 
 def _served_facts(model_info: dict[str, Any]) -> dict[str, Any]:

@@ -25,14 +25,16 @@ import httpx
 
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.rendering.requests import StepPrompt
+from hcapo_store.scoring import defaults
 from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
 # vLLM's --logprobs-mode (since vllm #47680 prompt_logprobs follow it): only raw log-probabilities
-# are scored unless the scorer declares another mode (ScoreConfig.logprobs_mode)
-RAW_LOGPROBS = "raw_logprobs"
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# are scored unless the scorer declares another mode (ScoreConfig.logprobs_mode, --logprobs-mode);
+# the names and the default live in scoring/defaults.py
+RAW_LOGPROBS = defaults.LOGPROBS_MODE
+LOGPROBS_MODES = defaults.LOGPROBS_MODES
 _MODE_IN_CONFIG = re.compile(r"logprobs_mode\W{0,4}(?:LogprobsMode\.)?([A-Za-z_]+)")
 DEFAULT_PROMPT_LOGPROBS = 1  # 0 is accepted by recent vLLM only; 1 everywhere (vLLM's SamplingParams)
 
@@ -157,6 +159,11 @@ class VLLMBackend(HttpBackend):
         super().__init__(url, api_key=api_key, client=client, timeout=timeout)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ScoringError(f"logprobs mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        if logprobs_mode not in defaults.SCORABLE_LOGPROBS_MODES:
+            raise ScoringError(
+                f"--logprobs-mode {logprobs_mode}: prompt_logprobs in a logits mode are not log-probabilities, "
+                f"which is what is stored; use one of {', '.join(defaults.SCORABLE_LOGPROBS_MODES)}"
+            )
         self.logprobs_mode = logprobs_mode  # what the scorer declares the server's mode is
         self.served_logprobs_mode: str | None = None  # what the server says (/server_info), when it does
         self.requested_model = model
@@ -175,11 +182,14 @@ class VLLMBackend(HttpBackend):
         return [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     def served_facts(self) -> dict[str, Any]:
-        return {"id": self.model_card.get("id"), "root": self.model_card.get("root")}
+        # the logprobs mode where the server reports it: a restart with another stops a run
+        mode = {"logprobs_mode": self.served_logprobs_mode} if self.served_logprobs_mode else {}
+        return {"id": self.model_card.get("id"), "root": self.model_card.get("root"), **mode}
 
     async def read_served_facts(self) -> dict[str, Any]:
         card = next((c for c in await self._model_cards() if c["id"] == self.model), {})
-        return {"id": card.get("id"), "root": card.get("root")}
+        mode = await self._read_logprobs_mode() if self.served_logprobs_mode else None
+        return {"id": card.get("id"), "root": card.get("root"), **({"logprobs_mode": mode} if mode else {})}
 
     async def start(self) -> None:
         cards = await self._model_cards()
@@ -204,17 +214,23 @@ class VLLMBackend(HttpBackend):
         self.served_logprobs_mode = await self._read_logprobs_mode()
         mode = self.served_logprobs_mode
         if mode is not None and mode != self.logprobs_mode:
+            remedy = (
+                f"pass --logprobs-mode {mode} (a scorer of its own)"
+                if mode in defaults.SCORABLE_LOGPROBS_MODES
+                else "its logits are not log-probabilities"
+            )
             raise ScoringError(
-                f"the vLLM server at {self.display_url} runs --logprobs-mode {mode}: its prompt_logprobs "
-                f"are not {self.logprobs_mode.replace('_', ' ')}; restart it with --logprobs-mode "
-                f"{self.logprobs_mode}, or declare the mode (ScoreConfig.logprobs_mode={mode!r}): a new scorer"
+                f"the vLLM server at {self.display_url} runs --logprobs-mode {mode}, not {self.logprobs_mode} "
+                f"(the scorer's --logprobs-mode): {remedy}, or restart the server with --logprobs-mode "
+                f"{self.logprobs_mode}"
             )
         self.remember_served()
 
     async def _read_logprobs_mode(self) -> str | None:
         """The server's --logprobs-mode where it says (``/server_info``, which vLLM answers in its
-        development mode with its whole config); None when it does not."""
-        info = await self.get_optional("/server_info")
+        development mode with its whole config: as JSON when asked, the text form names no mode);
+        None when it does not."""
+        info = await self.get_optional("/server_info?config_format=json")
         if not isinstance(info, dict):
             return None
         match = _MODE_IN_CONFIG.search(json.dumps(info))
