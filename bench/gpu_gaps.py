@@ -1,8 +1,8 @@
 """Where a scoring forward's time goes inside a run on a GPU (issue 43): kernels or gaps.
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl  # GPU machine
-    export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 bench/gpu_gaps.py --tokenizer .gpu/qwen3 --out "$OUT/gaps.json"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/hcapo/site-packages .gpu/wheels/*.whl  # GPU
+    export PYTHONPATH=/tmp/hcapo/site-packages
+    PYTHONUNBUFFERED=1 python3 bench/gpu_gaps.py --out "$OUT/gaps.json"
     python bench/gpu_gaps.py --size tiny --tokenizer DIR --out /tmp/gaps.json  # the CPU check (tests)
 
 bench/gpu.py found each forward's CUDA-event time inside an end-to-end run 1.6-2.3x the decoder

@@ -4,8 +4,6 @@ CPU, in both prompt layouts; the pool is kept for the next run; the default is t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from _shared import TOKENIZERS
 from faultserver import stored_scores
