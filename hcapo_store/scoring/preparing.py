@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import multiprocessing
 import signal
 import threading
@@ -26,6 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -43,16 +45,24 @@ Requests = list[GroupPrompt | PromptFailure]
 
 
 def requests_for(
-    store: Store, builder: PromptBuilder, episode_id: int, wanted: set[int], grouping: Grouping, key: str
+    store: Store,
+    builder: PromptBuilder,
+    episode_id: int,
+    wanted: set[int],
+    grouping: Grouping,
+    key: str,
+    lock: AbstractContextManager[Any] | None = None,
 ) -> tuple[Requests, int]:
     """The requests for the steps ``wanted`` (step indexes) of one episode, each carrying the
-    routing ``key``, and the episode's conversation tokens (its prefill floor)."""
+    routing ``key``, and the episode's conversation tokens (its prefill floor). ``lock``: held
+    while the builder renders (a builder that is not ``thread_safe``, shared by threads)."""
     with db.read(store.engine) as conn:
         episode = load_episode(conn, episode_id)
     steps = [s for s in episode.steps if s.step_index in wanted]
-    requests, floor = plan_requests_and_floor(
-        builder, episode.messages, episode.outcome, steps, episode.steps, grouping=grouping
-    )
+    with lock or contextlib.nullcontext():
+        requests, floor = plan_requests_and_floor(
+            builder, episode.messages, episode.outcome, steps, episode.steps, grouping=grouping
+        )
     return [
         r if isinstance(r, PromptFailure) else GroupPrompt(tuple(replace(m, routing_key=key) for m in r.members))
         for r in requests

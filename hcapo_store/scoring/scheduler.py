@@ -349,10 +349,10 @@ class Scheduler:
         """The episode's requests for the claimed steps (every one carrying the episode's routing
         key), and its conversation tokens (the prefill floor)."""
         wanted = {lease.step_index for lease in claim.leases}
-        with self._build_lock:
-            return requests_for(
-                self.store, self.builder, claim.episode_id, wanted, self.options.grouping, routing_key(claim.episode_id)
-            )
+        key = routing_key(claim.episode_id)
+        return requests_for(
+            self.store, self.builder, claim.episode_id, wanted, self.options.grouping, key, self._build_lock
+        )
 
     async def _request(self, group: GroupPrompt) -> list[BackendScore]:
         """One request for the group (a lone step goes through ``score`` exactly as before)."""
