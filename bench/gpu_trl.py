@@ -84,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     if args.size == "tiny":
         args.steps_per_subtask = min(args.steps_per_subtask, 1)
         args.max_completion_length = min(args.max_completion_length, 4)
+        args.rollouts = min(args.rollouts, 2)  # the CPU: TRL's log-probabilities over the vocabulary
     args.tokenizer = common.resolve_tokenizer(p, args.tokenizer)
     return args
 
