@@ -21,9 +21,10 @@ Per step (the first one warms up: kernels, the preparing processes; then one ste
 with the library's default, ``per-step``; this script's timer around it passes the step's layout):
 the step's wall time (a trainer callback, the GPU synchronised), TRL's generate-and-score part
 (generation, rewards and the advantage source), the advantage source, and in it ``ingest``,
-``score_live``, ``compute_credits`` and the hand-off (the rest of the source: the Handoff's reads
-and placements); ``hindsight_share`` = (score_live + credits + hand-off) / step, beside
-``paper_hindsight_share`` 0.083, and ``with_ingest_share`` adding the store's writes.
+``score_live``, ``compute_credits`` and the hand-off (the rest of the source: writing the
+rollouts' files, the Handoff's tokenizer load, reads and placements); ``hindsight_share`` =
+(score_live + credits + hand-off) / step, beside ``paper_hindsight_share`` 0.083, and
+``with_ingest_share`` adding the store's writes.
 
 The site folder's name matters: ``datasets`` (which TRL imports) hashes with ``dill``, which
 pickles by value any module outside a ``site-packages`` folder, and then fails on pyarrow's types.
@@ -53,7 +54,12 @@ def main() -> None:
     args = parse_args()
     started = time.monotonic()
     out, device, doc = common.start(args, "gpu_trl", "trl.json")
-    doc.update(shape=args.shape, rollouts=args.rollouts, paper_hindsight_share=PAPER_HINDSIGHT_SHARE, steps=[])
+    doc.update(
+        shape="tiny" if args.size == "tiny" else args.shape,
+        rollouts=args.rollouts,
+        paper_hindsight_share=PAPER_HINDSIGHT_SHARE,
+        steps=[],
+    )
 
     def flush(what: str) -> None:
         common.save(out, doc)
