@@ -1,9 +1,9 @@
 """The in-process and live scoring paths on a GPU against the prefill floor (issue 43).
 
-    bash bench/gpu_wheels.sh                      # here: .gpu/wheels and .gpu/qwen3 (carry .gpu)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl  # GPU machine
-    export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 bench/gpu.py --tokenizer .gpu/qwen3 --out "$OUT/gpu.json"
+    bash bench/gpu_wheels.sh                      # here: .gpu/wheels and .gpu/qwen3.tar.gz (carry .gpu)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/hcapo/site-packages .gpu/wheels/*.whl  # GPU
+    export PYTHONPATH=/tmp/hcapo/site-packages
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py --out "$OUT/gpu.json"
     python bench/gpu.py --size tiny --tokenizer DIR --out /tmp/gpu.json # the CPU check (tests)
 
 Per model shape (random bf16 weights of Qwen3-0.6B, -1.7B and -8B shapes, built on the GPU:
@@ -33,8 +33,6 @@ import argparse
 import gc
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,50 +41,24 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpu_common import VOCAB, add_common_args, build_model, resolve_tokenizer, save, start, sync
 
-VOCAB = 151936  # Qwen3's embedding rows (the tokenizer's 151,669 rounded up)
-SHAPES: dict[str, dict[str, Any]] = {
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               head_dim=128, intermediate_size=12288, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=128, tie_word_embeddings=True),
-}  # fmt: skip
 GPU_ORDER = ("8b", "0.6b", "1.7b")  # the 8B first: its 0.90 is the issue's goal
 SCORED_SHARE = 0.3  # of the positions scored in the floor's score_spans and in the drift
+__all__ = ["VOCAB", "build_model", "save", "sync"]  # gpu_gaps.py reads them here too
 
 
 def main() -> None:
     args = parse_args()
     started = time.monotonic()
     deadline = started + args.budget_s
-    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, device, doc = start(args, "gpu", "gpu.json")
     import torch
-    import transformers
 
     tiny = args.size == "tiny"
-    device = torch.device("cpu" if tiny else "cuda")
-    if tiny:  # one thread: the floor (main thread) and the path (the model's thread) alike, on a shared CPU
-        torch.set_num_threads(1)
-    if not tiny and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU here: run on a GPU machine, or --size tiny on the CPU")
-    doc: dict[str, Any] = {
-        "bench": "gpu",
-        "size": args.size,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "budget_s": args.budget_s,
-        "commit": _commit(),
-        "shapes": [],
-    }
+    doc["prepare"] = args.prepare
+    doc["shapes"] = []
     save(out, doc)
     work = Path(tempfile.mkdtemp(prefix="hcapo-gpu-"))
     episodes = Episodes(work, args)
@@ -121,97 +93,28 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", choices=["gpu", "tiny"], default="gpu", help="gpu: the Qwen3 shapes; tiny: CPU check")
+    add_common_args(p, out="gpu.json", budget_s=270.0)
     p.add_argument("--shapes", nargs="+", default=list(GPU_ORDER), choices=list(GPU_ORDER))
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default .gpu/qwen3, else ../shared/...)")
-    p.add_argument("--out", default=None, help="JSON file (default $OUT/gpu.json)")
-    p.add_argument("--budget-s", type=float, default=270.0, help="whole run, seconds (skips what would not fit)")
     p.add_argument("--episodes", type=int, default=32, help="episodes of the episode layout (at most)")
     p.add_argument("--per-step-episodes", type=int, default=4, help="episodes of the per-step layout (at most)")
-    p.add_argument("--steps-per-subtask", type=int, default=22, help="22: 99-step episodes, ~9.2k Qwen3 tokens")
-    p.add_argument("--measure-s", type=float, default=6.0, help="aim of one end-to-end measurement, seconds")
+    p.add_argument("--measure-s", type=float, default=4.0, help="aim of one end-to-end measurement, seconds")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--prepare", nargs="+", default=["processes", "threads"], choices=["processes", "threads"],
+                   help="where the runs prepare their requests (RunOptions.prepare_workers): each layout and\n"
+                        "concurrency is run once per choice, the ratios side by side")  # fmt: skip
     args = p.parse_args()
     if args.size == "tiny":
         args.episodes = min(args.episodes, 2)
         args.per_step_episodes = min(args.per_step_episodes, 1)
         args.steps_per_subtask = min(args.steps_per_subtask, 2)
         args.measure_s = min(args.measure_s, 1.0)
-        args.concurrency = [c for c in args.concurrency if c <= 2] or [1]
-    args.tokenizer = args.tokenizer or next(
-        (str(p) for p in (Path(".gpu/qwen3"), Path(__file__).resolve().parents[2] / "shared/tokenizers/qwen3")
-         if p.is_dir()),
-        None,
-    )  # fmt: skip
-    if args.tokenizer is None:
-        p.error("no tokenizer: pass --tokenizer DIR (bench/gpu_wheels.sh copies Qwen3's to .gpu/qwen3)")
+        args.concurrency = [max(c for c in args.concurrency if c <= 2)] if min(args.concurrency) <= 2 else [1]
+        args.budget_s = max(args.budget_s, 1800.0)  # a shared CPU: no skipping, the test checks every key
+    args.tokenizer = resolve_tokenizer(p, args.tokenizer)
     return args
 
 
-def _commit() -> str | None:
-    """This tree's commit, when it is a git checkout with git at hand (the GPU machine's copy may be neither)."""
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
-def save(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-
-
 # --- the model ---------------------------------------------------------------------------------
-
-
-def build_model(shape: str, vocab: int, device: Any) -> Any:
-    """A random-weight Qwen3 of ``shape`` in bf16 on ``device``: built on the meta device, its
-    storage made there (``to_empty``), weights drawn N(0, 0.02), norms 1, rotary tables recomputed."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, **SHAPES[shape])
-    config._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model = model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-        for module in list(model.modules()):
-            if hasattr(module, "inv_freq"):  # rotary tables are buffers: to_empty left them unset
-                fresh = type(module)(config)
-                for buffer in ("inv_freq", "original_inv_freq"):
-                    if hasattr(fresh, buffer):
-                        setattr(module, buffer, getattr(fresh, buffer).to(device))
-                if hasattr(fresh, "attention_scaling"):
-                    module.attention_scaling = fresh.attention_scaling
-    model.config.dtype = torch.bfloat16
-    return model.eval()
-
-
-def sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn: Any, device: Any, *, min_reps: int, max_s: float) -> float:
@@ -357,14 +260,25 @@ class Episodes:
 
 
 def score_run(
-    model: Any, episodes: Episodes, ids: list[str], *, layout: str, concurrency: int, version: str, hook: Any = None
+    model: Any,
+    episodes: Episodes,
+    ids: list[str],
+    *,
+    layout: str,
+    concurrency: int,
+    version: str,
+    hook: Any = None,
+    prepare: str | None = None,
 ) -> dict:
     """``prepare`` + ``run_scoring`` with the live backend over ``ids``; the forwards timed with
     CUDA events (LogprobModel.timings). ``hook``: called with the run's LogprobModel once it is
-    made, before its first forward (bench/gpu_gaps.py wraps its forwards)."""
+    made, before its first forward (bench/gpu_gaps.py wraps its forwards). ``prepare``:
+    ``processes`` (``defaults.PREPARE_PROCESSES`` workers) or ``threads``; None: the library's
+    default for the device (RunOptions.prepare_workers)."""
     from hcapo_store.scoring import defaults
     from hcapo_store.scoring.backends.inprocess import LiveModelBackend
-    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.job import ScoreConfig, run_scoring
+    from hcapo_store.scoring.job import prepare as prepare_scorer
     from hcapo_store.scoring.scheduler import RunOptions
     from hcapo_store.scoring.scorer import floor_accounting
     from hcapo_store.scoring.work_queue import Filters
@@ -385,11 +299,11 @@ def score_run(
         backend=LiveModelBackend.kind, tokenizer=episodes.tokenizer, prompt_layout=layout, weight_version=version
     )  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    prep = prepare(episodes.store, cfg, backend)
+    prep = prepare_scorer(episodes.store, cfg, backend)
     t1 = time.perf_counter()
-    report = run_scoring(
-        episodes.store, prep, RunOptions(concurrency=concurrency, filters=Filters(episodes=tuple(ids)))
-    )
+    workers = None if prepare is None else defaults.PREPARE_PROCESSES if prepare == "processes" else 0
+    options = RunOptions(concurrency=concurrency, filters=Filters(episodes=tuple(ids)), prepare_workers=workers)
+    report = run_scoring(episodes.store, prep, options)
     wall = time.perf_counter() - t1
     with db.read(episodes.store.engine) as conn:
         floor = floor_accounting(conn, prep.scorer_id)
@@ -413,6 +327,8 @@ def score_run(
         "sent_tokens": report.prompt_tokens,
         "conversation_tokens": floor["conversation_tokens"],
         "busy_s": busy,
+        "prepare": prepare
+        or ("processes" if workers is None and prep.backend.computes_in()["device"] == "cuda" else "threads"),
     }
 
 
@@ -458,7 +374,11 @@ def measure_shape(
     flush("floor")
 
     # warm-up: the first forwards of a run pay for kernels and caches (2.1 s on the 8B)
-    warm = score_run(model, episodes, episodes.ids[:1], layout="episode", concurrency=1, version=f"{shape}-warm")
+    # (in processes when they are measured: their pool starts here and is kept for the runs)
+    warm = score_run(
+        model, episodes, episodes.ids[:1], layout="episode", concurrency=1, version=f"{shape}-warm",
+        prepare=args.prepare[0],
+    )  # fmt: skip
     per_episode = warm["sent_tokens"] / max(warm["episodes"], 1)
     result["warmup"] = {"wall_s": warm["wall_s"], "tokens_per_episode": round(per_episode)}
     flush("warm-up")
@@ -473,25 +393,27 @@ def measure_shape(
     for layout, most in (("episode", args.episodes), ("per-step", args.per_step_episodes)):
         rate = guess
         sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
-        for concurrency in sorted(args.concurrency, reverse=True):
-            key = f"{layout}/c{concurrency}"
+        for concurrency, prepare in [(c, p) for c in sorted(args.concurrency, reverse=True) for p in args.prepare]:
+            key = f"{layout}/c{concurrency}/{prepare}"
             fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
             n = max(min(most, len(episodes.ids), max(fit, min(concurrency, int(2 * args.measure_s * rate / sent)))), 1)
             expect = n * sent / rate + 1.0
             if time.monotonic() + expect > until - drift_reserve:
                 paths[key] = {"skipped": f"would not fit the time left (~{expect:.0f} s)"}
                 continue
-            version = f"{shape}-{layout}-c{concurrency}"
+            version = f"{shape}-{layout}-c{concurrency}-{prepare}"
             try:
                 run = score_run(
-                    model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version
-                )
+                    model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version,
+                    prepare=prepare,
+                )  # fmt: skip
                 paths[key] = row = path_row(run, floor)
                 rate = max(row["sent_tokens_per_s"] * 0.5, 1.0)
                 sent = run["sent_tokens"] / max(run["episodes"], 1)
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
             flush(f"{key}: {json.dumps(paths[key])[:160]}")
+    result["prepare_compare"] = compare_prepare(paths)
     if device.type == "cuda":
         result["peak_gib_bf16"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     try:
@@ -502,6 +424,25 @@ def measure_shape(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def compare_prepare(paths: dict[str, Any]) -> dict[str, Any]:
+    """Per layout and concurrency measured both ways: the share of the floor, GPU-busy share and
+    forward count with preparation in processes and in threads, and processes over threads."""
+    out: dict[str, Any] = {}
+    for key, row in paths.items():
+        run, _, prepare = key.rpartition("/")
+        other = paths.get(f"{run}/threads")
+        if prepare != "processes" or not other or "share_of_floor" not in row or "share_of_floor" not in other:
+            continue
+        pair = {"processes": row.get("share_of_floor"), "threads": other.get("share_of_floor")}
+        if pair["processes"] and pair["threads"]:
+            pair["ratio"] = round(pair["processes"] / pair["threads"], 3)
+        for name in ("gpu_busy_share", "wall_ms_per_step"):
+            if name in row and name in other:
+                pair[name] = [row[name], other[name]]  # [processes, threads]
+        out[run] = pair
+    return out
 
 
 def summary(doc: dict[str, Any]) -> list[str]:
@@ -520,6 +461,8 @@ def summary(doc: dict[str, Any]) -> list[str]:
                 parts.append(f"{key} {row['conversation_tokens_per_s']} tok/s ({row['share_of_floor']} of floor{busy})")
             else:
                 parts.append(f"{key} {row.get('skipped') or row.get('error')}")
+        for run, pair in r.get("prepare_compare", {}).items():
+            parts.append(f"{run} processes/threads {pair['processes']}/{pair['threads']} (x{pair.get('ratio')})")
         if "mean_abs_nats" in r.get("drift", {}):
             parts.append(f"drift mean {r['drift']['mean_abs_nats']} max {r['drift']['max_abs_nats']}")
         lines.append("; ".join(parts))

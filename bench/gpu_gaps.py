@@ -1,8 +1,8 @@
 """Where a scoring forward's time goes inside a run on a GPU (issue 43): kernels or gaps.
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl  # GPU machine
-    export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 bench/gpu_gaps.py --tokenizer .gpu/qwen3 --out "$OUT/gaps.json"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/hcapo/site-packages .gpu/wheels/*.whl  # GPU
+    export PYTHONPATH=/tmp/hcapo/site-packages
+    PYTHONUNBUFFERED=1 python3 bench/gpu_gaps.py --out "$OUT/gaps.json"
     python bench/gpu_gaps.py --size tiny --tokenizer DIR --out /tmp/gaps.json  # the CPU check (tests)
 
 bench/gpu.py found each forward's CUDA-event time inside an end-to-end run 1.6-2.3x the decoder
@@ -44,7 +44,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu as base  # bench/gpu.py: the model, the episodes, the end-to-end run, the floor
+import _gpu_common as common  # the options, start-up, model and JSON shared with bench/gpu.py
+import gpu as base  # bench/gpu.py: the episodes, the end-to-end run, the floor
 
 SCORED_SHARE = 0.42  # of an episode's positions scored in the episode layout (21 of every 50)
 SCORED_EVERY = 50
@@ -66,31 +66,15 @@ def main() -> None:
     args = parse_args()
     started = time.monotonic()
     deadline = started + args.budget_s
-    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "gaps.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, device, doc = common.start(args, "gpu_gaps", "gaps.json")
     import torch
-    import transformers
 
     tiny = args.size == "tiny"
-    device = torch.device("cpu" if tiny else "cuda")
-    if tiny:
-        torch.set_num_threads(1)
-    if not tiny and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU here: run on a GPU machine, or --size tiny on the CPU")
-    doc: dict[str, Any] = {
-        "bench": "gpu_gaps",
-        "size": args.size,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "switch_interval_default_s": sys.getswitchinterval(),
-        "commit": base._commit(),
-        "shapes": [],
-    }
+    doc["switch_interval_default_s"] = sys.getswitchinterval()
+    doc["shapes"] = []
 
     def flush(what: str) -> None:
-        base.save(out, doc)
+        common.save(out, doc)
         print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     flush("start")
@@ -113,20 +97,16 @@ def main() -> None:
             torch.cuda.empty_cache()
     doc["seconds"] = round(time.monotonic() - started, 1)
     doc["summary"] = summary(doc)
-    base.save(out, doc)
+    common.save(out, doc)
     for line in doc["summary"]:
         print(line, flush=True)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", choices=["gpu", "tiny"], default="gpu", help="gpu: the Qwen3 shapes; tiny: CPU check")
+    common.add_common_args(p, out="gaps.json", budget_s=170.0)
     p.add_argument("--shapes", nargs="+", default=["0.6b"], choices=["0.6b", "1.7b", "8b"], help="default: 0.6b")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default .gpu/qwen3, else ../shared/...)")
-    p.add_argument("--out", default=None, help="JSON file (default $OUT/gaps.json)")
-    p.add_argument("--budget-s", type=float, default=170.0, help="whole run, seconds (skips what would not fit)")
     p.add_argument("--episodes", type=int, default=16, help="episodes per end-to-end run (the 8B: half)")
-    p.add_argument("--steps-per-subtask", type=int, default=22, help="22: 99-step episodes, ~9.2k Qwen3 tokens")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of each forward alone")
     p.add_argument("--switch-interval", type=float, default=1e-4, help="sys.setswitchinterval of (c), seconds")
     p.add_argument("--profile-forwards", type=int, nargs="+", default=[2, 3], help="forwards of (b) profiled, from 0")
@@ -140,13 +120,7 @@ def parse_args() -> argparse.Namespace:
         args.steps_per_subtask = min(args.steps_per_subtask, 1)
         args.reps = min(args.reps, 2)
         args.profile_forwards = [0]  # tiny episodes may share a forward: the first one exists
-    args.tokenizer = args.tokenizer or next(
-        (str(p) for p in (Path(".gpu/qwen3"), Path(__file__).resolve().parents[2] / "shared/tokenizers/qwen3")
-         if p.is_dir()),
-        None,
-    )  # fmt: skip
-    if args.tokenizer is None:
-        p.error("no tokenizer: pass --tokenizer DIR (bench/gpu_wheels.sh copies Qwen3's to .gpu/qwen3)")
+    args.tokenizer = common.resolve_tokenizer(p, args.tokenizer)
     return args
 
 
@@ -166,7 +140,7 @@ def event_times(fn: Callable[[], Any], device: Any, reps: int) -> list[float]:
     import torch
 
     fn()
-    base.sync(device)
+    common.sync(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -190,7 +164,7 @@ def profiling(device: Any) -> Any:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         yield prof
-        base.sync(device)
+        common.sync(device)
 
 
 def activity(prof: Any, device: Any, trace: Path | None = None) -> dict[str, Any]:
@@ -321,7 +295,7 @@ class Probe:
 
     def finish(self) -> list[dict[str, Any]]:
         """The rows with each forward's event ms (LogprobModel.timings, one per forward)."""
-        base.sync(self.device)
+        common.sync(self.device)
         timings = self.scorer.timings
         for row, slot in zip(self.rows, self.slots):
             start, end, _ = timings[slot]
@@ -347,10 +321,10 @@ def measure_shape(
     from hcapo_store.scoring.forward import LogprobModel
 
     tiny = shape == "tiny"
-    vocab = base.VOCAB if not tiny else -(-len(load_tokenizer(episodes.tokenizer)) // 64) * 64
+    vocab = common.VOCAB if not tiny else -(-len(load_tokenizer(episodes.tokenizer)) // 64) * 64
     t = time.perf_counter()
-    model = base.build_model(shape, max(vocab, len(load_tokenizer(episodes.tokenizer))), device)
-    base.sync(device)
+    model = common.build_model(shape, max(vocab, len(load_tokenizer(episodes.tokenizer))), device)
+    common.sync(device)
     result["build_s"] = round(time.perf_counter() - t, 2)
     flush("built")
     n_run = args.episodes if shape != "8b" else max(2, args.episodes // 2)

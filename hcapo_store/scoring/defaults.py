@@ -32,3 +32,7 @@ CPU_DTYPE: Final = "float32"  # what a CPU computes in when no --dtype is given
 PACK_TOKENS: Final = 32768
 PACK_WASTE: Final = 0.25  # at most this share of a packed forward's tokens may be padding
 LM_HEAD_ROWS: Final = 512  # rows of the LM head computed at once (its logits are rows x vocabulary)
+# Worker processes that prepare a run's requests (load, render, tokenize each claimed episode) when
+# the in-process model computes on a GPU (scoring/preparing.py: off the model thread's GIL); threads
+# of the scoring process otherwise. RunOptions.prepare_workers / score_live(prepare_workers=) override.
+PREPARE_PROCESSES: Final = 2

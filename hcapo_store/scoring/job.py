@@ -38,6 +38,7 @@ from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
 from hcapo_store.scoring.grouping import Grouping, plan_requests
+from hcapo_store.scoring.preparing import BuilderRecipe, PreparePool, default_prepare_workers, shared_pool
 from hcapo_store.scoring.results import fallback_text
 from hcapo_store.scoring.scheduler import RunOptions, Scheduler, ScoreReport
 from hcapo_store.scoring.scorer import register, remember_tokenizer, scorer_id, scorer_label
@@ -170,6 +171,8 @@ class Prepared:
     backend: Backend
     builder: PromptBuilder
     tokenizer_dir: str | None = None  # where the tokenizer was loaded from (remembered at registration)
+    # the builder's keyword arguments: worker processes that prepare requests make it again (preparing.py)
+    builder_options: dict[str, Any] | None = None
 
 
 async def _start(cfg: ScoreConfig, backend: Backend, *, close: bool = False) -> None:
@@ -246,8 +249,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         tokenizer = load_tokenizer(location)
     except (OSError, ValueError) as exc:
         raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
-    builder = PromptBuilder(
-        tokenizer,
+    options: dict[str, Any] = dict(
         hindsight_template=cfg.hindsight_template,
         max_context=max_context,
         max_logprob_tokens=cfg.max_logprob_tokens,
@@ -256,6 +258,7 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
         hindsight=cfg.hindsight,
         layout=cfg.prompt_layout,
     )
+    builder = PromptBuilder(tokenizer, **options)
     spec: dict[str, Any] = {
         "backend": backend.identity(),
         "tokenizer": tokenizer_fingerprint(tokenizer, location),
@@ -289,7 +292,14 @@ def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
     version = weight_version(cfg.weight_version, backend)
     if version is not None:  # only when there is one: other scorers keep their ids
         spec["weight_version"] = version
-    return Prepared(scorer_id=scorer_id(spec), spec=spec, backend=backend, builder=builder, tokenizer_dir=str(location))
+    return Prepared(
+        scorer_id=scorer_id(spec),
+        spec=spec,
+        backend=backend,
+        builder=builder,
+        tokenizer_dir=str(location),
+        builder_options=options,
+    )
 
 
 UNVERSIONED = (None, "default")  # SGLang reports "default" until weights are updated with a version
@@ -492,6 +502,17 @@ def run_scoring(
     return run_sync(lambda: run_scoring_async(store, prep, options, retry_failed=retry_failed, on_progress=on_progress))
 
 
+def _prepare_pool(store: Store, prep: Prepared, options: RunOptions) -> PreparePool | None:
+    """The worker processes that prepare this run's requests (``options.prepare_workers``; None:
+    ``default_prepare_workers``), or None: threads of this process."""
+    workers = options.prepare_workers
+    if workers is None:
+        workers = default_prepare_workers(prep.backend)
+    if workers < 1 or prep.tokenizer_dir is None or prep.builder_options is None:
+        return None
+    return shared_pool(store.url, BuilderRecipe.of(prep.tokenizer_dir, prep.builder_options, prep.builder), workers)
+
+
 async def run_scoring_async(
     store: Store,
     prep: Prepared,
@@ -502,9 +523,11 @@ async def run_scoring_async(
 ) -> ScoreReport:
     """``run_scoring`` for async code: ``report = await run_scoring_async(store, prep, options)``."""
     conv = prep.spec["conversion"]
-    scheduler = Scheduler(store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress)
-
     await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
+    pool = _prepare_pool(store, prep, options)
+    scheduler = Scheduler(
+        store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress, pool=pool
+    )
     try:
         if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=1):
             await check_vocabulary(prep)  # before anything is written

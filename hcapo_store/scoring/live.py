@@ -49,13 +49,17 @@ def score_live(
     prompt_layout: PromptLayout = defaults.PROMPT_LAYOUT,
     concurrency: int = defaults.CONCURRENCY,
     hindsight: bool = True,
+    prepare_workers: int | None = None,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
     ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
     episodes are in flight: the next ones are rendered and prepared while the model runs the
     current forward (one model thread; short requests share a forward on a GPU).
     ``hindsight=False``: the same prompts without the outcome (``score --no-hindsight``), e.g.
-    the student of a log-ratio run."""
+    the student of a log-ratio run.
+    ``prepare_workers``: processes that render and tokenize them (None: two when the model is
+    on a GPU, so its kernel launches do not wait on this process's GIL; threads on a CPU; 0:
+    threads). Their pool is kept for the next call with the same store and tokenizer."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
     backend = LiveModelBackend(model, weight_version=weight_version, name=name)
@@ -77,6 +81,10 @@ def score_live(
     if episodes is not None:
         with db.read(store.engine) as conn:
             keys = resolve_episodes(conn, list(episodes))
-    options = RunOptions(concurrency=concurrency, filters=Filters(episodes=keys) if episodes is not None else Filters())
+    options = RunOptions(
+        concurrency=concurrency,
+        filters=Filters(episodes=keys) if episodes is not None else Filters(),
+        prepare_workers=prepare_workers,
+    )
     report = run_scoring(store, prep, options)
     return LiveReport(prep.scorer_id, scorer_label(prep.spec), str(weight_version), report)

@@ -28,8 +28,9 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hcapo_store.errors import InferenceError, ScoringError, StoreError, UsageError
 from hcapo_store.rendering import verify
@@ -39,9 +40,10 @@ from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend, BackendScore
 from hcapo_store.scoring.backends.http import MODEL_CHANGED
 from hcapo_store.scoring.backoff import backoff_delay
-from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
+from hcapo_store.scoring.grouping import Grouping
 from hcapo_store.scoring.health import ServerHealth
 from hcapo_store.scoring.heartbeat import keep_leases
+from hcapo_store.scoring.preparing import PreparePool, requests_for
 from hcapo_store.scoring.results import ScoreReport, request_shares, score_row
 from hcapo_store.scoring.writer import (  # noqa: F401 - FLUSH_SECONDS re-exported (tests pace writes by it)
     FLUSH_ATTEMPTS,
@@ -50,8 +52,6 @@ from hcapo_store.scoring.writer import (  # noqa: F401 - FLUSH_SECONDS re-export
     FLUSH_SECONDS,
     ResultWriter,
 )
-from hcapo_store.storage import db
-from hcapo_store.storage.episodes import load_episode
 from hcapo_store.storage.models import WORKER_ID_LENGTH
 from hcapo_store.storage.store import Store
 
@@ -73,6 +73,9 @@ class RunOptions:
     grouping: Grouping = defaults.GROUPING  # steps whose prompts are exact prefixes share one request
     stop_grace_seconds: float = 10.0  # after a stop, in-flight requests get this long, then are cancelled
     down_after: int = 8  # consecutive transport failures (any episodes) before the server is probed
+    # worker processes that load, render and tokenize the claimed episodes (preparing.py); 0: threads
+    # of this process; None: preparing.default_prepare_workers (processes for a model on a GPU)
+    prepare_workers: int | None = None
 
     def __post_init__(self) -> None:
         # Checked up front: a worker id the workers table cannot hold would fail mid-run.
@@ -99,8 +102,11 @@ class Scheduler:
         builder: PromptBuilder,
         options: RunOptions = RunOptions(),
         on_progress: Callable[[ScoreReport], None] | None = None,
+        pool: PreparePool | None = None,
     ) -> None:
+        """``pool``: worker processes that prepare the episodes' requests (None: threads)."""
         self.store, self.scorer_id, self.backend, self.builder = store, scorer_id, backend, builder
+        self.pool = pool
         self.options = options
         self.worker = options.worker_id or work_queue.default_worker_id()
         self.on_progress = on_progress
@@ -145,6 +151,7 @@ class Scheduler:
     async def _run(self) -> ScoreReport:
         started = time.monotonic()
         fallbacks_before = verify.fallbacks()
+        pool_fallbacks_before = Counter(self.pool.fallbacks) if self.pool is not None else Counter()
         work_queue.reap_dead_local_workers(self.store)
         self.report.planned = work_queue.count_claimable(self.store, self.scorer_id, self.options.filters)
         if self.options.limit is not None:
@@ -182,6 +189,9 @@ class Scheduler:
             )
             self.report.elapsed_s = time.monotonic() - started
             self.report.strategy_fallbacks = verify.since(fallbacks_before)
+            if self.pool is not None:  # counted in the workers, over the run
+                merged = Counter(self.report.strategy_fallbacks) + self.pool.fallbacks - pool_fallbacks_before
+                self.report.strategy_fallbacks = dict(merged)
             failed = write_error or self._model_error
             released = self._finish("failed" if failed else "stopped" if self.report.interrupted else state)
         if write_error is not None:
@@ -314,7 +324,12 @@ class Scheduler:
                 await asyncio.sleep(backoff_delay(failures, base=FLUSH_BACKOFF_BASE, cap=FLUSH_BACKOFF_CAP))
 
     async def _score_episode(self, claim: work_queue.Claim) -> None:
-        requests, floor = await asyncio.to_thread(self._requests_for, claim)
+        prepared = None
+        if self.pool is not None:
+            wanted = {lease.step_index for lease in claim.leases}
+            key = routing_key(claim.episode_id)
+            prepared = await self.pool.prepare(claim.episode_id, wanted, self.options.grouping, key)
+        requests, floor = prepared if prepared is not None else await asyncio.to_thread(self._requests_for, claim)
         self.writer.floor(claim.episode_id, floor)
         leases = {lease.step_index: lease for lease in claim.leases}
         for request in requests:
@@ -333,19 +348,11 @@ class Scheduler:
     def _requests_for(self, claim: work_queue.Claim) -> tuple[list[GroupPrompt | PromptFailure], int]:
         """The episode's requests for the claimed steps (every one carrying the episode's routing
         key), and its conversation tokens (the prefill floor)."""
-        with db.read(self.store.engine) as conn:
-            episode = load_episode(conn, claim.episode_id)
         wanted = {lease.step_index for lease in claim.leases}
-        steps = [s for s in episode.steps if s.step_index in wanted]
-        with self._build_lock:
-            requests, floor = plan_requests_and_floor(
-                self.builder, episode.messages, episode.outcome, steps, episode.steps, grouping=self.options.grouping
-            )
         key = routing_key(claim.episode_id)
-        return [
-            r if isinstance(r, PromptFailure) else GroupPrompt(tuple(replace(m, routing_key=key) for m in r.members))
-            for r in requests
-        ], floor
+        return requests_for(
+            self.store, self.builder, claim.episode_id, wanted, self.options.grouping, key, self._build_lock
+        )
 
     async def _request(self, group: GroupPrompt) -> list[BackendScore]:
         """One request for the group (a lone step goes through ``score`` exactly as before)."""

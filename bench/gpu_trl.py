@@ -1,0 +1,294 @@
+"""The trainer's share: one TRL GRPO step with the store's advantages, and the hindsight pass's
+part of it (issue 43, item 4), beside the paper's 8.3 % of an iteration (docs/PAPER.md).
+
+    bash bench/gpu_wheels.sh --trl            # here: .gpu/wheels (TRL's too) and .gpu/qwen3.tar.gz (carry .gpu)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hcapo/site-packages .gpu/wheels/*.whl
+    export PYTHONPATH=/tmp/hcapo/site-packages  # a folder named site-packages: see below
+    PYTHONUNBUFFERED=1 python3 bench/gpu_trl.py --out "$OUT/trl.json"
+    python bench/gpu_trl.py --size tiny --out /tmp/trl.json   # the CPU check (tests)
+
+The policy: a random-weight Qwen3-0.6B shape (``--shape 1.7b``: the 1.7B), bf16 on the GPU, built
+as bench/gpu.py builds it. The prompt: a synthetic 99-step episode (``EpisodeBuilder(...).standard(
+steps_per_subtask=22)``, as bench/gpu.py's) up to its last assistant turn, as a conversational
+prompt (~9k Qwen3 tokens); TRL's ``HCAPOGRPOTrainer`` generates ``--rollouts`` (8) completions of it
+(one GRPO group; the policy may write only digits and its end token, which re-tokenize to
+themselves: a random policy's text would not), rewards them (the count of ``7``), and asks
+``StoreAdvantages`` for per-token advantages: the rollouts written and ingested (``ingest``), scored
+by the policy itself (``score_live``), credited (``compute_credits``) and handed back (``Handoff``).
+
+Per step (the first one warms up: kernels, the preparing processes; then one step per
+``--layouts`` entry, the prompt layout ``score_live`` is called with: StoreAdvantages calls it
+with the library's default, ``per-step``; this script's timer around it passes the step's layout):
+the step's wall time (a trainer callback, the GPU synchronised), TRL's generate-and-score part
+(generation, rewards and the advantage source), the advantage source, and in it ``ingest``,
+``score_live``, ``compute_credits`` and the hand-off (the rest of the source: writing the
+rollouts' files, the Handoff's tokenizer load, reads and placements); ``hindsight_share`` =
+(score_live + credits + hand-off) / step, beside ``paper_hindsight_share`` 0.083, and
+``with_ingest_share`` adding the store's writes.
+
+The site folder's name matters: ``datasets`` (which TRL imports) hashes with ``dill``, which
+pickles by value any module outside a ``site-packages`` folder, and then fails on pyarrow's types.
+bench/gpu_wheels.sh --trl brings TRL, accelerate, datasets, pyarrow and pandas wheels for
+CPython 3.12 (pyarrow without its Flight and S3 libraries, pandas without its tests: the carried
+folder stays under 60 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_common as common
+
+PAPER_HINDSIGHT_SHARE = 0.083  # docs/PAPER.md: hindsight scoring, 8.3 % of an iteration
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    out, device, doc = common.start(args, "gpu_trl", "trl.json")
+    doc.update(
+        shape="tiny" if args.size == "tiny" else args.shape,
+        rollouts=args.rollouts,
+        paper_hindsight_share=PAPER_HINDSIGHT_SHARE,
+        steps=[],
+    )
+
+    def flush(what: str) -> None:
+        common.save(out, doc)
+        print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    flush("start")
+    try:
+        run(args, device, doc, flush)
+    except Exception as exc:  # what was measured stays in the JSON, with the error
+        doc["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        doc["traceback"] = traceback.format_exc()[-4000:]
+    doc["seconds"] = round(time.monotonic() - started, 1)
+    doc["summary"] = summary(doc)
+    common.save(out, doc)
+    for line in doc["summary"]:
+        print(line, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    common.add_common_args(p, out="trl.json", budget_s=300.0)
+    p.add_argument("--shape", choices=["0.6b", "1.7b"], default="0.6b", help="the policy's Qwen3 shape")
+    p.add_argument("--rollouts", type=int, default=8, help="completions of the prompt (one GRPO group)")
+    p.add_argument("--max-completion-length", type=int, default=32)
+    p.add_argument("--layouts", nargs="+", default=["per-step", "episode"], choices=["per-step", "episode"],
+                   help="score_live's prompt layout, one measured step each (after a warm-up step)")  # fmt: skip
+    args = p.parse_args()
+    if args.size == "tiny":
+        args.steps_per_subtask = min(args.steps_per_subtask, 1)
+        args.max_completion_length = min(args.max_completion_length, 4)
+        args.rollouts = min(args.rollouts, 2)  # the CPU: TRL's log-probabilities over the vocabulary
+    args.tokenizer = common.resolve_tokenizer(p, args.tokenizer)
+    return args
+
+
+def episode_prompt(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
+    """A synthetic episode's messages up to its last assistant turn (what the agent saw when it
+    wrote it), and the episode's step count."""
+    from hcapo_store.devkit.synth import EpisodeBuilder
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.storage import db
+    from hcapo_store.storage.episodes import load_episode
+    from hcapo_store.storage.store import Store
+
+    path = EpisodeBuilder(seed=1, episode_id=1, reward=0.5).standard(steps_per_subtask=args.steps_per_subtask)
+    path = path.write(work / "source" / "episode_001")
+    with Store.open(str(work / "source.db")) as store:
+        if ingest(store, [path], jobs=1).failed:
+            raise SystemExit("the synthetic episode failed to ingest")
+        with db.read(store.engine) as conn:
+            (episode_id,) = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes")]
+            episode = load_episode(conn, episode_id)
+    messages = [dict(m) for m in episode.messages]
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return messages[:last], len(episode.steps)
+
+
+class Timers:
+    """Seconds of the wrapped functions, per training step (``step`` is set by the callback)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.seconds: dict[int, dict[str, float]] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        row = self.seconds.setdefault(self.step, {})
+        row[name] = row.get(name, 0.0) + seconds
+
+    def wrap(self, owner: Any, attribute: str, name: str, before: Any = None) -> None:
+        """Time ``owner.attribute`` (a module function or a bound method), as ``name``."""
+        inner = getattr(owner, attribute)
+
+        @functools.wraps(inner)
+        def timed(*a: Any, **kw: Any) -> Any:
+            if before is not None:
+                kw = before(kw)
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.add(name, time.perf_counter() - t)
+
+        setattr(owner, attribute, timed)
+
+
+def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig
+
+    import hcapo_store.credits.compute as credits_module
+    import hcapo_store.ingestion.pipeline as ingest_module
+    import hcapo_store.scoring.live as live_module
+    from hcapo_store.storage.store import Store
+    from hcapo_store.training.trl_grpo import HCAPOGRPOTrainer, StoreAdvantages
+
+    tiny = args.size == "tiny"
+    work = Path(tempfile.mkdtemp(prefix="hcapo-trl-"))
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    prompt, steps = episode_prompt(work, args)
+    text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    doc["prompt"] = {"messages": len(prompt), "tokens": len(prompt_ids), "episode_steps": steps}
+    flush(f"prompt: {doc['prompt']}")
+
+    t = time.perf_counter()
+    vocab = max(common.VOCAB, len(tok)) if not tiny else -(-len(tok) // 64) * 64
+    model = common.build_model(
+        "tiny" if tiny else args.shape, vocab, device, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    if tiny:
+        model = model.float()  # the CPU trains in float32
+    model.train()
+    common.sync(device)
+    doc["build_s"] = round(time.perf_counter() - t, 2)
+    doc["parameters"] = sum(p.numel() for p in model.parameters())
+    flush("policy built")
+
+    timers = Timers()
+    layouts = [args.layouts[0], *args.layouts]  # the warm-up step runs the first one too
+
+    def layout_of_step(kw: dict[str, Any]) -> dict[str, Any]:
+        return {**kw, "prompt_layout": layouts[min(timers.step, len(layouts) - 1)]}
+
+    timers.wrap(live_module, "score_live", "score_live", before=layout_of_step)
+    timers.wrap(credits_module, "compute_credits", "credits")
+    timers.wrap(ingest_module, "ingest", "ingest")
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            common.sync(device)
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            common.sync(device)
+            timers.add("step", time.perf_counter() - self.t)
+            flush(f"step {timers.step} done ({layouts[min(timers.step, len(layouts) - 1)]})")
+            timers.step += 1
+
+    digits = {tok.convert_tokens_to_ids(c) for c in "0123456789"} | {tok.eos_token_id}
+    config = GRPOConfig(
+        output_dir=str(work / "out"),
+        use_cpu=tiny,
+        bf16=not tiny,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=args.rollouts,
+        num_generations=args.rollouts,
+        max_completion_length=args.max_completion_length,
+        max_steps=len(layouts),
+        logging_steps=1,
+        disable_tqdm=True,
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        mask_truncated_completions=True,
+        seed=0,
+        chat_template_kwargs={"enable_thinking": False},
+        generation_kwargs={"suppress_tokens": [i for i in range(len(tok)) if i not in digits]},
+    )
+    sevens = lambda completions, **_: [float(c[0]["content"].count("7")) for c in completions]  # noqa: E731
+    with Store.open(str(work / "store.db")) as store:
+        source = StoreAdvantages(
+            store, tokenizer=args.tokenizer, workdir=work / "rollouts", run_id="bench", strict=False,
+            allow_zero_hindsight=True,
+        )  # fmt: skip
+        trainer = HCAPOGRPOTrainer(
+            model=model,
+            reward_funcs=sevens,
+            args=config,
+            train_dataset=Dataset.from_list([{"prompt": prompt}] * len(layouts)),
+            processing_class=tok,
+            advantages=lambda batch: timed_source(timers, source, batch),
+            callbacks=[StepClock()],
+        )
+        timers.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
+        flush("trainer made")
+        trainer.train()
+        for step, layout in enumerate(layouts):
+            row: dict[str, Any] = {"step": step, "warm_up": step == 0, "layout": layout}
+            row.update({k: round(v, 4) for k, v in timers.seconds.get(step, {}).items()})
+            row["refused_rows"] = sum(1 for s, _ in source.refused if s == step)
+            row["skipped_rows"] = sum(1 for s, _ in source.skipped if s == step)
+            shares(row)
+            doc["steps"].append(row)
+        doc["scorers"] = {str(step): sid for step, sid in source.scorers.items()}
+    if device.type == "cuda":
+        doc["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+
+
+def timed_source(timers: Timers, source: Any, batch: Any) -> Any:
+    t = time.perf_counter()
+    try:
+        return source(batch)
+    finally:
+        timers.add("advantages", time.perf_counter() - t)
+
+
+def shares(row: dict[str, Any]) -> None:
+    """The hindsight pass (score_live + credits + hand-off) and its parts over the step."""
+    if "step" not in row or "advantages" not in row:
+        return
+    inside = row.get("ingest", 0.0) + row.get("score_live", 0.0) + row.get("credits", 0.0)
+    row["handoff"] = round(max(row["advantages"] - inside, 0.0), 4)  # the source's rest: write, Handoff
+    hindsight = row.get("score_live", 0.0) + row.get("credits", 0.0) + row["handoff"]
+    step = row["step_s"] = row.pop("step")
+    row["hindsight_s"] = round(hindsight, 4)
+    row["hindsight_share"] = round(hindsight / step, 4)
+    row["with_ingest_share"] = round((hindsight + row.get("ingest", 0.0)) / step, 4)
+    if "generate_and_score" in row:
+        row["generation_and_rewards_share"] = round((row["generate_and_score"] - row["advantages"]) / step, 4)
+        row["update_share"] = round((step - row["generate_and_score"]) / step, 4)
+
+
+def summary(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for row in doc.get("steps", []):
+        if row.get("warm_up") or "hindsight_share" not in row:
+            continue
+        lines.append(
+            f"{doc['shape']} {row['layout']}: step {row['step_s']:.2f} s, hindsight {row['hindsight_s']:.2f} s"
+            f" = {row['hindsight_share']:.1%} of the step (paper {PAPER_HINDSIGHT_SHARE:.1%}); score_live"
+            f" {row.get('score_live', 0):.2f} s, credits {row.get('credits', 0):.2f} s, hand-off {row['handoff']:.2f} s,"
+            f" ingest {row.get('ingest', 0):.2f} s"
+        )
+    if "error" in doc:
+        lines.append(f"error: {doc['error']}")
+    return lines
+
+
+if __name__ == "__main__":  # score_live's preparing processes and ingest's workers import this module
+    main()

@@ -1,0 +1,227 @@
+"""Where a run prepares its requests: each claimed episode loaded, rendered, tokenized and cut
+into requests (:func:`requests_for`), in a thread of this process or in worker processes.
+
+Rendering and tokenizing are mostly pure Python (rendering/ascii_bpe.py), so in a thread they
+hold the GIL; an in-process model on a GPU launches its kernels from Python too, and every
+millisecond its thread waits for the GIL the GPU idles (bench/gpu_gaps.py: 13-21 such pauses of
+several ms per forward on an H100). ``RunOptions.prepare_workers`` > 0 moves the preparation into
+that many worker processes (:class:`PreparePool`): each opens the store and builds the same
+``PromptBuilder`` (the tokenizer from its directory, the same settings and rendering mode), and
+sends back the same requests, so the ids, and the stored log-probabilities, are the thread's.
+``None`` (the default) chooses in one place, :func:`default_prepare_workers`: processes when the
+in-process model computes on a GPU, threads otherwise (see there why).
+
+A pool outlives its run: the next run with the same store and builder (``score_live`` at every
+training step) finds its workers started. :func:`close_pools` ends them (and at exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import multiprocessing
+import signal
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from hcapo_store.rendering import verify
+from hcapo_store.rendering.prompts import PromptBuilder
+from hcapo_store.rendering.requests import GroupPrompt, PromptFailure
+from hcapo_store.scoring import defaults
+from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
+from hcapo_store.storage import db
+from hcapo_store.storage.episodes import load_episode
+from hcapo_store.storage.store import Store
+
+Requests = list[GroupPrompt | PromptFailure]
+
+
+def requests_for(
+    store: Store,
+    builder: PromptBuilder,
+    episode_id: int,
+    wanted: set[int],
+    grouping: Grouping,
+    key: str,
+    lock: AbstractContextManager[Any] | None = None,
+) -> tuple[Requests, int]:
+    """The requests for the steps ``wanted`` (step indexes) of one episode, each carrying the
+    routing ``key``, and the episode's conversation tokens (its prefill floor). ``lock``: held
+    while the builder renders (a builder that is not ``thread_safe``, shared by threads)."""
+    with db.read(store.engine) as conn:
+        episode = load_episode(conn, episode_id)
+    steps = [s for s in episode.steps if s.step_index in wanted]
+    with lock or contextlib.nullcontext():
+        requests, floor = plan_requests_and_floor(
+            builder, episode.messages, episode.outcome, steps, episode.steps, grouping=grouping
+        )
+    return [
+        r if isinstance(r, PromptFailure) else GroupPrompt(tuple(replace(m, routing_key=key) for m in r.members))
+        for r in requests
+    ], floor
+
+
+def default_prepare_workers(backend: Any) -> int:
+    """Worker processes when ``RunOptions.prepare_workers`` is None: ``defaults.PREPARE_PROCESSES``
+    when the backend is an in-process model on a GPU, else 0 (threads). On a GPU the model's
+    thread launches each kernel under the GIL, so preparation beside it in threads starves the
+    GPU; on a CPU a forward spends its time in torch's own threads without the GIL, and worker
+    processes would take cores from it and cost more to start (~1 s each: imports, tokenizer)
+    than a small run (a test, a ``follow`` batch) spends preparing. An HTTP backend's model
+    runs elsewhere: the GIL here does not hold it up."""
+    computes_in = getattr(backend, "computes_in", None)
+    if not callable(computes_in):
+        return 0
+    try:
+        where = computes_in().get("device")
+    except RuntimeError:  # not started: nothing known of its device
+        return 0
+    return defaults.PREPARE_PROCESSES if where == "cuda" else 0
+
+
+@dataclass(frozen=True)
+class BuilderRecipe:
+    """What makes a ``PromptBuilder`` again in another process: the tokenizer's directory, the
+    builder's keyword arguments and its rendering mode (``fast`` or ``reference``)."""
+
+    tokenizer: str
+    options: tuple[tuple[str, Any], ...]
+    rendering: str
+
+    @classmethod
+    def of(cls, tokenizer: str, options: dict[str, Any], builder: PromptBuilder) -> BuilderRecipe:
+        return cls(tokenizer, tuple(sorted(options.items())), "reference" if builder.reference else "fast")
+
+    def build(self) -> PromptBuilder:
+        from hcapo_store.rendering.tokenizers import load_tokenizer
+
+        return PromptBuilder(load_tokenizer(self.tokenizer), **dict(self.options), rendering=self.rendering)  # type: ignore[arg-type]
+
+
+# --- the worker processes' side -----------------------------------------------------------------
+
+_worker: dict[str, Any] = {}  # in a worker: its store and builder
+
+
+def _start_worker(url: str, recipe: BuilderRecipe) -> None:
+    # Ctrl-C reaches the process group: the parent alone decides what it means
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker["store"] = Store.open(url, create=False)
+    _worker["builder"] = recipe.build()
+
+
+def _prepare_in_worker(
+    episode_id: int, wanted: set[int], grouping: Grouping, key: str
+) -> tuple[Requests, int, dict[str, int]]:
+    before = verify.fallbacks()
+    requests, floor = requests_for(_worker["store"], _worker["builder"], episode_id, wanted, grouping, key)
+    return requests, floor, verify.since(before)
+
+
+def _ready() -> bool:
+    return "builder" in _worker
+
+
+# --- the parent's side --------------------------------------------------------------------------
+
+
+class PreparePool:
+    """``workers`` processes preparing episodes of one store with one builder recipe."""
+
+    def __init__(self, url: str, recipe: BuilderRecipe, workers: int) -> None:
+        self.url, self.recipe, self.workers = url, recipe, workers
+        context: BaseContext
+        # forkserver, not fork: the parent holds database connections, threads, maybe a CUDA context
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            # its server imports these once (when it is not running yet); each worker forks from it
+            multiprocessing.set_forkserver_preload(["hcapo_store.scoring.preparing"])
+        else:
+            context = multiprocessing.get_context("spawn")
+        self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(url, recipe)
+        )
+        for _ in range(workers):  # start them now, while the run starts: not on its first episode
+            self._pool.submit(_ready)
+        self.fallbacks: Counter[str] = Counter()  # rendering fallbacks counted in the workers
+
+    @property
+    def broken(self) -> bool:
+        return self._pool is None
+
+    async def prepare(
+        self, episode_id: int, wanted: set[int], grouping: Grouping, key: str
+    ) -> tuple[Requests, int] | None:
+        """The episode's requests and floor from a worker; None when the pool is broken (a worker
+        was killed): the caller then prepares in a thread, as without a pool."""
+        if self._pool is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            requests, floor, fallbacks = await loop.run_in_executor(
+                self._pool, _prepare_in_worker, episode_id, wanted, grouping, key
+            )
+        except BrokenProcessPool:
+            self.close()
+            return None
+        self.fallbacks.update(fallbacks)
+        return requests, floor
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+_pools: dict[tuple[str, BuilderRecipe, int], PreparePool] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(url: str, recipe: BuilderRecipe, workers: int) -> PreparePool | None:
+    """The pool for this store, recipe and size, started at its first use and kept for the next
+    runs (one at a time: another recipe's pool is ended first). None for an in-memory database
+    (no other process can open it)."""
+    if workers < 1 or _in_memory(url):
+        return None
+    key = (url, recipe, workers)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is not None and not pool.broken:
+            return pool
+        for other in list(_pools):
+            _pools.pop(other).close()
+        _pools[key] = pool = PreparePool(url, recipe, workers)
+        return pool
+
+
+def _in_memory(url: str) -> bool:
+    return url.startswith("sqlite") and (":memory:" in url or "mode=memory" in url or url.rstrip("/") == "sqlite:")
+
+
+def close_pools() -> None:
+    """End every kept pool's workers."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close()
+
+
+atexit.register(close_pools)
+
+__all__: Sequence[str] = (
+    "BuilderRecipe",
+    "PreparePool",
+    "close_pools",
+    "default_prepare_workers",
+    "requests_for",
+    "shared_pool",
+)

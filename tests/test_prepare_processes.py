@@ -1,0 +1,94 @@
+"""Requests prepared in worker processes (scoring/preparing.py): the stored log-probabilities are
+the threads' bit for bit, with the real Qwen3 tokenizer and a tiny Qwen3 of its vocabulary on the
+CPU, in both prompt layouts; the pool is kept for the next run; the default is threads on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+from _shared import TOKENIZERS
+from faultserver import stored_scores
+
+torch = pytest.importorskip("torch")
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from hcapo_store.devkit.synth import write_standard_episodes  # noqa: E402
+from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
+from hcapo_store.scoring import preparing  # noqa: E402
+from hcapo_store.scoring.backends.inprocess import LiveModelBackend  # noqa: E402
+from hcapo_store.scoring.live import score_live  # noqa: E402
+from hcapo_store.storage.store import Store  # noqa: E402
+
+QWEN3 = TOKENIZERS / "qwen3"
+
+
+@pytest.fixture(scope="module")
+def qwen3_store(tmp_path_factory: pytest.TempPathFactory):
+    if not QWEN3.is_dir():
+        pytest.skip(f"{QWEN3} is not here (../shared absent)")
+    work = tmp_path_factory.mktemp("prep")
+    write_standard_episodes(work / "eps", 1, steps_per_subtask=1, output_words=6)
+    tok = AutoTokenizer.from_pretrained(str(QWEN3))
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config).float().eval()
+    with Store.open(str(work / "p.db")) as store:
+        report = ingest(store, [work / "eps"], jobs=1)
+        assert not report.failed
+        yield store, model
+    preparing.close_pools()
+
+
+@pytest.mark.slow  # worker processes start (imports, the Qwen3 tokenizer): ~20-60 s on a loaded 2-core machine
+@pytest.mark.parametrize("layout", ["episode", "per-step"])
+def test_processes_store_the_threads_logprobs_bit_for_bit(qwen3_store, layout: str) -> None:
+    store, model = qwen3_store
+    scored = {}
+    for workers in (0, 2):
+        live = score_live(
+            store,
+            model,
+            tokenizer=str(QWEN3),
+            weight_version=f"{layout}-{workers}",
+            prompt_layout=layout,  # type: ignore[arg-type]
+            max_context=4096,
+            prepare_workers=workers,
+        )
+        assert live.report.failed == 0 and live.report.scored > 0
+        scored[workers] = stored_scores(store, live.scorer_id)
+    threads, processes = scored[0], scored[2]
+    assert processes.keys() == threads.keys() and len(threads) == live.report.scored
+    for key, (mean, blob, count) in threads.items():
+        assert processes[key] == (mean, blob, count), key  # the blob: every token's float, bit for bit
+    # the pool stays for the next run of this store and builder
+    assert any(pool.workers == 2 and not pool.broken for pool in preparing._pools.values())
+
+
+def test_the_default_prepares_in_threads_on_a_cpu(qwen3_store) -> None:
+    _, model = qwen3_store
+    backend = LiveModelBackend(model, weight_version="d")
+    assert preparing.default_prepare_workers(backend) == 0  # not started: nothing known
+    import asyncio
+
+    asyncio.run(backend.start())
+    try:
+        assert backend.computes_in()["device"] == "cpu"
+        assert preparing.default_prepare_workers(backend) == 0
+    finally:
+        asyncio.run(backend.close())
+
+
+def test_an_in_memory_store_gets_no_pool() -> None:
+    recipe = preparing.BuilderRecipe("x", (), "fast")
+    assert preparing.shared_pool("sqlite://", recipe, 2) is None
+    assert preparing.shared_pool("sqlite:///:memory:", recipe, 2) is None
+    assert preparing.shared_pool("sqlite:////tmp/a.db", recipe, 0) is None
