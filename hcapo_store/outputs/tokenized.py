@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hcapo_store.credits.log_ratio import place_token_values
+from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
 from hcapo_store.credits.run_side import read_run_side
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
@@ -37,12 +37,13 @@ from hcapo_store.outputs.rows import (
 )
 from hcapo_store.outputs.topk import place as place_topk
 from hcapo_store.outputs.topk import step_topk
-from hcapo_store.rendering.alignment import RENDERINGS, Alignment, EpisodeRenderer
+from hcapo_store.rendering.alignment import RENDERINGS, Alignment, EpisodeRenderer, place_values
 from hcapo_store.rendering.token_format import IGNORE_INDEX, TOKEN_IDS
 from hcapo_store.rendering.tokenizers import content_sha256
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
+from hcapo_store.storage.token_values import step_token_advantages
 
 
 def _row(
@@ -218,6 +219,7 @@ def export_tokenized(
         "variant": run.variant,
     }
     ids = episode_ids(episodes)
+    log_ratio = run.variant == LOG_RATIO
     with db.read(store.engine) as conn:
 
         def rows() -> Iterator[dict[str, Any]]:
@@ -227,10 +229,13 @@ def export_tokenized(
                 if not rw.signed and not (rw.weights[i] > 0).any():
                     stats.no_weight += 1  # the original leaves all-zero episodes out
                     continue
+                # a log-ratio run's per-token advantages, placed only on steps whose own tokens they cover
+                per_token = step_token_advantages(conn, run.id, ep["id"]) if log_ratio else None
                 al = renderer.align(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
-                per_token = place_token_values(conn, run, ep["id"], al.spans, al.refused)
+                if per_token is not None:
+                    place_values(per_token, al.spans, al.refused)
                 targets = None
                 if top_k:  # the run's scorer's top-k on the same tokens (outputs/topk.py)
                     targets = place_topk(

@@ -46,16 +46,16 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
-from hcapo_store.credits.log_ratio import span_mismatch, token_advantages
 from hcapo_store.credits.lookup import RunInfo
 from hcapo_store.credits.run_side import RunSide, no_credit_run, read_run_side
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
-from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer
+from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
+from hcapo_store.storage.token_values import step_token_advantages
 
 CONTEXT_TOKENS = 3  # header tokens that must precede a step's tokens in the trainer's ids
 
@@ -142,7 +142,7 @@ class Handoff:
         if self.run.variant != LOG_RATIO:
             return None
         with db.read(self.store.engine) as conn:
-            return {i: v for (_, i), v in token_advantages(conn, self.run.id, ep_id).items()}
+            return step_token_advantages(conn, self.run.id, ep_id)
 
     def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
         """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
