@@ -11,7 +11,7 @@ from sqlalchemy import text
 from test_tokenized import scored_with
 
 from hcapo_store.credits.lookup import get_run
-from hcapo_store.credits.run_side import read_run_side
+from hcapo_store.credits.run_side import read_run_side, with_tokenizer
 from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import CreditError, ExportError, HandoffError
 from hcapo_store.storage import db
@@ -40,7 +40,7 @@ def test_one_read_gives_what_the_separate_lookups_gave(store: Store, samples: Pa
     with pytest.raises(dataclasses.FrozenInstanceError):
         side.replaced = "x"  # type: ignore[misc]
     # a second run side of the same scorer takes the tokenizer already loaded and checked
-    again = read_run_side(store, "r", tokenizer=True, tokenizer_dir=demo_tokenizer_dir, like=side)
+    again = with_tokenizer(read_run_side(store, "r"), demo_tokenizer_dir, like=side)
     assert again.tokenizer is side.tokenizer
     # without tokenizer=True nothing is loaded; the weight options are run_weights'
     plain = read_run_side(store, None, omega=0.5)

@@ -51,7 +51,7 @@ class RunSide:
     tokenizer_record: tuple[dict[str, Any], list[Path]]  # the scorer's tokenizer fingerprint, where it was loaded
     credited: tuple[CreditedEpisode, ...] = ()  # every credited episode, by name (``credited=True``)
     has_topk: bool | None = None  # the run's scorer stored a top-k (``top_k=True``), else None
-    # the scorer's tokenizer, loaded and checked against its fingerprint (``tokenizer=True``), and
+    # the scorer's tokenizer, loaded and checked against its fingerprint (``with_tokenizer``), and
     # the fingerprint of the copy loaded: the one field that is not plain data
     tokenizer: Any = None
     fingerprint: dict[str, Any] | None = None
@@ -70,20 +70,26 @@ def read_run_side(
     tokenizer: bool = False,
     tokenizer_dir: str | Path | None = None,
     note: Callable[[str], None] | None = None,
-    like: RunSide | None = None,
 ) -> RunSide:
     """The run side of ``run`` in one read: a credit run's name (None: the only run) or a batch
     id (``int``: the ``batches`` row ``hcapo-store batches`` lists; refused by name when it has
-    no credit run). The weight options are ``run_weights``'s.
+    no credit run). The weight options are ``run_weights``'s; ``tokenizer``: ``with_tokenizer``."""
+    with db.read(store.engine) as conn:
+        side = _read(conn, run, omega, min_reward, group_by, use_smoothed, credited, top_k)
+    return with_tokenizer(side, tokenizer_dir, note=note) if tokenizer else side
 
-    ``tokenizer``: also load the scorer's tokenizer (``scoring/tokenizer_lookup.py``: the one in
+
+def with_tokenizer(
+    side: RunSide,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    note: Callable[[str], None] | None = None,
+    like: RunSide | None = None,
+) -> RunSide:
+    """``side`` with its scorer's tokenizer loaded (``scoring/tokenizer_lookup.py``: the one in
     ``tokenizer_dir`` checked against the scorer's fingerprint, or without one where the store
     records it was loaded; ``note`` is told which); the one of ``like`` when that run side has
     one for the same scorer (a trainer takes one run per GRPO group each step)."""
-    with db.read(store.engine) as conn:
-        side = _read(conn, run, omega, min_reward, group_by, use_smoothed, credited, top_k)
-    if not tokenizer:
-        return side
     scorer_id = side.run.scorer_id
     if like is not None and like.tokenizer is not None and like.run.scorer_id == scorer_id:
         return replace(side, tokenizer=like.tokenizer, fingerprint=like.fingerprint)

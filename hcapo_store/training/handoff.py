@@ -47,7 +47,7 @@ from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
 from hcapo_store.credits.lookup import RunInfo
-from hcapo_store.credits.run_side import RunSide, no_credit_run, read_run_side
+from hcapo_store.credits.run_side import RunSide, no_credit_run, read_run_side, with_tokenizer
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
@@ -93,9 +93,8 @@ class Handoff:
     ) -> None:
         self.store = store
         self.tokenizer_dir = tokenizer
-        side = read_run_side(store, _run_arg(run), credited=True, tokenizer=True, tokenizer_dir=tokenizer)
-        self._open(side, allow_stale, allow_zero_hindsight)
-        self.renderer = EpisodeRenderer(side.tokenizer)
+        self._open(read_run_side(store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
+        self._take_tokenizer(with_tokenizer(self.side, tokenizer))  # once the run is not refused
 
     def for_run(
         self, run: str | int | BatchInfo, *, allow_stale: bool = False, allow_zero_hindsight: bool = False
@@ -105,11 +104,8 @@ class Handoff:
         group each step: loading it once per run cost more than placing the group)."""
         other = object.__new__(Handoff)
         other.store, other.tokenizer_dir = self.store, self.tokenizer_dir
-        side = read_run_side(
-            self.store, _run_arg(run), credited=True, tokenizer=True, tokenizer_dir=self.tokenizer_dir, like=self.side
-        )
-        other._open(side, allow_stale, allow_zero_hindsight)
-        other.renderer = self.renderer if side.tokenizer is self.tokenizer else EpisodeRenderer(side.tokenizer)
+        other._open(read_run_side(self.store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
+        other._take_tokenizer(with_tokenizer(other.side, self.tokenizer_dir, like=self.side), self)
         return other
 
     def _open(self, side: RunSide, allow_stale: bool, allow_zero: bool) -> None:
@@ -128,15 +124,24 @@ class Handoff:
                 raise HandoffError(self.signal.refusal(f"credit run {self.run.name!r}"))
             self.warnings.append(f"credit run {self.run.name!r}: {self.signal.text()} ({OPT_IN}=True)")
         self.warnings.extend(side.weight_warnings)
-        self.tokenizer, self.fingerprint = side.tokenizer, side.fingerprint
         rw = side.weights
         self._names = {e.id: e.name for e in side.credited}
-        self._external = {
-            e.id: e.external_id for e in side.credited if e.external_id is not None
-        }  # the collector's ids
+        # the collector's ids (JSONL episode_id, Pi session id)
+        self._external = {e.id: e.external_id for e in side.credited if e.external_id is not None}
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
+
+    def _take_tokenizer(self, side: RunSide, shared: Handoff | None = None) -> None:
+        """The run side with its scorer's tokenizer, loaded and checked once it is not refused;
+        ``shared``'s renderer when it is that hand-off's tokenizer."""
+        self.side = side
+        self.tokenizer, self.fingerprint = side.tokenizer, side.fingerprint
+        self.renderer: EpisodeRenderer = (
+            shared.renderer
+            if shared is not None and shared.tokenizer is side.tokenizer
+            else EpisodeRenderer(side.tokenizer)
+        )
 
     def _token_values(self, ep_id: int) -> dict[int, np.ndarray] | None:
         if self.run.variant != LOG_RATIO:
