@@ -6,8 +6,10 @@ dataset exports know about a credit run before they place a single step, as plai
 replaced the batch it was published as (if one did), its per-step weights (``weights.py``), its
 scorer's tokenizer record (the fingerprint and the directories it was loaded from, which
 ``scoring/tokenizer_lookup.py`` checks a tokenizer against) and, when asked, its credited
-episodes and whether its scorer has a top-k. The callers then work on that data; the per-step
-rows they stream afterwards are theirs.
+episodes and whether its scorer has a top-k. ``with_tokenizer`` adds the scorer's tokenizer,
+loaded and checked against that record (the one field that is not plain data): the export
+asks for it with the read, ``Handoff`` once it has not refused the run. The callers then work
+on that data; the per-step rows they stream afterwards are theirs.
 """
 
 from __future__ import annotations
