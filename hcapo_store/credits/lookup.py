@@ -163,14 +163,19 @@ def run_staleness(conn: Connection, run: RunInfo) -> RunInfo:
 def get_run(store: Store, name: str | None = None) -> RunInfo:
     """A run by name (with its staleness); with no name, the only run (else an error listing them)."""
     with db.read(store.engine) as conn:
-        names = None if name is not None else _run_names(conn)
-        if names is not None and len(names) == 1:
-            name = names[0]
-        if name is not None:
-            run = find_run(conn, "r.name = :name", name=name)
-            if run is not None:
-                return run_staleness(conn, run)
-        names = _run_names(conn) if names is None else names
+        return named_run(conn, name)
+
+
+def named_run(conn: Connection, name: str | None = None) -> RunInfo:
+    """:func:`get_run` within a read the caller holds."""
+    names = None if name is not None else _run_names(conn)
+    if names is not None and len(names) == 1:
+        name = names[0]
+    if name is not None:
+        run = find_run(conn, "r.name = :name", name=name)
+        if run is not None:
+            return run_staleness(conn, run)
+    names = _run_names(conn) if names is None else names
     known = ", ".join(names) if names else "none; run `credits compute` first"
     if name is None:
         raise CreditError(f"several credit runs, pick one: {known}")

@@ -24,7 +24,8 @@ from sqlalchemy import Connection
 
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.credits.lookup import RunInfo, get_run
-from hcapo_store.credits.weights import NO_MIN_REWARD, RunWeights, run_weights, stream
+from hcapo_store.credits.run_side import read_run_side
+from hcapo_store.credits.weights import NO_MIN_REWARD, RunWeights, stream
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
@@ -351,19 +352,20 @@ def export_dataset(
         )
     if top_k:
         raise ExportError("top_k (--top-k) goes with the tokenized layout (--tokenized)")
-    run = get_run(store, run_name)
     out = Path(out_path)
     summary_path = summary_path_for(out)
     for path in (out, summary_path):
         check_output(path, store.files)
-    warnings = run_warnings(run)
-    signal_warning(run, warnings)
-    provenance = run_provenance(run)
-    stats = _Stats()
-    with db.read(store.engine) as conn:
-        rw = run_weights(
-            conn, run, warnings, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
-        )
+    side = read_run_side(
+        store, run_name, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
+    )
+    run, rw = side.run, side.weights
+    with db.read(store.engine) as conn:  # the episodes' messages, streamed as the rows are written
+        warnings = run_warnings(run)
+        signal_warning(run, warnings)
+        warnings.extend(side.weight_warnings)
+        provenance = run_provenance(run)
+        stats = _Stats()
         episodes = rw.episodes
         rows: Iterator[dict[str, Any]] = (stats.add(r) for r in _rows(conn, run, rw, stats, on_progress))
         if layout == "weights-in-messages":

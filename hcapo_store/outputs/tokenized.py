@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import text
 
-from hcapo_store.credits.log_ratio import place_token_values
-from hcapo_store.credits.lookup import get_run
-from hcapo_store.credits.weights import run_weights
+from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
+from hcapo_store.credits.run_side import read_run_side
 from hcapo_store.errors import ExportError
 from hcapo_store.outputs.files import atomic_write, check_output
 from hcapo_store.outputs.rows import (
@@ -39,13 +37,13 @@ from hcapo_store.outputs.rows import (
 )
 from hcapo_store.outputs.topk import place as place_topk
 from hcapo_store.outputs.topk import step_topk
-from hcapo_store.rendering.alignment import RENDERINGS, Alignment, EpisodeRenderer
+from hcapo_store.rendering.alignment import RENDERINGS, Alignment, EpisodeRenderer, place_values
 from hcapo_store.rendering.token_format import IGNORE_INDEX, TOKEN_IDS
 from hcapo_store.rendering.tokenizers import content_sha256
-from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
+from hcapo_store.storage.token_values import step_token_advantages
 
 
 def _row(
@@ -180,42 +178,49 @@ def export_tokenized(
     summary_path = summary_path_for(out)
     for path in (out, summary_path):
         check_output(path, store.files)
-    run = get_run(store, run_name)
+    notes: list[str] = []  # which tokenizer was taken, when none was given
+    side = read_run_side(
+        store,
+        run_name,
+        omega=omega,
+        min_reward=min_reward,
+        group_by=group_by,
+        use_smoothed=use_smoothed,
+        top_k=top_k,
+        tokenizer=True,
+        tokenizer_dir=tokenizer,
+        note=notes.append,
+    )
+    run, rw, tok, fingerprint = side.run, side.weights, side.tokenizer, side.fingerprint or {}
     warnings = run_warnings(run)
     signal_warning(run, warnings)
-    tok, fingerprint = scorer_tokenizer(store, run.scorer_id, tokenizer, note=warnings.append)
+    warnings.extend(notes)
+    warnings.extend(side.weight_warnings)
+    if top_k and not side.has_topk:
+        raise ExportError(
+            f"--top-k: the scorer of credit run {run.name!r} has no top-k: score with `hcapo-store score --top-k K` "
+            "and compute the run over that scorer"
+        )
     renderer = EpisodeRenderer(tok)
     stats = _Stats()
+    episodes = rw.episodes
+    provenance = {
+        "credits": run.name,
+        "run_hash": run.run_hash,
+        "scorer_id": run.scorer_id,
+        "tokenizer": fingerprint["name"],
+        "tokenizer_files_sha256": fingerprint["files_sha256"],
+        "chat_template_sha256": fingerprint["chat_template_sha256"],
+        # what the ids depend on, not the files' bytes: a trainer's re-saved copy matches it
+        "tokenizer_content_sha256": content_sha256(tok),
+        "q": "q_h_smoothed" if rw.use_smoothed else "q_h",
+        "omega": float(rw.omega),
+        "rendering": rendering,
+        "variant": run.variant,
+    }
+    ids = episode_ids(episodes)
+    log_ratio = run.variant == LOG_RATIO
     with db.read(store.engine) as conn:
-        rw = run_weights(
-            conn, run, warnings, omega=omega, min_reward=min_reward, group_by=group_by, use_smoothed=use_smoothed
-        )
-        episodes = rw.episodes
-        provenance = {
-            "credits": run.name,
-            "run_hash": run.run_hash,
-            "scorer_id": run.scorer_id,
-            "tokenizer": fingerprint["name"],
-            "tokenizer_files_sha256": fingerprint["files_sha256"],
-            "chat_template_sha256": fingerprint["chat_template_sha256"],
-            # what the ids depend on, not the files' bytes: a trainer's re-saved copy matches it
-            "tokenizer_content_sha256": content_sha256(tok),
-            "q": "q_h_smoothed" if rw.use_smoothed else "q_h",
-            "omega": float(rw.omega),
-            "rendering": rendering,
-            "variant": run.variant,
-        }
-        ids = episode_ids(episodes)
-        if (
-            top_k
-            and not conn.execute(
-                text("SELECT 1 FROM topk_scores WHERE scorer_id = :s LIMIT 1"), {"s": run.scorer_id}
-            ).first()
-        ):
-            raise ExportError(
-                f"--top-k: the scorer of credit run {run.name!r} has no top-k: score with `hcapo-store score --top-k K` "
-                "and compute the run over that scorer"
-            )
 
         def rows() -> Iterator[dict[str, Any]]:
             for i, ep in enumerate(episodes):
@@ -224,10 +229,13 @@ def export_tokenized(
                 if not rw.signed and not (rw.weights[i] > 0).any():
                     stats.no_weight += 1  # the original leaves all-zero episodes out
                     continue
+                # a log-ratio run's per-token advantages, placed only on steps whose own tokens they cover
+                per_token = step_token_advantages(conn, run.id, ep["id"]) if log_ratio else None
                 al = renderer.align(
                     load_messages(conn, ep["id"]), list(zip(ep["step_indices"], ep["indices"])), rendering
                 )
-                per_token = place_token_values(conn, run, ep["id"], al.spans, al.refused)
+                if per_token is not None:
+                    place_values(per_token, al.spans, al.refused)
                 targets = None
                 if top_k:  # the run's scorer's top-k on the same tokens (outputs/topk.py)
                     targets = place_topk(

@@ -32,6 +32,7 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,3 +185,27 @@ def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | N
     if full[: len(step)] != step:
         return "rendering: the whole episode renders this turn (or an earlier one) differently"
     return None
+
+
+def span_mismatch(values: Sized, start: int, end: int) -> str | None:
+    """Why per-token values cannot go on the span [start, end), or None."""
+    if len(values) == end - start:
+        return None
+    return (
+        f"token_span: the run's scorers scored {len(values)} token(s) of this step, its own tokens here are "
+        f"{end - start}: per-token credits are placed only where they are the same tokens (score both "
+        "scorers with --action-span policy and no --max-logprob-tokens)"
+    )
+
+
+def place_values(values: Mapping[int, Sized], spans: dict[int, tuple[int, int]], refused: dict[int, str]) -> None:
+    """Per-token values by step index on the steps of ``spans``: a step whose values are not as
+    many as its own tokens moves, in place, from ``spans`` to ``refused`` with the reason, never
+    placed shifted."""
+    for index, (start, end) in list(spans.items()):
+        if index not in values:
+            continue
+        why = span_mismatch(values[index], start, end)
+        if why is not None:
+            del spans[index]
+            refused[index] = why

@@ -239,5 +239,10 @@ def scorer_tokenizer_record(store: Store, scorer_id: str) -> tuple[dict[str, Any
     """In one read: the scorer's tokenizer fingerprint (``{}`` for a scorer without one) and the
     directories a tokenizer with its files was loaded from, most recently seen first."""
     with db.read(store.engine) as conn:
-        theirs = _spec(conn, scorer_id).get("tokenizer") or {}
-        return theirs, _tokenizer_dirs(conn, theirs.get("files_sha256") or "")
+        return tokenizer_record(conn, scorer_id)
+
+
+def tokenizer_record(conn: Connection, scorer_id: str) -> tuple[dict[str, Any], list[Path]]:
+    """:func:`scorer_tokenizer_record` within a read the caller holds."""
+    theirs = _spec(conn, scorer_id).get("tokenizer") or {}
+    return theirs, _tokenizer_dirs(conn, theirs.get("files_sha256") or "")

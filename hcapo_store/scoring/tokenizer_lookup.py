@@ -33,7 +33,19 @@ def scorer_tokenizer(
     choice who could write to it, so a copy equal by content only is not taken from it (pass it
     with ``--tokenizer``). ``note`` is told which directory was taken and why. Reads the store
     only: a read-only credential can export and hand off."""
-    theirs, known = scorer_tokenizer_record(store, scorer_id)
+    return recorded_tokenizer(scorer_id, scorer_tokenizer_record(store, scorer_id), tokenizer_dir, note=note)
+
+
+def recorded_tokenizer(
+    scorer_id: str,
+    record: tuple[dict[str, Any], list[Path]],
+    tokenizer_dir: str | Path | None = None,
+    *,
+    note: Callable[[str], None] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`scorer_tokenizer` from the scorer's tokenizer ``record`` already read
+    (``scorer_tokenizer_record``: its fingerprint and the directories it was loaded from)."""
+    theirs, known = record
     if tokenizer_dir is not None:
         return _checked_tokenizer(scorer_id, theirs, known, tokenizer_dir)
     tried = []

@@ -46,24 +46,18 @@ import numpy as np
 from sqlalchemy import text
 
 from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
-from hcapo_store.credits.log_ratio import span_mismatch, token_advantages
-from hcapo_store.credits.lookup import RunInfo, get_run
+from hcapo_store.credits.lookup import RunInfo
+from hcapo_store.credits.run_side import RunSide, no_credit_run, read_run_side, with_tokenizer
 from hcapo_store.credits.signal import OPT_IN, CreditSignal
-from hcapo_store.credits.weights import run_weights
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
-from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer
-from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
+from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
+from hcapo_store.storage.token_values import step_token_advantages
 
 CONTEXT_TOKENS = 3  # header tokens that must precede a step's tokens in the trainer's ids
-
-RUN_EPISODES_SQL = """
-SELECT DISTINCT e.id, e.name, e.external_id FROM credits c JOIN steps s ON s.id = c.step_id JOIN episodes e ON e.id = s.episode_id
-WHERE c.run_id = :run ORDER BY e.name
-"""
 
 
 @dataclass
@@ -97,11 +91,10 @@ class Handoff:
         allow_stale: bool = False,
         allow_zero_hindsight: bool = False,
     ) -> None:
-        self._open(store, run, allow_stale, allow_zero_hindsight)
+        self.store = store
         self.tokenizer_dir = tokenizer
-        self.tokenizer, self.fingerprint = scorer_tokenizer(store, self.run.scorer_id, tokenizer)
-        self.renderer = EpisodeRenderer(self.tokenizer)
-        self._load()
+        self._open(read_run_side(store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
+        self._take_tokenizer(with_tokenizer(self.side, tokenizer))  # once the run is not refused
 
     def for_run(
         self, run: str | int | BatchInfo, *, allow_stale: bool = False, allow_zero_hindsight: bool = False
@@ -110,48 +103,51 @@ class Handoff:
         tokenizer loaded and checked for this one is shared (a trainer takes one run per GRPO
         group each step: loading it once per run cost more than placing the group)."""
         other = object.__new__(Handoff)
-        other._open(self.store, run, allow_stale, allow_zero_hindsight)
-        other.tokenizer_dir = self.tokenizer_dir
-        if other.run.scorer_id == self.run.scorer_id:
-            other.tokenizer, other.fingerprint, other.renderer = self.tokenizer, self.fingerprint, self.renderer
-        else:
-            other.tokenizer, other.fingerprint = scorer_tokenizer(self.store, other.run.scorer_id, self.tokenizer_dir)
-            other.renderer = EpisodeRenderer(other.tokenizer)
-        other._load()
+        other.store, other.tokenizer_dir = self.store, self.tokenizer_dir
+        other._open(read_run_side(self.store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
+        other._take_tokenizer(with_tokenizer(other.side, self.tokenizer_dir, like=self.side), self)
         return other
 
-    def _open(self, store: Store, run: str | int | BatchInfo | None, allow_stale: bool, allow_zero: bool) -> None:
-        self.store = store
-        self.run: RunInfo = get_run(store, batch_run(store, run))
-        self.warnings: list[str] = [self.run.stale] if self.run.stale else []
-        with db.read(store.engine) as conn:
-            replaced = superseded_batch(conn, self.run.id)
-        if replaced:
-            self.warnings.insert(0, replaced)
+    def _open(self, side: RunSide, allow_stale: bool, allow_zero: bool) -> None:
+        """Take the run side read for this run (``credits/run_side.py``): refused when stale or
+        replaced unless ``allow_stale``, without its hindsight term unless ``allow_zero`` (what
+        was allowed stays in ``warnings``)."""
+        self.side = side
+        self.run: RunInfo = side.run
+        self.warnings: list[str] = [w for w in (side.replaced, side.run.stale) if w]
         if self.warnings and not allow_stale:
             raise HandoffError(f"{self.warnings[0]}; or pass allow_stale=True to train on it anyway")
         # whether HCAPO's hindsight term is in the advantages (None: a run without stored advantages)
-        self.signal: CreditSignal | None = self.run.credit_signal
+        self.signal: CreditSignal | None = side.run.credit_signal
         if self.signal is not None and self.signal.plain_grpo:
             if not allow_zero:
                 raise HandoffError(self.signal.refusal(f"credit run {self.run.name!r}"))
             self.warnings.append(f"credit run {self.run.name!r}: {self.signal.text()} ({OPT_IN}=True)")
-
-    def _load(self) -> None:
-        with db.read(self.store.engine) as conn:
-            rw = run_weights(conn, self.run, self.warnings)
-            rows = conn.execute(text(RUN_EPISODES_SQL), {"run": self.run.id}).all()
-        self._names = {int(i): n for i, n, _ in rows}
-        self._external = {int(i): str(x) for i, _, x in rows if x is not None}  # the collector's ids
+        self.warnings.extend(side.weight_warnings)
+        rw = side.weights
+        self._names = {e.id: e.name for e in side.credited}
+        # the collector's ids (JSONL episode_id, Pi session id)
+        self._external = {e.id: e.external_id for e in side.credited if e.external_id is not None}
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
+
+    def _take_tokenizer(self, side: RunSide, shared: Handoff | None = None) -> None:
+        """The run side with its scorer's tokenizer, loaded and checked once it is not refused;
+        ``shared``'s renderer when it is that hand-off's tokenizer."""
+        self.side = side
+        self.tokenizer, self.fingerprint = side.tokenizer, side.fingerprint
+        self.renderer: EpisodeRenderer = (
+            shared.renderer
+            if shared is not None and shared.tokenizer is side.tokenizer
+            else EpisodeRenderer(side.tokenizer)
+        )
 
     def _token_values(self, ep_id: int) -> dict[int, np.ndarray] | None:
         if self.run.variant != LOG_RATIO:
             return None
         with db.read(self.store.engine) as conn:
-            return {i: v for (_, i), v in token_advantages(conn, self.run.id, ep_id).items()}
+            return step_token_advantages(conn, self.run.id, ep_id)
 
     def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
         """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
@@ -306,43 +302,20 @@ def float32_problem(value: float) -> str | None:
     return f"is {value}: refused, never passed on"
 
 
-def batch_run(store: Store, run: str | int | BatchInfo | None) -> str | None:
-    """The credit run meant by ``run``: a run name (or None: the only run), a published batch
-    (a ``BatchInfo``), or a batch id (``int``: the ``batches`` row ``hcapo-store batches``
-    lists). A batch without a credit run (every member failed) is refused by name."""
+def _run_arg(run: str | int | BatchInfo | None) -> str | int | None:
+    """The credit run meant by ``run`` as ``read_run_side`` takes it: a run name (or None: the
+    only run) or a batch id (``int``: the ``batches`` row ``hcapo-store batches`` lists); a
+    published batch (a ``BatchInfo``) by its credit run, refused by name when it has none
+    (every member failed)."""
     if run is None or isinstance(run, str):
         return run
     if isinstance(run, BatchInfo):
-        batch_id, key, status, name = run.id, run.key, run.status, run.credit_run
-    elif isinstance(run, (int, np.integer)) and not isinstance(run, bool):
-        with db.read(store.engine) as conn:
-            row = conn.execute(
-                text("SELECT id, key, status, credit_run FROM batches WHERE id = :b"), {"b": int(run)}
-            ).first()
-        if row is None:
-            raise HandoffError(f"no batch {int(run)} in this store (`hcapo-store batches` lists them)")
-        batch_id, key, status, name = row
-    else:
-        raise HandoffError(f"run must be a credit run name, a BatchInfo or a batch id, got {type(run).__name__}")
-    if not name:
-        raise HandoffError(f"batch {batch_id} ({key}) has no credit run ({status}): no member could be credited")
-    return str(name)
-
-
-def superseded_batch(conn: Any, run_id: int) -> str | None:
-    """Why a ``follow`` batch's run must not be trained on any more: a newer batch of the same
-    key replaced its batch (named, with its run), or None."""
-    row = conn.execute(
-        text("SELECT id, key, superseded_by FROM batches WHERE credit_run_id = :r AND status = 'superseded'"),
-        {"r": run_id},
-    ).first()
-    if row is None:
-        return None
-    new = conn.execute(
-        text("SELECT id, credit_run, status FROM batches WHERE id = :b"), {"b": row.superseded_by}
-    ).first()
-    by = f"batch {new.id} (credit run {new.credit_run!r}, {new.status})" if new is not None else "a newer batch"
-    return f"credit run of batch {row.id} ({row.key}) was superseded by {by}: an episode of it changed"
+        if not run.credit_run:
+            raise no_credit_run(run.id, run.key, run.status)
+        return str(run.credit_run)
+    if isinstance(run, (int, np.integer)) and not isinstance(run, bool):
+        return int(run)
+    raise HandoffError(f"run must be a credit run name, a BatchInfo or a batch id, got {type(run).__name__}")
 
 
 def _find_after(ids: list[int], own: list[int], before: list[int], pos: int) -> tuple[int, int] | None:
