@@ -111,65 +111,20 @@ def _vllm_payload(backend: Any, ids: list[int], first_scored: int, k: int) -> di
 def vllm_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
     """Each scored position's K most likely (id, logprob) from a vLLM ``prompt_logprobs: K``
     answer (an entry holds the top K by rank plus the sampled token when it is not among them)."""
-    from hcapo_store.scoring.backends.vllm import parse_response
+    from hcapo_store.scoring.backends.vllm import parse_response, vllm_ranked
 
     parse_response(prompt, body)  # the same checks as the logprobs' own request (ids, counts, values)
     return vllm_ranked(prompt, body, k)
-
-
-def vllm_ranked(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
-    """``vllm_top`` of an answer ``parse_response`` already checked (the scoring request's own)."""
-    entries = body["choices"][0]["prompt_logprobs"]
-    out = []
-    for i in range(prompt.first_scored, len(prompt.input_ids)):
-        ranked = []
-        for key, value in entries[i].items():
-            rank = value.get("rank") if isinstance(value, dict) else None
-            lp = value.get("logprob") if isinstance(value, dict) else value
-            if isinstance(rank, int) and 1 <= rank <= k and isinstance(lp, (int, float)):
-                ranked.append((rank, int(key), float(lp)))
-        ranked.sort()
-        if [r for r, _, _ in ranked] != list(range(1, k + 1)):
-            raise InferenceError(
-                "bad_response",
-                f"position {i}: prompt_logprobs ranks {[r for r, _, _ in ranked]}, not 1..{k}",
-                retryable=False,
-            )
-        out.append([(t, min(v, 0.0)) for _, t, v in ranked])
-    return out
 
 
 def sglang_top(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
     """Each scored position's K most likely (id, logprob) from SGLang's ``input_top_logprobs``
     (aligned with ``input_token_logprobs``: entry 0 null, then one list of K
     ``[logprob, id, text]`` triples per scored position)."""
-    from hcapo_store.scoring.backends.sglang import parse_response
+    from hcapo_store.scoring.backends.sglang import parse_response, sglang_entries
 
     parse_response(prompt, body)  # the same checks as the logprobs' own request
     return sglang_entries(prompt, body, k)
-
-
-def sglang_entries(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
-    """``sglang_top`` of an answer ``parse_response`` already checked (the scoring request's own)."""
-    entries = (body.get("meta_info") or {}).get("input_top_logprobs") if isinstance(body, dict) else None
-    n = len(prompt.input_ids) - prompt.first_scored
-    if not isinstance(entries, list) or len(entries) != n + 1:
-        got = len(entries) if isinstance(entries, list) else entries
-        raise InferenceError(
-            "bad_response", f"input_top_logprobs has {got!r} entries for {n} scored tokens (+1)", retryable=False
-        )
-    out = []
-    for i, row in enumerate(entries[1:]):
-        if not isinstance(row, list) or len(row) != k:
-            raise InferenceError("bad_response", f"position {i}: {row!r:.80} is not {k} triples", retryable=False)
-        pairs = []
-        for triple in row:
-            lp, token = (triple[0], triple[1]) if isinstance(triple, list) and len(triple) >= 2 else (None, None)
-            if not isinstance(token, int) or not isinstance(lp, (int, float)):
-                raise InferenceError("bad_response", f"position {i}: triple {triple!r:.80}", retryable=False)
-            pairs.append((int(token), min(float(lp), 0.0)))
-        out.append(sorted(pairs, key=lambda p: -p[1]))
-    return out
 
 
 async def _top(prep: Prepared, prompt: StepPrompt, k: int) -> list[list[tuple[int, float]]]:

@@ -436,8 +436,6 @@ class SGLangBackend(HttpBackend):
         result = parse_response(prompt, body)
         top = None
         if self.top_k:
-            from hcapo_store.scoring.topk import sglang_entries
-
             top = sglang_entries(prompt, body[0] if isinstance(body, list) else body, self.top_k)
         return BackendScore(
             logprobs=result.logprobs,
@@ -513,3 +511,27 @@ def _input_limit(info: dict[str, Any]) -> int | None:
 
 def _served_facts(model_info: dict[str, Any]) -> dict[str, Any]:
     return {k: model_info.get(k) for k in ("model_path", "tokenizer_path", "weight_version", "dtype", "device")}
+
+
+def sglang_entries(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Each scored position's K most likely (id, logprob) from an answer ``parse_response`` already
+    checked (``input_top_logprobs``: entry 0 null, then K ``[logprob, id, text]`` per position)."""
+    entries = (body.get("meta_info") or {}).get("input_top_logprobs") if isinstance(body, dict) else None
+    n = len(prompt.input_ids) - prompt.first_scored
+    if not isinstance(entries, list) or len(entries) != n + 1:
+        got = len(entries) if isinstance(entries, list) else entries
+        raise InferenceError(
+            "bad_response", f"input_top_logprobs has {got!r} entries for {n} scored tokens (+1)", retryable=False
+        )
+    out = []
+    for i, row in enumerate(entries[1:]):
+        if not isinstance(row, list) or len(row) != k:
+            raise InferenceError("bad_response", f"position {i}: {row!r:.80} is not {k} triples", retryable=False)
+        pairs = []
+        for triple in row:
+            lp, token = (triple[0], triple[1]) if isinstance(triple, list) and len(triple) >= 2 else (None, None)
+            if not isinstance(token, int) or not isinstance(lp, (int, float)):
+                raise InferenceError("bad_response", f"position {i}: triple {triple!r:.80}", retryable=False)
+            pairs.append((int(token), min(float(lp), 0.0)))
+        out.append(sorted(pairs, key=lambda p: -p[1]))
+    return out

@@ -277,8 +277,6 @@ class VLLMBackend(HttpBackend):
         result = parse_response(prompt, body)
         top = None
         if self.top_k:
-            from hcapo_store.scoring.topk import vllm_ranked
-
             top = vllm_ranked(prompt, body, self.top_k)
         return BackendScore(
             logprobs=result.logprobs,
@@ -302,3 +300,26 @@ class VLLMBackend(HttpBackend):
             "/v1/completions",
             {"model": self.model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0, "stream": False},
         )
+
+
+def vllm_ranked(prompt: StepPrompt, body: Any, k: int) -> list[list[tuple[int, float]]]:
+    """Each scored position's K most likely (id, logprob) from an answer ``parse_response`` already
+    checked (``prompt_logprobs: K``: entries by rank; the sampled token's own entry beside them)."""
+    entries = body["choices"][0]["prompt_logprobs"]
+    out = []
+    for i in range(prompt.first_scored, len(prompt.input_ids)):
+        ranked = []
+        for key, value in entries[i].items():
+            rank = value.get("rank") if isinstance(value, dict) else None
+            lp = value.get("logprob") if isinstance(value, dict) else value
+            if isinstance(rank, int) and 1 <= rank <= k and isinstance(lp, (int, float)):
+                ranked.append((rank, int(key), float(lp)))
+        ranked.sort()
+        if [r for r, _, _ in ranked] != list(range(1, k + 1)):
+            raise InferenceError(
+                "bad_response",
+                f"position {i}: prompt_logprobs ranks {[r for r, _, _ in ranked]}, not 1..{k}",
+                retryable=False,
+            )
+        out.append([(t, min(v, 0.0)) for _, t, v in ranked])
+    return out
