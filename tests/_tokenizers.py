@@ -6,6 +6,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _shared import TOKENIZERS as SHARED_TOKENIZERS
@@ -25,14 +26,50 @@ _WORDS = (
 ).split()
 
 
+# Loaded once per process (1-2 s each, far more on a loaded machine), handed out again while
+# unchanged: a test that changes what it got (its chat template, special tokens, the backend's
+# pieces) makes the next caller get a freshly loaded one.
+_LOADED: dict[str, tuple[Any, tuple]] = {}
+
+
+def _state(tok) -> tuple:
+    backend = tok.backend_tokenizer
+    parts = (backend.normalizer, backend.pre_tokenizer, backend.post_processor, backend.decoder)
+    return (
+        tok.chat_template,
+        repr(tok.special_tokens_map),
+        repr(tok.added_tokens_encoder),
+        tok.padding_side,
+        tok.truncation_side,
+        tok.model_max_length,
+        len(tok),
+        repr(backend.truncation),
+        repr(backend.padding),
+        tuple(repr(x) for x in parts),
+    )
+
+
 def real_tokenizer(name: str):
     """The real Qwen tokenizer from ../shared, or skip the test."""
     path = SHARED_TOKENIZERS / name
     if not path.is_dir():
         pytest.skip(f"real tokenizer directory {path} is absent")
+    return loaded_tokenizer(path)
+
+
+def loaded_tokenizer(path: Path):
+    """``load_tokenizer(path)``, loaded once per process while nobody changes it (above)."""
+    where = Path(path).resolve()
+    files = sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in where.iterdir() if f.is_file())
+    key = f"{where} {files}"  # files rewritten in place: loaded again
+    cached = _LOADED.get(key)
+    if cached is not None and _state(cached[0]) == cached[1]:
+        return cached[0]
     from hcapo_store.rendering.tokenizers import load_tokenizer
 
-    return load_tokenizer(path)
+    tok = load_tokenizer(path)
+    _LOADED[key] = (tok, _state(tok))
+    return tok
 
 
 def named_tokenizer(name: str, tmp_path: Path, demo_tokenizer_dir: Path):

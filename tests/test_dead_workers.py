@@ -105,6 +105,7 @@ def held(server: FaultServer) -> Iterator[threading.Event]:
     server.hold_answers = None
 
 
+@pytest.mark.slow  # kills a score process (docs/DEVELOPMENT.md: the slow tier); the live-worker test stays fast
 def test_a_killed_workers_leases_are_reclaimed_at_once(tmp_path, database, server, episodes_dir, tiny_model_dir, held):
     db = database
     store = Store.open(db)

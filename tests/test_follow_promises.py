@@ -95,6 +95,7 @@ def test_batches_close_with_an_unstorable_member_and_until_idle_names_what_waits
     assert "still waiting: batch rollouts/step_0003: " not in done.stderr  # its only member is no arrival yet
 
 
+@pytest.mark.slow  # two follow processes; the exit and --batch-timeout: tests/test_follow.py
 def test_until_idle_ends_while_a_batch_lacks_members_exit_3(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """A collector that crashed after 2 of 3 episodes: follow ends, exit 3, the batch named;
     `--batch-timeout` is the bound that publishes it."""
@@ -114,6 +115,7 @@ def test_until_idle_ends_while_a_batch_lacks_members_exit_3(tmp_path: Path, ref,
     assert (b["episodes"], b["status"]) == (2, "ready")
 
 
+@pytest.mark.slow  # a follow process; the same files in process: tests/test_hostile_ingest.py
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_hostile_files_fail_alone_and_good_episodes_are_stored(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """A result.json that is a FIFO (hung follow) or a link to /dev/zero (MemoryError, nothing

@@ -22,7 +22,8 @@ from hcapo_store.training.adapters import prime_rl_advantages, slime_advantages,
 from hcapo_store.training.handoff import Handoff
 
 
-@pytest.fixture(params=["qwen3", "qwen2.5", "demo"])
+# qwen2.5 in the slow tier: the same hand-off as qwen3 on another real template (~40-70 s each loaded)
+@pytest.fixture(params=["qwen3", pytest.param("qwen2.5", marks=pytest.mark.slow), "demo"])
 def tok_dir(request, demo_tokenizer_dir: Path) -> Path:
     if request.param == "demo":
         return demo_tokenizer_dir

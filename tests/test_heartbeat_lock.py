@@ -46,6 +46,7 @@ def _one(path: Path, sql: str) -> object:
         return conn.execute(sql).fetchone()[0]
 
 
+@pytest.mark.slow  # waits out two failed heartbeats of a 45 s lease in a score process
 def test_the_heartbeat_survives_a_held_write_lock(tmp_path, server, tiny_model_dir):
     root = tmp_path / "episodes"
     write_standard_episodes(root, 1, seed=7, steps_per_subtask=1, output_words=12)

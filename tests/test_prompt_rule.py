@@ -21,7 +21,9 @@ from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import StepPrompt
 
 
-@pytest.mark.parametrize("name", ["demo", "chatml-bos", "qwen3", "qwen2.5"])
+# qwen2.5 is in the slow tier (~30 s loaded): the same rule, and tests/test_differential.py
+# sweeps it on both real templates in the fast tier.
+@pytest.mark.parametrize("name", ["demo", "chatml-bos", "qwen3", pytest.param("qwen2.5", marks=pytest.mark.slow)])
 def test_turn_windows_give_the_whole_turns_rule(name, tmp_path, demo_tokenizer_dir):
     tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
     for span in ("rendered", "policy"):

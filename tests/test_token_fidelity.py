@@ -17,7 +17,6 @@ character lost or doubled (the bug this guards: ``<|im_end|>`` then the text ``|
 
 from __future__ import annotations
 
-import json
 import lzma
 import shutil
 from pathlib import Path
@@ -25,21 +24,16 @@ from typing import Any
 
 import pytest
 from _shared import SHARED
-from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, real_tokenizer
-from sqlalchemy import text
-from test_credits import add_scorer
+from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, loaded_tokenizer, real_tokenizer
 from test_tokenized import _rows, scored_with
 
-from hcapo_store.errors import ExportError
 from hcapo_store.ingestion.parsing import ConvertOptions
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.outputs.export import export_dataset
 from hcapo_store.rendering.alignment import EpisodeRenderer
 from hcapo_store.rendering.messages import flatten_messages
 from hcapo_store.rendering.prompts import normalize_messages
-from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
-from hcapo_store.scoring.scorer import remember_tokenizer
-from hcapo_store.scoring.tokenizer_lookup import scorer_tokenizer
+from hcapo_store.rendering.tokenizers import load_tokenizer
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff
@@ -140,6 +134,7 @@ def test_qwen3_rows_equal_the_trainer_rule_on_the_samples(store: Store) -> None:
     assert _check(tok, episodes, "<|im_end|>") > 200  # the two long samples alone have hundreds of boundaries
 
 
+@pytest.mark.slow  # the rule on the long samples again (~30 s); test_qwen3_rows_... stays fast
 def test_qwen3_no_thinking_rows_equal_the_trainer_rule(store: Store) -> None:
     tok = real_tokenizer("qwen3")
     episodes = _episodes(store, ConvertOptions(include_thinking=False))
@@ -147,11 +142,13 @@ def test_qwen3_no_thinking_rows_equal_the_trainer_rule(store: Store) -> None:
     assert _check(tok, episodes, "<|im_end|>") > 200
 
 
+@pytest.mark.slow  # the rule on the long samples, another template (~30 s)
 def test_qwen25_rows_equal_the_trainer_rule(store: Store) -> None:
     tok = real_tokenizer("qwen2.5")
     assert _check(tok, _episodes(store), "<|im_end|>") > 200
 
 
+@pytest.mark.slow  # the rule on the long samples, another template (~30 s)
 def test_llama3_rows_equal_the_trainer_rule(store: Store, llama3_dir: Path) -> None:
     tok = load_tokenizer(llama3_dir)
     # Its (original Llama-3) template writes no tool calls and never raises on them, so the
@@ -176,7 +173,7 @@ def test_no_special_token_piece_between_turns_in_the_export(store: Store, tmp_pa
     if not samples.is_dir() or not tok_dir.is_dir():
         pytest.skip("the shared samples or the Qwen3 tokenizer are absent")
     scored_with(store, samples, tok_dir)
-    tok = load_tokenizer(tok_dir)
+    tok = loaded_tokenizer(tok_dir)
     export_dataset(store, tmp_path / "t.jsonl", "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir)
     rows = _rows(tmp_path / "t.jsonl")
     assert rows
@@ -190,86 +187,3 @@ def test_no_special_token_piece_between_turns_in_the_export(store: Store, tmp_pa
             assert handoff.rendered_ids(row["episode"]) == row["token_ids"]
             credit = handoff.advantages(row["episode"], row["token_ids"])
             assert list(credit.advantages) == pytest.approx(row["advantages"], abs=1e-6)
-
-
-# ---- the trainer's tokenizer, recognised by content ------------------------------------------
-
-
-def _qwen3_scorer(store: Store) -> tuple[Any, Path]:
-    tok_dir = SHARED / "tokenizers" / "qwen3"
-    if not tok_dir.is_dir():
-        pytest.skip(f"the real tokenizer {tok_dir} is absent")
-    tok = load_tokenizer(tok_dir)
-    fingerprint = tokenizer_fingerprint(tok, tok_dir)
-    add_scorer(store, "sc", spec={"tokenizer": fingerprint, "max_logprob_tokens": 2048})
-    remember_tokenizer(store, fingerprint["files_sha256"], tok_dir)  # as `score --tokenizer` records it
-    return tok, tok_dir
-
-
-def test_a_save_pretrained_copy_is_the_scorers_tokenizer(store: Store, tmp_path: Path) -> None:
-    tok, tok_dir = _qwen3_scorer(store)
-    copy = tmp_path / "checkpoint-100"
-    tok.save_pretrained(copy)
-    assert tokenizer_fingerprint(load_tokenizer(copy), copy)["files_sha256"] != store_files_sha256(store)
-    loaded, fingerprint = scorer_tokenizer(store, "sc", copy)
-    assert fingerprint["chat_template_sha256"] == tokenizer_fingerprint(tok, tok_dir)["chat_template_sha256"]
-    assert loaded.name_or_path == str(copy)
-
-
-def store_files_sha256(store: Store) -> str:
-    from hcapo_store.scoring.scorer import scorer_spec
-
-    return scorer_spec(store, "sc")["tokenizer"]["files_sha256"]
-
-
-def _changed_copy(tok: Any, out: Path, what: str) -> Path:
-    tok.save_pretrained(out)
-    if what == "merges":  # swap two merges: same vocabulary, other ids for some texts
-        spec = json.loads((out / "tokenizer.json").read_text())
-        merges = spec["model"]["merges"]
-        merges[1000], merges[1001] = merges[1001], merges[1000]
-        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    elif what == "added tokens":
-        changed = load_tokenizer(out)
-        changed.add_tokens(["<|hcapo_test|>"], special_tokens=True)
-        changed.save_pretrained(out)
-    else:  # the chat template
-        changed = load_tokenizer(out)
-        changed.chat_template = changed.get_chat_template().replace(
-            "<|im_start|>assistant\\n", "<|im_start|>assistant\\n\\n"
-        )
-        changed.save_pretrained(out)
-    return out
-
-
-@pytest.mark.parametrize("what", ["merges", "added tokens", "chat template"])
-def test_a_copy_with_other_content_is_refused_naming_what_differs(store: Store, tmp_path: Path, what: str) -> None:
-    tok, _ = _qwen3_scorer(store)
-    copy = _changed_copy(tok, tmp_path / "changed", what)
-    with pytest.raises(ExportError, match=f"its {what} differ"):
-        scorer_tokenizer(store, "sc", copy)
-
-
-def test_a_copy_is_refused_when_the_scorers_tokenizer_is_not_at_hand(store: Store, tmp_path: Path) -> None:
-    tok, _ = _qwen3_scorer(store)
-    tok.save_pretrained(tmp_path / "copy")
-    with store.engine.begin() as conn:
-        conn.execute(text("DELETE FROM tokenizer_locations"))
-    with pytest.raises(ExportError, match="cannot be compared by content"):
-        scorer_tokenizer(store, "sc", tmp_path / "copy")
-
-
-def test_the_trainer_hands_off_with_its_checkpoints_copy(store: Store, tmp_path: Path) -> None:
-    """Handoff with the tokenizer a trainer re-saved: accepted, and the same ids and advantages."""
-    samples, tok_dir = SHARED / "samples" / "trajectories", SHARED / "tokenizers" / "qwen3"
-    if not samples.is_dir() or not tok_dir.is_dir():
-        pytest.skip("the shared samples or the Qwen3 tokenizer are absent")
-    scored_with(store, samples, tok_dir)
-    remember_tokenizer(store, store_files_sha256(store), tok_dir)  # as `score --tokenizer` records it
-    original = Handoff(store, "r", tokenizer=tok_dir)
-    load_tokenizer(tok_dir).save_pretrained(tmp_path / "checkpoint-1")
-    copy = Handoff(store, "r", tokenizer=tmp_path / "checkpoint-1")
-    (name,) = store.query("SELECT name FROM episodes ORDER BY id LIMIT 1")[1][0]
-    ids = original.rendered_ids(name)
-    assert copy.rendered_ids(name) == ids
-    assert list(copy.advantages(name, ids).advantages) == list(original.advantages(name, ids).advantages)

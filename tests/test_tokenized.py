@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, real_tokenizer
+from _tokenizers import CHATML_WITH_BOS, bos_tokenizer, episode, loaded_tokenizer, real_tokenizer
 from test_credits import add_scorer, add_scores
 from test_export import _reference_inputs
 
@@ -70,7 +70,7 @@ def _two_turn_episodes(path: Path) -> Path:
 def scored_with(store: Store, samples: Path, tok_dir: Path) -> Store:
     """Samples ingested, a scorer whose spec names ``tok_dir``'s tokenizer, random scores, credits."""
     ingest(store, [samples])
-    fingerprint = tokenizer_fingerprint(load_tokenizer(tok_dir), tok_dir)
+    fingerprint = tokenizer_fingerprint(loaded_tokenizer(tok_dir), tok_dir)
     add_scorer(store, "sc", spec={"tokenizer": fingerprint, "max_logprob_tokens": 2048})
     add_scores(store, "sc", seed=7)
     compute_credits(store, name="r")
@@ -194,7 +194,7 @@ def test_steps_that_cannot_be_aligned_are_never_weighted(store: Store, tmp_path:
     weighted = [i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
     assert weighted == [i for span in spans for i in span]
     assert [i for i, a in enumerate(row["advantages"]) if a] == weighted
-    tok = load_tokenizer(tok_dir)
+    tok = loaded_tokenizer(tok_dir)
     assert "step 0" not in tok.decode([row["token_ids"][i] for i in weighted])
     assert tok.decode(row["token_ids"][spans[0].start : spans[0].stop]).startswith("step 2 of good")
 

@@ -347,6 +347,7 @@ def test_a_nan_inf_or_misshapen_advantage_never_reaches_the_trainer(tmp_path: Pa
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())  # no step was taken
 
 
+@pytest.mark.slow  # trains a Qwen3-vocabulary model; the tiny-vocabulary sibling above stays fast
 def test_store_advantages_with_the_real_qwen3_tokenizer(tmp_path: Path) -> None:
     """The real Qwen3 tokenizer and chat template (no thinking: TRL's prompt then ends in the
     empty think block the template puts before a final answer). Digits: Qwen3 never merges them."""
