@@ -260,6 +260,7 @@ def main() -> None:
 
     from hcapo_store.ingestion.pipeline import ingest
     from hcapo_store.rendering.prompts import PromptBuilder
+    from hcapo_store.scoring import preparing as preparing_mod
     from hcapo_store.scoring import scheduler as scheduler_mod
     from hcapo_store.scoring import work_queue
     from hcapo_store.scoring.backends.sglang import SGLangBackend
@@ -321,8 +322,8 @@ def main() -> None:
     timers = Timers()
     if not args.no_timers:
         timers.wrap_sync(PromptBuilder, "build_episode", "prompt building")
-        timers.wrap_sync(scheduler_mod, "load_episode", "DB load_episode (thread CPU)")
-        timers.wrap_sync(scheduler_mod, "plan_requests_and_floor", "planning (thread CPU)")
+        timers.wrap_sync(preparing_mod, "load_episode", "DB load_episode (thread CPU)")
+        timers.wrap_sync(preparing_mod, "plan_requests_and_floor", "planning (thread CPU)")
         timers.wrap_async(SGLangBackend, "score", "HTTP request + verify")
         timers.wrap_sync(work_queue, "claim", "DB claim")
         timers.wrap_sync(work_queue, "write_results", "DB commit (write_results)")
@@ -360,7 +361,7 @@ def main() -> None:
         prep2 = prepare(store2, replace(cfg, max_context=4096))
         plans.append((store2, prep2.builder))
         cases["bookkeeping_synthetic_4k"] = (store2, prep2, None)
-    _prebuild_requests(plans, scheduler_mod)
+    _prebuild_requests(plans, preparing_mod)
     pairs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for rep in range(args.repeat):
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
@@ -580,15 +581,15 @@ def _run_workers(store: Any, prep: Any, options: Any, n: int) -> dict[str, Any]:
     }
 
 
-def _prebuild_requests(plans: list[tuple[Any, Any]], scheduler_mod: Any) -> None:
+def _prebuild_requests(plans: list[tuple[Any, Any]], preparing_mod: Any) -> None:
     """Every episode's requests and floor, planned now for each (store, builder); the
-    scheduler's planning call answers from them (a claim of other steps than all of them is
-    planned live)."""
+    preparation's planning call (scoring/preparing.py) answers from them (a claim of other
+    steps than all of them is planned live)."""
     from sqlalchemy import text
 
     from hcapo_store.storage.episodes import load_episode
 
-    plan = scheduler_mod.plan_requests_and_floor
+    plan = preparing_mod.plan_requests_and_floor
     built: dict[tuple[Any, ...], Any] = {}
 
     def key(builder: Any, messages: Any, outcome: Any, steps: Any) -> tuple[Any, ...]:
@@ -606,7 +607,7 @@ def _prebuild_requests(plans: list[tuple[Any, Any]], scheduler_mod: Any) -> None
         hit = built.get(key(builder, messages, outcome, steps))
         return hit if hit is not None else plan(builder, messages, outcome, steps, all_steps, **kw)
 
-    scheduler_mod.plan_requests_and_floor = prebuilt
+    preparing_mod.plan_requests_and_floor = prebuilt
 
 
 def _reset_scorer(store: Any, scorer_id: str) -> None:

@@ -127,8 +127,9 @@ def test_python_m_runs_the_packages_cli_whatever_cli_py_is_here(tmp_path):
 
 
 def test_shared_option_sets_agree():
-    """follow takes the credit options and the scorer options of credits compute and score;
-    the keyword list that splits them must name exactly the credit options."""
+    """follow takes the credit options and the scorer options of credits compute and score, and
+    the log-ratio options (``follow --variant log-ratio``); the keyword list that splits them
+    must name exactly the credit options."""
     from hcapo_store.cli.credits import CREDIT_KEYWORDS, credits_compute
     from hcapo_store.cli.log_ratio import KEYWORDS as LOG_RATIO_KEYWORDS
     from hcapo_store.cli.online import follow
@@ -165,7 +166,7 @@ def test_shared_option_sets_agree():
         "compaction",  # ingest's (cli/params.compaction_option)
         "as_json",
     }
-    assert {p.name for p in follow.params} == scorer | set(CREDIT_KEYWORDS) | own
+    assert {p.name for p in follow.params} == scorer | set(CREDIT_KEYWORDS) | set(LOG_RATIO_KEYWORDS) | own
 
 
 def test_export_dataset_help_names_the_tokenized_columns(runner):

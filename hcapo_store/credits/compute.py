@@ -140,7 +140,7 @@ def compute_credits(
             if existing is not None:
                 conn.execute(text("DELETE FROM credits WHERE run_id = :id"), {"id": existing.id})
                 conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-            run_id = _insert_run(conn, run_name, scorer_id, params, h, scope)
+            run_id = insert_run(conn, run_name, scorer_id, params.as_dict(), params.variant, h, scope)
             if run_id is not None:
                 break
             # Another writer created this run (or took this name) first; on PostgreSQL the insert
@@ -260,25 +260,32 @@ def scoped_run_hash(conn: Connection, scorer_id: str, params: CreditParams, scop
     return content_hash({"scorer_id": scorer_id, "params": params.as_dict(), "episodes": episodes}, ascii_only=True)
 
 
-def _insert_run(
-    conn: Connection, name: str, scorer_id: str, params: CreditParams, h: str, scope: Sequence[int] | None = None
+def insert_run(
+    conn: Connection,
+    name: str,
+    scorer_id: str,
+    params: dict[str, Any],
+    variant: str,
+    h: str,
+    scope: Sequence[int] | None = None,
 ) -> int | None:
-    """The new run's id, or None when a run with this hash or this name exists already (insert
-    once, storage/once.py: two writers of the same run at once see no error)."""
+    """A new ``credit_runs`` row of any variant (HCAPO's here, log-ratio's in log_ratio.py): its
+    id, or None when a run with this hash or this name exists already (insert once,
+    storage/once.py: two writers of the same run at once see no error)."""
     run_id = insert_once(
         conn,
         "credit_runs",
         {
             "name": name,
             "scorer_id": scorer_id,
-            "params": canonical_json(params.as_dict(), ascii_only=True),
+            "params": canonical_json(params, ascii_only=True),
             "run_hash": h,
             "episodes": 0,
             "steps": 0,
             "incomplete_episodes": 0,
             "incomplete": None,
             "created_at": utcnow().isoformat(timespec="seconds"),
-            "variant": params.variant,
+            "variant": variant,
             "episode_scope": None if scope is None else json.dumps(list(scope)),
         },
         unique=None,  # run_hash or name: whichever a racing writer took first

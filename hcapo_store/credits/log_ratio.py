@@ -39,15 +39,13 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, text
 
-from hcapo_store.canonical import canonical_json, content_hash
-from hcapo_store.clock import utcnow
-from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream, scope_identities
+from hcapo_store.canonical import content_hash
+from hcapo_store.credits.compute import CREDIT_COLUMNS, ComputeResult, _raw_stream, insert_run, scope_identities
 from hcapo_store.credits.equations import grpo_advantages
 from hcapo_store.credits.lookup import find_run, run_staleness, scope_sql
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.scoring.scorer import resolve_scorer
 from hcapo_store.storage import db
-from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
 
 VARIANT = "log-ratio"
@@ -283,7 +281,7 @@ def compute_log_ratio(
             for table in ("token_credits", "credits"):
                 conn.execute(text(f"DELETE FROM {table} WHERE run_id = :id"), {"id": existing.id})
             conn.execute(text("DELETE FROM credit_runs WHERE id = :id"), {"id": existing.id})
-        run_id = _insert_run(conn, run_name, teacher_id, stored, h, scope)
+        run_id = insert_run(conn, run_name, teacher_id, stored, VARIANT, h, scope)
         if run_id is None:  # another writer (a second follower on the same batch) stored it first
             raced = find_run(conn, "r.run_hash = :h", h=h)
             if raced is None:
@@ -313,31 +311,6 @@ def compute_log_ratio(
     for warning in warnings:
         msg += f"; warning: {warning}"
     return ComputeResult(run, True, msg, seconds=time.perf_counter() - started)
-
-
-def _insert_run(
-    conn: Connection, name: str, scorer_id: str, stored: dict[str, Any], h: str, scope: Sequence[int] | None
-) -> int | None:
-    """The new run's id, or None when a run with this hash or name exists (insert once)."""
-    run_id = insert_once(
-        conn,
-        "credit_runs",
-        {
-            "name": name,
-            "scorer_id": scorer_id,
-            "params": canonical_json(stored, ascii_only=True),
-            "run_hash": h,
-            "episodes": 0,
-            "steps": 0,
-            "incomplete_episodes": 0,
-            "incomplete": None,
-            "created_at": utcnow().isoformat(timespec="seconds"),
-            "variant": VARIANT,
-            "episode_scope": None if scope is None else json.dumps(list(scope)),
-        },
-        unique=None,
-    )
-    return None if run_id is None else int(run_id)
 
 
 def _fill(
