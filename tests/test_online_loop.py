@@ -88,14 +88,28 @@ def test_three_iterations_of_the_policy_scoring_itself(plain: tuple[Path, list[d
     assert weighted > 0
 
 
+def _tokenizers_release(python: str) -> str:
+    out = subprocess.run(
+        [python, "-c", "import tokenizers; print(tokenizers.__version__)"], capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
 def test_through_verl_the_loop_trains_on_the_same_numbers(plain: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """``--verl``: verl 0.9.1's compute_advantage with the hcapo reward manager and estimator
     (its own venv) gives the same advantages, hence the same losses, as the plain hand-off."""
     python = str(_verl_venv.verl_python())
     verl = _loop(python, tmp_path / "verl", tmp_path / "verl.jsonl", "--verl", env=_verl_venv.run_env())
     assert [i["through"] for i in verl] == ["verl"] * 3
+    # The scorer id names the tokenizers release (docs/SCORING.md): verl's venv may pin another
+    # one than this one, and then the two loops are rightly two scorers (and two run hashes).
+    same_release = _tokenizers_release(sys.executable) == _tokenizers_release(python)
     for a, b in zip(plain[1], verl):
-        assert (a["scorer_id"], a["episodes"], a["credit_runs"]) == (b["scorer_id"], b["episodes"], b["credit_runs"])
+        assert a["episodes"] == b["episodes"] and len(a["credit_runs"]) == len(b["credit_runs"])
+        if same_release:
+            assert (a["scorer_id"], a["credit_runs"]) == (b["scorer_id"], b["credit_runs"])
+        else:
+            assert a["scorer_id"] != b["scorer_id"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     plain_rows = [json.loads(x) for x in (plain[0] / "dump.jsonl").read_text().splitlines()]
     verl_rows = [json.loads(x) for x in (tmp_path / "verl.jsonl").read_text().splitlines()]
