@@ -38,6 +38,24 @@ def test_an_endless_result_is_written_as_it_is_read(tmp_path: Path, fmt: str) ->
         assert head == ["[\n", "  {\n", '    "x": 1\n', "  },\n"]
 
 
+def test_an_endless_result_is_written_as_it_is_read_on_postgresql() -> None:
+    """PostgreSQL streams too (psycopg's single-row mode): the first rows of an endless result
+    arrive while the server still computes it."""
+    from pg import fresh_database
+
+    with fresh_database("sqlstream") as url:
+        Store.open(url).close()
+        argv = [sys.executable, "-m", "hcapo_store", "--db", url, "sql", ENDLESS, "--format", "csv", "--timeout", "120"]
+        proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            head = [proc.stdout.readline() for _ in range(4)]
+        finally:
+            proc.kill()
+            proc.wait()
+    assert head == ["x\n", "1\n", "2\n", "3\n"]
+
+
 def test_streamed_output_is_the_whole_result(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     Store.open(str(db)).close()
