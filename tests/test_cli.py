@@ -72,6 +72,7 @@ def test_env_var_selects_database(runner, db_path, samples, monkeypatch):
     assert db_path.exists()
 
 
+@pytest.mark.slow  # a CLI process (the rule); the same commands in process stay fast
 def test_subprocess_console_script(tmp_path, samples):
     db = tmp_path / "sub.db"
     exe = Path(sys.executable).with_name("hcapo-store")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hcapo_store.cli import cli
 from hcapo_store.credits.diagnose import diagnose_run
 from hcapo_store.storage.store import Store
@@ -43,6 +45,7 @@ def test_demo_end_to_end(runner, tmp_path):
     assert last.startswith(verdict + " (run 'default'") and "diagnose" in last
 
 
+@pytest.mark.slow  # the demo a second time; test_demo_end_to_end stays fast
 def test_demo_without_db_makes_its_own_folder(runner, tmp_path, monkeypatch):
     """`hcapo-store demo` on a fresh machine: no --db, a folder that does not exist yet. A missing
     --db folder is refused elsewhere; the demo's own folder is made by the demo."""

@@ -222,6 +222,7 @@ def test_tags_survive_new_versions(store, tmp_path):
     ) == [("run", "2"), ("task", "pg")]
 
 
+@pytest.mark.slow  # a real `ingest` process interrupted (the rule); the in-process ingest tests here stay fast
 def test_interrupted_ingest_leaves_database_consistent(tmp_path):
     """SIGINT a real `hcapo-store ingest` process mid-run; the database stays whole."""
     import signal

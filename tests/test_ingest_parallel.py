@@ -11,6 +11,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import pytest
 from builders import write_bad_episodes, write_standard_episodes
 
 from hcapo_store.ingestion import parallel
@@ -62,6 +63,7 @@ def test_workers_store_exactly_what_one_process_stores(tmp_path):
     assert any(":" in message and "more.jsonl:" in message for _, message in two.failures)
 
 
+@pytest.mark.slow  # worker processes on PostgreSQL; the SQLite case stays fast
 def test_workers_on_postgresql_store_what_one_process_stores(tmp_path):
     """The unchanged-lookup reads through its own connection while the batch's transaction
     is open: on PostgreSQL as on SQLite, nothing changes but who parses."""

@@ -76,6 +76,7 @@ def _test_environment() -> set[str]:
     return _requirement_names(project["dependencies"]) | _requirement_names(project["optional-dependencies"]["test"])
 
 
+@pytest.mark.slow  # parses every module's imports; test_an_undeclared_import_in_a_test_is_caught stays fast
 def test_every_imported_package_is_declared():
     project = _project()
     core = _requirement_names(project["dependencies"])

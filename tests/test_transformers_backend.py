@@ -147,6 +147,7 @@ def test_ensure_demo_model_builds_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not QWEN25_TOKENIZER.is_dir(), reason="Qwen2.5 tokenizer not available")
+@pytest.mark.slow  # a 151k vocabulary on the CPU; the tiny-vocabulary scoring tests here stay fast
 def test_qwen_vocabulary_model_scores_correctly(tmp_path: Path) -> None:
     model_dir = build_tiny_model(
         tmp_path / "qwen-tiny", QWEN25_TOKENIZER, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64
