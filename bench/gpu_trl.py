@@ -104,7 +104,11 @@ def episode_prompt(work: Path, args: argparse.Namespace) -> tuple[list[dict[str,
     from hcapo_store.storage.episodes import load_episode
     from hcapo_store.storage.store import Store
 
-    path = EpisodeBuilder(seed=1, episode_id=1, reward=0.5).standard(steps_per_subtask=args.steps_per_subtask)
+    # tiny: one subtask of the synthetic plan's four (6 steps, ~510 Qwen3 tokens, not 15 and ~1.3k): on
+    # the CPU, TRL's fused LM head scores every prompt position over the whole vocabulary, the run's main cost
+    plan = {"plan_ids": ("S1",)} if args.size == "tiny" else {}
+    builder = EpisodeBuilder(seed=1, episode_id=1, reward=0.5, **plan)
+    path = builder.standard(steps_per_subtask=args.steps_per_subtask)
     path = path.write(work / "source" / "episode_001")
     with Store.open(str(work / "source.db")) as store:
         if ingest(store, [path], jobs=1).failed:

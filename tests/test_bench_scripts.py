@@ -19,11 +19,21 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
-def test_every_bench_script_starts(script: Path) -> None:
-    r = _run(str(script), "--help")
+@pytest.fixture(scope="module")
+def helps() -> dict[str, list]:
+    """Every script's ``--help`` (exit code, stdout, stderr): one process pays torch's and
+    transformers' imports once and forks a child per script that runs it as ``python SCRIPT --help``
+    would (tests/_benchs_help.py), instead of a fresh interpreter per script."""
+    r = _run(str(Path(__file__).with_name("_benchs_help.py")), *map(str, SCRIPTS))
     assert r.returncode == 0, r.stderr
-    assert "usage" in r.stdout.lower()
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_every_bench_script_starts(script: Path, helps: dict[str, list]) -> None:
+    code, stdout, stderr = helps[str(script)]
+    assert code == 0, stderr
+    assert "usage" in stdout.lower()
 
 
 def test_credits_bench_small(tmp_path: Path) -> None:
