@@ -50,6 +50,18 @@ def _check(fast: AsciiBpe, backend, texts) -> int:
     return n
 
 
+# ~8-10 s a tokenizer: the second tokenizer of each pattern is in the slow tier (the same sweep
+# on the same pattern: chatml-bos is GPT-2's like demo, qwen2.5 Qwen2's like qwen3, both fast).
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "demo",
+        pytest.param("chatml-bos", marks=pytest.mark.slow),
+        "qwen3",
+        pytest.param("qwen2.5", marks=pytest.mark.slow),
+    ],
+    indirect=True,
+)
 def test_every_short_string_over_the_character_classes_encodes_as_the_backend(backend):
     fast = _strategy(backend)
     texts = ("".join(t) for k in range(1, 5) for t in itertools.product(CLASSES, repeat=k))

@@ -5,6 +5,8 @@ prime-rl shapes."""
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +39,57 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def _scored_exports(tmp_path_factory: pytest.TempPathFactory, migrated_db_template: Path):
+    """Per (samples, tokenizer): a store scored once by ``scored_with`` and its tokenized
+    export per rendering, made once per module (the export renders every episode with the real
+    tokenizer, seconds each). Export reads the store only, so each test gets a copy of the
+    scored file and the rows exported from those very bytes."""
+    made: dict[tuple[str, str], tuple[Path, dict[str, Path]]] = {}
+
+    def get(samples: Path, tok_dir: Path, rendering: str) -> tuple[Path, Path]:
+        key = (str(samples), str(tok_dir))
+        if key not in made:
+            where = tmp_path_factory.mktemp("scored")
+            shutil.copyfile(migrated_db_template, where / "store.db")
+            s = Store.open(str(where / "store.db"))
+            scored_with(s, samples, tok_dir)
+            s.close()
+            made[key] = (where / "store.db", {})
+        db, outs = made[key]
+        if rendering not in outs:
+            out = db.parent / f"{rendering}.jsonl"
+            s = Store.open(str(db))
+            export_dataset(s, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir, rendering=rendering)
+            s.close()
+            outs[rendering] = out
+        return db, outs[rendering]
+
+    return get
+
+
+@pytest.fixture
+def exported(_scored_exports, db_path: Path, samples: Path, tok_dir: Path) -> Iterator:
+    """``exported(rendering="turns")``: (a store scored as ``scored_with`` does, opened on this
+    test's own copy; the path of its tokenized export with that rendering, as
+    ``export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir,
+    rendering=rendering)`` writes it)."""
+    opened: list[Store] = []
+
+    def get(rendering: str = "turns") -> tuple[Store, Path]:
+        db, out = _scored_exports(samples, tok_dir, rendering)
+        shutil.copyfile(db, db_path)
+        opened.append(Store.open(str(db_path)))
+        return opened[-1], out
+
+    yield get
+    for s in opened:
+        s.close()
+
+
 @pytest.mark.parametrize("rendering", ["turns", "whole"])
-def test_the_export_renderings_get_the_exports_advantages(
-    store: Store, samples: Path, tok_dir: Path, tmp_path: Path, rendering: str
-) -> None:
-    scored_with(store, samples, tok_dir)
-    out = tmp_path / "t.jsonl"
-    export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir, rendering=rendering)
+def test_the_export_renderings_get_the_exports_advantages(exported, tok_dir: Path, rendering: str) -> None:
+    store, out = exported(rendering)
     handoff = Handoff(store, "r", tokenizer=tok_dir)
     rows = _rows(out)
     assert rows
@@ -58,10 +104,8 @@ def test_the_export_renderings_get_the_exports_advantages(
         assert np.allclose(credit.advantages, row["advantages"], atol=1e-6)
 
 
-def test_ids_with_more_around_them_are_searched(store: Store, samples: Path, tok_dir: Path, tmp_path: Path) -> None:
-    scored_with(store, samples, tok_dir)
-    out = tmp_path / "t.jsonl"
-    export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir)
+def test_ids_with_more_around_them_are_searched(exported, tok_dir: Path) -> None:
+    store, out = exported()
     handoff = Handoff(store, "r", tokenizer=tok_dir)
     row = _rows(out)[0]
     ids = [7, 8, 9, 10, 11] + row["token_ids"] + [0] * 7  # a prefix the trainer added, right padding
@@ -72,12 +116,8 @@ def test_ids_with_more_around_them_are_searched(store: Store, samples: Path, tok
     assert credit.mask.sum() == sum(b - a for a, b in row["step_spans"])
 
 
-def test_an_action_that_is_not_in_the_ids_is_refused_by_name(
-    store: Store, samples: Path, tok_dir: Path, tmp_path: Path
-) -> None:
-    scored_with(store, samples, tok_dir)
-    out = tmp_path / "t.jsonl"
-    export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tok_dir)
+def test_an_action_that_is_not_in_the_ids_is_refused_by_name(exported, tok_dir: Path) -> None:
+    store, out = exported()
     handoff = Handoff(store, "r", tokenizer=tok_dir)
     row = _rows(out)[0]
     a, b = row["step_spans"][1]

@@ -85,6 +85,9 @@ def _former_check(chains):
     return sorted(picks | ({0} if chains else set()), reverse=True)
 
 
+# ~17 s (the rule on 70 steps, twice): slow; test_every_chains_last_step_is_checked keeps the
+# per-chain picks in the fast tier, tests/test_bounded_history.py the bounded renders.
+@pytest.mark.slow
 def test_a_template_that_differs_only_inside_a_middle_chain_is_caught(tmp_path, monkeypatch):
     tok = bos_tokenizer(tmp_path, template=MIDDLE_ONLY)
     # chains: steps 0-11, 12-19 (after "MIDDLE"), 20-69; the middle chain's bounded steps sit

@@ -389,14 +389,18 @@ def test_a_tokenizer_directory_the_store_names_is_said_and_must_hash_as_the_scor
     assert not (tmp_path / "b.jsonl").exists()
 
 
-def test_score_remembers_where_its_tokenizer_was(tmp_path: Path, tiny_model_dir: Path, samples: Path) -> None:
+def test_score_remembers_where_its_tokenizer_was(tmp_path: Path, tiny_model_dir: Path) -> None:
     from hcapo_store.devkit.refserver import make_server
+    from hcapo_store.devkit.synth import write_standard_episodes
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
     from hcapo_store.scoring.scheduler import RunOptions
     from hcapo_store.scoring.scorer import known_tokenizer_dirs
 
+    # One small episode: a scoring run records where its tokenizer was whatever it scores
+    # (the shared samples took seconds of tiny-model forwards to show the same).
+    write_standard_episodes(tmp_path / "eps", 1, seed=3, steps_per_subtask=1, output_words=10)
     with Store.open(str(tmp_path / "s.db")) as store, make_server(tiny_model_dir) as server:
-        ingest(store, [samples])
+        ingest(store, [tmp_path / "eps"])
         prep = prepare(store, ScoreConfig(server=server.url, tokenizer=str(tiny_model_dir), max_context=2048))
         assert run_scoring(store, prep, RunOptions(concurrency=2)).failed == 0
         assert known_tokenizer_dirs(store, prep.spec["tokenizer"]["files_sha256"]) == [tiny_model_dir.resolve()]
