@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 from _waiting import wait_until
+from click.testing import CliRunner
 from faultserver import FaultServer
 from sqlalchemy import event, text
 
+from hcapo_store.cli import cli
 from hcapo_store.credits.compute import compute_credits
 from hcapo_store.devkit.refserver import make_server
 from hcapo_store.devkit.synth import write_standard_episodes
@@ -174,11 +176,10 @@ def test_flush_gives_up_with_one_line_and_nonzero_exit(ingested, server, tiny_mo
     assert "leases could not be released" in line, line  # the database stayed locked to the end
     assert _scores(ingested) == 0
     assert "done" not in _statuses(ingested)
-    # The dead worker's leases are released by the next run on this host, which scores everything.
-    rerun = subprocess.run(
-        _score_cmd(ingested, server, tiny_model_dir), capture_output=True, text=True, timeout=WAIT * 2
-    )
-    assert rerun.returncode == 0, rerun.stderr
+    # The dead worker's leases are released by the next run on this host, which scores everything
+    # (run in process: another pid on this host, as a new process would be).
+    rerun = CliRunner().invoke(cli, _score_cmd(ingested, server, tiny_model_dir)[1:])
+    assert rerun.exit_code == 0, rerun.output
     assert _statuses(ingested) == {"done": _steps(ingested)}
 
 
@@ -291,12 +292,12 @@ def test_locked_database_is_one_line_and_unchanged(command, ingested, episodes_d
     before = _snapshot(ingested)
     lock = WriteLock(ingested)
     try:
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=WAIT, env={**os.environ, "NO_COLOR": "1", **SHORT_BUSY}
-        )
+        # In process (the console script is this same `cli`): an exception that escaped the
+        # command (a traceback, in a process) fails the test here.
+        result = CliRunner().invoke(cli, cmd[1:], env={"NO_COLOR": "1", **SHORT_BUSY}, catch_exceptions=False)
     finally:
         lock.release()
-    assert result.returncode == 1, result.stderr
+    assert result.exit_code == 1, result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "is locked" in errors[0], result.stderr

@@ -21,6 +21,10 @@ from click.testing import CliRunner
 from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import write_standard_episodes
+from hcapo_store.online.follow import FollowConfig, Follower, follow
+from hcapo_store.online.state import FollowStatus
+from hcapo_store.scoring.job import ScoreConfig, prepare
+from hcapo_store.scoring.scheduler import RunOptions
 from hcapo_store.storage.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,8 +168,9 @@ def test_kill_9_and_restart(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-    done = subprocess.run([*argv, "--until-idle", "1"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    # the restart in process (CliRunner): only the kill needs a process of its own
+    done = CliRunner().invoke(cli, [*argv[3:], "--until-idle", "1"], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
     batches = _batches(db)
     assert sorted(b["key"] for b in batches) == [f"rollouts/step_{s:04d}" for s in range(3)]
     assert all(b["status"] == "ready" and b["episodes"] == 2 for b in batches)
@@ -218,26 +223,49 @@ def test_until_idle_exits_zero_and_sigterm_stops(tmp_path: Path, ref, tiny_model
 
 def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """File-system events wake the follower: with a look every hour, a batch written after it
-    went idle is still published (the test waits for that state, far below an hour)."""
+    went idle is still published (the test waits for that state, far below an hour). The
+    library's follow loop (the one the CLI runs) in a thread, stopped by its stop event (what
+    the CLI's signal handler sets): no process is needed to watch a folder."""
     root = tmp_path / "rollouts"
     root.mkdir()
     db = tmp_path / "s.db"
-    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", ref.url]
-    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--poll", "3600"]
-    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        assert "nothing to follow yet" in _live_line(proc)  # first round done, the empty folder said
-        _write_group(root, 0, 2, seed=90)
-        deadline = time.monotonic() + 600  # a loaded machine: still far below the hour of the poll
-        while time.monotonic() < deadline and _count(db, "SELECT count(*) FROM batches") == 0:
-            assert proc.poll() is None
-            time.sleep(0.1)
-        published = _count(db, "SELECT count(*) FROM batches")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    assert published == 1, proc.stderr.read()
+    stop, first_round = threading.Event(), threading.Event()
+    said: list[str] = []
+    ended: list[object] = []
+
+    def on_cycle(report: object, status: FollowStatus) -> None:
+        said.extend(status.notices)
+        status.notices.clear()
+        first_round.set()
+
+    def run() -> None:
+        try:
+            ended.append(follow(follower, poll_seconds=3600, stop=stop, on_cycle=on_cycle))
+        except BaseException as exc:  # said by the test, not lost in the thread
+            ended.append(exc)
+            raise
+
+    def running() -> bool:
+        assert not ended, ended
+        return True
+
+    with Store.open(str(db)) as store:
+        prep = prepare(store, ScoreConfig(server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048))
+        follower = Follower(store, prep, FollowConfig(paths=[root], group_size=2), RunOptions())
+        thread = threading.Thread(target=run, name="follow", daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: running() and first_round.is_set(), "its first round", timeout=600)
+            assert any("nothing to follow yet" in line for line in said), said  # the empty folder said
+            _write_group(root, 0, 2, seed=90)
+            # a loaded machine: still far below the hour of the poll
+            wait_until(lambda: running() and _count(db, "SELECT count(*) FROM batches") > 0, "the batch", timeout=600)
+            published = _count(db, "SELECT count(*) FROM batches")
+        finally:
+            stop.set()
+            thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert published == 1, said
 
 
 @pytest.mark.slow
@@ -277,6 +305,8 @@ def _batches_at(url: str) -> list[dict]:
 
 @pytest.mark.slow  # a server's fault waited out
 def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """The library's follow loop (the one the CLI runs) in a thread, stopped by its stop event:
+    a server's pause is no matter of processes."""
     from faultserver import FaultServer
 
     root = tmp_path / "rollouts"
@@ -285,38 +315,57 @@ def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_mo
     proxy = FaultServer(ref)
     proxy.start()
     port = proxy.httpd.server_address[1]
-    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "follow", str(root), "--server", proxy.url]
-    argv += ["--tokenizer", str(tiny_model_dir), "--max-context", "2048", "--group-size", "2", "--poll", "0.2"]
-    argv += ["--max-attempts", "2"]
-    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    stop, first_round = threading.Event(), threading.Event()
+    lines: list[str] = []  # what the follower says (its notices), as the CLI prints them
+    ended: list[object] = []
+
+    def on_cycle(report: object, status: FollowStatus) -> None:
+        lines.extend(status.notices)
+        status.notices.clear()
+        first_round.set()
+
+    def run() -> None:
+        try:
+            ended.append(follow(follower, poll_seconds=0.2, stop=stop, on_cycle=on_cycle))
+        except BaseException as exc:  # said by the test, not lost in the thread
+            ended.append(exc)
+            raise
+
+    def running() -> bool:
+        assert not ended, ended  # still following
+        return True
+
+    def said(*words: str) -> bool:
+        return running() and any(all(w in line for w in words) for line in list(lines))
+
     back = None
-    try:
-        assert proc.stderr is not None
-        _live_line(proc)
-        lines: list[str] = []  # what the follower says, read aside so no wait blocks on a pipe
-        reader = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
-        reader.start()
-        proxy.die()
-        _write_group(root, 0, 2, seed=120)
-
-        def said(*words: str) -> bool:
-            return any(all(w in line for w in words) for line in list(lines))
-
-        # paused, not exited, and long enough that a blind backoff would have grown past 2 s
-        wait_until(lambda: said("stopped answering", "4 s"), "the follower pauses", procs={"follow": proc})
-        back = FaultServer(ref, port=port)
-        back.start()
-        wait_until(lambda: _count(db, "SELECT count(*) FROM batches") == 1, "the batch", procs={"follow": proc})
+    with Store.open(str(db)) as store:
+        config = ScoreConfig(server=proxy.url, tokenizer=str(tiny_model_dir), max_context=2048)
+        prep = prepare(store, config)
+        follower = Follower(store, prep, FollowConfig(paths=[root], group_size=2), RunOptions(max_attempts=2))
+        thread = threading.Thread(target=run, name="follow", daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: running() and first_round.is_set(), "its first round")
+            proxy.die()
+            _write_group(root, 0, 2, seed=120)
+            # paused, not exited, and long enough that a blind backoff would have grown past 2 s
+            wait_until(lambda: said("stopped answering", "4 s"), "the follower pauses")
+            back = FaultServer(ref, port=port)
+            back.start()
+            wait_until(lambda: running() and _count(db, "SELECT count(*) FROM batches") == 1, "the batch")
+        finally:
+            stop.set()
+            thread.join(timeout=120)
+            if back is not None:
+                back.shutdown()
+        assert not thread.is_alive()
+        lines.extend(follower.status.notices)  # said after the last round the loop reported
         # it probed while it waited and went on as soon as the server answered (issue 33 item 5:
         # a restart at every weight sync must not cost a backoff of up to a minute)
-        assert said("answers again"), "".join(lines)
+        assert any("answers again" in line for line in lines), lines
         assert _count(db, "SELECT count(*) FROM batches") == 1
         assert _count(db, "SELECT count(*) FROM scores") == _count(db, "SELECT count(*) FROM steps")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-        if back is not None:
-            back.shutdown()
 
 
 def test_batches_by_a_result_field(tmp_path: Path, ref, tiny_model_dir: Path) -> None:

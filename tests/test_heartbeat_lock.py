@@ -30,7 +30,10 @@ from hcapo_store.storage.db import ENV_BUSY_TIMEOUT
 from hcapo_store.storage.store import Store
 
 HCAPO = shutil.which("hcapo-store") or str(Path(sys.executable).with_name("hcapo-store"))
-LEASE = "45"  # a beat every 15 s; failed beats are retried within 7.5 s
+# A beat every 8 s; failed beats are retried within 4 s (the first within 0.5 s, the next within
+# 1 s). The renewal lands about 2 s after the beat that failed first, about 16 s before the lease
+# it renews runs out: that margin is what the lease length buys (45 s gave 28 s, for 15 s more).
+LEASE = "24"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def _one(path: Path, sql: str) -> object:
         return conn.execute(sql).fetchone()[0]
 
 
-@pytest.mark.slow  # waits out two failed heartbeats of a 45 s lease in a score process
+@pytest.mark.slow  # waits out two failed heartbeats of a 24 s lease in a score process
 def test_the_heartbeat_survives_a_held_write_lock(tmp_path, server, tiny_model_dir):
     root = tmp_path / "episodes"
     write_standard_episodes(root, 1, seed=7, steps_per_subtask=1, output_words=12)

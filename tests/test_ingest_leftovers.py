@@ -1,6 +1,8 @@
 """Issue 34 item 7's input leftovers, each one line and never a traceback: an entry with mode
 000, lone surrogates in an id or a tool name, a --tag that is no UTF-8, an empty folder, and
-episodes already stored from another place. Real processes on real files and SQLite."""
+episodes already stored from another place. Real processes on real files and SQLite (the
+arguments and permissions a process is given); `follow`, and the ingests beside it, in process
+(CliRunner: the console script's own `cli`), where an escaped exception fails the test."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from hcapo_store.cli import cli
+from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.devkit.synth import EpisodeBuilder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +32,17 @@ def _run(*args: str | bytes, as_unprivileged: bool = False) -> subprocess.Comple
         drop = "-dac_override,-dac_read_search"
         argv = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *argv]
     return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return subprocess.CompletedProcess(list(args), r.exit_code, r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> Iterator[ReferenceServer]:
+    with make_server(tiny_model_dir) as server:
+        yield server
 
 
 def _good(directory: Path, n: int) -> Path:
@@ -87,44 +104,38 @@ def test_a_tag_that_is_no_utf8_is_one_line(tmp_path: Path) -> None:
     assert "not valid UTF-8 text" in line
 
 
-def test_an_empty_folder_counts_no_episode_and_follow_gives_a_hint(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_an_empty_folder_counts_no_episode_and_follow_gives_a_hint(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = _run("--db", str(tmp_path / "s.db"), "ingest", str(empty))
+    r = _cli("--db", str(tmp_path / "s.db"), "ingest", str(empty))
     assert r.returncode == 1
     assert "1/1 episodes" not in r.stderr and "no episodes here" in r.stderr, r.stderr
-    from hcapo_store.devkit.refserver import make_server
-
-    with make_server(tiny_model_dir) as ref:
-        f = _run(
-            "--db",
-            str(tmp_path / "s.db"),
-            "follow",
-            str(empty),
-            "--server",
-            ref.url,
-            "--tokenizer",
-            str(tiny_model_dir),
-            "--group-size",
-            "2",
-            "--once",
-        )
+    f = _cli(
+        "--db",
+        str(tmp_path / "s.db"),
+        "follow",
+        str(empty),
+        "--server",
+        ref.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--group-size",
+        "2",
+        "--once",
+    )
     assert f.returncode == 0, f.stderr
     assert "nothing to follow yet under" in f.stderr and "result.json + pi_session.jsonl" in f.stderr
 
 
-def test_follow_says_episodes_are_already_stored_from_another_place(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_follow_says_episodes_are_already_stored_from_another_place(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """A copied tree: before, `4 seen · 0 ingested` and nothing else."""
     first = tmp_path / "a" / "step_0000"
     for i in range(4):
         _good(first / f"episode_{i:03d}", 10 + i)
     db = str(tmp_path / "s.db")
-    assert _run("--db", db, "ingest", str(first)).returncode == 0
+    assert _cli("--db", db, "ingest", str(first)).returncode == 0
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    from hcapo_store.devkit.refserver import make_server
-
-    with make_server(tiny_model_dir) as ref:
-        argv = ["--db", db, "follow", str(tmp_path / "b"), "--server", ref.url, "--tokenizer", str(tiny_model_dir)]
-        f = _run(*argv, "--max-context", "2048", "--group-size", "4", "--once")
+    argv = ["--db", db, "follow", str(tmp_path / "b"), "--server", ref.url, "--tokenizer", str(tiny_model_dir)]
+    f = _cli(*argv, "--max-context", "2048", "--group-size", "4", "--once")
     assert f.returncode == 0, f.stderr
     assert "4 seen" in f.stderr and "0 ingested · 4 already stored from another place" in f.stderr

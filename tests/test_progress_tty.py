@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import ReferenceServer, make_server
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.storage.store import Store
@@ -79,17 +80,18 @@ def test_ingest_shows_the_total_on_a_terminal_and_in_a_pipe(tmp_path):
 
 
 @pytest.mark.slow
-def test_tables_fit_the_terminal(tmp_path, ref, tiny_model_dir):
+def test_tables_fit_the_terminal(tmp_path, ref, tiny_model_dir, runner):
     """Two scorers whose labels differ only in the context size: on an 80-column terminal each
-    line fits and the two labels still differ; piped, the labels are whole."""
+    line fits and the two labels still differ; piped, the labels are whole. The two scorers are
+    made in process (CliRunner): only the listing is about a terminal."""
     db = tmp_path / "x.db"
     with Store.open(str(db)) as store:
         ingest(store, [REPO / "examples" / "trajectories"])
     base = [sys.executable, "-m", "hcapo_store", "--db", str(db)]
     for ctx in ("2048", "4096"):
-        argv = [*base, "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--max-context", ctx]
-        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert done.returncode == 0, done.stderr
+        argv = ["--db", str(db), "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir), "--max-context", ctx]
+        done = runner.invoke(cli, argv)
+        assert done.exit_code == 0, done.output
     code, out = _run_in_pty([*base, "scorers", "list"], tmp_path, columns=80)
     lines = [line for line in out.replace("\r", "").splitlines() if line]
     assert code == 0 and all(len(line) <= 80 for line in lines), out
