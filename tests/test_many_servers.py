@@ -191,6 +191,9 @@ def router(refs) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
+# starts the smg router process; the same check (one server per episode, the same scores) stays fast in
+# test_repeated_server_keeps_each_episode_on_one_server, the key header in tests/test_routing_keys.py
+@pytest.mark.slow
 def test_the_sglang_router_keeps_each_episode_on_one_worker(
     tmp_path, refs, router, tiny_model_dir, episodes_dir, single
 ):
