@@ -122,6 +122,9 @@ def test_wrong_values_and_endless_bodies_are_refused_and_the_rest_is_stored(
     store.close()
 
 
+# waits out a 10 s request timeout; a request cut by --request-timeout and retried stays fast in
+# tests/test_loud.py::test_request_timeout_and_a_hung_request_do_not_fail_steps_of_a_live_server
+@pytest.mark.slow
 def test_a_trickling_answer_is_cut_by_the_request_timeout_and_retried(
     tmp_path, episodes_dir, ref, fault_server, tiny_model_dir
 ):

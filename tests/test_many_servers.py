@@ -45,6 +45,15 @@ def episodes_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, refs, tiny_model_dir: Path, episodes_dir: Path) -> tuple[str, dict]:
+    """The scorer id and scores of the episodes scored through one server: what every
+    many-server run must equal (scored once for the module, not once per test)."""
+    db = _store(tmp_path_factory.mktemp("single"), "one", episodes_dir)
+    _score(db, tiny_model_dir, refs[0].url)
+    return _scores(db)
+
+
 def _store(tmp_path: Path, name: str, episodes_dir: Path) -> Path:
     db = tmp_path / f"{name}.db"
     with Store.open(str(db)) as store:
@@ -94,7 +103,7 @@ def test_rendezvous_hashing_moves_only_the_dead_servers_keys():
     assert all(without_b[k] == first[k] for k in keys if first[k] != 1)  # the others' keys stay
 
 
-def test_repeated_server_keeps_each_episode_on_one_server(tmp_path, refs, tiny_model_dir, episodes_dir):
+def test_repeated_server_keeps_each_episode_on_one_server(tmp_path, refs, tiny_model_dir, episodes_dir, single):
     a, b = refs
     a.routing_keys.clear(), b.routing_keys.clear()
     db = _store(tmp_path, "two", episodes_dir)
@@ -102,14 +111,12 @@ def test_repeated_server_keeps_each_episode_on_one_server(tmp_path, refs, tiny_m
     assert report["failed"] == 0 and report["scored"] > 0
     owner = _one_server_each(refs)
     assert len(owner) == EPISODES and set(owner.values()) == {0, 1}
-    single = _store(tmp_path, "one", episodes_dir)
-    _score(single, tiny_model_dir, a.url)
-    (sid_many, many), (sid_one, one) = _scores(db), _scores(single)
+    (sid_many, many), (sid_one, one) = _scores(db), single
     assert sid_many == sid_one  # the servers are not part of the scorer
     _assert_same(one, many)
 
 
-def test_a_server_that_dies_mid_run_has_its_episodes_moved(tmp_path, refs, tiny_model_dir, episodes_dir):
+def test_a_server_that_dies_mid_run_has_its_episodes_moved(tmp_path, refs, tiny_model_dir, episodes_dir, single):
     a_ref, _ = refs
     db = _store(tmp_path, "dies", episodes_dir)
     with FaultServer(a_ref) as a, FaultServer(a_ref) as b:
@@ -132,9 +139,7 @@ def test_a_server_that_dies_mid_run_has_its_episodes_moved(tmp_path, refs, tiny_
             assert store.query("SELECT COUNT(*) FROM scores")[1][0][0] == steps
             assert store.query("SELECT COUNT(*) FROM attempts WHERE status <> 'done'")[1][0][0] == 0
             assert prep.backend.down == {1} and b.requests >= 1  # B served some, then its episodes moved
-    single = _store(tmp_path, "single", episodes_dir)
-    _score(single, tiny_model_dir, a_ref.url)
-    _assert_same(_scores(single)[1], _scores(db)[1])
+    _assert_same(single[1], _scores(db)[1])
 
 
 def test_servers_that_serve_differently_are_refused(tmp_path, refs, tiny_model_dir, episodes_dir):
@@ -186,7 +191,12 @@ def router(refs) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def test_the_sglang_router_keeps_each_episode_on_one_worker(tmp_path, refs, router, tiny_model_dir, episodes_dir):
+# starts the smg router process; the same check (one server per episode, the same scores) stays fast in
+# test_repeated_server_keeps_each_episode_on_one_server, the key header in tests/test_routing_keys.py
+@pytest.mark.slow
+def test_the_sglang_router_keeps_each_episode_on_one_worker(
+    tmp_path, refs, router, tiny_model_dir, episodes_dir, single
+):
     a, b = refs
     a.routing_keys.clear(), b.routing_keys.clear()
     db = _store(tmp_path, "router", episodes_dir)
@@ -194,8 +204,6 @@ def test_the_sglang_router_keeps_each_episode_on_one_worker(tmp_path, refs, rout
     assert report["failed"] == 0 and report["scored"] > 0
     owner = _one_server_each(refs)
     assert len(owner) == EPISODES and set(owner.values()) == {0, 1}  # both workers, one per episode
-    single = _store(tmp_path, "direct", episodes_dir)
-    _score(single, tiny_model_dir, a.url)
-    (sid_router, via_router), (sid_direct, direct) = _scores(db), _scores(single)
+    (sid_router, via_router), (sid_direct, direct) = _scores(db), single
     assert sid_router == sid_direct
     _assert_same(direct, via_router)

@@ -35,7 +35,9 @@ def test_each_episodes_requests_carry_one_opaque_key_of_their_own(tmp_path, ref,
     ref.routing_keys.clear()
     server = ref.url + ("/v1" if backend == "vllm" else "")
     argv = ["--db", str(db), "score", "--backend", backend, "--server", server, "--tokenizer", str(tiny_model_dir)]
-    argv += ["--max-context", "2048", "--grouping", "per-step", "--concurrency", "1"]
+    # --max-context 512: every step is still one request of its episode (per-step), each prompt a
+    # quarter of 2048 tokens' forward (the keys do not depend on how much of the history is sent)
+    argv += ["--max-context", "512", "--grouping", "per-step", "--concurrency", "1"]
     r = CliRunner().invoke(cli, argv)
     assert r.exit_code == 0, r.output
     keys = list(ref.routing_keys)

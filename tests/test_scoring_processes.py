@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _waiting import HANG_GUARD_S, wait_until
+from click.testing import CliRunner
 from faultserver import FaultServer, step_prompts, stored_scores
 from sqlalchemy import text
 
+from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import make_server
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.ingestion.pipeline import ingest
@@ -162,12 +164,11 @@ def test_kill_9_at_random_moments_then_resume(tmp_path, server, episodes_dir, ti
     assert 0 < _scores(store) < steps
 
     missing = steps - _scores(store)
+    # The resuming run is the CLI in this process: only the killed runs need processes of their own.
     with FaultServer(server.ref, delay=0.02) as final_server:
-        done = subprocess.run(
-            _cmd(db, final_server, tiny_model_dir), capture_output=True, text=True, timeout=HANG_GUARD_S
-        )
+        done = CliRunner().invoke(cli, _cmd(db, final_server, tiny_model_dir)[1:])
     requested.append(final_server.step_counts(prompts))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.exit_code == 0, done.output
     # The resumed run scores exactly the missing steps: dead workers' leases are released at once.
     assert sum(requested[-1].values()) == missing
     assert _check_complete(store) == steps
