@@ -31,8 +31,8 @@ def test_weighted_training_step_lowers_the_loss(
             str(data),
             "--model",
             str(tiny_model_dir),
-            "--steps",
-            "4",
+            "--steps",  # the first loss is before any update, the second after one: enough for "lowers"
+            "2",
             "--lr",
             "3e-3",
             "--max-length",
@@ -43,7 +43,7 @@ def test_weighted_training_step_lowers_the_loss(
     )
     assert out.returncode == 0, out.stderr[-2000:]
     losses = json.loads(out.stdout)["losses"]
-    assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
     assert losses[-1] < losses[0]
 
 

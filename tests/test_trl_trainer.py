@@ -118,12 +118,13 @@ def test_the_loss_is_the_advantage_weighted_nll(
 @pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_training_lowers_the_weighted_loss(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     ds = load_tokenized_export(exported)
-    config = _config(tmp_path, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
+    # two logged losses: the first before any update, the second after one; a lower second is the claim
+    config = _config(tmp_path, max_steps=2, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
     config.per_device_train_batch_size = len(ds)
     trainer = WeightedSFTTrainer(str(tiny_model_dir), args=config, train_dataset=ds)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_rows_of_another_tokenizer_are_refused(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
