@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _t12_train import Completed, run_example
+from _tokenizers import loaded_tokenizer
 
 pytest.importorskip("trl")
 import torch
@@ -149,7 +150,8 @@ def test_a_real_tokenizer_is_not_the_rows_tokenizer(exported: Path, family: str)
     if not directory.is_dir():
         pytest.skip(f"{directory} is not here (../shared absent)")
     with pytest.raises(TrainingDataError, match="not the one in"):
-        check_tokenizer(read_rows(exported), AutoTokenizer.from_pretrained(str(directory)), directory)
+        # loaded once per test process (tests/_tokenizers.py): the same load_tokenizer(directory)
+        check_tokenizer(read_rows(exported), loaded_tokenizer(directory), directory)
 
 
 def test_a_re_saved_tokenizer_is_the_rows_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
