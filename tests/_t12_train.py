@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import runpy
 import sys
 import traceback
@@ -26,12 +27,31 @@ class Completed:
     stderr: str
 
 
+def _stderr_log_handlers() -> list[logging.StreamHandler]:
+    """The logging handlers that write to the terminal's stderr (transformers' own, made when it was
+    imported): in a process they would write into the captured stderr, so here too. pytest's own
+    handlers (log capture) and handlers of files are left as they are."""
+    loggers = [
+        logging.getLogger(),
+        *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger)),
+    ]
+    found = []
+    for logger in loggers:
+        for h in logger.handlers:
+            # exactly StreamHandler: pytest's capture handlers and file handlers are subclasses
+            if type(h) is logging.StreamHandler and h.stream is not sys.stdout and h not in found:
+                found.append(h)
+    return found
+
+
 def run_example(script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> Completed:
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with monkeypatch.context() as m:
         m.setattr(sys, "argv", [str(script), *args])
         m.setenv("HF_HUB_OFFLINE", "1")
+        for handler in _stderr_log_handlers():
+            m.setattr(handler, "stream", err)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(str(script), run_name="__main__")
