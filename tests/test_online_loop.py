@@ -89,6 +89,10 @@ def test_three_iterations_of_the_policy_scoring_itself(plain: tuple[Path, list[d
 
 
 def _tokenizers_release(python: str) -> str:
+    if python == sys.executable:  # this interpreter's own: no process to ask
+        import tokenizers
+
+        return tokenizers.__version__
     out = subprocess.run(
         [python, "-c", "import tokenizers; print(tokenizers.__version__)"], capture_output=True, text=True, check=True
     )

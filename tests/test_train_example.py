@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _t12_train import run_example
 from conftest import REPO
 from test_tokenized import scored_with
 
@@ -19,7 +17,7 @@ from hcapo_store.storage.store import Store
 
 @pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_weighted_training_step_lowers_the_loss(
-    store: Store, samples: Path, tiny_model_dir: Path, tmp_path: Path
+    store: Store, samples: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     scored_with(store, samples, tiny_model_dir)
     data = tmp_path / "train.parquet"
@@ -27,51 +25,37 @@ def test_weighted_training_step_lowers_the_loss(
         store, data, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir, fmt="parquet"
     )
     assert summary.weighted_tokens > 0
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "train_weighted.py"),
+    out = run_example(  # in this process: the test reads the example's status and output only
+        REPO / "examples" / "train_weighted.py",
+        *[
             str(data),
             "--model",
             str(tiny_model_dir),
-            "--steps",
-            "4",
+            "--steps",  # the first loss is before any update, the second after one: enough for "lowers"
+            "2",
             "--lr",
             "3e-3",
             "--max-length",
             "4096",
             "--json",
         ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        monkeypatch=monkeypatch,
     )
+    assert out.returncode == 0, out.stderr[-2000:]
     losses = json.loads(out.stdout)["losses"]
-    assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
     assert losses[-1] < losses[0]
 
 
 @pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
-def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path) -> None:
+def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/train_grpo_hcapo.py: TRL's GRPO steps whose advantages come from the store."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "train_grpo_hcapo.py"),
-            "--steps",
-            "2",
-            "--workdir",
-            str(tmp_path),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    out = run_example(  # in this process: the test reads the example's status, output and store only
+        REPO / "examples" / "train_grpo_hcapo.py",
+        *["--steps", "2", "--workdir", str(tmp_path), "--json"],
+        monkeypatch=monkeypatch,
     )
+    assert out.returncode == 0, out.stderr[-2000:]
     steps = [json.loads(line) for line in out.stdout.splitlines()]
     assert [s["step"] for s in steps] == [0, 1]
     assert all(math.isfinite(s["loss"]) and s["advantage_abs_max"] > 0 for s in steps)

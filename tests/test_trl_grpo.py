@@ -171,6 +171,7 @@ def test_trls_returned_dict_has_the_keys_read(tmp_path: Path, tok) -> None:
 # ---- the direction of the loss -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains 3 steps (~4 s); fast: test_trls_own_advantage_as_the_source_is_plain_grpo
 def test_tokens_gain_or_lose_log_probability_as_their_advantage_says(tmp_path: Path, tok) -> None:
     plus, minus = tok.convert_tokens_to_ids("!"), tok.convert_tokens_to_ids("#")
     batches: list[RolloutBatch] = []

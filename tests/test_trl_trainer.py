@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
+import shutil
 import warnings
 from pathlib import Path
 
 import pytest
+from _t12_train import Completed, run_example
+from _tokenizers import loaded_tokenizer
 
 pytest.importorskip("trl")
 import torch
@@ -27,6 +27,7 @@ from hcapo_store.credits.equations import CreditParams
 from hcapo_store.devkit.synth import write_standard_episodes
 from hcapo_store.errors import TrainingDataError
 from hcapo_store.outputs.export import export_dataset
+from hcapo_store.outputs.tokenized import TokenizedExport
 from hcapo_store.storage.store import Store
 from hcapo_store.training.data import check_tokenizer, read_rows
 from hcapo_store.training.trl_sft import WeightedSFTTrainer, load_tokenized_export
@@ -46,20 +47,31 @@ def _config(tmp_path: Path, **kw) -> SFTConfig:
     return SFTConfig(**{**base, **kw})
 
 
-@pytest.fixture
-def short(tmp_path: Path) -> Path:
-    """Six short synthetic episodes (~2k tokens each): CPU training stays quick."""
-    write_standard_episodes(tmp_path / "episodes", 6, steps_per_subtask=1, output_words=5)
-    return tmp_path / "episodes"
+@pytest.fixture(scope="module")
+def exports(
+    tmp_path_factory: pytest.TempPathFactory, migrated_db_template: Path, tiny_model_dir: Path
+) -> tuple[Path, Path, TokenizedExport]:
+    """Six short synthetic episodes (~2k tokens each: CPU training stays quick), scored once for
+    the module: run ``r`` (the default) exported from rewards >= 0, then the paper's signed run
+    ``p`` exported whole. Tests only read the two files (and copy rows before changing them)."""
+    tmp = tmp_path_factory.mktemp("trl-sft")
+    write_standard_episodes(tmp / "episodes", 6, steps_per_subtask=1, output_words=5)
+    shutil.copyfile(migrated_db_template, tmp / "store.db")
+    with Store.open(str(tmp / "store.db")) as store:
+        scored_with(store, tmp / "episodes", tiny_model_dir)
+        out = tmp / "train.jsonl"
+        summary = export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir)
+        assert summary.weighted_tokens > 0
+        compute_credits(store, CreditParams(variant="paper"), name="p")
+        paper = tmp / "paper.jsonl"
+        paper_summary = export_dataset(store, paper, "p", layout="tokenized", tokenizer=tiny_model_dir)
+        assert isinstance(paper_summary, TokenizedExport)
+    return out, paper, paper_summary
 
 
 @pytest.fixture
-def exported(store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path) -> Path:
-    scored_with(store, short, tiny_model_dir)
-    out = tmp_path / "train.jsonl"
-    summary = export_dataset(store, out, "r", min_reward=0.0, layout="tokenized", tokenizer=tiny_model_dir)
-    assert summary.weighted_tokens > 0
-    return out
+def exported(exports: tuple[Path, Path, TokenizedExport]) -> Path:
+    return exports[0]
 
 
 def test_a_plain_sft_trainer_cannot_take_the_export(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -107,12 +119,13 @@ def test_the_loss_is_the_advantage_weighted_nll(
 @pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_training_lowers_the_weighted_loss(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     ds = load_tokenized_export(exported)
-    config = _config(tmp_path, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
+    # two logged losses: the first before any update, the second after one; a lower second is the claim
+    config = _config(tmp_path, max_steps=2, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1)
     config.per_device_train_batch_size = len(ds)
     trainer = WeightedSFTTrainer(str(tiny_model_dir), args=config, train_dataset=ds)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
 def test_rows_of_another_tokenizer_are_refused(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -137,7 +150,8 @@ def test_a_real_tokenizer_is_not_the_rows_tokenizer(exported: Path, family: str)
     if not directory.is_dir():
         pytest.skip(f"{directory} is not here (../shared absent)")
     with pytest.raises(TrainingDataError, match="not the one in"):
-        check_tokenizer(read_rows(exported), AutoTokenizer.from_pretrained(str(directory)), directory)
+        # loaded once per test process (tests/_tokenizers.py): the same load_tokenizer(directory)
+        check_tokenizer(read_rows(exported), loaded_tokenizer(directory), directory)
 
 
 def test_a_re_saved_tokenizer_is_the_rows_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -180,12 +194,9 @@ def test_cutting_to_max_length_keeps_advantages_on_their_tokens(
 
 
 def test_signed_advantages_of_the_paper_variant(
-    store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path
+    exports: tuple[Path, Path, TokenizedExport], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    scored_with(store, short, tiny_model_dir)
-    compute_credits(store, CreditParams(variant="paper"), name="p")
-    out = tmp_path / "paper.jsonl"
-    export_dataset(store, out, "p", layout="tokenized", tokenizer=tiny_model_dir)
+    out = exports[1]
     rows = read_rows(out)
     assert any(a < 0 for r in rows for a in r["advantages"])
     negative = sum(1 for r in rows for w in r["step_advantages"] if w < 0)
@@ -213,34 +224,21 @@ def test_signed_advantages_of_the_paper_variant(
 
 @pytest.mark.slow  # trains (docs/DEVELOPMENT.md: the slow tier)
 def test_the_example_takes_signed_advantages_only_when_asked(
-    store: Store, short: Path, tiny_model_dir: Path, tmp_path: Path
+    exports: tuple[Path, Path, TokenizedExport], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A paper run's signed advantages: refused in one line without --signed; with it, the example
     says how many steps get unlikelihood; a --max-length that keeps no trained token is one line."""
-    scored_with(store, short, tiny_model_dir)
-    compute_credits(store, CreditParams(variant="paper"), name="p")
-    data = tmp_path / "paper.jsonl"
-    summary = export_dataset(store, data, "p", layout="tokenized", tokenizer=tiny_model_dir)
+    _, data, summary = exports
     rows = read_rows(data)[:4]
     negative = sum(1 for r in rows for w in r["step_advantages"] if w < 0)
     assert negative > 0 and summary.step_signs["negative"] > 0
     assert sum(summary.step_signs.values()) == summary.aligned_steps
     assert summary.weighted_steps == summary.step_signs["positive"] + summary.step_signs["negative"]
 
-    def example(*extra: str) -> subprocess.CompletedProcess:
-        command = [
-            sys.executable,
-            str(REPO / "examples" / "train_weighted.py"),
-            str(data),
-            "--model",
-            str(tiny_model_dir),
-        ]
-        return subprocess.run(
-            [*command, "--steps", "1", *extra],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    def example(*extra: str) -> Completed:  # the example's status and output, run in this process
+        script = REPO / "examples" / "train_weighted.py"
+        return run_example(
+            script, str(data), "--model", str(tiny_model_dir), "--steps", "1", *extra, monkeypatch=monkeypatch
         )
 
     refused = example()
@@ -261,19 +259,17 @@ def _lines(stderr: str) -> list[str]:
     return [x for i, x in enumerate(lines) if "Warning:" not in x and not (i and "Warning:" in lines[i - 1])]
 
 
-def test_the_example_refuses_rows_of_another_tokenizer(exported: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_the_example_refuses_rows_of_another_tokenizer(
+    exported: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows = read_rows(exported)
     for row in rows:
         row["provenance"]["chat_template_sha256"] = "f" * 64
         row["provenance"]["tokenizer_content_sha256"] = "f" * 64  # another tokenizer: other content too
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train_weighted.py"), str(other), "--model", str(tiny_model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    out = run_example(
+        REPO / "examples" / "train_weighted.py", str(other), "--model", str(tiny_model_dir), monkeypatch=monkeypatch
     )
     assert out.returncode != 0
     assert "chat_template_sha256 differs" in out.stderr and "Traceback" not in out.stderr

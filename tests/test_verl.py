@@ -254,9 +254,12 @@ def test_the_plug_is_refused_without_verl() -> None:
 def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path: Path) -> None:
     """examples/verl_hcapo.py's overrides are valid in verl 0.9.1's Hydra config (printed by
     ``--cfg job``, nothing is trained), and the Ray setup hook it names is importable there."""
+    # one process of that venv (its imports cost ~10 s): the example as `python verl_hcapo.py ARGS` runs
+    # it, then the hook's own import by name, as Ray's worker_process_setup_hook does it
     r = subprocess.run(
-        [str(verl_python), str(ROOT / "examples" / "verl_hcapo.py"), "--store", str(tmp_path / "s.db")]
-        + ["--tokenizer", str(tmp_path), "--weight-version", "v7", "--", "--cfg", "job"],
+        [str(verl_python), "-c", _EXAMPLE_THEN_HOOK, str(ROOT / "examples" / "verl_hcapo.py")]
+        + ["--store", str(tmp_path / "s.db"), "--tokenizer", str(tmp_path), "--weight-version", "v7", "--"]
+        + ["--cfg", "job"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -264,7 +267,7 @@ def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path:
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    config = r.stdout
+    config, _, hook = r.stdout.rpartition(_HOOK_MARK)
     for line in (
         "adv_estimator: hcapo",
         "use_kl_in_reward: false",
@@ -274,18 +277,23 @@ def test_the_example_composes_into_verls_own_config(verl_python: Path, tmp_path:
     ):
         assert line in config, line
     assert "RewardManagerConfig\n    source: register\n    name: hcapo\n" in config
-    hook = subprocess.run(
-        [
-            str(verl_python),
-            "-c",
-            "import importlib; print(callable(importlib.import_module('hcapo_store.training.verl').setup))",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=_verl_venv.run_env(),
-    )
-    assert hook.stdout.strip() == "True", hook.stderr[-2000:]
+    assert hook.strip() == "True", r.stderr[-2000:]
+
+
+# `python SCRIPT ARGS` (argv, __main__; a status 0 exit goes on), then the setup hook imported by name
+_HOOK_MARK = "\n--- setup hook callable: "
+_EXAMPLE_THEN_HOOK = f"""
+import importlib, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, __import__("os").path.dirname(sys.argv[0]))
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exc:
+    if exc.code not in (None, 0):
+        raise
+sys.stdout.flush()
+print({_HOOK_MARK!r} + str(callable(importlib.import_module("hcapo_store.training.verl").setup)))
+"""
 
 
 def test_the_example_gets_through_ray_init_with_the_hooks_registered(verl_python: Path, tmp_path: Path) -> None:
