@@ -195,17 +195,20 @@ def test_a_link_out_of_the_folder_is_read_only_when_asked(tmp_path: Path, ref, t
     (outside / "eps.jsonl").write_text(_jsonl_line(1) + "\n")
     (root / "eps.jsonl").symlink_to(outside / "eps.jsonl")
     db = tmp_path / "s.db"
-    # In a process of its own: this run ends in an uncaught IntegrityError today (the failed
-    # batch is published before its scorer is registered: FOREIGN KEY constraint failed), and
-    # the refusal is then read from the traceback; in process that exception fails the test.
-    refused = _follow_process(db, ref, tiny_model_dir, str(root), "--group-size", "1", "--once")
+    # in process: an exception escaping the command (before: the failed batch was published
+    # before its scorer was registered, FOREIGN KEY constraint failed) fails the test
+    refused = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "1", "--once")
     assert refused.returncode == 1 and "a symbolic link out of the followed folders" in refused.stderr
+    assert "Traceback" not in refused.stderr
     with Store.open(str(db)) as store:
         assert store.query("SELECT count(*) FROM episodes", read_only=True)[1][0][0] == 0
+    (failed,) = _batches(db)  # the refused member's batch is published, failed, naming it
+    assert failed["status"] == "failed" and failed["episodes"] == 1
     asked = _follow(db, ref, tiny_model_dir, str(root), "--group-size", "1", "--once", "--follow-links")
     assert asked.returncode == 0, asked.stderr
-    (b,) = _batches(db)
+    first, b = sorted(_batches(db), key=lambda x: x["id"])
     assert b["status"] == "ready" and b["episodes"] == 1
+    assert first["status"] == "failed" and first["credit_run"] is None  # the refused arrival, on record
 
 
 def _jsonl_line(i: int) -> str:

@@ -20,6 +20,7 @@ from hcapo_store.ingestion.fields import source_field
 from hcapo_store.online.batches import BatchInfo, BatchMember, FailedEpisode, failed_json
 from hcapo_store.online.scanning import file_field, split_location
 from hcapo_store.scoring.job import Prepared
+from hcapo_store.scoring.scorer import register
 from hcapo_store.storage import db
 from hcapo_store.storage.once import insert_once
 from hcapo_store.storage.store import Store
@@ -342,6 +343,8 @@ class Batcher:
             "ready_at": ready.isoformat(timespec="milliseconds"),
             "lag_s": round((ready - arrived).total_seconds(), 3),
         }
+        if not ids:  # nothing of the batch was scored, so no scoring run registered the scorer the row names
+            register(self.store, self.prep.spec)
         with db.write(self.store.engine) as conn:
             new_id = insert_once(conn, "batches", row, unique=["batch_hash"])
             if new_id is None:
