@@ -106,7 +106,8 @@ def parse_args() -> argparse.Namespace:
     if args.size == "tiny":
         args.episodes = min(args.episodes, 2)
         args.per_step_episodes = min(args.per_step_episodes, 1)
-        args.steps_per_subtask = min(args.steps_per_subtask, 1)  # 15 steps: the per-step layout's resends grow as steps²
+        # 15-step episodes: the per-step layout's resends grow as the square of the steps
+        args.steps_per_subtask = min(args.steps_per_subtask, 1)
         args.measure_s = min(args.measure_s, 1.0)
         args.concurrency = [max(c for c in args.concurrency if c <= 2)] if min(args.concurrency) <= 2 else [1]
         args.budget_s = max(args.budget_s, 1800.0)  # a shared CPU: no skipping, the test checks every key

@@ -4,16 +4,25 @@ as new episodes (new ids, new hashes) and keep the samples' shape. No timing her
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _benchs_help import Forks
 from sqlalchemy import text
 
 from hcapo_store.ingestion.pipeline import ingest
 
 BENCH_INGEST = Path(__file__).resolve().parent.parent / "bench" / "ingest.py"
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    """``python SCRIPT ARGS`` as forked children of one process that imported torch and
+    transformers once (tests/_benchs_help.py), not a fresh interpreter per bench run."""
+    runner = Forks()
+    yield runner
+    runner.close()
 
 
 def _bench_ingest():
@@ -55,20 +64,20 @@ def test_synthetic_copies_ingest_as_new_episodes(tmp_path, store):
     assert (report.new, report.failed) == (n, 0)
 
 
-def test_bookkeeping_bench_runs_against_its_server():
+def test_bookkeeping_bench_runs_against_its_server(forks: Forks):
     # The bench drives the real runner with prebuilt prompts against its own zero-latency
     # server: when the runner grows a new call (the vocabulary probe, grouping), the bench must
     # still score every step, or its numbers measure failures.
     bench = BENCH_INGEST.parent / "bookkeeping.py"
     args = ["--input", "synthetic", "--episodes", "1", "--repeat", "1", "--only-bookkeeping", "--no-timers"]
-    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
+    out = forks.run(str(bench), *args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = [line for line in out.stdout.splitlines() if ", run 1: " in line]
     # the runner and its one baseline (stdlib json bodies; the hand-written transport is gone)
     assert len(runs) == 2 and all("15 steps (0 failed)" in line for line in runs), out.stdout
 
 
-def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end():
+def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end(forks: Forks):
     """`--input budget` is what BENCHMARKS.md's client-budget row reads: 99-step episodes, every
     step scored end to end in the episode layout, and the GPU time it is set against reported."""
     import json
@@ -77,7 +86,7 @@ def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end():
 
     bench = BENCH_INGEST.parent / "bookkeeping.py"
     args = ["--input", "budget", "--episodes", "1", "--prompt-layout", "episode", "--no-timers", "--json"]
-    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=900)
+    out = forks.run(str(bench), *args, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     run = report["end_to_end#1"]
@@ -90,7 +99,7 @@ def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end():
     assert report["summary"]["gpus_per_client_core"][1] > 0
 
 
-def test_the_ascii_bpe_bench_checks_both_strategies_agree_before_timing():
+def test_the_ascii_bpe_bench_checks_both_strategies_agree_before_timing(forks: Forks):
     """bench/ascii_bpe.py (BENCHMARKS.md's tokenizer row) asserts every piece's ids and offsets
     equal under both strategies before it times them: it must run to its figures."""
     import json
@@ -101,7 +110,7 @@ def test_the_ascii_bpe_bench_checks_both_strategies_agree_before_timing():
         pytest.skip(f"no Qwen3 tokenizer at {TOKENIZERS / 'qwen3'}")
     bench = BENCH_INGEST.parent / "ascii_bpe.py"
     args = ["--input", "budget", "--episodes", "1", "--rounds", "1", "--tokenizer", str(TOKENIZERS / "qwen3"), "--json"]
-    out = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600)
+    out = forks.run(str(bench), *args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["tokens"] > 20_000 and report["ascii_share_of_characters"] > 0.9

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _benchs_help import Forks
 from _shared import SHARED
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -17,6 +19,15 @@ SCRIPTS = sorted(BENCH.glob("*.py"))
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    """``python SCRIPT ARGS`` as forked children of one process that imported torch and
+    transformers once (tests/_benchs_help.py), not a fresh interpreter per bench run."""
+    runner = Forks()
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -36,27 +47,29 @@ def test_every_bench_script_starts(script: Path, helps: dict[str, list]) -> None
     assert "usage" in stdout.lower()
 
 
-def test_credits_bench_small(tmp_path: Path) -> None:
-    r = _run(str(BENCH / "credits.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "c.db"), "--json")
+def test_credits_bench_small(tmp_path: Path, forks: Forks) -> None:
+    r = forks.run(
+        str(BENCH / "credits.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "c.db"), "--json"
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
     assert out["steps"] == 240 and out["max_abs_diff_vs_reference"] < 1e-9
 
 
-def test_diagnose_bench_small(tmp_path: Path) -> None:
-    r = _run(str(BENCH / "diagnose.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "d.db"))
+def test_diagnose_bench_small(tmp_path: Path, forks: Forks) -> None:
+    r = forks.run(str(BENCH / "diagnose.py"), "--episodes", "20", "--steps", "12", "--db", str(tmp_path / "d.db"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout[r.stdout.index("{") :])
     assert out["steps"] == 240 and out["abs_diff_std_vs_numpy"] < 1e-12
 
 
 @pytest.mark.slow
-def test_follow_bench_small() -> None:
+def test_follow_bench_small(forks: Forks) -> None:
     samples = SHARED / "samples" / "long"
     if not samples.is_dir():
         pytest.skip(f"{samples} is not here (../shared absent)")
     # the episode layout: the script's every part runs, at a sixth of the per-step layout's time
-    r = _run(
+    r = forks.run(
         str(BENCH / "follow.py"),
         *("--groups", "1", "--group-size", "1", "--prompt-layout", "episode", "--samples", str(samples), "--json"),
     )
@@ -65,9 +78,9 @@ def test_follow_bench_small() -> None:
     assert out["batches"] == 1 and out["steps"] > 0 and out["lag_p50_s"] > 0 and out["by_hand_first_group_s"] > 0
 
 
-def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
+def test_long_episode_bench_small(demo_tokenizer_dir: Path, forks: Forks) -> None:
     args = ["--tokenizer", str(demo_tokenizer_dir), "--steps", "40", "120", "--max-context", "2048", "--json"]
-    r = _run(str(BENCH / "long_episode.py"), *args)
+    r = forks.run(str(BENCH / "long_episode.py"), *args)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout[r.stdout.index("{") :])["rows"]
     assert [row["steps"] > 0 for row in rows] == [True, True]
@@ -80,9 +93,9 @@ def test_long_episode_bench_small(demo_tokenizer_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not (SHARED / "samples" / "long").is_dir(), reason="needs ../shared/samples/long")
-def test_prep_bench_ours_only_small(demo_tokenizer_dir: Path) -> None:
+def test_prep_bench_ours_only_small(demo_tokenizer_dir: Path, forks: Forks) -> None:
     """The form used to pair two checkouts: only our per-step build, timed and reported."""
-    r = _run(
+    r = forks.run(
         str(BENCH / "prep.py"),
         "--tokenizer",
         str(demo_tokenizer_dir),
@@ -98,11 +111,11 @@ def test_prep_bench_ours_only_small(demo_tokenizer_dir: Path) -> None:
     assert "ours_deployed: min " in r.stdout and "speed-up" not in r.stdout
 
 
-def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) -> None:
     """bench/gpu.py's every part on the CPU (--size tiny): the floor, both layouts end to end,
     the forwards' busy share and the bf16 / fp32 drift, in the JSON the GPU run writes."""
     out = tmp_path / "gpu.json"
-    r = _run(str(BENCH / "gpu.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out))
+    r = forks.run(str(BENCH / "gpu.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["size"] == "tiny" and doc["episodes"]["count"] == 2 and doc["episodes"]["steps_each"] > 10
@@ -126,12 +139,14 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
 
 
-def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) -> None:
     """bench/gpu_gaps.py's every measurement on the CPU (--size tiny; the profiler's CPU ops stand in
     for kernels): the forward alone and the body, the LM-head chunks, the runs at two switch
     intervals, the profiled forward inside a run, in the JSON the GPU run writes."""
     out = tmp_path / "gaps.json"
-    r = _run(str(BENCH / "gpu_gaps.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out))
+    r = forks.run(
+        str(BENCH / "gpu_gaps.py"), "--size", "tiny", "--tokenizer", str(demo_tokenizer_dir), "--out", str(out)
+    )
     assert r.returncode == 0, r.stderr
     assert "] tiny: in_run: " in r.stderr  # a progress line per measurement
     doc = json.loads(out.read_text())
