@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from _t12_train import run_example
+from _examples import run_example
 from conftest import REPO
 from test_tokenized import scored_with
 

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _t12_train import Completed, run_example
+from _examples import Completed, run_example
 from _tokenizers import loaded_tokenizer
 
 pytest.importorskip("trl")
