@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _benchs_help import Forks
+from _forked_runs import Forks
 from sqlalchemy import text
 
 from hcapo_store.ingestion.pipeline import ingest
@@ -19,7 +19,7 @@ BENCH_INGEST = Path(__file__).resolve().parent.parent / "bench" / "ingest.py"
 @pytest.fixture(scope="module")
 def forks() -> Iterator[Forks]:
     """``python SCRIPT ARGS`` as forked children of one process that imported torch and
-    transformers once (tests/_benchs_help.py), not a fresh interpreter per bench run."""
+    transformers once (tests/_forked_runs.py), not a fresh interpreter per bench run."""
     runner = Forks()
     yield runner
     runner.close()

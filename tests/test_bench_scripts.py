@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _benchs_help import Forks
+from _forked_runs import Forks
 from _shared import SHARED
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def forks() -> Iterator[Forks]:
     """``python SCRIPT ARGS`` as forked children of one process that imported torch and
-    transformers once (tests/_benchs_help.py), not a fresh interpreter per bench run."""
+    transformers once (tests/_forked_runs.py), not a fresh interpreter per bench run."""
     runner = Forks()
     yield runner
     runner.close()
@@ -34,8 +34,8 @@ def forks() -> Iterator[Forks]:
 def helps() -> dict[str, list]:
     """Every script's ``--help`` (exit code, stdout, stderr): one process pays torch's and
     transformers' imports once and forks a child per script that runs it as ``python SCRIPT --help``
-    would (tests/_benchs_help.py), instead of a fresh interpreter per script."""
-    r = _run(str(Path(__file__).with_name("_benchs_help.py")), *map(str, SCRIPTS))
+    would (tests/_forked_runs.py), instead of a fresh interpreter per script."""
+    r = _run(str(Path(__file__).with_name("_forked_runs.py")), *map(str, SCRIPTS))
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

@@ -4,8 +4,8 @@ heavy third-party imports (torch, transformers, ...) once: each run is a forked 
 of its sibling modules, its own stdout, stderr and exit code, and its exit handlers run, so one
 script's imports or state never help another's (tests/test_bench_scripts.py, test_bench_inputs.py).
 
-    python tests/_benchs_help.py bench/a.py bench/b.py ...  # every --help: {script: [code, stdout, stderr]}
-    python tests/_benchs_help.py --serve                    # per stdin line ["SCRIPT", ARGS...]: one line [code, stdout, stderr]
+    python tests/_forked_runs.py bench/a.py bench/b.py ...  # every --help: {script: [code, stdout, stderr]}
+    python tests/_forked_runs.py --serve                    # per stdin line ["SCRIPT", ARGS...]: one line [code, stdout, stderr]
 """
 
 from __future__ import annotations
