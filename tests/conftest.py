@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _shared import EXAMPLES, REPO, SAMPLES, SHARED, TOKENIZERS  # noqa: F401 - re-exported to tests
 from click.testing import CliRunner
+from tiers import read_list
 
 from hcapo_store.storage.store import Store
 
@@ -85,7 +86,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False  # keep the order set below
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the measured marks count there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    measured = read_list()  # tests/slow_measured.txt: the slow tier by measurement (tests/tiers.py)
+    for item in items:
+        if item.nodeid in measured:
+            item.add_marker(pytest.mark.slow)
+
     def file(item: pytest.Item) -> str:
         return item.nodeid.split("::")[0]
 
