@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _forked_runs import Forks
 from _shared import EXAMPLES, REPO, SAMPLES, SHARED, TOKENIZERS  # noqa: F401 - re-exported to tests
 from click.testing import CliRunner
 from tiers import read_list
@@ -44,6 +45,15 @@ def store(db_path: Path, migrated_db_template: Path):
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    """``python SCRIPT ARGS`` as forked children of one process that imported torch and
+    transformers once (tests/_forked_runs.py), not a fresh interpreter per bench run."""
+    runner = Forks()
+    yield runner
+    runner.close()
 
 
 @pytest.fixture

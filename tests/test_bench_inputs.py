@@ -4,7 +4,6 @@ as new episodes (new ids, new hashes) and keep the samples' shape. No timing her
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,6 @@ from sqlalchemy import text
 from hcapo_store.ingestion.pipeline import ingest
 
 BENCH_INGEST = Path(__file__).resolve().parent.parent / "bench" / "ingest.py"
-
-
-@pytest.fixture(scope="module")
-def forks() -> Iterator[Forks]:
-    """``python SCRIPT ARGS`` as forked children of one process that imported torch and
-    transformers once (tests/_forked_runs.py), not a fresh interpreter per bench run."""
-    runner = Forks()
-    yield runner
-    runner.close()
 
 
 def _bench_ingest():

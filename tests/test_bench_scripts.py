@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,6 @@ SCRIPTS = sorted(BENCH.glob("*.py"))
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def forks() -> Iterator[Forks]:
-    """``python SCRIPT ARGS`` as forked children of one process that imported torch and
-    transformers once (tests/_forked_runs.py), not a fresh interpreter per bench run."""
-    runner = Forks()
-    yield runner
-    runner.close()
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,42 @@ def test_until_idle_exits_zero_and_sigterm_stops(tmp_path: Path, ref, tiny_model
     assert proc.wait(timeout=120) == 130 and "stopped; rerun" in err, err
 
 
+class _FollowInThread:
+    """The library's follow loop (the one the CLI runs) in a thread, stopped by its stop event
+    (what the CLI's signal handler sets) when the context ends; its notices collected as the CLI
+    prints them, and an exception that ended it kept for the test (not lost in the thread)."""
+
+    def __init__(self, follower: Follower, poll_seconds: float) -> None:
+        self.stop, self.first_round = threading.Event(), threading.Event()
+        self.lines: list[str] = []
+        self.ended: list[object] = []
+        self.thread = threading.Thread(target=self._run, args=(follower, poll_seconds), name="follow", daemon=True)
+
+    def _on_cycle(self, report: object, status: FollowStatus) -> None:
+        self.lines.extend(status.notices)
+        status.notices.clear()
+        self.first_round.set()
+
+    def _run(self, follower: Follower, poll_seconds: float) -> None:
+        try:
+            self.ended.append(follow(follower, poll_seconds=poll_seconds, stop=self.stop, on_cycle=self._on_cycle))
+        except BaseException as exc:
+            self.ended.append(exc)
+            raise
+
+    def running(self) -> bool:
+        assert not self.ended, self.ended  # still following
+        return True
+
+    def __enter__(self) -> _FollowInThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
 def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
     """File-system events wake the follower: with a look every hour, a batch written after it
     went idle is still published (the test waits for that state, far below an hour). The
@@ -229,43 +265,18 @@ def test_a_new_episode_wakes_follow_before_its_poll(tmp_path: Path, ref, tiny_mo
     root = tmp_path / "rollouts"
     root.mkdir()
     db = tmp_path / "s.db"
-    stop, first_round = threading.Event(), threading.Event()
-    said: list[str] = []
-    ended: list[object] = []
-
-    def on_cycle(report: object, status: FollowStatus) -> None:
-        said.extend(status.notices)
-        status.notices.clear()
-        first_round.set()
-
-    def run() -> None:
-        try:
-            ended.append(follow(follower, poll_seconds=3600, stop=stop, on_cycle=on_cycle))
-        except BaseException as exc:  # said by the test, not lost in the thread
-            ended.append(exc)
-            raise
-
-    def running() -> bool:
-        assert not ended, ended
-        return True
-
     with Store.open(str(db)) as store:
         prep = prepare(store, ScoreConfig(server=ref.url, tokenizer=str(tiny_model_dir), max_context=2048))
         follower = Follower(store, prep, FollowConfig(paths=[root], group_size=2), RunOptions())
-        thread = threading.Thread(target=run, name="follow", daemon=True)
-        thread.start()
-        try:
-            wait_until(lambda: running() and first_round.is_set(), "its first round", timeout=600)
-            assert any("nothing to follow yet" in line for line in said), said  # the empty folder said
+        with _FollowInThread(follower, poll_seconds=3600) as f:
+            wait_until(lambda: f.running() and f.first_round.is_set(), "its first round", timeout=600)
+            assert any("nothing to follow yet" in line for line in f.lines), f.lines  # the empty folder said
             _write_group(root, 0, 2, seed=90)
             # a loaded machine: still far below the hour of the poll
-            wait_until(lambda: running() and _count(db, "SELECT count(*) FROM batches") > 0, "the batch", timeout=600)
+            wait_until(lambda: f.running() and _count(db, "SELECT count(*) FROM batches") > 0, "the batch", timeout=600)
             published = _count(db, "SELECT count(*) FROM batches")
-        finally:
-            stop.set()
-            thread.join(timeout=120)
-    assert not thread.is_alive()
-    assert published == 1, said
+    assert not f.thread.is_alive()
+    assert published == 1, f.lines
 
 
 @pytest.mark.slow
@@ -315,55 +326,33 @@ def test_a_dead_server_pauses_follow_and_it_goes_on(tmp_path: Path, ref, tiny_mo
     proxy = FaultServer(ref)
     proxy.start()
     port = proxy.httpd.server_address[1]
-    stop, first_round = threading.Event(), threading.Event()
-    lines: list[str] = []  # what the follower says (its notices), as the CLI prints them
-    ended: list[object] = []
 
-    def on_cycle(report: object, status: FollowStatus) -> None:
-        lines.extend(status.notices)
-        status.notices.clear()
-        first_round.set()
-
-    def run() -> None:
-        try:
-            ended.append(follow(follower, poll_seconds=0.2, stop=stop, on_cycle=on_cycle))
-        except BaseException as exc:  # said by the test, not lost in the thread
-            ended.append(exc)
-            raise
-
-    def running() -> bool:
-        assert not ended, ended  # still following
-        return True
-
-    def said(*words: str) -> bool:
-        return running() and any(all(w in line for w in words) for line in list(lines))
+    def said(f: _FollowInThread, *words: str) -> bool:
+        return f.running() and any(all(w in line for w in words) for line in list(f.lines))
 
     back = None
     with Store.open(str(db)) as store:
         config = ScoreConfig(server=proxy.url, tokenizer=str(tiny_model_dir), max_context=2048)
         prep = prepare(store, config)
         follower = Follower(store, prep, FollowConfig(paths=[root], group_size=2), RunOptions(max_attempts=2))
-        thread = threading.Thread(target=run, name="follow", daemon=True)
-        thread.start()
         try:
-            wait_until(lambda: running() and first_round.is_set(), "its first round")
-            proxy.die()
-            _write_group(root, 0, 2, seed=120)
-            # paused, not exited, and long enough that a blind backoff would have grown past 2 s
-            wait_until(lambda: said("stopped answering", "4 s"), "the follower pauses")
-            back = FaultServer(ref, port=port)
-            back.start()
-            wait_until(lambda: running() and _count(db, "SELECT count(*) FROM batches") == 1, "the batch")
+            with _FollowInThread(follower, poll_seconds=0.2) as f:
+                wait_until(lambda: f.running() and f.first_round.is_set(), "its first round")
+                proxy.die()
+                _write_group(root, 0, 2, seed=120)
+                # paused, not exited, and long enough that a blind backoff would have grown past 2 s
+                wait_until(lambda: said(f, "stopped answering", "4 s"), "the follower pauses")
+                back = FaultServer(ref, port=port)
+                back.start()
+                wait_until(lambda: f.running() and _count(db, "SELECT count(*) FROM batches") == 1, "the batch")
         finally:
-            stop.set()
-            thread.join(timeout=120)
-            if back is not None:
+            if back is not None:  # after the follower stopped (the context's exit)
                 back.shutdown()
-        assert not thread.is_alive()
-        lines.extend(follower.status.notices)  # said after the last round the loop reported
+        assert not f.thread.is_alive()
+        f.lines.extend(follower.status.notices)  # said after the last round the loop reported
         # it probed while it waited and went on as soon as the server answered (issue 33 item 5:
         # a restart at every weight sync must not cost a backoff of up to a minute)
-        assert any("answers again" in line for line in lines), lines
+        assert any("answers again" in line for line in f.lines), f.lines
         assert _count(db, "SELECT count(*) FROM batches") == 1
         assert _count(db, "SELECT count(*) FROM scores") == _count(db, "SELECT count(*) FROM steps")
 

@@ -20,18 +20,23 @@ REPO = Path(__file__).resolve().parent.parent
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c"
 
 
+def _first_lines(db: str, fmt: str, n: int = 4) -> list[str]:
+    """The first ``n`` lines `hcapo-store sql ENDLESS` writes (a process, killed after them)."""
+    argv = [sys.executable, "-m", "hcapo_store", "--db", db, "sql", ENDLESS, "--format", fmt, "--timeout", "120"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        return [proc.stdout.readline() for _ in range(n)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("fmt", ["csv", "json"])
 def test_an_endless_result_is_written_as_it_is_read(tmp_path: Path, fmt: str) -> None:
     db = tmp_path / "s.db"
     Store.open(str(db)).close()
-    argv = [sys.executable, "-m", "hcapo_store", "--db", str(db), "sql", ENDLESS, "--format", fmt, "--timeout", "120"]
-    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        head = [proc.stdout.readline() for _ in range(4)]
-    finally:
-        proc.kill()
-        proc.wait()
+    head = _first_lines(str(db), fmt)
     if fmt == "csv":
         assert head == ["x\n", "1\n", "2\n", "3\n"]
     else:
@@ -45,14 +50,7 @@ def test_an_endless_result_is_written_as_it_is_read_on_postgresql() -> None:
 
     with fresh_database("sqlstream") as url:
         Store.open(url).close()
-        argv = [sys.executable, "-m", "hcapo_store", "--db", url, "sql", ENDLESS, "--format", "csv", "--timeout", "120"]
-        proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout is not None
-            head = [proc.stdout.readline() for _ in range(4)]
-        finally:
-            proc.kill()
-            proc.wait()
+        head = _first_lines(url, "csv")
     assert head == ["x\n", "1\n", "2\n", "3\n"]
 
 
