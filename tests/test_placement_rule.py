@@ -8,7 +8,6 @@ On the shared samples (the two long ones included) and on synthetic long session
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -36,49 +35,10 @@ def _outcome(placement: Placement) -> dict[int, Any]:
     return out
 
 
-class _RendersOnce:
-    """The tokenizer itself, its ``apply_chat_template`` answers remembered per arguments.
-
-    The rule renders the conversation once per step (quadratic, ~1 s a render for the long
-    samples); ``required`` changes none of those renders, only what the rule checks in them,
-    so the ``True`` and ``False`` cases of a tokenizer get the very strings of the same calls.
-    Only the rule gets it: the layout's ``Placer`` renders for itself in every case."""
-
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-        self._renders: dict[str, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tok, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tok(*args, **kwargs)
-
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
-        key = json.dumps([messages, kwargs], sort_keys=True, default=repr)
-        if key not in self._renders:  # a template's refusal raises each time, remembered nowhere
-            self._renders[key] = self._tok.apply_chat_template(messages, **kwargs)
-        return self._renders[key]
-
-
-# One per tokenizer object this module is handed (tests/_tokenizers.py hands out a fresh one
-# whenever a test changed it); the object is kept here, so its id is never reused.
-_RULE_TOKENIZERS: dict[int, tuple[Any, _RendersOnce]] = {}
-
-
-def _rule_tokenizer(tok: Any) -> _RendersOnce:
-    if id(tok) not in _RULE_TOKENIZERS:
-        _RULE_TOKENIZERS[id(tok)] = (tok, _RendersOnce(tok))
-    return _RULE_TOKENIZERS[id(tok)][1]
-
-
-def _assert_equal_to_rule(
-    tok: Any, msgs: list[dict], steps: list[tuple[int, int]], required: bool, *, shared_renders: bool = False
-) -> Placement:
+def _assert_equal_to_rule(tok: Any, msgs: list[dict], steps: list[tuple[int, int]], required: bool) -> Placement:
     # As the episode layout builds it (rendering/episode_layout.py): with the segment encoder.
     fast = Placer(tok, reasoning_required=required, encoder=SegmentEncoder(tok)).place(msgs, steps)
-    rule_tok = _rule_tokenizer(tok) if shared_renders else tok
-    rule = place_by_rule(rule_tok, msgs, steps, reasoning_required=required)
+    rule = place_by_rule(tok, msgs, steps, reasoning_required=required)
     assert fast.text == rule.text and fast.ids == rule.ids
     assert _outcome(fast) == _outcome(rule)
     return rule
@@ -98,7 +58,7 @@ def test_the_layouts_placement_equals_the_rule_on_the_samples(store: Store, name
         for (episode_id,) in store.query("SELECT id FROM episodes ORDER BY id")[1]:
             msgs = inject_hindsight(normalize_messages(load_messages(conn, episode_id)), "HINDSIGHT")
             steps = _assistant_steps(msgs)
-            rule = _assert_equal_to_rule(tok, msgs, steps, required, shared_renders=True)
+            rule = _assert_equal_to_rule(tok, msgs, steps, required)
             compared += len(steps)
             placed += len(rule.spans)
     assert compared > 250 and placed > 100  # the long samples alone have hundreds of steps
