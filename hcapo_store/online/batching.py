@@ -343,8 +343,9 @@ class Batcher:
             "ready_at": ready.isoformat(timespec="milliseconds"),
             "lag_s": round((ready - arrived).total_seconds(), 3),
         }
-        if not ids:  # nothing of the batch was scored, so no scoring run registered the scorer the row names
-            register(self.store, self.prep.spec)
+        # the row names the scorer: registered here whatever ran before (a batch nothing of which
+        # was scored, e.g. its only input refused, had no scoring run to register it); idempotent
+        register(self.store, self.prep.spec)
         with db.write(self.store.engine) as conn:
             new_id = insert_once(conn, "batches", row, unique=["batch_hash"])
             if new_id is None:
