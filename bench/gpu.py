@@ -102,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prepare", nargs="+", default=["processes", "threads"], choices=["processes", "threads"],
                    help="where the runs prepare their requests (RunOptions.prepare_workers): each layout and\n"
                         "concurrency is run once per choice, the ratios side by side")  # fmt: skip
+    p.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="CUDA graphs of the forwards (LogprobModel.cuda_graphs; the library's default: on): each\n"
+                        "run once per choice, after one pass that captures the layout's shapes")  # fmt: skip
     args = p.parse_args()
     if args.size == "tiny":
         args.episodes = min(args.episodes, 2)
@@ -270,13 +273,17 @@ def score_run(
     version: str,
     hook: Any = None,
     prepare: str | None = None,
+    graphs: bool | None = None,
 ) -> dict:
     """``prepare`` + ``run_scoring`` with the live backend over ``ids``; the forwards timed with
     CUDA events (LogprobModel.timings). ``hook``: called with the run's LogprobModel once it is
     made, before its first forward (bench/gpu_gaps.py wraps its forwards). ``prepare``:
     ``processes`` (``defaults.PREPARE_PROCESSES`` workers) or ``threads``; None: the library's
-    default for the device (RunOptions.prepare_workers)."""
+    default for the device (RunOptions.prepare_workers). ``graphs``: CUDA graphs on or off (None:
+    the library's default); the run's captures, replays and checks are in its ``graphs``."""
+    from hcapo_store.rendering import verify
     from hcapo_store.scoring import defaults
+    from hcapo_store.scoring import graphs as cuda_graphs
     from hcapo_store.scoring.backends.inprocess import LiveModelBackend
     from hcapo_store.scoring.job import ScoreConfig, run_scoring
     from hcapo_store.scoring.job import prepare as prepare_scorer
@@ -292,6 +299,8 @@ def score_run(
             await super().start()
             self.scorer.timings = timings
             self.scorer.pack_tokens = defaults.PACK_TOKENS  # as on a GPU, on the CPU too (tiny)
+            if graphs is not None:
+                self.scorer.cuda_graphs = graphs
             if hook is not None:
                 hook(self.scorer)
 
@@ -299,6 +308,9 @@ def score_run(
     cfg = ScoreConfig(
         backend=LiveModelBackend.kind, tokenizer=episodes.tokenizer, prompt_layout=layout, weight_version=version
     )  # type: ignore[arg-type]
+    state = cuda_graphs.graphs_of(model, next(model.parameters()).device) if torch_cuda(model) else None
+    stats_before = state.stats.as_dict() if state is not None else {}
+    fallbacks_before = verify.fallbacks()
     t0 = time.perf_counter()
     prep = prepare_scorer(episodes.store, cfg, backend)
     t1 = time.perf_counter()
@@ -316,7 +328,14 @@ def score_run(
 
         torch.cuda.synchronize()
         busy = sum(start.elapsed_time(end) for start, end, _ in timings) / 1000.0
+    graph_row: dict[str, Any] = {"off": cuda_graphs.off(), "fallbacks": verify.since(fallbacks_before)}
+    if state is not None:
+        after = state.stats.as_dict()
+        graph_row.update({k: after[k] - stats_before.get(k, 0) for k in ("captured", "replayed", "checked")})
+        graph_row["max_abs_diff"] = after["max_abs_diff"]
+        graph_row["shapes"] = len(state.graphs)
     return {
+        "graphs": graph_row,
         "prepare_s": round(t1 - t0, 3),
         "wall_s": round(wall, 3),
         "episodes": len(ids),
@@ -331,6 +350,10 @@ def score_run(
         "prepare": prepare
         or ("processes" if workers is None and prep.backend.computes_in()["device"] == "cuda" else "threads"),
     }
+
+
+def torch_cuda(model: Any) -> bool:
+    return next(model.parameters()).device.type == "cuda"
 
 
 def path_row(run: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
@@ -391,30 +414,45 @@ def measure_shape(
     rates = [p["tokens_per_s"] for p in floor.values() if "tokens_per_s" in p] or [20000.0]
     guess = 0.6 * len(rates) / sum(1 / r for r in rates)
     guess = guess if tiny else min(guess, 20000.0)
+    result["graph_warm"] = {}
     for layout, most in (("episode", args.episodes), ("per-step", args.per_step_episodes)):
         rate = guess
         sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
-        for concurrency, prepare in [(c, p) for c in sorted(args.concurrency, reverse=True) for p in args.prepare]:
-            key = f"{layout}/c{concurrency}/{prepare}"
+        combos = [(c, p, g) for c in sorted(args.concurrency, reverse=True) for p in args.prepare for g in args.graphs]
+        warmed = False
+        for concurrency, prepare, graphed in combos:
+            key = f"{layout}/c{concurrency}/{prepare}/{'graphs' if graphed == 'on' else 'eager'}"
             fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
             n = max(min(most, len(episodes.ids), max(fit, min(concurrency, int(2 * args.measure_s * rate / sent)))), 1)
             expect = n * sent / rate + 1.0
+            if graphed == "on" and not warmed:
+                expect *= 2
             if time.monotonic() + expect > until - drift_reserve:
                 paths[key] = {"skipped": f"would not fit the time left (~{expect:.0f} s)"}
                 continue
-            version = f"{shape}-{layout}-c{concurrency}-{prepare}"
+            version = f"{shape}-{layout}-c{concurrency}-{prepare}-{graphed}"
             try:
+                if graphed == "on" and not warmed:  # one pass captures the layout's shapes (not measured)
+                    warm_run = score_run(
+                        model, episodes, episodes.ids[:n], layout=layout, concurrency=max(args.concurrency),
+                        version=f"{version}-capture", prepare=prepare, graphs=True,
+                    )  # fmt: skip
+                    result["graph_warm"][layout] = {
+                        "wall_s": warm_run["wall_s"], "episodes": n, "graphs": warm_run["graphs"],
+                    }  # fmt: skip
+                    warmed = True
                 run = score_run(
                     model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version,
-                    prepare=prepare,
+                    prepare=prepare, graphs=graphed == "on",
                 )  # fmt: skip
                 paths[key] = row = path_row(run, floor)
                 rate = max(row["sent_tokens_per_s"] * 0.5, 1.0)
                 sent = run["sent_tokens"] / max(run["episodes"], 1)
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-            flush(f"{key}: {json.dumps(paths[key])[:160]}")
-    result["prepare_compare"] = compare_prepare(paths)
+            flush(f"{key}: {json.dumps(paths[key])[:200]}")
+    result["prepare_compare"] = compare(paths, 2, "processes", "threads")
+    result["graphs_compare"] = compare(paths, 3, "graphs", "eager")
     if device.type == "cuda":
         result["peak_gib_bf16"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     try:
@@ -427,22 +465,24 @@ def measure_shape(
         torch.cuda.empty_cache()
 
 
-def compare_prepare(paths: dict[str, Any]) -> dict[str, Any]:
-    """Per layout and concurrency measured both ways: the share of the floor, GPU-busy share and
-    forward count with preparation in processes and in threads, and processes over threads."""
+def compare(paths: dict[str, Any], part: int, a: str, b: str) -> dict[str, Any]:
+    """The runs measured both ways (their keys differ only in ``part``, ``a`` against ``b``): the
+    share of the floor, GPU-busy share and ms per step each way, and ``a`` over ``b``."""
     out: dict[str, Any] = {}
     for key, row in paths.items():
-        run, _, prepare = key.rpartition("/")
-        other = paths.get(f"{run}/threads")
-        if prepare != "processes" or not other or "share_of_floor" not in row or "share_of_floor" not in other:
+        parts = key.split("/")
+        if parts[part] != a:
             continue
-        pair = {"processes": row.get("share_of_floor"), "threads": other.get("share_of_floor")}
-        if pair["processes"] and pair["threads"]:
-            pair["ratio"] = round(pair["processes"] / pair["threads"], 3)
+        other = paths.get("/".join(parts[:part] + [b] + parts[part + 1 :]))
+        if not other or "share_of_floor" not in row or "share_of_floor" not in other:
+            continue
+        pair: dict[str, Any] = {a: row.get("share_of_floor"), b: other.get("share_of_floor")}
+        if pair[a] and pair[b]:
+            pair["ratio"] = round(pair[a] / pair[b], 3)
         for name in ("gpu_busy_share", "wall_ms_per_step"):
             if name in row and name in other:
-                pair[name] = [row[name], other[name]]  # [processes, threads]
-        out[run] = pair
+                pair[name] = [row[name], other[name]]  # [a, b]
+        out["/".join(p for i, p in enumerate(parts) if i != part)] = pair
     return out
 
 
@@ -464,6 +504,8 @@ def summary(doc: dict[str, Any]) -> list[str]:
                 parts.append(f"{key} {row.get('skipped') or row.get('error')}")
         for run, pair in r.get("prepare_compare", {}).items():
             parts.append(f"{run} processes/threads {pair['processes']}/{pair['threads']} (x{pair.get('ratio')})")
+        for run, pair in r.get("graphs_compare", {}).items():
+            parts.append(f"{run} graphs/eager {pair['graphs']}/{pair['eager']} (x{pair.get('ratio')})")
         if "mean_abs_nats" in r.get("drift", {}):
             parts.append(f"drift mean {r['drift']['mean_abs_nats']} max {r['drift']['max_abs_nats']}")
         lines.append("; ".join(parts))

@@ -31,7 +31,7 @@ scored as in the episode layout):
 
 ``--traces`` (default on, GPU only) writes each profiled forward's chrome trace beside ``--out``
 (``gaps-SHAPE-alone.json.gz``, ``-body``, ``-in-run-N``). Hooks only: each forward is wrapped on
-the run's LogprobModel instance (``_forward``), nothing of the library changes. Every measurement catches its own error (recorded, the rest still run), the
+the run's LogprobModel instance (``launch``), nothing of the library changes. Every measurement catches its own error (recorded, the rest still run), the
 JSON (``--out``, else ``$OUT/gaps.json``) is rewritten after each, and a progress line with the
 elapsed seconds goes to stderr. ``--size tiny`` runs the same code on the CPU in seconds: there
 the profiler's top-level CPU ops stand in for kernels and the host clock for CUDA events.
@@ -247,7 +247,8 @@ def activity(prof: Any, device: Any, trace: Path | None = None) -> dict[str, Any
 
 
 class Probe:
-    """Wraps a LogprobModel's ``_forward`` on the instance (the library is untouched): per forward its
+    """Wraps a LogprobModel's ``launch`` on the instance (the library is untouched; each launched
+    forward waited for here, so none runs ahead of the next under the probe): per forward its
     sequence lengths, the host's wall ms and the calling thread's CPU ms (wall - CPU: the model
     thread waiting, for the GIL or a lock), and for the forwards whose index is in ``profile_at`` a
     torch.profiler capture of that forward alone (``activity``)."""
@@ -258,8 +259,8 @@ class Probe:
         self.trace = trace  # index -> Path | None
         self.rows: list[dict[str, Any]] = []
         self.slots: list[int] = []  # each row's index in scorer.timings (one entry per forward)
-        self.inner = scorer._forward
-        scorer._forward = self
+        self.inner = scorer.launch
+        scorer.launch = self
         if scorer.timings is None:
             scorer.timings = []
 
@@ -277,6 +278,7 @@ class Probe:
             with stack:
                 wall, cpu = time.perf_counter(), time.thread_time()
                 out = self.inner(batch)
+                common.sync(self.device)
                 row["wall_ms"] = round((time.perf_counter() - wall) * 1000, 3)
                 row["cpu_ms"] = round((time.thread_time() - cpu) * 1000, 3)
         except Exception as exc:

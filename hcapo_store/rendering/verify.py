@@ -91,8 +91,17 @@ PLACEMENT = Strategy(
     # preparation's CPU per step on the budget shape, one in 128 is ~2.5 % (bench/verify_cost.py)
     every=128,
 )
+CUDA_GRAPHS = Strategy(
+    "cuda_graphs",
+    "the model's own eager forward (its own causal mask) on the same right-padded inputs",
+    "each shape's capture (its first replay against the eager forward before it), then the first 2"
+    " replays on new inputs and one in 64 after (scoring/graphs.py)",
+    "process",
+    first=2,
+    every=64,
+)
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT)
+    s.name: s for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT, CUDA_GRAPHS)
 }
 
 
@@ -166,7 +175,7 @@ def disagreed(strategy: Strategy, detail: str) -> None:
         _logged.add(strategy.name)
     if first:
         log.warning(
-            "rendering: %s disagreed with its rule (%s): %s; switched off for the %s, the rule's result stored",
+            "%s disagreed with its rule (%s): %s; switched off for the %s, the rule's result stored",
             strategy.name,
             strategy.rule,
             detail,

@@ -31,6 +31,9 @@ CPU_DTYPE: Final = "float32"  # what a CPU computes in when no --dtype is given
 # forward holds no more tokens than one request at the default --max-context. 0: one per forward.
 PACK_TOKENS: Final = 32768
 PACK_WASTE: Final = 0.25  # at most this share of a packed forward's tokens may be padding
+# On a GPU, each forward shape (padded to a bucket) is captured once as a CUDA graph and replayed:
+# one launch per forward instead of thousands (scoring/graphs.py; checked against the eager path).
+CUDA_GRAPHS: Final = True
 LM_HEAD_ROWS: Final = 512  # rows of the LM head computed at once (its logits are rows x vocabulary)
 # Worker processes that prepare a run's requests (load, render, tokenize each claimed episode) when
 # the in-process model computes on a GPU (scoring/preparing.py: off the model thread's GIL); threads

@@ -27,6 +27,8 @@ try:
 except ImportError as exc:  # pip install . (no extras): scoring against a server still works
     raise MissingExtra("torch", "local", "a local model (score --model, serve-reference, demo)") from exc
 
+from hcapo_store.scoring import graphs  # after the torch check above
+
 
 @dataclass(frozen=True)
 class PositionScores:
@@ -95,6 +97,44 @@ class SpanRequest:
         return int(self.tokens.shape[0])
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A launched forward (:meth:`LogprobModel.launch`): its values are ready once ``event`` is."""
+
+    batch: tuple[SpanRequest, ...]
+    values: torch.Tensor  # float32, one per scored row in request order (pinned host memory on a GPU)
+    event: Any = None  # torch.cuda.Event after the copy back; None on a CPU
+    check: Any = None  # (mismatches, largest difference, count) of a graph checked against the rule
+    graphs: Any = None  # the model's graphs.ModelGraphs when one was used
+
+
+def _fill(tokens: torch.Tensor, rows: torch.Tensor, batch: Sequence[SpanRequest]) -> None:
+    """A graph's static inputs: the sequences right-padded with 0 into ``tokens`` [B, W], their
+    scored rows (flat indices into B x W) then 0s into ``rows`` (copies from pinned memory,
+    asynchronous)."""
+    width = tokens.shape[1]
+    tokens.zero_()
+    rows.zero_()
+    offset = 0
+    for i, r in enumerate(batch):
+        tokens[i, : r.length].copy_(r.tokens, non_blocking=True)
+        n = len(r.rows)
+        if n:
+            part = rows[offset : offset + n]
+            part.copy_(r.rows, non_blocking=True)
+            if i:
+                part += i * width
+        offset += n
+
+
+def _compare(got: torch.Tensor, rule: torch.Tensor, tol: float) -> tuple[torch.Tensor, ...]:
+    """On the device (read with the values): how many differ by more than ``tol``, the largest
+    difference, how many were compared."""
+    close = torch.isclose(got, rule, rtol=0.0, atol=tol, equal_nan=True)
+    largest = (got - rule).abs().nan_to_num(nan=0.0).max() if len(got) else torch.zeros((), device=got.device)
+    return (~close).sum(), largest, torch.tensor(len(got))
+
+
 class LogprobModel:
     """Teacher-forced log-probabilities from a local causal LM. Thread-safe: one forward
     pass runs at a time.
@@ -114,9 +154,11 @@ class LogprobModel:
         chunk_size: int = defaults.LM_HEAD_ROWS,
         pack_tokens: int | None = None,
         loaded: Any = None,
+        cuda_graphs: bool = defaults.CUDA_GRAPHS,
     ) -> None:
         """``loaded``: an already loaded causal LM (``model_dir`` then only names it; it is used
-        where it is, in its own dtype)."""
+        where it is, in its own dtype). ``cuda_graphs``: on a GPU, replay each forward shape as
+        a CUDA graph where the model allows (scoring/graphs.py; checked against the eager path)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -147,6 +189,8 @@ class LogprobModel:
         if pack_tokens is None:
             pack_tokens = defaults.PACK_TOKENS if self.device.type == "cuda" else 0
         self.pack_tokens = pack_tokens
+        self.cuda_graphs = cuda_graphs
+        self._graphs_unfit = graphs.why_not(model)  # None: this model can be graphed
         self._lock = threading.Lock()
         # (start, end, its sequences' lengths) of every forward of run() while a list (bench/gpu.py):
         # CUDA events recorded around it on a GPU, perf_counter() seconds on a CPU
@@ -204,52 +248,170 @@ class LogprobModel:
         tokens together (right-padded to the longest: a causal model's real positions never
         see the padding after them) fit ``pack_tokens`` with at most ``PACK_WASTE`` padding
         share one forward; the LM head's picks stay on the device and come back in one copy
-        per forward."""
+        per forward, the next forward launched before the last one's values are read."""
         out: list[list[list[float]] | None] = [None] * len(requests)
-        for group in pack_groups([r.length for r in requests], self.pack_tokens):
-            values = self._forward([requests[i] for i in group])
-            for i, flat in zip(group, values, strict=True):
-                spans, offset = [], 0
-                for size in requests[i].sizes:
-                    spans.append(flat[offset : offset + size])
-                    offset += size
+        flights: deque[tuple[list[int], InFlight]] = deque()
+
+        def read_oldest() -> None:
+            group, flight = flights.popleft()
+            for i, spans in zip(group, self.finish(flight), strict=True):
                 out[i] = spans
+
+        for group in pack_groups([r.length for r in requests], self.pack_tokens):
+            flights.append((group, self.launch([requests[i] for i in group])))
+            if len(flights) > 1:
+                read_oldest()
+        while flights:
+            read_oldest()
         return [spans for spans in out if spans is not None]
 
-    def _forward(self, batch: Sequence[SpanRequest]) -> list[list[float]]:
+    def _forward(self, batch: Sequence[SpanRequest]) -> list[list[list[float]]]:
+        """One forward of ``batch``, its values read (``launch`` then ``finish``)."""
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: Sequence[SpanRequest]) -> InFlight:
+        """Queue one forward of ``batch`` on the device; its values are read by :meth:`finish`
+        (on a GPU they come back in one asynchronous copy, so the model's thread can launch the
+        next forward while this one runs). A CUDA graph of the forward's shape replays it when
+        the model allows (scoring/graphs.py), checked against this eager path."""
         width = max(r.length for r in batch)
         cuda = self.device.type == "cuda"
         with self._lock, torch.inference_mode(), _eval(self.model):
-            if self.timings is not None:  # CUDA events on a GPU (no wait), the host clock on a CPU
-                started: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-                if cuda:
-                    started.record()
-            if len(batch) == 1:
-                tokens = batch[0].tokens.to(self.device, non_blocking=True)[None]
-            else:
-                tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
-                for i, r in enumerate(batch):
-                    tokens[i, : r.length] = r.tokens.to(self.device, non_blocking=True)
-            rows = torch.cat([r.rows.to(self.device, non_blocking=True) + i * width for i, r in enumerate(batch)])
-            hidden = self._body(input_ids=tokens, use_cache=False).last_hidden_state.flatten(0, 1)
-            flat = tokens.flatten()
-            picked = [self._target_logprobs(hidden[chunk], flat[chunk + 1]) for chunk in rows.split(self.chunk_size)]
-            values = (torch.cat(picked) if picked else torch.empty(0)).tolist()  # the one copy back
-            for i, r in enumerate(batch):  # top-k: the log-softmax of the same rows (score_positions')
-                if r.top_k:
-                    r.top.clear()
-                    for chunk in (r.rows.to(self.device) + i * width).split(self.chunk_size):
-                        r.top.extend(_top_k(self._log_softmax(hidden[chunk]), r.top_k))
-            if self.timings is not None:
-                ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-                if cuda:
-                    ended.record()
-                self.timings.append((started, ended, tuple(r.length for r in batch)))
-        out, offset = [], 0
-        for r in batch:
-            out.append(values[offset : offset + len(r.rows)])
-            offset += len(r.rows)
+            state = self._graph_state(batch) if cuda else None
+            stream = state.stream if state is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:  # whatever the caller's stream did to the weights comes first
+                    stream.wait_stream(torch.cuda.default_stream(self.device))
+                if self.timings is not None:  # CUDA events on a GPU (no wait), the host clock on a CPU
+                    started: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                    if cuda:
+                        started.record()
+                graphed = self._graphed(state, batch, width) if state is not None else None
+                check = None
+                if graphed is not None:
+                    values, check = graphed
+                else:
+                    tokens, rows = self._eager_inputs(batch, width)
+                    hidden = self._hidden(tokens)
+                    values = self._pick_rows(hidden, tokens, rows)
+                    for i, r in enumerate(batch):  # top-k: the log-softmax of the same rows (score_positions')
+                        if r.top_k:
+                            r.top.clear()
+                            for chunk in (r.rows.to(self.device) + i * width).split(self.chunk_size):
+                                r.top.extend(_top_k(self._log_softmax(hidden[chunk]), r.top_k))
+                if self.timings is not None:
+                    ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+                    if cuda:
+                        ended.record()
+                    self.timings.append((started, ended, tuple(r.length for r in batch)))
+                event = None
+                if cuda:  # the one copy back, asynchronous: finish() waits for it
+                    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                    host.copy_(values, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    values = host
+        return InFlight(tuple(batch), values, event, check, state)
+
+    def finish(self, flight: InFlight) -> list[list[list[float]]]:
+        """The values of a launched forward, request by request and span by span (waits for it)."""
+        if flight.event is not None:
+            flight.event.synchronize()
+        values = flight.values.tolist()
+        if flight.check is not None:
+            self._judge(flight)
+        out = []
+        offset = 0
+        for r in flight.batch:
+            spans = []
+            for size in r.sizes:
+                spans.append(values[offset : offset + size])
+                offset += size
+            out.append(spans)
         return out
+
+    def _picks(self, tokens: torch.Tensor, rows: torch.Tensor, masks: dict[str, None] | None = None) -> torch.Tensor:
+        """The forward: the body over ``tokens`` [B, W], then each row of ``rows`` (flat indices
+        into B x W) scores the token after it. ``masks``: the per-layer-type causal masks given
+        to the body (graphs.causal_masks: none built on the host); None: the model's own."""
+        return self._pick_rows(self._hidden(tokens, masks), tokens, rows)
+
+    def _hidden(self, tokens: torch.Tensor, masks: dict[str, None] | None = None) -> torch.Tensor:
+        """The body's last hidden states of ``tokens`` [B, W], flattened to [B x W, hidden]."""
+        extra = {} if masks is None else {"attention_mask": masks}
+        return self._body(input_ids=tokens, use_cache=False, **extra).last_hidden_state.flatten(0, 1)
+
+    def _pick_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        flat = tokens.flatten()
+        picked = [self._target_logprobs(hidden[chunk], flat[chunk + 1]) for chunk in rows.split(self.chunk_size)]
+        return torch.cat(picked) if picked else torch.empty(0, device=tokens.device)
+
+    def _eager_inputs(self, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(batch) == 1:
+            tokens = batch[0].tokens.to(self.device, non_blocking=True)[None]
+        else:
+            tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
+            for i, r in enumerate(batch):
+                tokens[i, : r.length] = r.tokens.to(self.device, non_blocking=True)
+        rows = torch.cat([r.rows.to(self.device, non_blocking=True) + i * width for i, r in enumerate(batch)])
+        return tokens, rows
+
+    def _graph_state(self, batch: Sequence[SpanRequest]) -> Any:
+        """The model's graphs when this forward may use one, else None."""
+        if not self.cuda_graphs or self._graphs_unfit or graphs.off() is not None:
+            return None
+        if any(r.top_k for r in batch) or not any(len(r.rows) for r in batch):
+            return None
+        state = graphs.graphs_of(self.model, self.device)
+        signature = graphs.parameter_signature(self.model)
+        if signature != state.signature:  # new tensors (not updated in place): the graphs read the old ones
+            state.graphs.clear()
+            state.signature = signature
+        return state
+
+    def _graphed(self, state: Any, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, Any] | None:
+        """The forward by its shape's graph: (values on the device, the check to judge in finish or
+        None); None: run it eager (too many shapes captured)."""
+        scored = sum(len(r.rows) for r in batch)
+        key = graphs.shape_key(len(batch), width, scored, self.chunk_size)
+        entry = state.graphs.get(key)
+        tol = graphs.tolerance(self.dtype)
+        if entry is None:
+            seen = state.seen[key] = state.seen.get(key, 0) + 1
+            if seen < graphs.CAPTURE_AT or len(state.graphs) >= graphs.MAX_GRAPHS:
+                state.stats.eager_shapes += seen >= graphs.CAPTURE_AT
+                return None
+            del state.seen[key]
+            tokens = torch.zeros(key[:2], dtype=torch.long, device=self.device)
+            rows = torch.zeros(key[2], dtype=torch.long, device=self.device)
+            _fill(tokens, rows, batch)
+            plain = self._picks(tokens, rows)  # the rule, and the warm-up the capture needs
+            masks = graphs.causal_masks(self.model)
+            try:
+                entry = graphs.capture(state, key, tokens, rows, lambda t, r: self._picks(t, r, masks))
+            except Exception as exc:  # any failure of the capture: the rule's values stand
+                graphs.turn_off(f"capturing a forward of shape {key[:3]} failed: {type(exc).__name__}: {exc}")
+                return plain[:scored], None
+            entry.graph.replay()
+            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol)
+        _fill(entry.tokens, entry.rows, batch)
+        entry.graph.replay()
+        state.stats.replayed += 1
+        if graphs.check_due():
+            plain = self._picks(entry.tokens, entry.rows)
+            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol)
+        return entry.out[:scored], None
+
+    def _judge(self, flight: InFlight) -> None:
+        mismatched, largest, count = (float(t) for t in flight.check)
+        stats = flight.graphs.stats
+        stats.checked += 1
+        stats.max_abs_diff = max(stats.max_abs_diff, largest)
+        if mismatched:
+            graphs.turn_off(
+                f"{int(mismatched)} of {int(count)} logprobs differ by more than {graphs.tolerance(self.dtype)}"
+                f" nats (largest {largest:.3g})"
+            )
 
     def _target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) of each row: its logit minus the row's logsumexp, in float32 (equal to
@@ -386,30 +548,46 @@ class ForwardQueue:
             thread.join()
 
     def _serve(self) -> None:
-        """One forward at a time: the oldest waiting request with the waiting ones it packs with;
-        its callers get their values as soon as it ends (the rest wait for the next forward)."""
+        """One forward at a time on the device: the oldest waiting request with the waiting ones
+        it packs with. When more are waiting, the next forward is launched before the current
+        one's values are read, so the device never waits for this thread between them; its
+        callers get their values as soon as it ends."""
+        flight: tuple[list[Future[list[list[float]]]], InFlight] | None = None
         while True:
             with self._wake:
-                while not self._pending and not self._closed:
+                while not self._pending and not self._closed and flight is None:
                     self._wake.wait()
-                if not self._pending:
-                    return
-                waiting = list(self._pending)
-                groups = pack_groups([r.length for r, _ in waiting], self.model.pack_tokens)
-                chosen = next(g for g in groups if 0 in g)
-                taken = [waiting[i] for i in sorted(chosen)]
-                self._pending = deque(w for i, w in enumerate(waiting) if i not in chosen)
-            taken = [(r, f) for r, f in taken if f.set_running_or_notify_cancel()]
-            if not taken:
-                continue
-            try:
-                results = self.model.run([r for r, _ in taken])
-            except BaseException as exc:  # every waiter hears of it; the thread goes on
-                for _, future in taken:
-                    future.set_exception(exc)
-                continue
-            for (_, future), result in zip(taken, results, strict=True):
-                future.set_result(result)
+                if not self._pending and flight is None:
+                    return  # closed, and nothing waits or runs
+                taken = self._take() if self._pending else []
+            launched = None
+            if taken:
+                try:
+                    launched = ([f for _, f in taken], self.model.launch([r for r, _ in taken]))
+                except BaseException as exc:  # every waiter hears of it; the thread goes on
+                    for _, future in taken:
+                        future.set_exception(exc)
+            if flight is not None:
+                self._deliver(*flight)
+            flight = launched
+
+    def _take(self) -> list[tuple[SpanRequest, Future[list[list[float]]]]]:
+        """The next forward's requests (under ``_wake``), the cancelled ones dropped."""
+        waiting = list(self._pending)
+        groups = pack_groups([r.length for r, _ in waiting], self.model.pack_tokens)
+        chosen = next(g for g in groups if 0 in g)
+        self._pending = deque(w for i, w in enumerate(waiting) if i not in chosen)
+        return [waiting[i] for i in sorted(chosen) if waiting[i][1].set_running_or_notify_cancel()]
+
+    def _deliver(self, futures: list[Future[list[list[float]]]], flight: InFlight) -> None:
+        try:
+            results = self.model.finish(flight)
+        except BaseException as exc:
+            for future in futures:
+                future.set_exception(exc)
+            return
+        for future, result in zip(futures, results, strict=True):
+            future.set_result(result)
 
 
 VOCAB_BLOCK = 32768  # vocabulary columns turned to float32 at once by logsumexp_f32

@@ -1,0 +1,116 @@
+"""The CUDA-graph strategy of the in-process forward (scoring/graphs.py), on the CPU: what a graph
+replays is the padded forward with the causal masks given (no mask built on the host), and that
+must equal the plain rule, each request alone and unpadded with the model's own mask; a
+disagreement turns the strategy off and is counted as every fast path's fallback. The capture
+itself needs a GPU: bench/gpu.py runs it there, every replay shape checked by the same code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from hcapo_store.rendering import verify
+from hcapo_store.scoring import graphs
+from hcapo_store.scoring.forward import InFlight, LogprobModel, _fill
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tiny_model_dir: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    text = "".join(f"<|im_start|>user\nstep {i}: parse the wire table {i * 7}<|im_end|>\n" for i in range(30))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> LogprobModel:
+    return LogprobModel(tiny_model_dir, chunk_size=64)
+
+
+@given(st.integers(1, 1 << 20))
+def test_a_bucket_holds_its_length_with_little_padding(n: int) -> None:
+    width = graphs.bucket(n)
+    assert n <= width <= max(n + graphs.WIDTH_FLOOR - 1, int(n * (1 + 1 / graphs.WIDTH_PARTS)) + 1)
+    assert graphs.bucket(width) == width  # a bucket is its own bucket
+    assert graphs.bucket(n + 1) >= width  # and they grow with the length
+
+
+def test_which_models_can_be_graphed(model: LogprobModel) -> None:
+    assert graphs.why_not(model.model) is None  # SDPA, every layer full attention
+    config = model.model.config
+    kept = (config._attn_implementation, list(config.layer_types))
+    try:
+        config._attn_implementation = "eager"
+        assert "not 'sdpa'" in (graphs.why_not(model.model) or "")
+        config._attn_implementation = "sdpa"
+        config.layer_types = ["sliding_attention"] * len(config.layer_types)
+        assert "full causal attention" in (graphs.why_not(model.model) or "")
+    finally:
+        config._attn_implementation, config.layer_types = kept[0], kept[1]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_graphed_forward_equals_the_plain_rule(model: LogprobModel, chat_ids: list[int], data: st.DataObject) -> None:
+    """What a graph of the shape replays (right-padded to the buckets, the causal masks given, the
+    rows padded with row 0) scores each request as the plain forward does alone: unpadded, the
+    model's own mask."""
+    count = data.draw(st.integers(1, 3), label="sequences")
+    requests = []
+    for _ in range(count):
+        length = data.draw(st.integers(2, len(chat_ids)), label="length")
+        starts = data.draw(st.lists(st.integers(1, length), min_size=1, max_size=3), label="span starts")
+        spans = [(s, data.draw(st.integers(s, length), label="end")) for s in sorted(starts)]
+        requests.append((chat_ids[:length], spans))
+    prepared = [model.prepare(ids, spans) for ids, spans in requests]
+    width = max(r.length for r in prepared)
+    scored = sum(len(r.rows) for r in prepared)
+    key = graphs.shape_key(len(prepared), width, scored, model.chunk_size)
+    tokens = torch.full(key[:2], 7, dtype=torch.long)  # stale values: _fill must clear them
+    rows = torch.full((key[2],), 5, dtype=torch.long)
+    _fill(tokens, rows, prepared)
+    with torch.inference_mode():
+        got = model._picks(tokens, rows, graphs.causal_masks(model.model))[:scored].tolist()
+    want = [v for ids, spans in requests for span in model.score_spans(ids, spans) for v in span]
+    assert got == pytest.approx(want, abs=TOL)
+
+
+@pytest.fixture
+def graphs_state(monkeypatch: pytest.MonkeyPatch) -> graphs.ModelGraphs:
+    """A model's graph state on the CPU (no stream, no pool: nothing is captured), the process's
+    off switch fresh for the test."""
+    monkeypatch.setattr(graphs, "_OFF", [])
+    return graphs.ModelGraphs(torch.device("cpu"), None, None)
+
+
+def test_a_disagreement_turns_the_graphs_off_and_counts_a_fallback(
+    model: LogprobModel, chat_ids: list[int], graphs_state: graphs.ModelGraphs
+) -> None:
+    request = model.prepare(chat_ids[:20], [(10, 13)])
+    values = torch.tensor([-1.0, -2.0, -3.0])
+    before = verify.fallbacks()
+
+    agreeing = (torch.tensor(0), torch.tensor(1e-7), torch.tensor(3))
+    assert model.finish(InFlight((request,), values, None, agreeing, graphs_state)) == [[[-1.0, -2.0, -3.0]]]
+    assert graphs.off() is None and graphs_state.stats.checked == 1
+
+    differing = (torch.tensor(2), torch.tensor(0.5), torch.tensor(3))
+    assert model.finish(InFlight((request,), values, None, differing, graphs_state)) == [[[-1.0, -2.0, -3.0]]]
+    assert "2 of 3 logprobs differ" in (graphs.off() or "")
+    assert graphs_state.stats.max_abs_diff == 0.5
+    assert verify.since(before) == {"cuda_graphs": 1}
+    assert model._graph_state([request]) is None  # off for the process: every forward runs eager
+
+
+def test_an_eager_forward_is_launched_then_read(model: LogprobModel, chat_ids: list[int]) -> None:
+    """launch/finish (what the model's thread pipelines) give score_spans' values."""
+    requests = [model.prepare(chat_ids[:n], [(2, 5), (n - 6, n)]) for n in (40, 33)]
+    flights = [model.launch([r]) for r in requests]
+    got = [model.finish(f)[0] for f in flights]
+    assert got == [model.score_spans(chat_ids[:n], [(2, 5), (n - 6, n)]) for n in (40, 33)]
