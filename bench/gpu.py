@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gpu_common import VOCAB, add_common_args, build_model, resolve_tokenizer, save, start, sync
 
 GPU_ORDER = ("8b", "0.6b", "1.7b")  # the 8B first: its 0.90 is the goal
+SHARE_WEIGHT = {"8b": 2.0}  # of the time left, per shape (others 1): the 8B's forwards take ~3x the 1.7B's
 SCORED_SHARE = 0.3  # of the positions scored in the floor's score_spans and in the drift
 __all__ = ["VOCAB", "build_model", "save", "sync"]  # gpu_gaps.py reads them here too
 
@@ -67,7 +68,8 @@ def main() -> None:
     shapes = ["tiny"] if tiny else [s for s in GPU_ORDER if s in args.shapes]
     for index, shape in enumerate(shapes):
         left = deadline - time.monotonic()
-        share = left / (len(shapes) - index)  # what is left, split over the shapes still to go
+        weights = [SHARE_WEIGHT.get(s, 1.0) for s in shapes[index:]]
+        share = left * weights[0] / sum(weights)  # what is left, split over the shapes still to go
         result: dict[str, Any] = {"shape": shape}
         doc["shapes"].append(result)
         try:
@@ -98,6 +100,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--episodes", type=int, default=32, help="episodes of the episode layout (at most)")
     p.add_argument("--per-step-episodes", type=int, default=4, help="episodes of the per-step layout (at most)")
     p.add_argument("--measure-s", type=float, default=4.0, help="aim of one end-to-end measurement, seconds")
+    p.add_argument("--run-episodes", type=int, default=0,
+                   help="episodes of every end-to-end run and capture pass (0: as many as fit --measure-s)")  # fmt: skip
+    p.add_argument("--layouts", nargs="+", default=["episode", "per-step"], choices=["episode", "per-step"])
+    p.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True, help="bf16 against fp32 logprobs")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--prepare", nargs="+", default=["processes", "threads"], choices=["processes", "threads"],
                    help="where the runs prepare their requests (RunOptions.prepare_workers): each layout and\n"
@@ -416,6 +422,8 @@ def measure_shape(
     guess = guess if tiny else min(guess, 20000.0)
     result["graph_warm"] = {}
     for layout, most in (("episode", args.episodes), ("per-step", args.per_step_episodes)):
+        if layout not in args.layouts:
+            continue
         rate = guess
         sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
         combos = [(c, p, g) for c in sorted(args.concurrency, reverse=True) for p in args.prepare for g in args.graphs]
@@ -424,6 +432,8 @@ def measure_shape(
             key = f"{layout}/c{concurrency}/{prepare}/{'graphs' if graphed == 'on' else 'eager'}"
             fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
             n = max(min(most, len(episodes.ids), max(fit, min(concurrency, int(2 * args.measure_s * rate / sent)))), 1)
+            if args.run_episodes:
+                n = min(args.run_episodes, most, len(episodes.ids))
             expect = n * sent / rate + 1.0
             if graphed == "on" and not warmed:
                 expect *= 2
@@ -456,7 +466,8 @@ def measure_shape(
     if device.type == "cuda":
         result["peak_gib_bf16"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     try:
-        result["drift"] = measure_drift(model, device, 256 if tiny else 8192, vocab)
+        if args.drift:
+            result["drift"] = measure_drift(model, device, 256 if tiny else 8192, vocab)
     except Exception as exc:
         result["drift"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     del model

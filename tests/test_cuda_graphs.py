@@ -57,7 +57,9 @@ def test_which_models_can_be_graphed(model: LogprobModel) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_the_graphed_forward_equals_the_plain_rule(model: LogprobModel, chat_ids: list[int], data: st.DataObject) -> None:
+def test_the_graphed_forward_equals_the_plain_rule(
+    model: LogprobModel, chat_ids: list[int], data: st.DataObject
+) -> None:
     """What a graph of the shape replays (right-padded to the buckets, the causal masks given, the
     rows padded with row 0) scores each request as the plain forward does alone: unpadded, the
     model's own mask."""
@@ -114,3 +116,28 @@ def test_an_eager_forward_is_launched_then_read(model: LogprobModel, chat_ids: l
     flights = [model.launch([r]) for r in requests]
     got = [model.finish(f)[0] for f in flights]
     assert got == [model.score_spans(chat_ids[:n], [(2, 5), (n - 6, n)]) for n in (40, 33)]
+
+
+def test_the_model_thread_launches_the_next_forward_before_reading_the_last(
+    tiny_model_dir: Path, chat_ids: list[int]
+) -> None:
+    """With requests waiting, the queue's thread launches the next forward before it waits for
+    the current one's values (so a GPU never idles for it between them); every caller still
+    gets its own values."""
+    from hcapo_store.scoring.forward import ForwardQueue
+
+    model = LogprobModel(tiny_model_dir, chunk_size=64, pack_tokens=0)
+    lengths = [len(chat_ids) - k for k in range(0, 10, 2)]
+    expected = [model.score_spans(chat_ids[:n], [(n - 8, n)]) for n in lengths]
+    calls: list[str] = []
+    launch, finish = model.launch, model.finish
+    model.launch = lambda batch: (calls.append("launch"), launch(batch))[1]  # type: ignore[method-assign]
+    model.finish = lambda flight: (calls.append("finish"), finish(flight))[1]  # type: ignore[method-assign]
+    queue = ForwardQueue(model)
+    with model._lock:  # busy: every request waits in the queue until the thread can launch
+        futures = [queue.submit(model.prepare(chat_ids[:n], [(n - 8, n)])) for n in lengths]
+    results = [f.result(timeout=60) for f in futures]
+    queue.close()
+    assert results == expected
+    assert calls[:3] == ["launch", "launch", "finish"]  # the second launched before the first is read
+    assert calls.count("launch") == calls.count("finish") == len(lengths)

@@ -47,6 +47,12 @@ from hcapo_store.scoring import defaults
     help="What the model computes in (reported in /model_info; part of the scorer that scores through it). "
     "Default: the checkpoint's own on a GPU, float32 on the CPU.",
 )
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=defaults.CUDA_GRAPHS,
+    show_default=True,
+    help="On a GPU, replay each forward shape as a CUDA graph (the same values, checked against the eager forward).",
+)
 def serve_reference(
     model_dir: Path,
     tokenizer_dir: Path | None,
@@ -55,6 +61,7 @@ def serve_reference(
     context_length: int | None,
     device: str | None,
     dtype: str | None,
+    cuda_graphs: bool,
 ) -> None:
     """Serve an SGLang-compatible /generate (and a vLLM /v1/completions subset) over a local model.
 
@@ -64,7 +71,14 @@ def serve_reference(
     from hcapo_store.devkit.refserver import make_server
 
     server = make_server(
-        model_dir, tokenizer_dir, host=host, port=port, context_length=context_length, device=device, dtype=dtype
+        model_dir,
+        tokenizer_dir,
+        host=host,
+        port=port,
+        context_length=context_length,
+        device=device,
+        dtype=dtype,
+        cuda_graphs=cuda_graphs,
     )
     info = server.model_info()
     click.echo(f"serving {model_dir} ({info['dtype']} on {info['device']}) at {server.url} (Ctrl-C to stop)", err=True)

@@ -46,6 +46,14 @@ SCORER_OPTIONS = [
         "CPU. With the device type, part of the scorer: scores of two dtypes are two scorers.",
     ),
     click.option(
+        "--cuda-graphs/--no-cuda-graphs",
+        default=defaults.CUDA_GRAPHS,
+        show_default=True,
+        help="On a GPU (--backend transformers), replay each forward shape as a CUDA graph: one launch per "
+        "forward, the same values (checked against the eager forward). Off: every forward eager, no graph "
+        "memory pool.",
+    ),
+    click.option(
         "--model",
         metavar="NAME_OR_DIR",
         help="Model directory (transformers backend) or served model name (HTTP backends).",
@@ -204,6 +212,7 @@ def scorer_setup(
     weight_version,
     device=None,
     dtype=None,
+    cuda_graphs=defaults.CUDA_GRAPHS,
     logprobs_mode=defaults.LOGPROBS_MODE,
     limit=None,
 ) -> tuple[Any, Any]:
@@ -251,6 +260,7 @@ def scorer_setup(
         weight_version=weight_version,
         device=device,
         dtype=dtype,
+        cuda_graphs=cuda_graphs,
         logprobs_mode=logprobs_mode,
     )
     if hindsight_template and no_hindsight:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hcapo_store.http_server import BackgroundHTTPServer
+from hcapo_store.scoring import defaults
 from hcapo_store.scoring.backends.vllm import VLLM_LOGPROB_FLOOR
 from hcapo_store.scoring.forward import LogprobModel, PositionScores, dtype_name
 
@@ -422,16 +423,17 @@ def make_server(
     dtype: str | None = None,
     chunk_size: int = 512,
     context_length: int | None = None,
+    cuda_graphs: bool = defaults.CUDA_GRAPHS,
 ) -> ReferenceServer:
     """Load the model (and tokenizer: ``tokenizer_dir``, else the model dir if it holds
     one) and bind the server; port 0 picks a free port. Call ``start()`` or
     ``serve_forever()`` to serve. ``context_length`` (default: the model's) is advertised and
     enforced as SGLang does: at most ``context_length - 1`` input tokens. ``device`` and
     ``dtype`` as ``LogprobModel``'s (default: the GPU when there is one; the checkpoint's dtype
-    there, float32 on the CPU); ``/model_info`` reports both."""
+    there, float32 on the CPU); ``/model_info`` reports both. ``cuda_graphs``: as ``LogprobModel``'s."""
     from transformers import AutoTokenizer
 
-    scorer = LogprobModel(model_dir, device=device, dtype=dtype, chunk_size=chunk_size)
+    scorer = LogprobModel(model_dir, device=device, dtype=dtype, chunk_size=chunk_size, cuda_graphs=cuda_graphs)
     if tokenizer_dir is None and any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
         tokenizer_dir = model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None

@@ -74,6 +74,9 @@ class ScoreConfig:
     # is one) and bfloat16/float16/float32 (None: the checkpoint's own on a GPU, float32 on CPU).
     device: str | None = None
     dtype: str | None = None
+    # On a GPU, each forward shape replayed as a CUDA graph (scoring/graphs.py): the same values
+    # (checked against the eager forward), so not part of the scorer.
+    cuda_graphs: bool = defaults.CUDA_GRAPHS
     request_timeout: float | None = defaults.REQUEST_TIMEOUT_S  # seconds per HTTP request; None: the same
     truncation: Truncation = defaults.TRUNCATION  # or "window"/"turns" (other prompts: part of the scorer)
     action_span: ActionSpan = defaults.ACTION_SPAN  # or "policy": only the policy's own tokens are scored
@@ -118,7 +121,7 @@ def make_backend(cfg: ScoreConfig) -> Backend:
             raise ScoringError("--backend transformers needs --model DIR (a local transformers model)")
         from hcapo_store.scoring.backends.inprocess import InProcessBackend
 
-        return InProcessBackend(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        return InProcessBackend(cfg.model, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs)
     if not cfg.server:
         raise ScoringError(f"--backend {cfg.backend} needs --server URL (e.g. http://127.0.0.1:30000)")
     if cfg.backend == "sglang":

@@ -50,6 +50,7 @@ def score_live(
     concurrency: int = defaults.CONCURRENCY,
     hindsight: bool = True,
     prepare_workers: int | None = None,
+    cuda_graphs: bool = defaults.CUDA_GRAPHS,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
     ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
@@ -59,10 +60,13 @@ def score_live(
     the student of a log-ratio run.
     ``prepare_workers``: processes that render and tokenize them (None: two when the model is
     on a GPU, so its kernel launches do not wait on this process's GIL; threads on a CPU; 0:
-    threads). Their pool is kept for the next call with the same store and tokenizer."""
+    threads). Their pool is kept for the next call with the same store and tokenizer.
+    ``cuda_graphs``: on a GPU, each forward shape is replayed as a CUDA graph kept with the model
+    for the next calls (scoring/graphs.py; the same values, its memory pool held until
+    ``graphs.release(model)``)."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
-    backend = LiveModelBackend(model, weight_version=weight_version, name=name)
+    backend = LiveModelBackend(model, weight_version=weight_version, name=name, cuda_graphs=cuda_graphs)
     extra: dict[str, Any] = {}
     if max_logprob_tokens is not None:
         extra["max_logprob_tokens"] = max_logprob_tokens

@@ -38,7 +38,8 @@ def model_fingerprint(model_dir: Path) -> str:
 class InProcessBackend:
     """``device``: cpu, cuda, cuda:N; None: the GPU when there is one. ``dtype``: bfloat16,
     float16, float32; None: the checkpoint's own on a GPU, float32 on the CPU. Both are part
-    of the scorer unless float32 on the CPU (``precision_identity``)."""
+    of the scorer unless float32 on the CPU (``precision_identity``). ``cuda_graphs``: on a GPU,
+    each forward shape replayed as a CUDA graph (scoring/graphs.py; the same values)."""
 
     kind = "transformers"
     top_k = 0  # ``score --top-k K``: set by ``prepare``; the same forward keeps each row's top K
@@ -50,11 +51,13 @@ class InProcessBackend:
         device: str | None = None,
         dtype: str | None = None,
         chunk_size: int = defaults.LM_HEAD_ROWS,
+        cuda_graphs: bool = defaults.CUDA_GRAPHS,
     ) -> None:
         self.model_dir = Path(model_dir).resolve()
         self.device = device
         self.dtype = dtype
         self.chunk_size = chunk_size
+        self.cuda_graphs = cuda_graphs
         self.scorer: Any = None
         self.queue: Any = None
         self._fingerprint: str | None = None
@@ -65,7 +68,12 @@ class InProcessBackend:
 
         if self.scorer is None:
             self.scorer = await asyncio.to_thread(
-                LogprobModel, self.model_dir, device=self.device, dtype=self.dtype, chunk_size=self.chunk_size
+                LogprobModel,
+                self.model_dir,
+                device=self.device,
+                dtype=self.dtype,
+                chunk_size=self.chunk_size,
+                cuda_graphs=self.cuda_graphs,
             )
         if self._fingerprint is None:
             self._fingerprint = await asyncio.to_thread(model_fingerprint, self.model_dir)
@@ -184,13 +192,19 @@ class LiveModelBackend(InProcessBackend):
     kind = "transformers-live"
 
     def __init__(
-        self, model: Any, *, weight_version: str, chunk_size: int = defaults.LM_HEAD_ROWS, name: str | None = None
+        self,
+        model: Any,
+        *,
+        weight_version: str,
+        chunk_size: int = defaults.LM_HEAD_ROWS,
+        name: str | None = None,
+        cuda_graphs: bool = defaults.CUDA_GRAPHS,
     ) -> None:
         if not weight_version:
             raise ValueError("a live model needs its weight_version (e.g. the training step)")
         config_name = str(getattr(model.config, "_name_or_path", "") or "live-model")
         self.model_name = name or Path(config_name).name or "live-model"
-        super().__init__(Path(self.model_name), chunk_size=chunk_size)
+        super().__init__(Path(self.model_name), chunk_size=chunk_size, cuda_graphs=cuda_graphs)
         self.live = model
         self.version = str(weight_version)
 
@@ -198,7 +212,9 @@ class LiveModelBackend(InProcessBackend):
         from hcapo_store.scoring.forward import LogprobModel
 
         if self.scorer is None:
-            self.scorer = LogprobModel(self.model_name, chunk_size=self.chunk_size, loaded=self.live)
+            self.scorer = LogprobModel(
+                self.model_name, chunk_size=self.chunk_size, loaded=self.live, cuda_graphs=self.cuda_graphs
+            )
         self._open_queue()
 
     def identity(self) -> dict[str, Any]:
