@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 43's GPU checks in one call on a GPU machine that has torch and transformers but nothing of
+# this project's (carry .gpu/wheels and .gpu/qwen3.tar.gz, built here by `bash bench/gpu_wheels.sh --trl`):
+#   1. the demo scored in process on the GPU: `score --backend transformers --device cuda --dtype
+#      bfloat16` over the demo's tiny model, then `scorers list` (the dtype in its column);
+#   2. bench/gpu.py: the floor and the episode layout end to end, CUDA graphs on and off;
+#   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
+# Everything lands in $OUT (demo.log, gpu.json/.log, trl.json/.log). Each part has its own time limit.
+#
+#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 230 and 150
+set -uo pipefail
+gpu_s="${1:-230}"
+trl_s="${2:-150}"
+out="${OUT:-/tmp/hcapo-out}"
+mkdir -p "$out"
+nvidia-smi -L
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hcapo/site-packages \
+  .gpu/wheels/*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/hcapo/site-packages" PYTHONUNBUFFERED=1
+
+demo=/tmp/hcapo-demo
+mkdir -p "$demo"
+{
+  python3 -m hcapo_store --db "$demo/demo.db" demo --dir "$demo" --json >"$demo.json" &&
+    model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_dir"])' "$demo.json")" &&
+    python3 -m hcapo_store --db "$demo/demo.db" score --backend transformers --model "$model" \
+      --device cuda --dtype bfloat16 --max-context 8192 --json &&
+    python3 -m hcapo_store --db "$demo/demo.db" scorers list
+} 2>&1 | tail -40 | tee "$out/demo.log"
+
+timeout "$gpu_s" python3 bench/gpu.py --shapes 8b 0.6b 1.7b --layouts episode --concurrency 4 1 \
+  --prepare processes --graphs on off --run-episodes 16 --no-drift --budget-s $((gpu_s - 15)) \
+  --out "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
+timeout "$trl_s" python3 bench/gpu_trl.py --out "$out/trl.json" 2>&1 | tee "$out/trl.log"
