@@ -50,6 +50,7 @@ def score_live(
     concurrency: int = defaults.CONCURRENCY,
     hindsight: bool = True,
     prepare_workers: int | None = None,
+    loaded_tokenizer: Any = None,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
     ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
@@ -59,7 +60,10 @@ def score_live(
     the student of a log-ratio run.
     ``prepare_workers``: processes that render and tokenize them (None: two when the model is
     on a GPU, so its kernel launches do not wait on this process's GIL; threads on a CPU; 0:
-    threads). Their pool is kept for the next call with the same store and tokenizer."""
+    threads). Their pool is kept for the next call with the same store and tokenizer.
+    ``loaded_tokenizer``: the tokenizer already loaded from ``tokenizer`` (a trainer keeps one
+    across its steps: ``rendering.tokenizers.KeptTokenizer``), used as it is instead of loading
+    it again (read, never changed)."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
     backend = LiveModelBackend(model, weight_version=weight_version, name=name)
@@ -76,7 +80,7 @@ def score_live(
         hindsight=hindsight,
         **extra,
     )
-    prep = prepare(store, cfg, backend)
+    prep = prepare(store, cfg, backend, loaded_tokenizer=loaded_tokenizer)
     keys: tuple[str, ...] = ()
     if episodes is not None:
         with db.read(store.engine) as conn:
