@@ -49,6 +49,56 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
         raise ValueError(f"cannot load a tokenizer from {directory}: {exc}") from exc
 
 
+def files_state(path_or_name: str | Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """The directory and the (name, size, mtime_ns) of its tokenizer files (``TOKENIZER_FILES``):
+    what tells whether a tokenizer loaded from it earlier is still the one there."""
+    directory = resolve_tokenizer_dir(path_or_name)
+    state = []
+    for name in TOKENIZER_FILES:
+        try:
+            st = (directory / name).stat()
+        except FileNotFoundError:
+            continue
+        state.append((name, st.st_size, st.st_mtime_ns))
+    return str(directory.resolve()), tuple(state)
+
+
+def loaded_from(tokenizer: Any, path_or_name: str | Path) -> bool:
+    """Whether ``tokenizer`` was loaded from ``path_or_name`` (its ``name_or_path``, as
+    ``load_tokenizer`` sets it, names the same directory)."""
+    source = getattr(tokenizer, "name_or_path", None)
+    if not source:
+        return False
+    if str(source) == str(path_or_name):
+        return True
+    try:
+        return resolve_tokenizer_dir(source).resolve() == resolve_tokenizer_dir(path_or_name).resolve()
+    except FileNotFoundError:
+        return False
+
+
+class KeptTokenizer:
+    """One directory's tokenizer, loaded on first use and kept: loaded again only when the
+    directory's tokenizer files change (``files_state``: a file rewritten in place, added or
+    removed). For its owner's read-only use, e.g. ``StoreAdvantages`` handing it to
+    ``score_live`` and ``Handoff`` each training step (neither changes a tokenizer): not a cache
+    for code that adds tokens or sets a chat template (``load_tokenizer`` gives such code its own)."""
+
+    def __init__(self, path_or_name: str | Path) -> None:
+        self.path = path_or_name
+        self.loads = 0  # how many times it was loaded
+        self._state: tuple[str, tuple[tuple[str, int, int], ...]] | None = None
+        self._tokenizer: Any = None
+
+    def get(self) -> Any:
+        state = files_state(self.path)  # read before loading: a change during the load is seen next time
+        if self._tokenizer is None or state != self._state:
+            self._tokenizer = load_tokenizer(self.path)
+            self._state = state
+            self.loads += 1
+        return self._tokenizer
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

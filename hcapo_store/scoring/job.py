@@ -33,7 +33,7 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.requests import PromptFailure
 from hcapo_store.rendering.template import TemplateRejected, render_by_rule
-from hcapo_store.rendering.tokenizers import load_tokenizer, tokenizer_fingerprint
+from hcapo_store.rendering.tokenizers import load_tokenizer, loaded_from, tokenizer_fingerprint
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
@@ -198,11 +198,15 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return pool.submit(lambda: asyncio.run(make())).result()
 
 
-def prepare(store: Store, cfg: ScoreConfig, backend: Backend | None = None) -> Prepared:
+def prepare(
+    store: Store, cfg: ScoreConfig, backend: Backend | None = None, *, loaded_tokenizer: Any = None
+) -> Prepared:
     """Start the backend, load the tokenizer and build the scorer spec (writes nothing:
     ``run_scoring`` registers the scorer, so a dry run leaves the database as it was).
     ``backend``: one built by the caller (e.g. ``LiveModelBackend`` over the policy being
-    trained) instead of the one ``cfg`` names.
+    trained) instead of the one ``cfg`` names. ``loaded_tokenizer``: the tokenizer already
+    loaded from ``cfg.tokenizer`` (e.g. kept across a trainer's steps), used as it is instead of
+    loading it again; it is read, never changed.
 
     Works inside a running event loop too (it then runs in a worker thread); from async
     code, ``await prepare_async(store, cfg)`` instead.
@@ -210,7 +214,7 @@ def prepare(store: Store, cfg: ScoreConfig, backend: Backend | None = None) -> P
     _check_template(cfg)
     backend = backend or make_backend(cfg)
     run_sync(lambda: _start(cfg, backend, close=cfg.backend != "transformers"))
-    return _prepared(store, cfg, backend)
+    return _prepared(store, cfg, backend, loaded_tokenizer)
 
 
 async def prepare_async(store: Store, cfg: ScoreConfig) -> Prepared:
@@ -245,13 +249,22 @@ def resolved_max_context(asked: int | None, limit: int | None) -> int:
     return asked
 
 
-def _prepared(store: Store, cfg: ScoreConfig, backend: Backend) -> Prepared:
+def _prepared(store: Store, cfg: ScoreConfig, backend: Backend, loaded_tokenizer: Any = None) -> Prepared:
     max_context = resolved_max_context(cfg.max_context, backend.context_length())
     location = _tokenizer_location(cfg, backend)
-    try:
-        tokenizer = load_tokenizer(location)
-    except (OSError, ValueError) as exc:
-        raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
+    if loaded_tokenizer is not None:
+        # the fingerprint hashes the directory's files beside this object's template: they must be one tokenizer
+        if not loaded_from(loaded_tokenizer, location):
+            raise ValueError(
+                f"the tokenizer given was loaded from {getattr(loaded_tokenizer, 'name_or_path', None)!r}, not "
+                f"from {location!r}: pass the tokenizer loaded from that directory"
+            )
+        tokenizer = loaded_tokenizer
+    else:
+        try:
+            tokenizer = load_tokenizer(location)
+        except (OSError, ValueError) as exc:
+            raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
     options: dict[str, Any] = dict(
         hindsight_template=cfg.hindsight_template,
         max_context=max_context,

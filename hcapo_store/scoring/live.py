@@ -51,6 +51,7 @@ def score_live(
     hindsight: bool = True,
     prepare_workers: int | None = None,
     cuda_graphs: bool = defaults.CUDA_GRAPHS,
+    loaded_tokenizer: Any = None,
 ) -> LiveReport:
     """Score the missing steps of ``episodes`` (names; None: all) with ``model`` at
     ``weight_version``. ``tokenizer``: the model's tokenizer directory. ``concurrency``
@@ -63,7 +64,10 @@ def score_live(
     threads). Their pool is kept for the next call with the same store and tokenizer.
     ``cuda_graphs``: on a GPU, each forward shape is replayed as a CUDA graph kept with the model
     for the next calls (scoring/graphs.py; the same values, its memory pool held until
-    ``graphs.release(model)``)."""
+    ``graphs.release(model)``).
+    ``loaded_tokenizer``: the tokenizer already loaded from ``tokenizer`` (a trainer keeps one
+    across its steps: ``rendering.tokenizers.KeptTokenizer``), used as it is instead of loading
+    it again (read, never changed)."""
     if episodes is not None and not episodes:
         raise ValueError("episodes is empty: pass the batch's episode names, or None for every episode")
     backend = LiveModelBackend(model, weight_version=weight_version, name=name, cuda_graphs=cuda_graphs)
@@ -80,7 +84,7 @@ def score_live(
         hindsight=hindsight,
         **extra,
     )
-    prep = prepare(store, cfg, backend)
+    prep = prepare(store, cfg, backend, loaded_tokenizer=loaded_tokenizer)
     keys: tuple[str, ...] = ()
     if episodes is not None:
         with db.read(store.engine) as conn:

@@ -12,6 +12,7 @@ from hcapo_store.errors import ExportError
 from hcapo_store.rendering.tokenizers import (
     content_difference,
     load_tokenizer,
+    loaded_from,
     tokenizer_content,
     tokenizer_fingerprint,
 )
@@ -42,12 +43,17 @@ def recorded_tokenizer(
     tokenizer_dir: str | Path | None = None,
     *,
     note: Callable[[str], None] | None = None,
+    loaded: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """:func:`scorer_tokenizer` from the scorer's tokenizer ``record`` already read
-    (``scorer_tokenizer_record``: its fingerprint and the directories it was loaded from)."""
+    (``scorer_tokenizer_record``: its fingerprint and the directories it was loaded from).
+    ``loaded``: the tokenizer already loaded from ``tokenizer_dir`` (e.g. kept across a trainer's
+    steps), checked as a loaded one is instead of loading it again."""
     theirs, known = record
+    if loaded is not None and tokenizer_dir is None:
+        raise ValueError("loaded= is the tokenizer loaded from tokenizer_dir: pass that directory too")
     if tokenizer_dir is not None:
-        return _checked_tokenizer(scorer_id, theirs, known, tokenizer_dir)
+        return _checked_tokenizer(scorer_id, theirs, known, tokenizer_dir, loaded)
     tried = []
     for candidate in known:
         if not candidate.is_dir():
@@ -76,12 +82,20 @@ def recorded_tokenizer(
 
 
 def _checked_tokenizer(
-    scorer_id: str, theirs: dict[str, Any], known: list[Path], tokenizer_dir: str | Path
+    scorer_id: str, theirs: dict[str, Any], known: list[Path], tokenizer_dir: str | Path, loaded: Any = None
 ) -> tuple[Any, dict[str, Any]]:
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
+    if loaded is not None:
+        if not loaded_from(loaded, tokenizer_dir):
+            raise ValueError(
+                f"the tokenizer given was loaded from {getattr(loaded, 'name_or_path', None)!r}, not from "
+                f"{str(tokenizer_dir)!r}: pass the tokenizer loaded from that directory"
+            )
+        tokenizer = loaded
+    else:
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir)
+        except (OSError, ValueError) as exc:
+            raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
     same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
     if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy

@@ -38,7 +38,7 @@ exactly the step's own tokens (else the step is refused with the reason, never s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
+from hcapo_store.scoring.tokenizer_lookup import recorded_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -78,7 +79,9 @@ class Handoff:
     """Per-token advantages of one credit run, on the token ids of a trainer.
 
     ``tokenizer``: the directory of the tokenizer the run's scorer used (checked against the
-    scorer's fingerprint, as the tokenized export does). ``allow_stale``: take a superseded
+    scorer's fingerprint, as the tokenized export does). ``loaded_tokenizer``: the tokenizer
+    already loaded from that directory (a trainer keeps one across its steps), checked the same
+    way instead of being loaded again (read, never changed). ``allow_stale``: take a superseded
     batch's run or a stale run anyway (the reason stays in ``warnings``); by default it is
     refused with a ``HandoffError`` naming what replaced it."""
 
@@ -90,11 +93,19 @@ class Handoff:
         tokenizer: str | Path,
         allow_stale: bool = False,
         allow_zero_hindsight: bool = False,
+        loaded_tokenizer: Any = None,
     ) -> None:
         self.store = store
         self.tokenizer_dir = tokenizer
         self._open(read_run_side(store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
-        self._take_tokenizer(with_tokenizer(self.side, tokenizer))  # once the run is not refused
+        if loaded_tokenizer is None:  # loaded once the run is not refused
+            self._take_tokenizer(with_tokenizer(self.side, tokenizer))
+        else:
+            side = self.side
+            loaded, fingerprint = recorded_tokenizer(
+                side.run.scorer_id, side.tokenizer_record, tokenizer, loaded=loaded_tokenizer
+            )
+            self._take_tokenizer(replace(side, tokenizer=loaded, fingerprint=fingerprint))
 
     def for_run(
         self, run: str | int | BatchInfo, *, allow_stale: bool = False, allow_zero_hindsight: bool = False

@@ -46,6 +46,7 @@ from hcapo_store.credits.log_ratio import LogRatioParams
 from hcapo_store.credits.params import CreditParams
 from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import HandoffError
+from hcapo_store.rendering.tokenizers import KeptTokenizer
 from hcapo_store.storage.store import Store
 
 # The TRL releases whose private methods this subclass was checked against (pyproject pins the same).
@@ -294,6 +295,10 @@ class StoreAdvantages(HandoffAdvantages):
     non-zero, the spread of advantages within an episode; the trainer logs both). A batch whose
     hindsight term is zero on every step while its advantages are not is refused with a
     ``HandoffError`` unless ``allow_zero_hindsight=True`` (plain GRPO on purpose).
+
+    The tokenizer is loaded once and kept (``kept_tokenizer``: loaded again only when its
+    directory's files change): each step's ``score_live`` calls and ``Handoff`` take that one
+    object, which none of them changes (it is not TRL's ``processing_class``).
     """
 
     def __init__(
@@ -336,6 +341,8 @@ class StoreAdvantages(HandoffAdvantages):
         # restarted training run must not make its step 0 a new version of the last run's step 0
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.tokenizer = str(tokenizer)
+        # loaded on the first batch, then only when the directory's tokenizer files change
+        self.kept_tokenizer = KeptTokenizer(self.tokenizer)
         self.workdir = Path(workdir)
         # the library's defaults (credits/params.py): the paper's terminal return on outcome-only rollouts
         self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
@@ -431,6 +438,7 @@ class StoreAdvantages(HandoffAdvantages):
         if not names:
             return out
         version = f"{self.run_id}/step-{batch.step}"
+        tokenizer = self.kept_tokenizer.get()  # one object for the batch's scoring and hand-off
         # a log-ratio run places per-token values: scored on the completion's own tokens
         span = "policy" if self.log_ratio is not None else "rendered"
         live = score_live(
@@ -440,18 +448,23 @@ class StoreAdvantages(HandoffAdvantages):
             weight_version=version,
             episodes=list(names.values()),
             action_span=span,
+            loaded_tokenizer=tokenizer,
         )
         if live.report.failed:
             raise HandoffError(f"step {batch.step}: scoring the rollouts failed: {live.report.first_errors}")
         if self.log_ratio is None:
             run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
         else:
-            run = self._log_ratio_run(batch, version, list(names.values()), live.scorer_id, episode_ids)
+            run = self._log_ratio_run(batch, version, list(names.values()), live.scorer_id, episode_ids, tokenizer)
         self.runs[batch.step] = run.run.name
         self.scorers[batch.step] = live.scorer_id
         # a batch whose hindsight term is zero on every step is refused (plain GRPO) unless opted into
         handoff = Handoff(
-            self.store, run.run.name, tokenizer=self.tokenizer, allow_zero_hindsight=self.allow_zero_hindsight
+            self.store,
+            run.run.name,
+            tokenizer=self.tokenizer,
+            allow_zero_hindsight=self.allow_zero_hindsight,
+            loaded_tokenizer=tokenizer,
         )
         if handoff.signal is not None:
             self.signals[batch.step] = handoff.signal
@@ -462,7 +475,13 @@ class StoreAdvantages(HandoffAdvantages):
         return out
 
     def _log_ratio_run(
-        self, batch: RolloutBatch, version: str, names: list[str], teacher: str, episode_ids: list[int]
+        self,
+        batch: RolloutBatch,
+        version: str,
+        names: list[str],
+        teacher: str,
+        episode_ids: list[int],
+        tokenizer: Any,
     ) -> Any:
         """The batch's log-ratio run: the policy without the hindsight block is the student."""
         from hcapo_store.credits.log_ratio import compute_log_ratio
@@ -477,6 +496,7 @@ class StoreAdvantages(HandoffAdvantages):
             episodes=names,
             action_span="policy",
             hindsight=False,
+            loaded_tokenizer=tokenizer,
         )
         if student.report.failed:
             raise HandoffError(
