@@ -12,19 +12,30 @@ as bench/gpu.py builds it. The prompt: a synthetic 99-step episode (``EpisodeBui
 steps_per_subtask=22)``, as bench/gpu.py's) up to its last assistant turn, as a conversational
 prompt (~9k Qwen3 tokens); TRL's ``HCAPOGRPOTrainer`` generates ``--rollouts`` (8) completions of it
 (one GRPO group; the policy may write only digits and its end token, which re-tokenize to
-themselves: a random policy's text would not), rewards them (the count of ``7``), and asks
+themselves: a random policy's text would not; every other row of its embedding, the ids past the
+tokenizer's included, is suppressed), rewards them (the sum of the digits), and asks
 ``StoreAdvantages`` for per-token advantages: the rollouts written and ingested (``ingest``), scored
 by the policy itself (``score_live``), credited (``compute_credits``) and handed back (``Handoff``).
+``mask_truncated_completions``: a completion cut at ``--max-completion-length`` has no end token,
+so the store's rendering of it (which ends its turn) is not the policy's ids: only completions that
+ended are trained (with 11 tokens allowed, ~95 % of 32-token completions end).
 
-Per step (the first one warms up: kernels, the preparing processes; then one step per
-``--layouts`` entry, the prompt layout ``score_live`` is called with: StoreAdvantages calls it
-with the library's default, ``per-step``; this script's timer around it passes the step's layout):
+Per ``--layouts`` entry (the prompt layout ``score_live`` is called with: StoreAdvantages calls it
+with the library's default, ``per-step``; this script's timer around it passes the step's layout)
+two steps: a warm-up (``warm_up``: kernels, and the preparing processes, which scoring ends when the
+layout changes) and the measured one. Per step:
 the step's wall time (a trainer callback, the GPU synchronised), TRL's generate-and-score part
 (generation, rewards and the advantage source), the advantage source, and in it ``ingest``,
 ``score_live``, ``compute_credits`` and the hand-off (the rest of the source: writing the
 rollouts' files, the Handoff's tokenizer load, reads and placements); ``hindsight_share`` =
 (score_live + credits + hand-off) / step, beside ``paper_hindsight_share`` 0.083, and
-``with_ingest_share`` adding the store's writes.
+``with_ingest_share`` adding the store's writes. And the signal that reached the trainer (the
+project's rule: zero signal is a failure, not a pass): ``trained_rows`` (completions the loss
+trains), ``reward_std`` (TRL's, within the group), and from the trainer's own log
+``advantage_abs_max`` / ``advantage_mean`` over the trained tokens and ``hindsight_nonzero_share``
+(the share of the batch's credited steps whose hindsight term is non-zero); a step whose
+``advantage_abs_max`` or ``hindsight_nonzero_share`` is 0 is named in ``zero_signal_steps`` and
+makes the run's ``error``.
 
 The site folder's name matters: ``datasets`` (which TRL imports) hashes with ``dill``, which
 pickles by value any module outside a ``site-packages`` folder, and then fails on pyarrow's types.
@@ -85,12 +96,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rollouts", type=int, default=8, help="completions of the prompt (one GRPO group)")
     p.add_argument("--max-completion-length", type=int, default=32)
     p.add_argument("--layouts", nargs="+", default=["per-step", "episode"], choices=["per-step", "episode"],
-                   help="score_live's prompt layout, one measured step each (after a warm-up step)")  # fmt: skip
+                   help="score_live's prompt layout, one measured step each (after its own warm-up step)")  # fmt: skip
     args = p.parse_args()
     if args.size == "tiny":
         args.steps_per_subtask = min(args.steps_per_subtask, 1)
-        args.max_completion_length = min(args.max_completion_length, 4)
-        args.rollouts = min(args.rollouts, 2)  # the CPU: TRL's log-probabilities over the vocabulary
+        # the CPU: TRL's log-probabilities over the vocabulary at every prompt position, per rollout (its main
+        # cost); completions as long as the GPU's: ~95 % end (see above), and they cost little beside the prompt
+        args.rollouts = min(args.rollouts, 2)
     args.tokenizer = common.resolve_tokenizer(p, args.tokenizer)
     return args
 
@@ -127,6 +139,7 @@ class Timers:
     def __init__(self) -> None:
         self.step = 0
         self.seconds: dict[int, dict[str, float]] = {}
+        self.rows: dict[int, dict[str, int]] = {}  # step -> the batch's rows and the rows the loss trains
 
     def add(self, name: str, seconds: float) -> None:
         row = self.seconds.setdefault(self.step, {})
@@ -184,7 +197,7 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
     flush("policy built")
 
     timers = Timers()
-    layouts = [args.layouts[0], *args.layouts]  # the warm-up step runs the first one too
+    layouts = [layout for layout in args.layouts for _ in ("warm-up", "measured")]
 
     def layout_of_step(kw: dict[str, Any]) -> dict[str, Any]:
         return {**kw, "prompt_layout": layouts[min(timers.step, len(layouts) - 1)]}
@@ -204,7 +217,14 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
             flush(f"step {timers.step} done ({layouts[min(timers.step, len(layouts) - 1)]})")
             timers.step += 1
 
+        def on_log(self, *_: Any, logs: dict[str, Any] | None = None, **__: Any) -> None:
+            if logs and "reward_std" in logs:  # the step just ended (logging_steps=1): what reached the trainer
+                flush(f"step {timers.step - 1} signal: {trainer_signal(logs)} {timers.rows.get(timers.step - 1)}")
+
+    # every other id suppressed, up to the model's embedding rows: the 0.6B's 151,936 rows past the
+    # tokenizer's 151,669 ids decode to nothing (a completion of them is empty, or not its ids re-tokenized)
     digits = {tok.convert_tokens_to_ids(c) for c in "0123456789"} | {tok.eos_token_id}
+    rows = model.get_output_embeddings().weight.shape[0]
     config = GRPOConfig(
         output_dir=str(work / "out"),
         use_cpu=tiny,
@@ -222,9 +242,8 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
         mask_truncated_completions=True,
         seed=0,
         chat_template_kwargs={"enable_thinking": False},
-        generation_kwargs={"suppress_tokens": [i for i in range(len(tok)) if i not in digits]},
+        generation_kwargs={"suppress_tokens": [i for i in range(rows) if i not in digits]},
     )
-    sevens = lambda completions, **_: [float(c[0]["content"].count("7")) for c in completions]  # noqa: E731
     with Store.open(str(work / "store.db")) as store:
         source = StoreAdvantages(
             store, tokenizer=args.tokenizer, workdir=work / "rollouts", run_id="bench", strict=False,
@@ -232,34 +251,80 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
         )  # fmt: skip
         trainer = HCAPOGRPOTrainer(
             model=model,
-            reward_funcs=sevens,
+            reward_funcs=digit_sum,
             args=config,
             train_dataset=Dataset.from_list([{"prompt": prompt}] * len(layouts)),
             processing_class=tok,
-            advantages=lambda batch: timed_source(timers, source, batch),
+            advantages=TimedSource(timers, source),
             callbacks=[StepClock()],
         )
         timers.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
         flush("trainer made")
         trainer.train()
+        logged = {int(e["step"]) - 1: e for e in trainer.state.log_history if "reward_std" in e}
         for step, layout in enumerate(layouts):
-            row: dict[str, Any] = {"step": step, "warm_up": step == 0, "layout": layout}
+            row: dict[str, Any] = {"index": step, "warm_up": step % 2 == 0, "layout": layout}
             row.update({k: round(v, 4) for k, v in timers.seconds.get(step, {}).items()})
             row["refused_rows"] = sum(1 for s, _ in source.refused if s == step)
             row["skipped_rows"] = sum(1 for s, _ in source.skipped if s == step)
             shares(row)
+            row.update(timers.rows.get(step, {}))
+            row.update(trainer_signal(logged.get(step, {})))
             doc["steps"].append(row)
         doc["scorers"] = {str(step): sid for step, sid in source.scorers.items()}
+        zero = [r["index"] for r in doc["steps"] if not (r["advantage_abs_max"] and r["hindsight_nonzero_share"])]
+        if zero:
+            doc["zero_signal_steps"] = zero
+            doc["error"] = (
+                f"no hindsight signal reached the trainer on step(s) {zero} (advantage_abs_max or "
+                "hindsight_nonzero_share 0): zero signal is a failure, not a pass"
+            )
     if device.type == "cuda":
         doc["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
 
 
-def timed_source(timers: Timers, source: Any, batch: Any) -> Any:
-    t = time.perf_counter()
-    try:
-        return source(batch)
-    finally:
-        timers.add("advantages", time.perf_counter() - t)
+def digit_sum(completions: list[Any], **_: Any) -> list[float]:
+    """The sum of a completion's digits: a random policy's completions almost never tie (the count
+    of one digit did at the tiny run's lengths: all zero, no advantage to place)."""
+    return [float(sum(int(ch) for ch in c[0]["content"] if ch.isdigit())) for c in completions]
+
+
+class TimedSource:
+    """``source`` (StoreAdvantages) timed as ``advantages``, with the rows the loss trains per step;
+    its ``signals`` are the source's own (the trainer logs ``hcapo/hindsight_nonzero_share`` from
+    them: a bare function in its place would hide them)."""
+
+    def __init__(self, timers: Timers, source: Any) -> None:
+        self.timers, self.source = timers, source
+        self.signals = source.signals
+
+    def __call__(self, batch: Any) -> Any:
+        self.timers.rows[self.timers.step] = {
+            "rows": len(batch.completion_ids),
+            "trained_rows": sum(1 for mask in batch.loss_mask if any(mask)),
+        }
+        t = time.perf_counter()
+        try:
+            return self.source(batch)
+        finally:
+            self.timers.add("advantages", time.perf_counter() - t)
+
+
+def trainer_signal(logged: dict[str, Any]) -> dict[str, Any]:
+    """What reached the trainer on a step, from its log: the advantages on the trained tokens (0
+    when no token was trained) and the hindsight term's non-zero share (0 when not logged)."""
+
+    def number(key: str) -> float:
+        value = logged.get(key)
+        return 0.0 if value is None else round(float(value), 6)
+
+    return {
+        "reward_std": number("reward_std"),
+        "clipped_ratio": number("completions/clipped_ratio"),
+        "advantage_abs_max": number("hcapo/advantage_abs_max"),
+        "advantage_mean": number("hcapo/advantage_mean"),
+        "hindsight_nonzero_share": number("hcapo/hindsight_nonzero_share"),
+    }
 
 
 def shares(row: dict[str, Any]) -> None:
@@ -281,6 +346,14 @@ def shares(row: dict[str, Any]) -> None:
 def summary(doc: dict[str, Any]) -> list[str]:
     lines = []
     for row in doc.get("steps", []):
+        if "advantage_abs_max" in row:
+            lines.append(
+                f"{doc['shape']} step {row['index']} ({row['layout']}{', warm-up' if row['warm_up'] else ''}): "
+                f"signal: advantage_abs_max {row['advantage_abs_max']:.4g}, advantage_mean {row['advantage_mean']:.4g}, "
+                f"hindsight_nonzero_share {row['hindsight_nonzero_share']:.3g} over {row.get('trained_rows', 0)} "
+                f"trained of {row.get('rows', 0)} rows (reward_std {row['reward_std']:.3g}, refused "
+                f"{row['refused_rows']}, skipped {row['skipped_rows']})"
+            )
         if row.get("warm_up") or "hindsight_share" not in row:
             continue
         lines.append(

@@ -1,7 +1,8 @@
-"""bench/gpu_trl.py on the CPU (--size tiny): one TRL GRPO step per prompt layout after a warm-up,
-with the store's advantages (StoreAdvantages: ingest, score_live, credits, hand-off), the real
-Qwen3 tokenizer and a tiny random Qwen3 of its vocabulary; the JSON the GPU run writes. No timing
-is asserted, only that every part ran and the shares add up."""
+"""bench/gpu_trl.py on the CPU (--size tiny): per prompt layout a warm-up TRL GRPO step and a
+measured one, with the store's advantages (StoreAdvantages: ingest, score_live, credits, hand-off),
+the real Qwen3 tokenizer and a tiny random Qwen3 of its vocabulary; the JSON the GPU run writes. No
+timing is asserted, only that every part ran, the shares add up, and the hindsight signal reached
+the trainer on every step (zero signal is a failure: on the GPU it once was all zeros)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,21 @@ def test_gpu_trl_bench_tiny(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert "error" not in doc, doc.get("traceback")
     assert doc["prompt"]["tokens"] > 100 and doc["prompt"]["episode_steps"] > 5
-    assert [s["layout"] for s in doc["steps"]] == ["per-step", "per-step", "episode"]
+    assert [s["layout"] for s in doc["steps"]] == ["per-step", "per-step", "episode", "episode"]
+    assert [s["warm_up"] for s in doc["steps"]] == [True, False, True, False]  # each layout warmed up
     for step in doc["steps"]:
         parts = ("score_live", "credits", "ingest", "advantages", "generate_and_score")
         assert all(step[k] > 0 for k in parts), step
         assert step["advantages"] <= step["generate_and_score"] <= step["step_s"]
         assert step["hindsight_s"] == pytest.approx(step["score_live"] + step["credits"] + step["handoff"], abs=1e-3)
         assert 0 < step["hindsight_share"] < step["with_ingest_share"] < 1
-        assert step["skipped_rows"] == 0  # every rollout was stored and scored
-    assert len(doc["scorers"]) == 3 and len(set(doc["scorers"].values())) == 3  # one scorer per step's weights
+        assert step["skipped_rows"] == 0 and step["refused_rows"] == 0  # every rollout stored, scored, placed
+        # the signal that reached the trainer (its own log): rewards differ, some completion ended and was
+        # trained, its advantage is not 0, and the batch's hindsight term is non-zero on some step
+        assert step["reward_std"] > 0 and 1 <= step["trained_rows"] <= step["rows"], step
+        assert step["advantage_abs_max"] > 0 and step["hindsight_nonzero_share"] > 0, step
+    assert "zero_signal_steps" not in doc
+    assert len(doc["scorers"]) == 4 and len(set(doc["scorers"].values())) == 4  # one scorer per step's weights
     assert doc["paper_hindsight_share"] == 0.083
     assert sum("of the step (paper 8.3%)" in line for line in doc["summary"]) == 2
+    assert sum(": signal: advantage_abs_max " in line for line in doc["summary"]) == 4  # printed per step
