@@ -102,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--measure-s", type=float, default=4.0, help="aim of one end-to-end measurement, seconds")
     p.add_argument("--run-episodes", type=int, default=0,
                    help="episodes of every end-to-end run and capture pass (0: as many as fit --measure-s)")  # fmt: skip
+    p.add_argument("--capture-passes", type=int, default=3,
+                   help="with graphs on: unmeasured passes over a layout's episodes before its runs, until one\n"
+                        "captures no new shape (at most this many)")  # fmt: skip
     p.add_argument("--layouts", nargs="+", default=["episode", "per-step"], choices=["episode", "per-step"])
     p.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True, help="bf16 against fp32 logprobs")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
@@ -442,14 +445,17 @@ def measure_shape(
                 continue
             version = f"{shape}-{layout}-c{concurrency}-{prepare}-{graphed}"
             try:
-                if graphed == "on" and not warmed:  # one pass captures the layout's shapes (not measured)
-                    warm_run = score_run(
-                        model, episodes, episodes.ids[:n], layout=layout, concurrency=max(args.concurrency),
-                        version=f"{version}-capture", prepare=prepare, graphs=True,
-                    )  # fmt: skip
-                    result["graph_warm"][layout] = {
-                        "wall_s": warm_run["wall_s"], "episodes": n, "graphs": warm_run["graphs"],
-                    }  # fmt: skip
+                if graphed == "on" and not warmed:  # capture passes (not measured) until one captures nothing
+                    passes = []
+                    for again in range(args.capture_passes):
+                        warm_run = score_run(
+                            model, episodes, episodes.ids[:n], layout=layout, concurrency=max(args.concurrency),
+                            version=f"{version}-capture{again}", prepare=prepare, graphs=True,
+                        )  # fmt: skip
+                        passes.append({"wall_s": warm_run["wall_s"], "graphs": warm_run["graphs"]})
+                        if not warm_run["graphs"].get("captured"):
+                            break
+                    result["graph_warm"][layout] = {"episodes": n, "passes": passes}
                     warmed = True
                 run = score_run(
                     model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version,

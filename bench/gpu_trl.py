@@ -214,11 +214,15 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             common.sync(device)
             timers.add("step", time.perf_counter() - self.t)
-            flush(f"step {timers.step} done ({layouts[min(timers.step, len(layouts) - 1)]})")
             timers.step += 1
+            if made:  # the steps so far in the JSON: a run stopped at its time limit keeps them
+                record_steps(made[0])
+            flush(f"step {timers.step - 1} done ({layouts[min(timers.step - 1, len(layouts) - 1)]})")
 
         def on_log(self, *_: Any, logs: dict[str, Any] | None = None, **__: Any) -> None:
             if logs and "reward_std" in logs:  # the step just ended (logging_steps=1): what reached the trainer
+                if made:
+                    record_steps(made[0])
                 flush(f"step {timers.step - 1} signal: {trainer_signal(logs)} {timers.rows.get(timers.step - 1)}")
 
     # every other id suppressed, up to the model's embedding rows: the 0.6B's 151,936 rows past the
@@ -244,6 +248,23 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
         chat_template_kwargs={"enable_thinking": False},
         generation_kwargs={"suppress_tokens": [i for i in range(rows) if i not in digits]},
     )
+    made: list[Any] = []  # the trainer, once made
+
+    def record_steps(trainer: Any) -> None:
+        """doc["steps"]: a row per step ended so far (its timers, refusals, shares and what reached
+        the trainer, as far as the trainer has logged it)."""
+        logged = {int(e["step"]) - 1: e for e in trainer.state.log_history if "reward_std" in e}
+        doc["steps"] = []
+        for step in range(timers.step):
+            row: dict[str, Any] = {"index": step, "warm_up": step % 2 == 0, "layout": layouts[step]}
+            row.update({k: round(v, 4) for k, v in timers.seconds.get(step, {}).items()})
+            row["refused_rows"] = sum(1 for s, _ in source.refused if s == step)
+            row["skipped_rows"] = sum(1 for s, _ in source.skipped if s == step)
+            shares(row)
+            row.update(timers.rows.get(step, {}))
+            row.update(trainer_signal(logged.get(step, {})))
+            doc["steps"].append(row)
+
     with Store.open(str(work / "store.db")) as store:
         source = StoreAdvantages(
             store, tokenizer=args.tokenizer, workdir=work / "rollouts", run_id="bench", strict=False,
@@ -259,18 +280,10 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
             callbacks=[StepClock()],
         )
         timers.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
+        made.append(trainer)
         flush("trainer made")
         trainer.train()
-        logged = {int(e["step"]) - 1: e for e in trainer.state.log_history if "reward_std" in e}
-        for step, layout in enumerate(layouts):
-            row: dict[str, Any] = {"index": step, "warm_up": step % 2 == 0, "layout": layout}
-            row.update({k: round(v, 4) for k, v in timers.seconds.get(step, {}).items()})
-            row["refused_rows"] = sum(1 for s, _ in source.refused if s == step)
-            row["skipped_rows"] = sum(1 for s, _ in source.skipped if s == step)
-            shares(row)
-            row.update(timers.rows.get(step, {}))
-            row.update(trainer_signal(logged.get(step, {})))
-            doc["steps"].append(row)
+        record_steps(trainer)
         doc["scorers"] = {str(step): sid for step, sid in source.scorers.items()}
         zero = [r["index"] for r in doc["steps"] if not (r["advantage_abs_max"] and r["hindsight_nonzero_share"])]
         if zero:
