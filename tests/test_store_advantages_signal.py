@@ -4,7 +4,8 @@ that ended, with rewards that differ, get non-zero advantages on every token the
 truncated completion (no end token, loss mask 0) is stored but gets 0, as TRL's loss ignores it;
 a completion holding ids past the tokenizer (a policy whose embedding has more rows than the
 tokenizer has ids, as Qwen3's 151,936 over 151,669) decodes to text whose tokens are not the
-policy's ids: under ``strict=False`` it is refused and listed, never silently given a value.
+policy's ids: under ``strict=False`` it is refused and listed, never silently given a value; an
+ended completion with no text holds no step of its episode: its 0 is listed in ``skipped``.
 bench/gpu_trl.py's first H100 run trained only such rows and placed all zeros."""
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def test_ended_rows_carry_the_signal_truncated_rows_none_and_unknown_ids_are_ref
     def ids(s: str) -> list[int]:
         return tok(s, add_special_tokens=False)["input_ids"]
 
-    # (text TRL decoded, the policy's ids, loss mask, reward): ended, ended, truncated, ended with an unknown id
+    # (text TRL decoded, the policy's ids, loss mask, reward): ended, ended, truncated, ended with an
+    # unknown id, ended with no text
     rows = [
         ("!!#", [*ids("!!#"), eos], 1, 2.0),
         ("#", [*ids("#"), eos], 1, 0.0),
         ("!", ids("!"), 0, 1.0),
         ("!", [ghost, *ids("!"), eos], 1, 1.0),
+        ("", [eos], 1, 0.5),
     ]
     n = len(rows)
     batch = RolloutBatch(
@@ -82,7 +85,7 @@ def test_ended_rows_carry_the_signal_truncated_rows_none_and_unknown_ids_are_ref
         )
         values = source(batch)
         placed = place(batch, values, max(len(c) for c in batch.completion_ids)).numpy()
-        assert None not in source.episodes[0] and not source.skipped  # every row stored, the truncated one too
+        assert None not in source.episodes[0]  # every row stored, the truncated one too
         for i in (0, 1):  # ended, rewards differ: the signal on every trained token
             width = len(batch.completion_ids[i])
             assert np.isfinite(placed[i, :width]).all() and (placed[i, :width] != 0).all(), (i, placed[i])
@@ -90,5 +93,7 @@ def test_ended_rows_carry_the_signal_truncated_rows_none_and_unknown_ids_are_ref
         assert not placed[2].any() and (0, 2) not in source.refused  # truncated, masked: nothing, and no refusal
         assert not placed[3].any() and list(source.refused) == [(0, 3)]  # unknown id: refused by name, listed
         assert "are not in the given ids" in next(iter(source.refused[(0, 3)].values()))
+        assert not placed[4].any() and list(source.skipped) == [(0, 4)]  # no text, no step: its 0 is listed
+        assert "holds no step" in source.skipped[(0, 4)]
         signal = source.signals[0]
         assert signal.hindsight_nonzero_steps > 0 and signal.advantage_nonzero_steps > 0

@@ -217,7 +217,8 @@ class HandoffAdvantages:
     ``episode_of(batch, row)``; the completion part is returned. ``strict`` as in ``Handoff``:
     a step whose own tokens are not in the rollout's ids, or an action token the loss does not
     train, raises a ``HandoffError`` naming the row, episode and step; ``strict=False`` leaves
-    that step at 0 and lists it in ``refused``."""
+    that step at 0 and lists it in ``refused``. A trained row whose completion holds no step of
+    the episode (an ended completion with no text) gets 0 and is listed in ``skipped``."""
 
     def __init__(
         self,
@@ -230,6 +231,7 @@ class HandoffAdvantages:
         self.episode_of = episode_of
         self.strict = strict
         self.refused: dict[tuple[int, int], dict[int, str]] = {}  # (step, row) -> {step_index: why}
+        self.skipped: dict[tuple[int, int], str] = {}  # (step, row) -> why it got no advantage
 
     def __call__(self, batch: RolloutBatch) -> list[np.ndarray]:
         from hcapo_store.training.handoff import Handoff
@@ -255,6 +257,13 @@ class HandoffAdvantages:
         if credit.refused:
             self.refused[(batch.step, i)] = dict(credit.refused)
         trained = np.asarray(batch.loss_mask[i], dtype=bool)
+        if trained.any() and not credit.mask[start:].any() and not credit.refused:
+            # nothing of the completion is a stored step's (an ended completion with no text, say):
+            # its 0 is said, not silent
+            self.skipped[(batch.step, i)] = (
+                "its completion holds no step of the stored episode (no text the store keeps as a step): "
+                "no advantage to place, 0"
+            )
         untrained = credit.mask[start:] & ~trained
         if untrained.any():
             at = int(np.flatnonzero(untrained)[0])
@@ -277,7 +286,9 @@ class StoreAdvantages(HandoffAdvantages):
     (``params``, default the paper's estimator per GRPO group); and a ``Handoff`` places
     each step's advantage on the rollout's own prompt + completion ids, of which the completion
     part is returned. A row the loss does not train (a masked truncated completion) is stored
-    but not looked up; a row no reward function scored is left out (0, listed in ``skipped``).
+    but not looked up; a row no reward function scored is left out (0, listed in ``skipped``), and
+    so is a trained row whose completion holds no step of its episode (an ended completion with no
+    text): its 0 is listed, never silent.
 
     ``strict`` (default): a step whose own tokens are not in the rollout's ids, or an action
     token the loss does not train, raises a ``HandoffError`` naming the row, episode and step;
@@ -352,7 +363,6 @@ class StoreAdvantages(HandoffAdvantages):
         self.runs: dict[int, str] = {}  # step -> credit run name
         self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
         self.episodes: dict[int, list[str | None]] = {}  # step -> store episode name per row (None: left out)
-        self.skipped: dict[tuple[int, int], str] = {}  # (step, row) -> why
 
     def episode_name(self, batch: RolloutBatch, row: int) -> str:
         """The store's name of a row's episode (after ``__call__`` stored it)."""
