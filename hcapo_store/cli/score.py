@@ -219,9 +219,11 @@ def scorer_setup(
     """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
     from hcapo_store.scoring.job import default_backend
 
-    if (device or dtype) and (backend or default_backend(servers[0] if servers else None, model)) != "transformers":
+    if (device or dtype or not cuda_graphs) and (
+        backend or default_backend(servers[0] if servers else None, model)
+    ) != "transformers":
         raise click.UsageError(
-            "--device and --dtype choose where --backend transformers runs: a server decides its own"
+            "--device, --dtype and --no-cuda-graphs choose how --backend transformers runs: a server decides its own"
         )
     if logprobs_mode != defaults.LOGPROBS_MODE and backend != "vllm":
         raise click.UsageError("--logprobs-mode is the vLLM server's (--backend vllm): other backends have none")
