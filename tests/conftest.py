@@ -62,7 +62,7 @@ def samples() -> Path:
     return SAMPLES if SAMPLES.exists() else EXAMPLES
 
 
-from conftest_models import demo_tokenizer_dir, tiny_model_dir  # noqa: E402,F401 - session fixtures
+from conftest_models import chat_ids, demo_tokenizer_dir, tiny_model_dir  # noqa: E402,F401 - session fixtures
 
 
 @pytest.fixture

@@ -24,3 +24,13 @@ def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
     """A 2-layer random Qwen2 model with the demo vocabulary and its tokenizer files."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", demo_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_ids(tiny_model_dir: Path) -> list[int]:
+    """Forty short chat turns in the tiny model's tokenizer: a sequence to score in process."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    text = "".join(f"<|im_start|>user\nstep {i}: parse the wire table {i * 7}<|im_end|>\n" for i in range(40))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -12,20 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from hcapo_store.rendering import verify
 from hcapo_store.scoring import graphs
 from hcapo_store.scoring.forward import InFlight, LogprobModel, _fill
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def chat_ids(tiny_model_dir: Path) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    text = "".join(f"<|im_start|>user\nstep {i}: parse the wire table {i * 7}<|im_end|>\n" for i in range(30))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")

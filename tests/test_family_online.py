@@ -171,25 +171,9 @@ def test_follow_cli_log_ratio_options_and_one_line_refusals(
 
 
 def _rollouts(tok, model):
-    from hcapo_store.training.trl_grpo import RolloutBatch
+    from _rollout_batches import sign_batch
 
-    prompt = [{"role": "user", "content": "Write some signs."}]
-    texts = ["!#$", "#!", "$$!(", "(+"]
-    prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
-    completion_ids = [tok.encode(c, add_special_tokens=False) + [tok.eos_token_id] for c in texts]
-    return RolloutBatch(
-        step=0,
-        prompts=[prompt] * 4,
-        completions=[[{"role": "assistant", "content": c}] for c in texts],
-        prompt_ids=[prompt_ids] * 4,
-        completion_ids=completion_ids,
-        loss_mask=[[1] * len(c) for c in completion_ids],
-        rewards=[1.0, 0.0, 1.0, 0.0],
-        groups=[0, 0, 0, 0],
-        trl_advantages=[1.0, -1.0, 1.0, -1.0],
-        inputs=[{}] * 4,
-        model=model,
-    )
+    return sign_batch(tok, model)
 
 
 def test_store_advantages_log_ratio_reach_the_trainer_as_grpo_plus_teacher_minus_student(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from hcapo_store.cli import cli
 from hcapo_store.devkit.refserver import make_server
@@ -35,13 +35,6 @@ from hcapo_store.scoring.scorer import scorer_spec
 from hcapo_store.storage.store import Store
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def chat_ids(tiny_model_dir: Path) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    text = "".join(f"<|im_start|>user\nstep {i}: parse the wire table {i * 7}<|im_end|>\n" for i in range(40))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")

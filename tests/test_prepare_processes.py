@@ -9,7 +9,8 @@ from _shared import TOKENIZERS
 from faultserver import stored_scores
 
 torch = pytest.importorskip("torch")
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from _tiny_qwen3 import tiny_qwen3  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from hcapo_store.devkit.synth import write_standard_episodes  # noqa: E402
 from hcapo_store.ingestion.pipeline import ingest  # noqa: E402
@@ -28,19 +29,7 @@ def qwen3_store(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("prep")
     write_standard_episodes(work / "eps", 1, steps_per_subtask=1, output_words=6)
     tok = AutoTokenizer.from_pretrained(str(QWEN3))
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    model = Qwen3ForCausalLM(config).float().eval()
+    model = tiny_qwen3(len(tok), max_position_embeddings=8192).eval()
     with Store.open(str(work / "p.db")) as store:
         report = ingest(store, [work / "eps"], jobs=1)
         assert not report.failed

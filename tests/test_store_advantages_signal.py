@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("trl")
-import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from _tiny_qwen3 import tiny_qwen3
+from transformers import AutoTokenizer
 
 from hcapo_store.storage.store import Store
 from hcapo_store.training.trl_grpo import RolloutBatch, StoreAdvantages, place
@@ -29,21 +29,7 @@ def test_ended_rows_carry_the_signal_truncated_rows_none_and_unknown_ids_are_ref
     tmp_path: Path, demo_tokenizer_dir: Path
 ) -> None:
     tok = AutoTokenizer.from_pretrained(str(demo_tokenizer_dir))
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tok) + GHOSTS,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            tie_word_embeddings=True,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    ).float()
+    model = tiny_qwen3(len(tok) + GHOSTS, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     prompt = [
         {"role": "user", "content": "Write some signs."},
         {"role": "assistant", "content": "!!#"},

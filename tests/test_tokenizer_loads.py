@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("trl")
 
+from _rollout_batches import SIGNS, sign_batch
+
 from hcapo_store.credits.compute import compute_credits
 from hcapo_store.ingestion.pipeline import ingest
 from hcapo_store.rendering.tokenizers import KeptTokenizer, load_tokenizer
@@ -27,26 +29,9 @@ from hcapo_store.storage.store import Store
 from hcapo_store.training.handoff import Handoff
 from hcapo_store.training.trl_grpo import GROUP_TAG, HandoffAdvantages, RolloutBatch, StoreAdvantages
 
-TEXTS = ["!#$", "#!", "$$!(", "(+"]  # demo-vocabulary signs that re-tokenize to themselves
-
 
 def _batch(tok: Any, model: Any, step: int) -> RolloutBatch:
-    prompt = [{"role": "user", "content": f"Write some signs ({step})."}]
-    prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
-    completion_ids = [tok.encode(c, add_special_tokens=False) + [tok.eos_token_id] for c in TEXTS]
-    return RolloutBatch(
-        step=step,
-        prompts=[prompt] * 4,
-        completions=[[{"role": "assistant", "content": c}] for c in TEXTS],
-        prompt_ids=[prompt_ids] * 4,
-        completion_ids=completion_ids,
-        loss_mask=[[1] * len(c) for c in completion_ids],
-        rewards=[1.0, 0.0, 1.0, 0.0],
-        groups=[0, 0, 0, 0],
-        trl_advantages=[1.0, -1.0, 1.0, -1.0],
-        inputs=[{}] * 4,
-        model=model,
-    )
+    return sign_batch(tok, model, step=step, prompt_text=f"Write some signs ({step}).")
 
 
 def _count_loads(mp: pytest.MonkeyPatch) -> list[str]:
@@ -142,7 +127,7 @@ def test_one_load_for_the_first_step_none_after_and_one_when_the_files_change(st
 
 def test_the_advantages_scorers_and_scores_are_the_path_apis(steps: dict[str, Any]) -> None:
     for step, (ours, theirs) in enumerate(zip(steps["values"], steps["ref_values"])):
-        assert len(ours) == len(theirs) == len(TEXTS)
+        assert len(ours) == len(theirs) == len(SIGNS)
         assert any(np.any(v != 0) for v in ours), f"step {step}: no advantage to compare"
         for row, (x, y) in enumerate(zip(ours, theirs)):
             assert np.array_equal(x, y), f"step {step}, row {row}: {x} != {y}"

@@ -17,9 +17,10 @@ import tomllib
 
 pytest.importorskip("trl")
 import torch
+from _tiny_qwen3 import tiny_qwen3
 from conftest import REPO, TOKENIZERS
 from datasets import Dataset
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from hcapo_store.errors import HandoffError
@@ -50,21 +51,10 @@ def tok(demo_tokenizer_dir: Path):
 
 def qwen3(tok, seed: int = 0) -> Qwen3ForCausalLM:
     """A 2-layer Qwen3 (q/k norms, GQA, head_dim) of the tokenizer's vocabulary, random weights."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    return Qwen3ForCausalLM(config).float()
+    return tiny_qwen3(
+        len(tok), hidden=64, layers=2, seed=seed, max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
 
 
 def config(tmp_path: Path, tok, allowed: str = CANONICAL, **kw: Any) -> GRPOConfig:

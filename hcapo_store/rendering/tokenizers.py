@@ -77,6 +77,23 @@ def loaded_from(tokenizer: Any, path_or_name: str | Path) -> bool:
         return False
 
 
+def given_or_loaded(directory: str | Path, given: Any, error: type[Exception]) -> Any:
+    """``given`` (a tokenizer the caller loaded from ``directory``: ValueError naming both when it
+    was loaded from elsewhere), else ``directory``'s tokenizer loaded now (``error`` with the
+    reason when it cannot be)."""
+    if given is not None:
+        if not loaded_from(given, directory):
+            raise ValueError(
+                f"the tokenizer given was loaded from {getattr(given, 'name_or_path', None)!r}, not from "
+                f"{str(directory)!r}: pass the tokenizer loaded from that directory"
+            )
+        return given
+    try:
+        return load_tokenizer(directory)
+    except (OSError, ValueError) as exc:
+        raise error(f"cannot load tokenizer {directory}: {exc}") from exc
+
+
 class KeptTokenizer:
     """One directory's tokenizer, loaded on first use and kept: loaded again only when the
     directory's tokenizer files change (``files_state``: a file rewritten in place, added or

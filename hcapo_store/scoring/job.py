@@ -33,7 +33,7 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.requests import PromptFailure
 from hcapo_store.rendering.template import TemplateRejected, render_by_rule
-from hcapo_store.rendering.tokenizers import load_tokenizer, loaded_from, tokenizer_fingerprint
+from hcapo_store.rendering.tokenizers import given_or_loaded, tokenizer_fingerprint
 from hcapo_store.scoring import defaults, work_queue
 from hcapo_store.scoring.backends.base import Backend
 from hcapo_store.scoring.fingerprint import PROBE_MESSAGES, library_versions, rendering_fingerprint
@@ -252,19 +252,8 @@ def resolved_max_context(asked: int | None, limit: int | None) -> int:
 def _prepared(store: Store, cfg: ScoreConfig, backend: Backend, loaded_tokenizer: Any = None) -> Prepared:
     max_context = resolved_max_context(cfg.max_context, backend.context_length())
     location = _tokenizer_location(cfg, backend)
-    if loaded_tokenizer is not None:
-        # the fingerprint hashes the directory's files beside this object's template: they must be one tokenizer
-        if not loaded_from(loaded_tokenizer, location):
-            raise ValueError(
-                f"the tokenizer given was loaded from {getattr(loaded_tokenizer, 'name_or_path', None)!r}, not "
-                f"from {location!r}: pass the tokenizer loaded from that directory"
-            )
-        tokenizer = loaded_tokenizer
-    else:
-        try:
-            tokenizer = load_tokenizer(location)
-        except (OSError, ValueError) as exc:
-            raise ScoringError(f"cannot load tokenizer {location}: {exc}") from exc
+    # the fingerprint hashes the directory's files beside a given object's template: they must be one tokenizer
+    tokenizer = given_or_loaded(location, loaded_tokenizer, ScoringError)
     options: dict[str, Any] = dict(
         hindsight_template=cfg.hindsight_template,
         max_context=max_context,

@@ -11,8 +11,8 @@ from typing import Any
 from hcapo_store.errors import ExportError
 from hcapo_store.rendering.tokenizers import (
     content_difference,
+    given_or_loaded,
     load_tokenizer,
-    loaded_from,
     tokenizer_content,
     tokenizer_fingerprint,
 )
@@ -84,18 +84,7 @@ def recorded_tokenizer(
 def _checked_tokenizer(
     scorer_id: str, theirs: dict[str, Any], known: list[Path], tokenizer_dir: str | Path, loaded: Any = None
 ) -> tuple[Any, dict[str, Any]]:
-    if loaded is not None:
-        if not loaded_from(loaded, tokenizer_dir):
-            raise ValueError(
-                f"the tokenizer given was loaded from {getattr(loaded, 'name_or_path', None)!r}, not from "
-                f"{str(tokenizer_dir)!r}: pass the tokenizer loaded from that directory"
-            )
-        tokenizer = loaded
-    else:
-        try:
-            tokenizer = load_tokenizer(tokenizer_dir)
-        except (OSError, ValueError) as exc:
-            raise ExportError(f"cannot load tokenizer {tokenizer_dir}: {exc}") from exc
+    tokenizer = given_or_loaded(tokenizer_dir, loaded, ExportError)
     mine = tokenizer_fingerprint(tokenizer, tokenizer_dir)
     same_bytes = all(theirs.get(key) == mine[key] for key in ("files_sha256", "chat_template_sha256"))
     if not same_bytes:  # the fast path failed: compare by content with the scorer's own copy
