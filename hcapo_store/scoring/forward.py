@@ -279,7 +279,10 @@ class LogprobModel:
         with self._lock, torch.inference_mode(), _eval(self.model):
             state = self._graph_state(batch) if cuda else None
             stream = state.stream if state is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            # the graphs' static buffers are the model's: one forward at a time uses them (two
+            # LogprobModels of one live model in two threads wait here), the copy out queued before the next
+            graph_lock = state.lock if state is not None else contextlib.nullcontext()
+            with graph_lock, torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:  # whatever the caller's stream did to the weights comes first
                     stream.wait_stream(torch.cuda.default_stream(self.device))
                 if self.timings is not None:  # CUDA events on a GPU (no wait), the host clock on a CPU
@@ -364,9 +367,10 @@ class LogprobModel:
             return None
         state = graphs.graphs_of(self.model, self.device)
         signature = graphs.parameter_signature(self.model)
-        if signature != state.signature:  # new tensors (not updated in place): the graphs read the old ones
-            state.graphs.clear()
-            state.signature = signature
+        with state.lock:
+            if signature != state.signature:  # new tensors (not updated in place): the graphs read the old ones
+                state.graphs.clear()
+                state.signature = signature
         return state
 
     def _graphed(self, state: Any, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, Any] | None:

@@ -104,6 +104,7 @@ class ModelGraphs:
     seen: dict[tuple[int, ...], int] = field(default_factory=dict)  # forwards of each shape not yet captured
     signature: tuple[int, ...] = ()
     stats: GraphStats = field(default_factory=GraphStats)
+    lock: Any = field(default_factory=threading.RLock)  # one forward at a time on the static buffers
 
 
 _BY_MODEL: weakref.WeakKeyDictionary[Any, ModelGraphs] = weakref.WeakKeyDictionary()
