@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps-per-subtask", type=int, default=22, help="the synthetic episode's size: 22 (99 steps)")
     p.add_argument("--tokenizer", default=str(SHARED_TOKENIZER), help="the Qwen3 tokenizer directory")
     p.add_argument("--tiny", action="store_true", help="one subtask, 1 step per subtask, 2 rows: a few seconds")
-    p.add_argument("--profile", type=int, default=25, help="cProfile lines of the second call (0: no profile)")
+    p.add_argument("--profile", type=int, default=25, help="cProfile lines of a third call, as the second (0: no third call): 25")
     p.add_argument("--json", dest="json_out", help="write the phases (and the profile) here")
     args = p.parse_args(argv)
     if args.tiny:
