@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps-per-subtask", type=int, default=22, help="the synthetic episode's size: 22 (99 steps)")
     p.add_argument("--tokenizer", default=str(SHARED_TOKENIZER), help="the Qwen3 tokenizer directory")
     p.add_argument("--tiny", action="store_true", help="one subtask, 1 step per subtask, 2 rows: a few seconds")
-    p.add_argument("--profile", type=int, default=25, help="cProfile lines of a third call, as the second (0: no third call): 25")
+    p.add_argument(
+        "--profile", type=int, default=25, help="cProfile lines of a third call, as the second (0: no third call): 25"
+    )
     p.add_argument("--json", dest="json_out", help="write the phases (and the profile) here")
     args = p.parse_args(argv)
     if args.tiny:
@@ -266,7 +268,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile)
                     row["profile_tottime"] = out.getvalue()
                 doc["calls"].append(row)
-                print(f"call {step} ({['first', 'steady', 'profiled'][step]}): wall {call_wall:.3f} s, CPU {call_cpu:.3f} s")
+                print(
+                    f"call {step} ({['first', 'steady', 'profiled'][step]}): wall {call_wall:.3f} s, CPU {call_cpu:.3f} s"
+                )
                 for name, ph in row["phases"].items():
                     print(f"  {name:26s} wall {ph['wall_s']:8.3f} s  CPU {ph['cpu_s']:8.3f} s  ({ph['calls']} calls)")
                 print(f"  refused rows {row['refused']}, skipped rows {row['skipped']}", flush=True)
