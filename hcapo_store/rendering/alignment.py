@@ -114,7 +114,8 @@ class EpisodeRenderer:
             if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant" or m == previous:
                 out.refused[index] = f"message {m} is not an assistant message after the first message"
                 continue
-            key = None if digests[m] is None else (flattened, previous, m, digests[m])
+            digest = digests[m]
+            key = None if digest is None else (flattened, previous, m, digest)
             piece = self._pieces.get(key) if key is not None else None
             if piece is None:
                 piece = self._turn_piece(msgs, m, previous)
