@@ -23,7 +23,10 @@ Two renderings (``RENDERINGS``):
   ``render(messages[:m], add_generation_prompt=True)``, then each turn as rendered when it
   was the last one, then the text the template adds between that turn's end-of-turn token
   and the next step's generation prompt (tool results, user messages), and so on. Every
-  step's own tokens are in it, reasoning included.
+  step's own tokens are in it, reasoning included. A renderer keeps each step's piece of it
+  (the ids from the previous turn's end to this turn's end, and its span) by a digest of the
+  messages up to that step: episodes that share a history (a GRPO group's rows share their
+  prompt) render the shared steps once.
 
 A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
 ``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
