@@ -2,7 +2,7 @@
 
     python bench/hindsight_pass.py                       # 8 rows, per-step layout, the 99-step episode
     python bench/hindsight_pass.py --layout episode --json /tmp/pass.json
-    python bench/hindsight_pass.py --tiny                # seconds: one subtask, 2 rows (the test's check)
+    python bench/hindsight_pass.py --tiny                # ~15 s: one subtask, 2 rows (a smoke run)
 
 One ``StoreAdvantages`` call on a hand-made ``RolloutBatch`` like TRL's (bench/gpu_trl.py's
 prompt: ``EpisodeBuilder(seed=1, episode_id=1, reward=0.5).standard(steps_per_subtask=22)`` up
