@@ -23,7 +23,10 @@ Two renderings (``RENDERINGS``):
   ``render(messages[:m], add_generation_prompt=True)``, then each turn as rendered when it
   was the last one, then the text the template adds between that turn's end-of-turn token
   and the next step's generation prompt (tool results, user messages), and so on. Every
-  step's own tokens are in it, reasoning included.
+  step's own tokens are in it, reasoning included. A renderer keeps each step's piece of it
+  (the ids from the previous turn's end to this turn's end, and its span) by a digest of the
+  messages up to that step: episodes that share a history (a GRPO group's rows share their
+  prompt) render the shared steps once.
 
 A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
 ``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
@@ -32,6 +35,7 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +51,9 @@ from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
 
 RENDERINGS = ("turns", "whole")
+# ``turns`` pieces an ``EpisodeRenderer`` keeps (see ``_align_turns``): a GRPO batch's rows share
+# their prompt's ~100 steps, so its rows after the first render only their own last turn
+TURN_PIECES = 4096
 
 
 @dataclass
@@ -67,6 +74,9 @@ class EpisodeRenderer:
         self.encoder = SegmentEncoder(tokenizer)
         self.locator = OwnTokenLocator(tokenizer, self.encoder)
         self.placer = Placer(tokenizer, encoder=self.encoder)
+        # (flattened, previous turn's message index, this turn's, digest of msgs[: m + 1]) -> the
+        # step's piece of a ``turns`` alignment: (context ids, turn ids up to its end, span) or why refused
+        self._pieces: dict[tuple[bool, int | None, int, bytes], tuple[list[int], list[int], int, int] | str] = {}
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return render_chat(self.tokenizer, messages, generation=generation)
@@ -100,37 +110,58 @@ class EpisodeRenderer:
         ids: list[int] = []
         out = Alignment(ids, flattened=flattened)
         previous: int | None = None  # message index of the last turn in the row
+        # a step's piece reads msgs[: m + 1] only (every render below is of a prefix of it): kept by
+        # that prefix's digest, it is rendered once for all the episodes that share the prefix
+        digests = prefix_digests(msgs)
         for index, m in sorted(steps, key=lambda s: s[1]):
             if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant" or m == previous:
                 out.refused[index] = f"message {m} is not an assistant message after the first message"
                 continue
-            prompt = self._render(msgs[:m], generation=True)
-            if previous is None:
-                context = prompt
-            else:
-                end = self._turn_end(msgs[:m], previous, prompt)
-                if end is None:
-                    out.refused[index] = "alignment: the end of the previous turn is not found in this step's prompt"
-                    continue
-                context = prompt[end:]
-            turn = self._turn_text(msgs, m, prompt)
-            if turn is None:
-                out.refused[index] = "alignment: the turn's generation prompt is not found in its rendering"
+            digest = digests[m]
+            key = None if digest is None else (flattened, previous, m, digest)
+            piece = self._pieces.get(key) if key is not None else None
+            if piece is None:
+                piece = self._turn_piece(msgs, m, previous)
+                if key is not None:
+                    if len(self._pieces) >= TURN_PIECES:
+                        self._pieces.clear()
+                    self._pieces[key] = piece
+            if isinstance(piece, str):
+                out.refused[index] = piece
                 continue
-            turn_text, turn_empty = turn
-            turn_ids, turn_offsets = self.locator.offsets(turn_text)
-            try:
-                span = self.locator.span(turn_text, turn_empty, msgs[m], turn_ids, turn_offsets)
-                self.locator.check_decodes(turn_text, turn_ids, turn_offsets, span)
-            except NotOwn as exc:
-                out.refused[index] = exc.reason
-                continue
-            context_ids, _ = self.locator.offsets(context)
+            context_ids, turn_ids, start, end = piece
             ids.extend(context_ids)
-            out.spans[index] = (len(ids) + span.start, len(ids) + span.end)
-            ids.extend(turn_ids[: span.end])  # the turn as the policy ended it: nothing after its end
+            out.spans[index] = (len(ids) + start, len(ids) + end)
+            ids.extend(turn_ids)  # the turn as the policy ended it: nothing after its end
             previous = m
         return out
+
+    def _turn_piece(
+        self, msgs: list[dict], m: int, previous: int | None
+    ) -> tuple[list[int], list[int], int, int] | str:
+        """Step ``m``'s piece of a ``turns`` alignment after the turn at ``previous``: the ids
+        between the previous turn's end and this turn's own tokens, the turn's ids up to its end
+        and its own tokens' span in them; or why it cannot be placed."""
+        prompt = self._render(msgs[:m], generation=True)
+        if previous is None:
+            context = prompt
+        else:
+            end = self._turn_end(msgs[:m], previous, prompt)
+            if end is None:
+                return "alignment: the end of the previous turn is not found in this step's prompt"
+            context = prompt[end:]
+        turn = self._turn_text(msgs, m, prompt)
+        if turn is None:
+            return "alignment: the turn's generation prompt is not found in its rendering"
+        turn_text, turn_empty = turn
+        turn_ids, turn_offsets = self.locator.offsets(turn_text)
+        try:
+            span = self.locator.span(turn_text, turn_empty, msgs[m], turn_ids, turn_offsets)
+            self.locator.check_decodes(turn_text, turn_ids, turn_offsets, span)
+        except NotOwn as exc:
+            return exc.reason
+        context_ids, _ = self.locator.offsets(context)
+        return list(context_ids), list(turn_ids[: span.end]), span.start, span.end
 
     def _turn_text(self, msgs: list[dict], m: int, prompt: str) -> tuple[str, str] | None:
         """Turn ``m`` as rendered when it is the last message, from the end of its generation
@@ -175,6 +206,34 @@ class EpisodeRenderer:
             else:
                 out.spans[index] = (len(prefix), len(step))
         return out
+
+
+def prefix_digests(msgs: list[dict]) -> list[bytes | None]:
+    """Per message index ``m``, a digest of ``msgs[: m + 1]`` (their ``repr``s, chained), or None
+    from the first message that is not plain data (str, int, float, bool, None, lists, dicts
+    with str keys: whose ``repr`` is exact, in their order) on."""
+    out: list[bytes | None] = []
+    chain = hashlib.blake2b(digest_size=20)
+    for m in msgs:
+        if out and out[-1] is None or not _plain_data(m):
+            out.append(None)
+            continue
+        text_ = repr(m).encode("utf-8", "surrogatepass")
+        chain.update(len(text_).to_bytes(8, "little"))
+        chain.update(text_)
+        out.append(chain.copy().digest())
+    return out
+
+
+def _plain_data(value: Any) -> bool:
+    kind = type(value)
+    if kind in (str, int, float, bool) or value is None:
+        return True
+    if kind is list:
+        return all(_plain_data(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _plain_data(v) for k, v in value.items())
+    return False
 
 
 def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -98,6 +99,29 @@ class _StepTexts:
     # the window, counted and not rendered; a tail may start no earlier than visible_from
     hidden: int = 0
     visible_from: int = 0
+
+
+# tokenizer -> (its length, its largest id): a trainer's every step makes a new builder of its one
+# kept tokenizer, and reading the 150k-entry vocabulary costs ~0.2 s
+_TOP_IDS: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def top_token_id(tokenizer: Any) -> int:
+    """The tokenizer's largest id, read once per tokenizer object (again when its length changes:
+    tokens added)."""
+    size = len(tokenizer)
+    try:
+        kept = _TOP_IDS.get(tokenizer)
+    except TypeError:  # not weakly referable: read every time
+        kept = None
+    if kept is not None and kept[0] == size:
+        return kept[1]
+    top = int(max(tokenizer.get_vocab().values()))
+    try:
+        _TOP_IDS[tokenizer] = (size, top)
+    except TypeError:
+        pass
+    return top
 
 
 class PromptBuilder:
@@ -196,7 +220,7 @@ class PromptBuilder:
     @functools.cached_property
     def top_token_id(self) -> int:
         """The tokenizer's largest id (its vocabulary is a 150k-entry dict: read once)."""
-        return int(max(self.tokenizer.get_vocab().values()))
+        return top_token_id(self.tokenizer)
 
     @property
     def marker_ids(self) -> list[int]:

@@ -181,24 +181,27 @@ class PreparePool:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-_pools: dict[tuple[str, BuilderRecipe, int], PreparePool] = {}
+_pools: dict[tuple[str, BuilderRecipe, int], PreparePool] = {}  # least recently used first
 _pools_lock = threading.Lock()
+# pools kept at once: a log-ratio training step scores with two recipes (with and without the
+# hindsight block), and one kept pool made each step start both again (~1 s a worker)
+KEPT_POOLS = 2
 
 
 def shared_pool(url: str, recipe: BuilderRecipe, workers: int) -> PreparePool | None:
     """The pool for this store, recipe and size, started at its first use and kept for the next
-    runs (one at a time: another recipe's pool is ended first). None for an in-memory database
-    (no other process can open it)."""
+    runs (``KEPT_POOLS`` at a time: the least recently used one is ended first). None for an
+    in-memory database (no other process can open it)."""
     if workers < 1 or _in_memory(url):
         return None
     key = (url, recipe, workers)
     with _pools_lock:
-        pool = _pools.get(key)
-        if pool is not None and not pool.broken:
-            return pool
-        for other in list(_pools):
-            _pools.pop(other).close()
-        _pools[key] = pool = PreparePool(url, recipe, workers)
+        pool = _pools.pop(key, None)
+        if pool is None or pool.broken:
+            while len(_pools) >= KEPT_POOLS:
+                _pools.pop(next(iter(_pools))).close()
+            pool = PreparePool(url, recipe, workers)
+        _pools[key] = pool  # now the most recently used
         return pool
 
 
