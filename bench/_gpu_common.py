@@ -117,6 +117,31 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def episode_prompt(work: Path, steps_per_subtask: int, tiny: bool) -> tuple[list[dict[str, Any]], int]:
+    """A synthetic episode's messages up to its last assistant turn (what the agent saw when it
+    wrote it), and the episode's step count. ``tiny``: one subtask of the synthetic plan's four (6
+    steps, ~510 Qwen3 tokens): on the CPU, TRL's fused LM head scores every prompt position over
+    the whole vocabulary, a run's main cost."""
+    from hcapo_store.devkit.synth import EpisodeBuilder
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.storage import db
+    from hcapo_store.storage.episodes import load_episode
+    from hcapo_store.storage.store import Store
+
+    plan = {"plan_ids": ("S1",)} if tiny else {}
+    path = EpisodeBuilder(seed=1, episode_id=1, reward=0.5, **plan).standard(steps_per_subtask=steps_per_subtask)
+    path = path.write(work / "source" / "episode_001")
+    with Store.open(str(work / "source.db")) as store:
+        if ingest(store, [path], jobs=1).failed:
+            raise SystemExit("the synthetic episode failed to ingest")
+        with db.read(store.engine) as conn:
+            (episode_id,) = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes")]
+            episode = load_episode(conn, episode_id)
+    messages = [dict(m) for m in episode.messages]
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return messages[:last], len(episode.steps)
+
+
 def build_model(shape: str, vocab: int, device: Any, **config: Any) -> Any:
     """A random-weight Qwen3 of ``shape`` in bf16 on ``device``: built on the meta device, its
     storage made there (``to_empty``), weights drawn N(0, 0.02), norms 1, rotary tables recomputed.

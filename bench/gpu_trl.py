@@ -107,32 +107,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def episode_prompt(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
-    """A synthetic episode's messages up to its last assistant turn (what the agent saw when it
-    wrote it), and the episode's step count."""
-    from hcapo_store.devkit.synth import EpisodeBuilder
-    from hcapo_store.ingestion.pipeline import ingest
-    from hcapo_store.storage import db
-    from hcapo_store.storage.episodes import load_episode
-    from hcapo_store.storage.store import Store
-
-    # tiny: one subtask of the synthetic plan's four (6 steps, ~510 Qwen3 tokens, not 15 and ~1.3k): on
-    # the CPU, TRL's fused LM head scores every prompt position over the whole vocabulary, the run's main cost
-    plan = {"plan_ids": ("S1",)} if args.size == "tiny" else {}
-    builder = EpisodeBuilder(seed=1, episode_id=1, reward=0.5, **plan)
-    path = builder.standard(steps_per_subtask=args.steps_per_subtask)
-    path = path.write(work / "source" / "episode_001")
-    with Store.open(str(work / "source.db")) as store:
-        if ingest(store, [path], jobs=1).failed:
-            raise SystemExit("the synthetic episode failed to ingest")
-        with db.read(store.engine) as conn:
-            (episode_id,) = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes")]
-            episode = load_episode(conn, episode_id)
-    messages = [dict(m) for m in episode.messages]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-    return messages[:last], len(episode.steps)
-
-
 class Timers:
     """Seconds of the wrapped functions, per training step (``step`` is set by the callback)."""
 
@@ -177,7 +151,7 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
     tiny = args.size == "tiny"
     work = Path(tempfile.mkdtemp(prefix="hcapo-trl-"))
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    prompt, steps = episode_prompt(work, args)
+    prompt, steps = common.episode_prompt(work, args.steps_per_subtask, args.size == "tiny")
     text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
     doc["prompt"] = {"messages": len(prompt), "tokens": len(prompt_ids), "episode_steps": steps}

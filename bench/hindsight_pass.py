@@ -41,6 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this tree's hcapo_store before any installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_common as common  # noqa: E402 - beside this file
 
 SHARED_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "qwen3"
 TINY = dict(
@@ -93,28 +95,6 @@ class PhaseClock:
         for owner, attribute, inner in reversed(self.undo):
             setattr(owner, attribute, inner)
         self.undo.clear()
-
-
-def episode_prompt(work: Path, steps_per_subtask: int, tiny: bool) -> tuple[list[dict[str, Any]], int]:
-    """The synthetic episode's messages up to its last assistant turn, and its step count."""
-    from hcapo_store.devkit.synth import EpisodeBuilder
-    from hcapo_store.ingestion.pipeline import ingest
-    from hcapo_store.storage import db
-    from hcapo_store.storage.episodes import load_episode
-    from hcapo_store.storage.store import Store
-
-    plan = {"plan_ids": ("S1",)} if tiny else {}
-    path = EpisodeBuilder(seed=1, episode_id=1, reward=0.5, **plan).standard(steps_per_subtask=steps_per_subtask)
-    path = path.write(work / "source" / "episode_001")
-    with Store.open(str(work / "source.db")) as store:
-        if ingest(store, [path], jobs=1).failed:
-            raise SystemExit("the synthetic episode failed to ingest")
-        with db.read(store.engine) as conn:
-            (episode_id,) = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes")]
-            episode = load_episode(conn, episode_id)
-    messages = [dict(m) for m in episode.messages]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-    return messages[:last], len(episode.steps)
 
 
 def make_batch(step: int, tok: Any, prompt: list[dict[str, Any]], prompt_ids: list[int], rows: int, model: Any) -> Any:
@@ -205,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="hcapo-pass-"))
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    prompt, steps = episode_prompt(work, args.steps_per_subtask, args.tiny)
+    prompt, steps = common.episode_prompt(work, args.steps_per_subtask, args.tiny)
     text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
     model = build_policy(-(-len(tok) // 64) * 64, tok)
