@@ -87,16 +87,21 @@ def with_tokenizer(
     *,
     note: Callable[[str], None] | None = None,
     like: RunSide | None = None,
+    loaded: Any = None,
 ) -> RunSide:
     """``side`` with its scorer's tokenizer loaded (``scoring/tokenizer_lookup.py``: the one in
     ``tokenizer_dir`` checked against the scorer's fingerprint, or without one where the store
     records it was loaded; ``note`` is told which); the one of ``like`` when that run side has
-    one for the same scorer (a trainer takes one run per GRPO group each step)."""
+    one for the same scorer (a trainer takes one run per GRPO group each step). ``loaded``: the
+    tokenizer already loaded from ``tokenizer_dir`` (a trainer keeps one), checked the same way
+    instead of being loaded again."""
     scorer_id = side.run.scorer_id
     if like is not None and like.tokenizer is not None and like.run.scorer_id == scorer_id:
         return replace(side, tokenizer=like.tokenizer, fingerprint=like.fingerprint)
-    loaded, fingerprint = recorded_tokenizer(scorer_id, side.tokenizer_record, tokenizer_dir, note=note)
-    return replace(side, tokenizer=loaded, fingerprint=fingerprint)
+    tokenizer, fingerprint = recorded_tokenizer(
+        scorer_id, side.tokenizer_record, tokenizer_dir, note=note, loaded=loaded
+    )
+    return replace(side, tokenizer=tokenizer, fingerprint=fingerprint)
 
 
 def _read(

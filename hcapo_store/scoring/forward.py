@@ -109,9 +109,9 @@ class InFlight:
 
 
 def _fill(tokens: torch.Tensor, rows: torch.Tensor, batch: Sequence[SpanRequest]) -> None:
-    """A graph's static inputs: the sequences right-padded with 0 into ``tokens`` [B, W], their
-    scored rows (flat indices into B x W) then 0s into ``rows`` (copies from pinned memory,
-    asynchronous)."""
+    """A forward's inputs (a graph's static ones, or an eager forward's): the sequences
+    right-padded with 0 into ``tokens`` [B, W], their scored rows (flat indices into B x W) then
+    0s into ``rows`` (copies from pinned memory on a GPU, asynchronous)."""
     width = tokens.shape[1]
     tokens.zero_()
     rows.zero_()
@@ -265,10 +265,6 @@ class LogprobModel:
             read_oldest()
         return [spans for spans in out if spans is not None]
 
-    def _forward(self, batch: Sequence[SpanRequest]) -> list[list[list[float]]]:
-        """One forward of ``batch``, its values read (``launch`` then ``finish``)."""
-        return self.finish(self.launch(batch))
-
     def launch(self, batch: Sequence[SpanRequest]) -> InFlight:
         """Queue one forward of ``batch`` on the device; its values are read by :meth:`finish`
         (on a GPU they come back in one asynchronous copy, so the model's thread can launch the
@@ -350,13 +346,11 @@ class LogprobModel:
         return torch.cat(picked) if picked else torch.empty(0, device=tokens.device)
 
     def _eager_inputs(self, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(batch) == 1:
-            tokens = batch[0].tokens.to(self.device, non_blocking=True)[None]
-        else:
-            tokens = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
-            for i, r in enumerate(batch):
-                tokens[i, : r.length] = r.tokens.to(self.device, non_blocking=True)
-        rows = torch.cat([r.rows.to(self.device, non_blocking=True) + i * width for i, r in enumerate(batch)])
+        """The batch right-padded to ``width`` and its flat scored rows, unbucketed (``_fill``, as a
+        graph's inputs are filled)."""
+        tokens = torch.empty((len(batch), width), dtype=torch.long, device=self.device)
+        rows = torch.empty(sum(len(r.rows) for r in batch), dtype=torch.long, device=self.device)
+        _fill(tokens, rows, batch)
         return tokens, rows
 
     def _graph_state(self, batch: Sequence[SpanRequest]) -> Any:

@@ -38,7 +38,7 @@ exactly the step's own tokens (else the step is refused with the reason, never s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,6 @@ from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
-from hcapo_store.scoring.tokenizer_lookup import recorded_tokenizer
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -98,14 +97,8 @@ class Handoff:
         self.store = store
         self.tokenizer_dir = tokenizer
         self._open(read_run_side(store, _run_arg(run), credited=True), allow_stale, allow_zero_hindsight)
-        if loaded_tokenizer is None:  # loaded once the run is not refused
-            self._take_tokenizer(with_tokenizer(self.side, tokenizer))
-        else:
-            side = self.side
-            loaded, fingerprint = recorded_tokenizer(
-                side.run.scorer_id, side.tokenizer_record, tokenizer, loaded=loaded_tokenizer
-            )
-            self._take_tokenizer(replace(side, tokenizer=loaded, fingerprint=fingerprint))
+        # loaded (or the given one checked) once the run is not refused
+        self._take_tokenizer(with_tokenizer(self.side, tokenizer, loaded=loaded_tokenizer))
 
     def for_run(
         self, run: str | int | BatchInfo, *, allow_stale: bool = False, allow_zero_hindsight: bool = False
