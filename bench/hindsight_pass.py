@@ -45,15 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gpu_common as common  # noqa: E402 - beside this file
 
 SHARED_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "qwen3"
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    tie_word_embeddings=True,
-)
 
 
 class PhaseClock:
@@ -130,7 +121,7 @@ def build_policy(vocab: int, tok: Any) -> Any:
         max_position_embeddings=40960,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **TINY,
+        **common.SHAPES["tiny"],  # gpu.py's tiny shape, in float32 here
     )
     return Qwen3ForCausalLM(config).float().eval()
 
