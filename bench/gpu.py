@@ -379,6 +379,8 @@ def path_row(run: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
         row["floor_error"] = str(exc)
     if run["busy_s"] is not None:
         row["gpu_busy_share"] = round(run["busy_s"] / wall, 3)
+        if row.get("floor_s"):  # the forwards' own time over the body's: captures and checks show here
+            row["busy_over_floor"] = round(run["busy_s"] / row["floor_s"], 3)
         row["gpu_idle_ms_per_step"] = round((wall - run["busy_s"]) / steps * 1000, 3)
         row["busy_s"] = round(run["busy_s"], 3)
     row["wall_ms_per_step"] = round(wall / steps * 1000, 3)
@@ -430,7 +432,7 @@ def measure_shape(
         rate = guess
         sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
         combos = [(c, p, g) for c in sorted(args.concurrency, reverse=True) for p in args.prepare for g in args.graphs]
-        warmed = False
+        warmed: set[int] = set()  # concurrencies whose shapes the capture passes have seen (its packing decides them)
         for concurrency, prepare, graphed in combos:
             key = f"{layout}/c{concurrency}/{prepare}/{'graphs' if graphed == 'on' else 'eager'}"
             fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
@@ -438,25 +440,26 @@ def measure_shape(
             if args.run_episodes:
                 n = min(args.run_episodes, most, len(episodes.ids))
             expect = n * sent / rate + 1.0
-            if graphed == "on" and not warmed:
+            if graphed == "on" and concurrency not in warmed:
                 expect *= 2
             if time.monotonic() + expect > until - drift_reserve:
                 paths[key] = {"skipped": f"would not fit the time left (~{expect:.0f} s)"}
                 continue
             version = f"{shape}-{layout}-c{concurrency}-{prepare}-{graphed}"
             try:
-                if graphed == "on" and not warmed:  # capture passes (not measured) until one captures nothing
+                if graphed == "on" and concurrency not in warmed:
+                    # capture passes (not measured) at the run's concurrency until one captures nothing
                     passes = []
                     for again in range(args.capture_passes):
                         warm_run = score_run(
-                            model, episodes, episodes.ids[:n], layout=layout, concurrency=max(args.concurrency),
+                            model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency,
                             version=f"{version}-capture{again}", prepare=prepare, graphs=True,
                         )  # fmt: skip
                         passes.append({"wall_s": warm_run["wall_s"], "graphs": warm_run["graphs"]})
                         if not warm_run["graphs"].get("captured"):
                             break
-                    result["graph_warm"][layout] = {"episodes": n, "passes": passes}
-                    warmed = True
+                    result["graph_warm"][f"{layout}/c{concurrency}"] = {"episodes": n, "passes": passes}
+                    warmed.add(concurrency)
                 run = score_run(
                     model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version,
                     prepare=prepare, graphs=graphed == "on",
@@ -516,6 +519,7 @@ def summary(doc: dict[str, Any]) -> list[str]:
         for key, row in r.get("paths", {}).items():
             if "conversation_tokens_per_s" in row:
                 busy = f", busy {row['gpu_busy_share']}" if "gpu_busy_share" in row else ""
+                busy += f", forwards x{row['busy_over_floor']} the body's" if "busy_over_floor" in row else ""
                 parts.append(f"{key} {row['conversation_tokens_per_s']} tok/s ({row['share_of_floor']} of floor{busy})")
             else:
                 parts.append(f"{key} {row.get('skipped') or row.get('error')}")

@@ -120,13 +120,15 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert set(shape["paths"]) == {f"{run}/{way}" for run in runs for way in ways}
     assert set(shape["prepare_compare"]) == {f"{run}/{g}" for run in runs for g in ("graphs", "eager")}
     assert set(shape["graphs_compare"]) == {f"{run}/{p}" for run in runs for p in ("processes", "threads")}
-    assert set(shape["graph_warm"]) == {"episode", "per-step"}  # one capture pass per layout
+    assert set(shape["graph_warm"]) == {"episode/c2", "per-step/c2"}  # capture passes per layout and concurrency
     # the CPU captures nothing (CUDA graphs need a GPU): nothing replayed, nothing turned off
     assert all(row["graphs"] == {"off": None, "fallbacks": {}} for row in shape["paths"].values())
     for key, row in shape["paths"].items():
         assert row["failed"] == 0 and row["steps"] == row["episodes"] * doc["episodes"]["steps_each"], key
         assert row["conversation_tokens"] > 0 and row["forwards"] >= 1  # short episodes may share one
         assert 0 < row["share_of_floor"] and 0 < row["gpu_busy_share"] <= 1 and row["gpu_idle_ms_per_step"] >= 0
+        ratio = row["busy_s"] / row["floor_s"]  # the forwards' time over the body's, both rounded
+        assert row["busy_over_floor"] > 0 and row["busy_over_floor"] == pytest.approx(ratio, rel=0.1), key
     episode, per_step = shape["paths"]["episode/c2/threads/eager"], shape["paths"]["per-step/c2/threads/eager"]
     # the per-step layout forwards each step's history again
     assert per_step["sent_tokens"] / per_step["episodes"] > 2 * episode["sent_tokens"] / episode["episodes"]
