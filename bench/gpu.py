@@ -17,7 +17,9 @@ meta init, ``to_empty`` on the device, normal init; no download), it measures
   (``EpisodeBuilder(...).standard(steps_per_subtask=22)``), prompt layouts ``episode`` and
   ``per-step``, concurrency 1 / 2 / 4: conversation and sent tokens/s, the share of the floor
   (the body's time for the same forwards over the run's wall time), the GPU-busy share (CUDA
-  events around each forward over the wall time) and the GPU's idle milliseconds per step;
+  events around each forward over the wall time), the GPU's idle milliseconds per step, the
+  forwards' time over the body's (``busy_over_floor``) and, with CUDA graphs, the replayed forwards'
+  alone (``replay_over_floor``: captures and checks left out) and each kind's count (``forward_kinds``);
 * ``drift``: log-probabilities of one sequence (8k tokens, ~30 % scored) with the weights in
   bf16 and the same weights in fp32: mean and max absolute difference (nats).
 
@@ -301,7 +303,7 @@ def score_run(
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.storage import db
 
-    timings: list[tuple[Any, Any, tuple[int, ...]]] = []
+    timings: list[Any] = []  # LogprobModel.timings: a ForwardTiming per forward
 
     class Timed(LiveModelBackend):
         async def start(self) -> None:
@@ -329,14 +331,16 @@ def score_run(
     wall = time.perf_counter() - t1
     with db.read(episodes.store.engine) as conn:
         floor = floor_accounting(conn, prep.scorer_id)
-    busy = None
-    if timings and isinstance(timings[0][0], float):  # the CPU: host clock seconds
-        busy = sum(end - start for start, end, _ in timings)
-    elif timings:
+    if timings and not isinstance(timings[0].started, float):  # CUDA events: all recorded before reading
         import torch
 
         torch.cuda.synchronize()
-        busy = sum(start.elapsed_time(end) for start, end, _ in timings) / 1000.0
+    spans = [
+        (t.ended - t.started if isinstance(t.started, float) else t.started.elapsed_time(t.ended) / 1000.0)
+        for t in timings
+    ]
+    busy = sum(spans) if timings else None
+    replays = [i for i, t in enumerate(timings) if t.how == "replay"]
     graph_row: dict[str, Any] = {"off": cuda_graphs.off(), "fallbacks": verify.since(fallbacks_before)}
     if state is not None:
         after = state.stats.as_dict()
@@ -351,8 +355,11 @@ def score_run(
         "steps": report.scored,
         "failed": report.failed,
         "forwards": len(timings),
-        "packed_forwards": sum(len(lengths) > 1 for _, _, lengths in timings),
-        "sequence_tokens": [n for _, _, lengths in timings for n in lengths],
+        "forward_kinds": {how: sum(t.how == how for t in timings) for how in sorted({t.how for t in timings})},
+        "packed_forwards": sum(len(t.lengths) > 1 for t in timings),
+        "sequence_tokens": [n for t in timings for n in t.lengths],
+        "replay_s": sum(spans[i] for i in replays),  # the replayed forwards alone: the steady state's
+        "replay_sequence_tokens": [n for i in replays for n in timings[i].lengths],
         "sent_tokens": report.prompt_tokens,
         "conversation_tokens": floor["conversation_tokens"],
         "busy_s": busy,
@@ -367,13 +374,16 @@ def torch_cuda(model: Any) -> bool:
 
 def path_row(run: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
     wall, steps = run["wall_s"], max(run["steps"], 1)
-    row = {k: v for k, v in run.items() if k != "sequence_tokens"}
+    row = {k: v for k, v in run.items() if k not in ("sequence_tokens", "replay_sequence_tokens", "replay_s")}
     row["conversation_tokens_per_s"] = round(run["conversation_tokens"] / wall)
     row["sent_tokens_per_s"] = round(run["sent_tokens"] / wall)
     try:
         floor_s = sum(floor_seconds(floor, n) for n in run["sequence_tokens"])  # each sequence on its own
         row["floor_s"] = round(floor_s, 3)
         row["share_of_floor"] = round(floor_s / wall, 3)
+        if run["replay_sequence_tokens"]:  # the replayed forwards' time over the body's for their sequences
+            replay_floor = sum(floor_seconds(floor, n) for n in run["replay_sequence_tokens"])
+            row["replay_over_floor"] = round(run["replay_s"] / replay_floor, 3)
     except ValueError as exc:  # no floor point was measured: the run's own figures still count
         row["share_of_floor"] = None
         row["floor_error"] = str(exc)
@@ -520,6 +530,7 @@ def summary(doc: dict[str, Any]) -> list[str]:
             if "conversation_tokens_per_s" in row:
                 busy = f", busy {row['gpu_busy_share']}" if "gpu_busy_share" in row else ""
                 busy += f", forwards x{row['busy_over_floor']} the body's" if "busy_over_floor" in row else ""
+                busy += f", replays x{row['replay_over_floor']}" if "replay_over_floor" in row else ""
                 parts.append(f"{key} {row['conversation_tokens_per_s']} tok/s ({row['share_of_floor']} of floor{busy})")
             else:
                 parts.append(f"{key} {row.get('skipped') or row.get('error')}")

@@ -300,8 +300,7 @@ class Probe:
         common.sync(self.device)
         timings = self.scorer.timings
         for row, slot in zip(self.rows, self.slots):
-            start, end, _ = timings[slot]
-            row["event_ms"] = round(elapsed_ms(start, end), 3)
+            row["event_ms"] = round(elapsed_ms(timings[slot].started, timings[slot].ended), 3)
             row["off_cpu_ms"] = round(row["wall_ms"] - row["cpu_ms"], 3)
         return self.rows
 

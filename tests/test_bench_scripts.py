@@ -127,6 +127,7 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
         assert row["failed"] == 0 and row["steps"] == row["episodes"] * doc["episodes"]["steps_each"], key
         assert row["conversation_tokens"] > 0 and row["forwards"] >= 1  # short episodes may share one
         assert 0 < row["share_of_floor"] and 0 < row["gpu_busy_share"] <= 1 and row["gpu_idle_ms_per_step"] >= 0
+        assert row["forward_kinds"] == {"eager": row["forwards"]} and "replay_over_floor" not in row, key  # no graphs
         ratio = row["busy_s"] / row["floor_s"]  # the forwards' time over the body's, both rounded
         assert row["busy_over_floor"] > 0 and row["busy_over_floor"] == pytest.approx(ratio, rel=0.1), key
     episode, per_step = shape["paths"]["episode/c2/threads/eager"], shape["paths"]["per-step/c2/threads/eager"]

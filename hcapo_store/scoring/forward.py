@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hcapo_store.errors import MissingExtra, ScoringError
 from hcapo_store.scoring import defaults
@@ -95,6 +95,17 @@ class SpanRequest:
     @property
     def length(self) -> int:
         return int(self.tokens.shape[0])
+
+
+class ForwardTiming(NamedTuple):
+    """One forward as :attr:`LogprobModel.timings` records it (bench/gpu.py)."""
+
+    started: Any  # a CUDA event recorded before it on a GPU (no wait), perf_counter() seconds on a CPU
+    ended: Any
+    lengths: tuple[int, ...]  # its sequences' lengths
+    # eager | replay (a CUDA graph's, alone) | capture (the rule, the capture and a replay compared)
+    # | check (a replay and the rule beside it)
+    how: str
 
 
 @dataclass(frozen=True)
@@ -192,9 +203,8 @@ class LogprobModel:
         self.cuda_graphs = cuda_graphs
         self._graphs_unfit = graphs.why_not(model)  # None: this model can be graphed
         self._lock = threading.Lock()
-        # (start, end, its sequences' lengths) of every forward of run() while a list (bench/gpu.py):
-        # CUDA events recorded around it on a GPU, perf_counter() seconds on a CPU
-        self.timings: list[tuple[Any, Any, tuple[int, ...]]] | None = None
+        # every forward's ForwardTiming while a list (bench/gpu.py)
+        self.timings: list[ForwardTiming] | None = None
 
     def score(self, input_ids: Sequence[int], first_scored: int) -> list[float]:
         """log p(input_ids[i] | input_ids[:i]) for i in range(first_scored, len(input_ids))."""
@@ -286,9 +296,9 @@ class LogprobModel:
                     if cuda:
                         started.record()
                 graphed = self._graphed(state, batch, width) if state is not None else None
-                check = None
+                check, how = None, "eager"
                 if graphed is not None:
-                    values, check = graphed
+                    values, check, how = graphed
                 else:
                     tokens, rows = self._eager_inputs(batch, width)
                     hidden = self._hidden(tokens)
@@ -302,7 +312,7 @@ class LogprobModel:
                     ended: Any = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
                     if cuda:
                         ended.record()
-                    self.timings.append((started, ended, tuple(r.length for r in batch)))
+                    self.timings.append(ForwardTiming(started, ended, tuple(r.length for r in batch), how))
                 event = None
                 if cuda:  # the one copy back, asynchronous: finish() waits for it
                     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -367,9 +377,9 @@ class LogprobModel:
                 state.signature = signature
         return state
 
-    def _graphed(self, state: Any, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, Any] | None:
+    def _graphed(self, state: Any, batch: Sequence[SpanRequest], width: int) -> tuple[torch.Tensor, Any, str] | None:
         """The forward by its shape's graph: (values on the device, the check to judge in finish or
-        None); None: run it eager (too many shapes captured)."""
+        None, how: ForwardTiming.how); None: run it eager (a shape's first sighting, too many shapes)."""
         scored = sum(len(r.rows) for r in batch)
         key = graphs.shape_key(len(batch), width, scored, self.chunk_size)
         entry = state.graphs.get(key)
@@ -389,16 +399,16 @@ class LogprobModel:
                 entry = graphs.capture(state, key, tokens, rows, lambda t, r: self._picks(t, r, masks))
             except Exception as exc:  # any failure of the capture: the rule's values stand
                 graphs.turn_off(f"capturing a forward of shape {key[:3]} failed: {type(exc).__name__}: {exc}")
-                return plain[:scored], None
+                return plain[:scored], None, "eager"
             entry.graph.replay()
-            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol)
+            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol), "capture"
         _fill(entry.tokens, entry.rows, batch)
         entry.graph.replay()
         state.stats.replayed += 1
         if graphs.check_due():
             plain = self._picks(entry.tokens, entry.rows)
-            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol)
-        return entry.out[:scored], None
+            return plain[:scored], _compare(entry.out[:scored], plain[:scored], tol), "check"
+        return entry.out[:scored], None, "replay"
 
     def _judge(self, flight: InFlight) -> None:
         mismatched, largest, count = (float(t) for t in flight.check)
