@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _tokenizers import real_tokenizer
+from _tokenizers import SHARED_TOKENIZERS, real_tokenizer
 
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, prefix_digests
 from hcapo_store.rendering.own_tokens import NotOwn
@@ -104,13 +104,57 @@ def test_kept_pieces_give_the_alignment_the_code_before_gave(name: str, prompt: 
     reference = [reference_turns(EpisodeRenderer(tok), normalize_messages(ep), steps_of(ep)) for ep in episodes]
     assert all(r.spans for r in reference) and not reference[0].refused
     shared = EpisodeRenderer(tok)
+    before = len(shared._pieces)
     for order in (range(len(episodes)), reversed(range(len(episodes)))):  # new pieces, then all kept
         for i in order:
             got = shared.align(episodes[i], steps_of(episodes[i]), "turns")
             assert got == reference[i], (name, i)
     # the first row's pieces serve the rows that share its prompt: only the new turns were kept
+    # (kept per tokenizer object: counted from what other tests' renderers of it had put)
     steps = len(steps_of(episodes[0]))
-    assert len(shared._pieces) < 3 * steps, len(shared._pieces)
+    assert len(shared._pieces) - before < 3 * steps, len(shared._pieces) - before
+
+
+class Counting(EpisodeRenderer):
+    """Counts the ``turns`` pieces it renders (kept pieces are not rendered again)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.rendered = 0
+
+    def _turn_piece(self, msgs: list[dict], m: int, previous: int | None) -> Any:
+        self.rendered += 1
+        return super()._turn_piece(msgs, m, previous)
+
+
+def test_pieces_are_kept_across_renderers_of_one_tokenizer(prompt: list[dict[str, Any]]) -> None:
+    """A trainer makes a hand-off, and so a renderer, per step over the one tokenizer it keeps:
+    the next step's renderer renders only the turns it has not seen, with the same alignment; a
+    tokenizer whose chat template changed, or another tokenizer object, renders everything again."""
+    from hcapo_store.rendering.tokenizers import load_tokenizer
+
+    path = SHARED_TOKENIZERS / "qwen3"
+    if not path.is_dir():
+        pytest.skip(f"real tokenizer directory {path} is absent")
+    tok = load_tokenizer(path)  # this test's own object: nobody else's pieces are kept for it
+    episodes = rows(prompt)
+    steps = len(steps_of(episodes[0]))
+    first = Counting(tok)
+    want = first.align(episodes[0], steps_of(episodes[0]), "turns")
+    assert first.rendered == steps  # a new tokenizer: every turn rendered
+    step_two = Counting(tok)  # the next training step's hand-off
+    assert step_two.align(episodes[0], steps_of(episodes[0]), "turns") == want and step_two.rendered == 0
+    got = step_two.align(episodes[1], steps_of(episodes[1]), "turns")
+    assert step_two.rendered == 1  # only the row's own last turn
+    fresh = EpisodeRenderer(load_tokenizer(path))
+    assert got == reference_turns(fresh, normalize_messages(episodes[1]), steps_of(episodes[1]))
+    other = Counting(load_tokenizer(path))  # another object: its own pieces
+    other.align(episodes[0], steps_of(episodes[0]), "turns")
+    assert other.rendered == steps
+    tok.chat_template = tok.chat_template + " "  # changed: what was kept for it no longer counts
+    changed = Counting(tok)
+    changed.align(episodes[0], steps_of(episodes[0]), "turns")
+    assert changed.rendered == steps
 
 
 def test_prefix_digests_follow_the_prefix_and_stop_at_data_that_is_not_plain() -> None:

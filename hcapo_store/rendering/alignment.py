@@ -26,7 +26,9 @@ Two renderings (``RENDERINGS``):
   step's own tokens are in it, reasoning included. A renderer keeps each step's piece of it
   (the ids from the previous turn's end to this turn's end, and its span) by a digest of the
   messages up to that step: episodes that share a history (a GRPO group's rows share their
-  prompt) render the shared steps once.
+  prompt) render the shared steps once. The pieces are kept per tokenizer object (and its chat
+  template), across renderers: a trainer makes a hand-off per step over the one tokenizer it
+  keeps, and its steps' prompts share their history too.
 
 A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
 ``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
@@ -36,6 +38,8 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +58,34 @@ RENDERINGS = ("turns", "whole")
 # ``turns`` pieces an ``EpisodeRenderer`` keeps (see ``_align_turns``): a GRPO batch's rows share
 # their prompt's ~100 steps, so its rows after the first render only their own last turn
 TURN_PIECES = 4096
+Pieces = dict[tuple[bool, int | None, int, bytes], tuple[list[int], list[int], int, int] | str]
+# the pieces of each tokenizer object, with what they were rendered and tokenized with
+_KEPT: weakref.WeakKeyDictionary[Any, tuple[tuple, Pieces]] = weakref.WeakKeyDictionary()
+_KEPT_LOCK = threading.Lock()
+
+
+def kept_pieces(tokenizer: Any) -> Pieces:
+    """The ``turns`` pieces kept for ``tokenizer``: a new dict when its chat template, size or added
+    tokens changed since (a test or a trainer may change the object), or when it cannot be weakly
+    referenced (then the caller's own). Values are never changed once put: renderers in several
+    threads share the dict."""
+    added = getattr(tokenizer, "added_tokens_encoder", None)
+    state = (getattr(tokenizer, "chat_template", None), _size(tokenizer), dict(added) if added else None)
+    with _KEPT_LOCK:
+        try:
+            held = _KEPT.get(tokenizer)
+            if held is None or held[0] != state:
+                held = _KEPT[tokenizer] = (state, {})
+        except TypeError:  # not weak-referenceable or not hashable
+            return {}
+    return held[1]
+
+
+def _size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 @dataclass
@@ -75,8 +107,9 @@ class EpisodeRenderer:
         self.locator = OwnTokenLocator(tokenizer, self.encoder)
         self.placer = Placer(tokenizer, encoder=self.encoder)
         # (flattened, previous turn's message index, this turn's, digest of msgs[: m + 1]) -> the
-        # step's piece of a ``turns`` alignment: (context ids, turn ids up to its end, span) or why refused
-        self._pieces: dict[tuple[bool, int | None, int, bytes], tuple[list[int], list[int], int, int] | str] = {}
+        # step's piece of a ``turns`` alignment: (context ids, turn ids up to its end, span) or why
+        # refused; shared by the renderers of this tokenizer object (kept_pieces)
+        self._pieces: Pieces = kept_pieces(tokenizer)
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return render_chat(self.tokenizer, messages, generation=generation)
