@@ -4,14 +4,15 @@
 #   1. the demo scored in process on the GPU: `score --backend transformers --device cuda --dtype
 #      bfloat16` over the demo's tiny model, then `scorers list` (the dtype in its column);
 #   2. bench/gpu.py: the floor and the episode layout end to end at the default concurrency (4),
-#      32 episodes a run, CUDA graphs on and off (capture passes first, unmeasured);
+#      96 episodes a run (the 8B's window ~37 s, ~48 forwards), CUDA graphs on and off (capture
+#      passes first, unmeasured);
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu.json/.log, trl.json/.log). Each part has its own time limit.
 #
-#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 250 and 200
+#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 360 and 130 (~9.5 minutes with the start)
 set -uo pipefail
-gpu_s="${1:-250}"
-trl_s="${2:-200}"
+gpu_s="${1:-360}"
+trl_s="${2:-130}"
 out="${OUT:-/tmp/hcapo-out}"
 mkdir -p "$out"
 nvidia-smi -L
@@ -30,6 +31,6 @@ mkdir -p "$demo"
 } 2>&1 | tail -40 | tee "$out/demo.log"
 
 timeout "$gpu_s" python3 bench/gpu.py --shapes 8b 0.6b 1.7b --layouts episode --concurrency 4 \
-  --prepare processes --graphs on off --episodes 32 --run-episodes 32 --no-drift --budget-s $((gpu_s - 15)) \
+  --prepare processes --graphs on off --episodes 96 --run-episodes 96 --no-drift --budget-s $((gpu_s - 15)) \
   --out "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
 timeout "$trl_s" python3 bench/gpu_trl.py --out "$out/trl.json" 2>&1 | tee "$out/trl.log"
