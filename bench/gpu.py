@@ -115,6 +115,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prepare", nargs="+", default=["processes", "threads"], choices=["processes", "threads"],
                    help="where the runs prepare their requests (RunOptions.prepare_workers): each layout and\n"
                         "concurrency is run once per choice, the ratios side by side")  # fmt: skip
+    p.add_argument("--pack-tokens", type=pack_value, nargs="+", default=[None],
+                   help="the most tokens one forward packs (LogprobModel.pack_tokens; 0: one sequence a\n"
+                        "forward; 'default': the library's GPU default, the default): each run once per value")  # fmt: skip
     p.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="CUDA graphs of the forwards (LogprobModel.cuda_graphs; the library's default: on): each\n"
                         "run once per choice, after one pass that captures the layout's shapes")  # fmt: skip
@@ -129,6 +132,11 @@ def parse_args() -> argparse.Namespace:
         args.budget_s = max(args.budget_s, 1800.0)  # a shared CPU: no skipping, the test checks every key
     args.tokenizer = resolve_tokenizer(p, args.tokenizer)
     return args
+
+
+def pack_value(text: str) -> int | None:
+    """``--pack-tokens``: a number of tokens, or ``default`` (None: the library's GPU default)."""
+    return None if text == "default" else int(text)
 
 
 # --- the model ---------------------------------------------------------------------------------
@@ -287,13 +295,16 @@ def score_run(
     hook: Any = None,
     prepare: str | None = None,
     graphs: bool | None = None,
+    pack_tokens: int | None = None,
 ) -> dict:
     """``prepare`` + ``run_scoring`` with the live backend over ``ids``; the forwards timed with
     CUDA events (LogprobModel.timings). ``hook``: called with the run's LogprobModel once it is
     made, before its first forward (bench/gpu_gaps.py wraps its forwards). ``prepare``:
     ``processes`` (``defaults.PREPARE_PROCESSES`` workers) or ``threads``; None: the library's
     default for the device (RunOptions.prepare_workers). ``graphs``: CUDA graphs on or off (None:
-    the library's default); the run's captures, replays and checks are in its ``graphs``."""
+    the library's default); the run's captures, replays and checks are in its ``graphs``.
+    ``pack_tokens``: the most tokens one forward packs (0: one sequence a forward; None: the
+    library's GPU default, on the CPU too)."""
     from hcapo_store.rendering import verify
     from hcapo_store.scoring import defaults
     from hcapo_store.scoring import graphs as cuda_graphs
@@ -311,7 +322,8 @@ def score_run(
         async def start(self) -> None:
             await super().start()
             self.scorer.timings = timings
-            self.scorer.pack_tokens = defaults.PACK_TOKENS  # as on a GPU, on the CPU too (tiny)
+            # as on a GPU, on the CPU too (tiny)
+            self.scorer.pack_tokens = defaults.PACK_TOKENS if pack_tokens is None else pack_tokens
             if graphs is not None:
                 self.scorer.cuda_graphs = graphs
             if hook is not None:
@@ -443,38 +455,46 @@ def measure_shape(
             continue
         rate = guess
         sent = per_episode * (1.0 if layout == "episode" else 7.3)  # per-step: ~7x the tokens per episode
-        combos = [(c, p, g) for c in sorted(args.concurrency, reverse=True) for p in args.prepare for g in args.graphs]
-        warmed: set[int] = set()  # concurrencies whose shapes the capture passes have seen (its packing decides them)
-        for concurrency, prepare, graphed in combos:
-            key = f"{layout}/c{concurrency}/{prepare}/{'graphs' if graphed == 'on' else 'eager'}"
+        combos = [
+            (c, p, g, k)
+            for c in sorted(args.concurrency, reverse=True)
+            for k in args.pack_tokens
+            for p in args.prepare
+            for g in args.graphs
+        ]
+        # (concurrency, pack tokens) whose shapes the capture passes have seen: the packing decides them
+        warmed: set[tuple[int, int | None]] = set()
+        for concurrency, prepare, graphed, pack in combos:
+            packing = f"/pack{'default' if pack is None else pack}" if len(args.pack_tokens) > 1 else ""
+            key = f"{layout}/c{concurrency}/{prepare}/{'graphs' if graphed == 'on' else 'eager'}{packing}"
             fit = int(args.measure_s * rate / sent)  # episodes in about --measure-s
             n = max(min(most, len(episodes.ids), max(fit, min(concurrency, int(2 * args.measure_s * rate / sent)))), 1)
             if args.run_episodes:
                 n = min(args.run_episodes, most, len(episodes.ids))
             expect = n * sent / rate + 1.0
-            if graphed == "on" and concurrency not in warmed:
+            if graphed == "on" and (concurrency, pack) not in warmed:
                 expect *= 2
             if time.monotonic() + expect > until - drift_reserve:
                 paths[key] = {"skipped": f"would not fit the time left (~{expect:.0f} s)"}
                 continue
-            version = f"{shape}-{layout}-c{concurrency}-{prepare}-{graphed}"
+            version = f"{shape}-{layout}-c{concurrency}-{prepare}-{graphed}-pack{pack}"
             try:
-                if graphed == "on" and concurrency not in warmed:
+                if graphed == "on" and (concurrency, pack) not in warmed:
                     # capture passes (not measured) at the run's concurrency until one captures nothing
                     passes = []
                     for again in range(args.capture_passes):
                         warm_run = score_run(
                             model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency,
-                            version=f"{version}-capture{again}", prepare=prepare, graphs=True,
+                            version=f"{version}-capture{again}", prepare=prepare, graphs=True, pack_tokens=pack,
                         )  # fmt: skip
                         passes.append({"wall_s": warm_run["wall_s"], "graphs": warm_run["graphs"]})
                         if not warm_run["graphs"].get("captured"):
                             break
-                    result["graph_warm"][f"{layout}/c{concurrency}"] = {"episodes": n, "passes": passes}
-                    warmed.add(concurrency)
+                    result["graph_warm"][f"{layout}/c{concurrency}{packing}"] = {"episodes": n, "passes": passes}
+                    warmed.add((concurrency, pack))
                 run = score_run(
                     model, episodes, episodes.ids[:n], layout=layout, concurrency=concurrency, version=version,
-                    prepare=prepare, graphs=graphed == "on",
+                    prepare=prepare, graphs=graphed == "on", pack_tokens=pack,
                 )  # fmt: skip
                 paths[key] = row = path_row(run, floor)
                 rate = max(row["sent_tokens_per_s"] * 0.5, 1.0)

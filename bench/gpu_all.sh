@@ -4,14 +4,16 @@
 #   1. the demo scored in process on the GPU: `score --backend transformers --device cuda --dtype
 #      bfloat16` over the demo's tiny model, then `scorers list` (the dtype in its column);
 #   2. bench/gpu.py: the floor and the episode layout end to end at the default concurrency (4),
-#      96 episodes a run (the 8B's window ~37 s, ~48 forwards), CUDA graphs on and off (capture
-#      passes first, unmeasured);
+#      64 episodes a run (the 8B's window ~25 s, ~32 forwards), CUDA graphs on and off (capture
+#      passes first, unmeasured), forwards packed as the library does and one sequence a forward
+#      (the 8B's replays took x1.038 the body's time packed at concurrency 4, x1.015 alone at 1);
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu.json/.log, trl.json/.log). Each part has its own time limit.
+# GPU_ALL_DEMO=0 leaves out part 1 (~35 s; shown on the H100 on 2026-11-28, calls b and c).
 #
-#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 360 and 130 (~9.5 minutes with the start)
+#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 400 and 130 (~10 minutes with the start)
 set -uo pipefail
-gpu_s="${1:-360}"
+gpu_s="${1:-400}"
 trl_s="${2:-130}"
 out="${OUT:-/tmp/hcapo-out}"
 mkdir -p "$out"
@@ -20,17 +22,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .gpu/wheels/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/hcapo/site-packages" PYTHONUNBUFFERED=1
 
-demo=/tmp/hcapo-demo
-mkdir -p "$demo"
-{
-  python3 -m hcapo_store --db "$demo/demo.db" demo --dir "$demo" --json >"$demo.json" &&
-    model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_dir"])' "$demo.json")" &&
-    python3 -m hcapo_store --db "$demo/demo.db" score --backend transformers --model "$model" \
-      --device cuda --dtype bfloat16 --max-context 8192 --json &&
-    python3 -m hcapo_store --db "$demo/demo.db" scorers list
-} 2>&1 | tail -40 | tee "$out/demo.log"
+if [[ "${GPU_ALL_DEMO:-1}" != 0 ]]; then
+  demo=/tmp/hcapo-demo
+  mkdir -p "$demo"
+  {
+    python3 -m hcapo_store --db "$demo/demo.db" demo --dir "$demo" --json >"$demo.json" &&
+      model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_dir"])' "$demo.json")" &&
+      python3 -m hcapo_store --db "$demo/demo.db" score --backend transformers --model "$model" \
+        --device cuda --dtype bfloat16 --max-context 8192 --json &&
+      python3 -m hcapo_store --db "$demo/demo.db" scorers list
+  } 2>&1 | tail -40 | tee "$out/demo.log"
+fi
 
 timeout "$gpu_s" python3 bench/gpu.py --shapes 8b 0.6b 1.7b --layouts episode --concurrency 4 \
-  --prepare processes --graphs on off --episodes 96 --run-episodes 96 --no-drift --budget-s $((gpu_s - 15)) \
-  --out "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
+  --prepare processes --graphs on off --pack-tokens default 0 --episodes 64 --run-episodes 64 --no-drift \
+  --budget-s $((gpu_s - 15)) --out "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
 timeout "$trl_s" python3 bench/gpu_trl.py --out "$out/trl.json" 2>&1 | tee "$out/trl.log"
