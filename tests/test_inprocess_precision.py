@@ -61,6 +61,13 @@ def test_logsumexp_f32_equals_a_float32_log_softmax() -> None:
         got = logits.gather(-1, targets[:, None])[:, 0].float() - logsumexp_f32(logits)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+        if dtype != torch.float32:  # bit for bit the block sums of a float copy of each block
+            peak = logits.amax(-1).float()
+            blocks = [logits[:, s : s + VOCAB_BLOCK].float() for s in range(0, logits.shape[1], VOCAB_BLOCK)]
+            total = torch.zeros_like(peak)
+            for block in blocks:
+                total += (block - peak[:, None]).exp_().sum(-1)
+            assert torch.equal(logsumexp_f32(logits), total.log_() + peak)
 
 
 def test_score_spans_equals_todays_values(tiny_model_dir: Path, chat_ids: list[int], full: torch.Tensor) -> None:
