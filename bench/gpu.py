@@ -358,7 +358,9 @@ def score_run(
     graph_row: dict[str, Any] = {"off": cuda_graphs.off(), "fallbacks": verify.since(fallbacks_before)}
     if state is not None:
         after = state.stats.as_dict()
-        graph_row.update({k: after[k] - stats_before.get(k, 0) for k in ("captured", "replayed", "checked")})
+        graph_row.update(
+            {k: after[k] - stats_before.get(k, 0) for k in ("captured", "replayed", "checked", "borrowed")}
+        )
         graph_row["max_abs_diff"] = after["max_abs_diff"]
         graph_row["shapes"] = len(state.graphs)
     return {

@@ -7,6 +7,7 @@ itself needs a GPU: bench/gpu.py runs it there, every replay shape checked by th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def test_the_graphed_forward_equals_the_plain_rule(
 ) -> None:
     """What a graph of the shape replays (right-padded to the buckets, the causal masks given, the
     rows padded with row 0) scores each request as the plain forward does alone: unpadded, the
-    model's own mask."""
+    model's own mask; and so does a larger shape's graph that replays it (graphs.larger_graph:
+    padded up to the borrowing bounds)."""
     count = data.draw(st.integers(1, 3), label="sequences")
     requests = []
     for _ in range(count):
@@ -66,13 +68,53 @@ def test_the_graphed_forward_equals_the_plain_rule(
     width = max(r.length for r in prepared)
     scored = sum(len(r.rows) for r in prepared)
     key = graphs.shape_key(len(prepared), width, scored, model.chunk_size)
-    tokens = torch.full(key[:2], 7, dtype=torch.long)  # stale values: _fill must clear them
-    rows = torch.full((key[2],), 5, dtype=torch.long)
+    wider = data.draw(st.integers(0, key[1] // graphs.BORROW_WIDTH_PARTS), label="a larger graph's extra width")
+    more = data.draw(st.integers(0, max(graphs.ROWS_FLOOR, key[2] // graphs.BORROW_ROWS_PARTS)), label="extra rows")
+    tokens = torch.full((key[0], key[1] + wider), 7, dtype=torch.long)  # stale values: _fill must clear them
+    rows = torch.full((key[2] + more,), 5, dtype=torch.long)
     _fill(tokens, rows, prepared)
     with torch.inference_mode():
         got = model._picks(tokens, rows, graphs.causal_masks(model.model))[:scored].tolist()
     want = [v for ids, spans in requests for span in model.score_spans(ids, spans) for v in span]
     assert got == pytest.approx(want, abs=TOL)
+
+
+def test_a_shape_without_its_own_graph_replays_the_smallest_that_holds_it() -> None:
+    captured = {(2, 9216, 8192, 512): 1, (2, 9280, 8192, 512): 2, (2, 9216, 8704, 512): 3, (1, 9216, 4096, 512): 4}
+    assert graphs.larger_graph(captured, (2, 9152, 7680, 512)) == (2, 9216, 8192, 512)
+    assert graphs.larger_graph(captured, (2, 9216, 8192, 512)) == (2, 9216, 8192, 512)  # its own, when there
+    assert graphs.larger_graph(captured, (2, 9216, 8448, 512)) == (2, 9216, 8704, 512)  # more rows than 8192
+    assert graphs.larger_graph(captured, (1, 9152, 4000, 512)) == (1, 9216, 4096, 512)
+    assert graphs.larger_graph(captured, (3, 9152, 7680, 512)) is None  # as many sequences, no fewer
+    assert graphs.larger_graph(captured, (2, 9152, 7680, 256)) is None  # the same LM-head chunk
+    assert graphs.larger_graph(captured, (2, 8192, 7680, 512)) is None  # 9216 is 12.5 % wider: too much padding
+    assert graphs.larger_graph(captured, (2, 9152, 4096, 512)) is None  # twice the rows
+    assert graphs.larger_graph(captured, (2, 9344, 7680, 512)) is None  # none is wide enough
+    assert graphs.larger_graph({}, (2, 9152, 7680, 512)) is None
+
+
+@given(
+    st.sets(
+        st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.sampled_from([256, 512])), max_size=12
+    ),
+    st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.sampled_from([256, 512])),
+)
+def test_the_graph_borrowed_holds_the_forward_within_the_bounds_and_is_the_smallest(
+    captured: set[tuple[int, int, int, int]], key: tuple[int, int, int, int]
+) -> None:
+    scale = lambda k: (k[0], k[1] * 64, k[2] * 64, k[3])  # noqa: E731 - widths and rows on a 64-token grid
+    keys = {scale(k) for k in captured}
+    want = scale(key)
+    fits = [
+        k
+        for k in keys
+        if k[0] == want[0]
+        and k[3] == want[3]
+        and want[1] <= k[1] <= want[1] * (1 + 1 / graphs.BORROW_WIDTH_PARTS)
+        and want[2] <= k[2] <= want[2] + max(graphs.ROWS_FLOOR, want[2] / graphs.BORROW_ROWS_PARTS)
+    ]
+    got = graphs.larger_graph(keys, want)
+    assert got == (min(fits, key=lambda k: (k[1], k[2])) if fits else None)
 
 
 @pytest.fixture
@@ -133,3 +175,44 @@ def test_the_model_thread_launches_the_next_forward_before_reading_the_last(
     assert results == expected
     assert calls[:3] == ["launch", "launch", "finish"]  # the second launched before the first is read
     assert calls.count("launch") == calls.count("finish") == len(lengths)
+
+
+class Replayed:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: replaying runs again what was captured,
+    on the same static buffers, into the same output (what a CUDA graph's replay does)."""
+
+    def __init__(self, fn: Any, tokens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        self.fn, self.tokens, self.rows, self.out = fn, tokens, rows, out
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.out.copy_(self.fn(self.tokens, self.rows))
+
+
+def test_a_forward_without_its_own_graph_replays_a_larger_one(
+    model: LogprobModel, chat_ids: list[int], graphs_state: graphs.ModelGraphs
+) -> None:
+    """The model's forward (``_graphed``) given a captured graph a little wider than its own shape,
+    and with more rows: it replays that graph (counted as borrowed), nothing is captured, and the
+    values are each request's own, as the plain rule scores it alone."""
+    n = len(chat_ids)
+    asked = [(chat_ids[: n - 3], [(5, 9), (n - 9, n - 3)]), (chat_ids, [(n - 6, n)])]
+    requests = [model.prepare(ids, spans) for ids, spans in asked]
+    width, scored = n, sum(len(r.rows) for r in requests)
+    key = graphs.shape_key(2, width, scored, model.chunk_size)
+    big = (2, key[1] + key[1] // graphs.BORROW_WIDTH_PARTS, key[2] + graphs.ROWS_FLOOR, model.chunk_size)
+    assert big[1] > key[1] and graphs.larger_graph([big], key) == big
+    masks = graphs.causal_masks(model.model)
+    tokens, rows = torch.zeros(big[:2], dtype=torch.long), torch.zeros(big[2], dtype=torch.long)
+    with torch.inference_mode():
+        out = model._picks(tokens, rows, masks)
+        graph = Replayed(lambda t, r: model._picks(t, r, masks), tokens, rows, out)
+        graphs_state.graphs[big] = graphs._Graph(graph, tokens, rows, out)
+        values, check, how = model._graphed(graphs_state, requests, width)
+    assert graph.replays == 1 and graphs_state.stats.borrowed == 1 and graphs_state.stats.captured == 0
+    assert how in ("replay", "check") and key not in graphs_state.seen  # never counted toward its own capture
+    want = [v for ids, spans in asked for span in model.score_spans(ids, spans) for v in span]
+    assert values.tolist() == pytest.approx(want, abs=TOL)
+    if check is not None:  # a checked replay: the plain forward on the same buffers agreed
+        assert int(check[0]) == 0

@@ -384,6 +384,9 @@ class LogprobModel:
         key = graphs.shape_key(len(batch), width, scored, self.chunk_size)
         entry = state.graphs.get(key)
         tol = graphs.tolerance(self.dtype)
+        if entry is None and (larger := graphs.larger_graph(state.graphs, key)) is not None:
+            entry = state.graphs[larger]  # its buffers hold this forward, padded a little more
+            state.stats.borrowed += 1
         if entry is None:
             seen = state.seen[key] = state.seen.get(key, 0) + 1
             if seen < graphs.CAPTURE_AT or len(state.graphs) >= graphs.MAX_GRAPHS:

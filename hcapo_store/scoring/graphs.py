@@ -19,7 +19,9 @@ same right-padded inputs, and checked against it at run time:
 
 Padding: a sequence is right-padded to its width's bucket (a causal model's real positions never
 see the positions after them; tests/test_cuda_graphs.py holds padded equal to unpadded), its
-scored rows to theirs. Graphs share one memory pool per model, so the pool holds the largest
+scored rows to theirs. A shape without a graph of its own replays the smallest captured one that
+holds it with little more padding (``larger_graph``: real episodes' lengths spread over many
+buckets, and each new bucket would otherwise cost an eager forward and a capture). Graphs share one memory pool per model, so the pool holds the largest
 forward's activations while the model lives (``release(model)`` frees it)."""
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ CAPTURE_AT = 2  # a shape is captured at its second forward: one seen once runs 
 # padding, ~0.35 % on 9.2k-token episodes); its scored rows, which cost only the LM head, more coarsely.
 WIDTH_PARTS, WIDTH_FLOOR = 128, 64
 ROWS_PARTS, ROWS_FLOOR = 16, 256
+# a shape without its own graph replays a captured one of as many sequences and the same chunk that
+# is at most 1/BORROW_WIDTH_PARTS wider and has at most 1/BORROW_ROWS_PARTS more scored rows (or
+# ROWS_FLOOR): padding the body costs in proportion, rows only the LM head's share
+BORROW_WIDTH_PARTS, BORROW_ROWS_PARTS = 32, 4
 TOLERANCE = {torch.float32: 1e-4}  # nats; low precision: DEFAULT_TOLERANCE
 DEFAULT_TOLERANCE = 0.05
 
@@ -52,6 +58,20 @@ def bucket(n: int, parts: int = WIDTH_PARTS, floor: int = WIDTH_FLOOR) -> int:
 def shape_key(sequences: int, width: int, rows: int, chunk: int) -> tuple[int, int, int, int]:
     """A forward's graph: its sequences, their padded width, its padded scored rows, the head's chunk."""
     return (sequences, bucket(width), bucket(rows, ROWS_PARTS, ROWS_FLOOR), chunk)
+
+
+def larger_graph(captured: Any, key: tuple[int, int, int, int]) -> tuple[int, int, int, int] | None:
+    """The smallest captured key (of ``captured``'s keys) that can replay a forward of ``key``
+    within the borrowing bounds above, or None."""
+    sequences, width, rows, chunk = key
+    most_width = width + width // BORROW_WIDTH_PARTS
+    most_rows = rows + max(ROWS_FLOOR, rows // BORROW_ROWS_PARTS)
+    fits = [
+        k
+        for k in captured
+        if k[0] == sequences and k[3] == chunk and width <= k[1] <= most_width and rows <= k[2] <= most_rows
+    ]
+    return min(fits, key=lambda k: (k[1], k[2])) if fits else None
 
 
 def why_not(model: Any) -> str | None:
@@ -86,6 +106,7 @@ class GraphStats:
     captured: int = 0
     replayed: int = 0
     checked: int = 0
+    borrowed: int = 0  # replays of a larger shape's graph (larger_graph)
     max_abs_diff: float = 0.0
     eager_shapes: int = 0  # forwards run eager past MAX_GRAPHS
 
