@@ -21,8 +21,9 @@ Padding: a sequence is right-padded to its width's bucket (a causal model's real
 see the positions after them; tests/test_cuda_graphs.py holds padded equal to unpadded), its
 scored rows to theirs. A shape without a graph of its own replays the smallest captured one that
 holds it with little more padding (``larger_graph``: real episodes' lengths spread over many
-buckets, and each new bucket would otherwise cost an eager forward and a capture). Graphs share one memory pool per model, so the pool holds the largest
-forward's activations while the model lives (``release(model)`` frees it)."""
+buckets, and each new bucket would otherwise cost an eager forward and a capture). Graphs share
+one memory pool per model, so the pool holds the largest forward's activations while the model
+lives (``release(model)`` frees it)."""
 
 from __future__ import annotations
 
