@@ -9,9 +9,11 @@
 #      (the 8B's replays took x1.038 the body's time packed at concurrency 4, x1.015 alone at 1);
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu.json/.log, trl.json/.log). Each part has its own time limit.
-# GPU_ALL_DEMO=0 leaves out part 1 (~35 s; shown on the H100 on 2026-11-28, calls b and c).
+# GPU_ALL_DEMO=0 leaves out part 1 (~35 s; shown on the H100 on 2026-11-28, calls b and c), GPU_ALL_TRL=0
+# part 3 (measured with its breakdown on 2026-11-28, calls c and d). With both left out, part 2 alone:
+#   GPU_ALL_DEMO=0 GPU_ALL_TRL=0 bash bench/gpu_all.sh 500      # ~9 minutes of device time with the start
 #
-#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 400 and 130 (~10 minutes with the start)
+#   bash bench/gpu_all.sh [GPU_SECONDS] [TRL_SECONDS]      # defaults 400 and 130 (~10.5 minutes with the start)
 set -uo pipefail
 gpu_s="${1:-400}"
 trl_s="${2:-130}"
@@ -37,4 +39,6 @@ fi
 timeout "$gpu_s" python3 bench/gpu.py --shapes 8b 0.6b 1.7b --layouts episode --concurrency 4 \
   --prepare processes --graphs on off --pack-tokens default 0 --episodes 64 --run-episodes 64 --no-drift \
   --budget-s $((gpu_s - 15)) --out "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
-timeout "$trl_s" python3 bench/gpu_trl.py --out "$out/trl.json" 2>&1 | tee "$out/trl.log"
+if [[ "${GPU_ALL_TRL:-1}" != 0 ]]; then
+  timeout "$trl_s" python3 bench/gpu_trl.py --out "$out/trl.json" 2>&1 | tee "$out/trl.log"
+fi
