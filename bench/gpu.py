@@ -20,6 +20,8 @@ meta init, ``to_empty`` on the device, normal init; no download), it measures
   events around each forward over the wall time), the GPU's idle milliseconds per step, the
   forwards' time over the body's (``busy_over_floor``) and, with CUDA graphs, the replayed forwards'
   alone (``replay_over_floor``: captures and checks left out) and each kind's count (``forward_kinds``);
+* ``floor_after``: the body alone again after the runs, at the middle length, over the first
+  measurement (``over_before`` < 1: the GPU ran slower under the runs' sustained load);
 * ``drift``: log-probabilities of one sequence (8k tokens, ~30 % scored) with the weights in
   bf16 and the same weights in fp32: mean and max absolute difference (nats).
 
@@ -504,6 +506,16 @@ def measure_shape(
             except Exception as exc:
                 paths[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
             flush(f"{key}: {json.dumps(paths[key])[:200]}")
+    # the floor again after the runs, at the middle length: a GPU that slowed under the runs'
+    # sustained load (clocks, heat) makes every share above read low by about this ratio
+    middle = lengths[len(lengths) // 2]
+    again = measure_floor(model, device, [middle], vocab, max_s=0.0 if tiny else 1.5).get(str(middle), {})
+    if "tokens_per_s" in again and "tokens_per_s" in floor.get(str(middle), {}):
+        result["floor_after"] = {
+            "tokens": middle,
+            "tokens_per_s": again["tokens_per_s"],
+            "over_before": round(again["tokens_per_s"] / floor[str(middle)]["tokens_per_s"], 3),
+        }
     result["prepare_compare"] = compare(paths, 2, "processes", "threads")
     result["graphs_compare"] = compare(paths, 3, "graphs", "eager")
     if device.type == "cuda":
@@ -549,6 +561,8 @@ def summary(doc: dict[str, Any]) -> list[str]:
         floor = r.get("floor", {})
         head = f"{r['shape']}: floor " + " / ".join(str(v.get("tokens_per_s", "error")) for v in floor.values())
         head += " tok/s"
+        if "floor_after" in r:
+            head += f" (after the runs x{r['floor_after']['over_before']})"
         parts = [head]
         for key, row in r.get("paths", {}).items():
             if "conversation_tokens_per_s" in row:

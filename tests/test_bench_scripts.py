@@ -113,6 +113,7 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert "error" not in shape, shape.get("traceback")
     assert json.loads(r.stdout.splitlines()[0])["shape"] == "tiny"  # one JSON line per shape, as it ends
     assert set(shape["floor"]) == {"128", "256", "512"}
+    assert shape["floor_after"]["tokens"] == 256 and shape["floor_after"]["over_before"] > 0
     for point in shape["floor"].values():
         assert point["tokens_per_s"] > 0 and point["score_spans_over_floor"] > 0
     runs = {"episode/c2", "per-step/c2"}  # tiny: concurrency 2 only, prepared both ways, graphs on and off
