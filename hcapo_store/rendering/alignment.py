@@ -38,8 +38,6 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 from __future__ import annotations
 
 import hashlib
-import threading
-import weakref
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,15 +51,14 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.tokenizers import PerTokenizer
 
 RENDERINGS = ("turns", "whole")
 # ``turns`` pieces an ``EpisodeRenderer`` keeps (see ``_align_turns``): a GRPO batch's rows share
 # their prompt's ~100 steps, so its rows after the first render only their own last turn
 TURN_PIECES = 4096
 Pieces = dict[tuple[bool, int | None, int, bytes], tuple[list[int], list[int], int, int] | str]
-# the pieces of each tokenizer object, with what they were rendered and tokenized with
-_KEPT: weakref.WeakKeyDictionary[Any, tuple[tuple, Pieces]] = weakref.WeakKeyDictionary()
-_KEPT_LOCK = threading.Lock()
+_PIECES = PerTokenizer()  # each tokenizer object's pieces
 
 
 def kept_pieces(tokenizer: Any) -> Pieces:
@@ -71,14 +68,8 @@ def kept_pieces(tokenizer: Any) -> Pieces:
     threads share the dict."""
     added = getattr(tokenizer, "added_tokens_encoder", None)
     state = (getattr(tokenizer, "chat_template", None), _size(tokenizer), dict(added) if added else None)
-    with _KEPT_LOCK:
-        try:
-            held = _KEPT.get(tokenizer)
-            if held is None or held[0] != state:
-                held = _KEPT[tokenizer] = (state, {})
-        except TypeError:  # not weak-referenceable or not hashable
-            return {}
-    return held[1]
+    pieces: Pieces = _PIECES.get(tokenizer, state, dict)
+    return pieces
 
 
 def _size(tokenizer: Any) -> int | None:

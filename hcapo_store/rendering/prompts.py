@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,6 +66,7 @@ from hcapo_store.rendering.prompt_rule import RenderedStep, check_step, whole_hi
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
 from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_by_rule, render_chat
+from hcapo_store.rendering.tokenizers import PerTokenizer
 from hcapo_store.rendering.turn_windows import TurnWindows
 
 PROMPT_BUILDER_VERSION = 1
@@ -101,27 +101,15 @@ class _StepTexts:
     visible_from: int = 0
 
 
-# tokenizer -> (its length, its largest id): a trainer's every step makes a new builder of its one
-# kept tokenizer, and reading the 150k-entry vocabulary costs ~0.2 s
-_TOP_IDS: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+# each tokenizer's largest id: a trainer's every step makes a new builder of its one kept
+# tokenizer, and reading the 150k-entry vocabulary costs ~0.2 s
+_TOP_IDS = PerTokenizer()
 
 
 def top_token_id(tokenizer: Any) -> int:
     """The tokenizer's largest id, read once per tokenizer object (again when its length changes:
     tokens added)."""
-    size = len(tokenizer)
-    try:
-        kept = _TOP_IDS.get(tokenizer)
-    except TypeError:  # not weakly referable: read every time
-        kept = None
-    if kept is not None and kept[0] == size:
-        return kept[1]
-    top = int(max(tokenizer.get_vocab().values()))
-    try:
-        _TOP_IDS[tokenizer] = (size, top)
-    except TypeError:
-        pass
-    return top
+    return int(_TOP_IDS.get(tokenizer, len(tokenizer), lambda: max(tokenizer.get_vocab().values())))
 
 
 class PromptBuilder:

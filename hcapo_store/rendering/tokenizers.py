@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,27 @@ def given_or_loaded(directory: str | Path, given: Any, error: type[Exception]) -
         return load_tokenizer(directory)
     except (OSError, ValueError) as exc:
         raise error(f"cannot load tokenizer {directory}: {exc}") from exc
+
+
+class PerTokenizer:
+    """A value kept per tokenizer object while ``state`` (what it was made from: the object's
+    size, chat template...) stays the same, dropped with the object: a trainer makes new builders
+    and renderers of its one kept tokenizer every step. A tokenizer that cannot be weakly
+    referenced gets a value made for the call."""
+
+    def __init__(self) -> None:
+        self._kept: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer: Any, state: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:  # one value per object: callers in several threads share it
+            try:
+                held = self._kept.get(tokenizer)
+            except TypeError:  # not weak-referenceable or not hashable
+                return make()
+            if held is None or held[0] != state:
+                held = self._kept[tokenizer] = (state, make())
+            return held[1]
 
 
 class KeptTokenizer:
