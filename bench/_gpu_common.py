@@ -110,6 +110,14 @@ def save(path: Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def elapsed_ms(timing: Any) -> float:
+    """A ``ForwardTiming`` of LogprobModel.timings in milliseconds: CUDA events on a GPU (recorded
+    by then: synchronise first), perf_counter() seconds on a CPU."""
+    if isinstance(timing.started, float):
+        return (timing.ended - timing.started) * 1000.0
+    return float(timing.started.elapsed_time(timing.ended))
+
+
 def sync(device: Any) -> None:
     import torch
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import VOCAB, add_common_args, build_model, resolve_tokenizer, save, start, sync
+from _gpu_common import VOCAB, add_common_args, build_model, elapsed_ms, resolve_tokenizer, save, start, sync
 
 GPU_ORDER = ("8b", "0.6b", "1.7b")  # the 8B first: its 0.90 is the goal
 # of the time left, per shape (others 1): the 8B's forwards take ~3x the 1.7B's, and its goal needs a long
@@ -351,10 +351,7 @@ def score_run(
         import torch
 
         torch.cuda.synchronize()
-    spans = [
-        (t.ended - t.started if isinstance(t.started, float) else t.started.elapsed_time(t.ended) / 1000.0)
-        for t in timings
-    ]
+    spans = [elapsed_ms(t) / 1000.0 for t in timings]
     busy = sum(spans) if timings else None
     replays = [i for i, t in enumerate(timings) if t.how == "replay"]
     graph_row: dict[str, Any] = {"off": cuda_graphs.off(), "fallbacks": verify.since(fallbacks_before)}

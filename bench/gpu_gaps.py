@@ -127,13 +127,6 @@ def parse_args() -> argparse.Namespace:
 # --- measuring a region -----------------------------------------------------------------------
 
 
-def elapsed_ms(start: Any, end: Any) -> float:
-    """A (start, end) of LogprobModel.timings: CUDA events on a GPU, perf_counter() on a CPU."""
-    if isinstance(start, float):
-        return (end - start) * 1000.0
-    return float(start.elapsed_time(end))
-
-
 def event_times(fn: Callable[[], Any], device: Any, reps: int) -> list[float]:
     """Milliseconds of ``fn()`` between CUDA events recorded around it (host clock on a CPU),
     after one warm-up call."""
@@ -300,7 +293,7 @@ class Probe:
         common.sync(self.device)
         timings = self.scorer.timings
         for row, slot in zip(self.rows, self.slots):
-            row["event_ms"] = round(elapsed_ms(timings[slot].started, timings[slot].ended), 3)
+            row["event_ms"] = round(common.elapsed_ms(timings[slot]), 3)
             row["off_cpu_ms"] = round(row["wall_ms"] - row["cpu_ms"], 3)
         return self.rows
 
