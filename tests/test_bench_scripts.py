@@ -138,6 +138,33 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
 
 
+def test_gpu_path_row_reads_a_graphed_window() -> None:
+    """bench/gpu.py's row of a graphed run (the CPU never replays one): the replays' time over the
+    body's, and the checks the policy's rate gives the window's replays, beside the ones it held."""
+    import importlib.util
+
+    from hcapo_store.rendering import verify
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH / "gpu.py")
+    assert spec is not None and spec.loader is not None
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    floor = {"1000": {"seconds": 0.1}, "4000": {"seconds": 0.4}}  # linear: 1e-4 s a token
+    every = verify.CUDA_GRAPHS.every
+    run = {
+        "wall_s": 4 * every * 0.1, "steps": 10, "conversation_tokens": 1, "sent_tokens": 1, "busy_s": every * 0.15,
+        "sequence_tokens": [1000] * (2 * every), "replay_sequence_tokens": [2000] * (every - 1),
+        "replay_s": (every - 1) * 0.21, "forward_kinds": {"replay": every - 1, "check": 1, "eager": 3},
+    }  # fmt: skip
+    row = gpu.path_row(run, floor)
+    assert row["checks_at_policy_rate"] == 1.0 and row["forward_kinds"]["check"] == 1
+    assert row["replay_over_floor"] == pytest.approx(1.05, abs=0.002)
+    assert row["share_of_floor"] == pytest.approx(0.5, abs=0.002)
+    assert "sequence_tokens" not in row and "replay_s" not in row
+    eager = gpu.path_row({**run, "forward_kinds": {"eager": 2 * every}, "replay_sequence_tokens": []}, floor)
+    assert "checks_at_policy_rate" not in eager and "replay_over_floor" not in eager
+
+
 def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) -> None:
     """bench/gpu_gaps.py's every measurement on the CPU (--size tiny; the profiler's CPU ops stand in
     for kernels): the forward alone and the body, the LM-head chunks, the runs at two switch
