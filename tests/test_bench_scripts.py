@@ -3,10 +3,14 @@ end to end at a small size with their own numeric cross-checks. No timing is ass
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _forked_runs import Forks
@@ -138,17 +142,55 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
 
 
+def _bench_module(name: str) -> Any:
+    """bench/NAME.py imported as a module (its entry point is guarded)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpu_all_commands() -> list[list[str]]:
+    """Each ``python3 bench/*.py ...`` command of bench/gpu_all.sh, its lines joined and its shell
+    values (``$out``, ``$((...))``) put in as words."""
+    text = re.sub(r"\\\n\s*", " ", (BENCH / "gpu_all.sh").read_text())
+    text = re.sub(r"\$\(\([^)]*\)\)", "100", text).replace('"$out', '"/tmp/out')
+    commands = []
+    for line in text.splitlines():
+        words = (
+            shlex.split(line.split("2>&1")[0]) if "python3 bench/" in line and not line.lstrip().startswith("#") else []
+        )
+        if words:
+            commands.append(words[words.index("python3") + 1 :])
+    return commands
+
+
+def test_gpu_all_commands_parse(demo_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bench command bench/gpu_all.sh runs on the lent GPU parses with its script's own
+    arguments: an option misspelt there would cost a GPU session's one call."""
+    from hcapo_store.rendering import verify
+
+    commands = _gpu_all_commands()
+    assert [c[0] for c in commands] == ["bench/gpu.py", "bench/gpu.py", "bench/gpu_trl.py"]
+    parsed = []
+    for script, *args in commands:
+        module = _bench_module(Path(script).stem)
+        monkeypatch.setattr(sys, "argv", [script, *args, "--tokenizer", str(demo_tokenizer_dir)])
+        parsed.append(module.parse_args())
+        assert parsed[-1].tokenizer == str(demo_tokenizer_dir)
+    big, small, _ = parsed
+    assert big.shapes == ["8b"] and set(small.shapes) == {"0.6b", "1.7b"}
+    # the 8B's windows: ~2 episodes a packed forward, and still a whole check period of replays
+    assert big.run_episodes >= 2 * verify.CUDA_GRAPHS.every and big.episodes >= big.run_episodes
+
+
 def test_gpu_path_row_reads_a_graphed_window() -> None:
     """bench/gpu.py's row of a graphed run (the CPU never replays one): the replays' time over the
     body's, and the checks the policy's rate gives the window's replays, beside the ones it held."""
-    import importlib.util
-
     from hcapo_store.rendering import verify
 
-    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH / "gpu.py")
-    assert spec is not None and spec.loader is not None
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    gpu = _bench_module("gpu")
     floor = {"1000": {"seconds": 0.1}, "4000": {"seconds": 0.4}}  # linear: 1e-4 s a token
     every = verify.CUDA_GRAPHS.every
     run = {
