@@ -199,7 +199,7 @@ class Handoff:
 
     def _whole_ids(self, ep_id: int) -> list[int]:
         """The ``whole`` alignment's ids (that alignment's own when it was made)."""
-        messages, steps, done = self._episode(ep_id)
+        messages, _, done = self._episode(ep_id)
         if "whole" in done:
             return done["whole"].input_ids
         if ep_id not in self._whole_ids_of:
