@@ -165,19 +165,6 @@ def test_a_template_that_rejects_tools_gets_the_flattened_rule(store: Store, tmp
     assert _check(tok, episodes, "<|im_end|>", flatten=True) > 0
 
 
-@pytest.mark.parametrize("template", ["qwen3", "no tools"])
-def test_whole_ids_are_the_whole_alignments_ids(store: Store, tmp_path: Path, template: str) -> None:
-    """``EpisodeRenderer.whole_ids`` (what the hand-off compares a trainer's row with before it
-    places the ``whole`` rendering's steps) equals that alignment's ids, flattened episodes too."""
-    tok = real_tokenizer("qwen3") if template == "qwen3" else bos_tokenizer(tmp_path, template=NO_TOOLS)
-    renderer = EpisodeRenderer(tok)
-    for raw in _episodes(store)[:4]:
-        steps = _assistant_steps(raw)
-        al = renderer.align(raw, steps, "whole")
-        assert al.spans and al.flattened == (template == "no tools")
-        assert renderer.whole_ids(raw) == al.input_ids
-
-
 def test_no_special_token_piece_between_turns_in_the_export(store: Store, tmp_path: Path) -> None:
     """The issue's symptom, through the export and the trainer hand-off: after every turn end
     the next ids are the template's, never the text of the end-of-turn token again."""

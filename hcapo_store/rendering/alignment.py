@@ -125,12 +125,6 @@ class EpisodeRenderer:
         except TemplateRejected as exc:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
-    def whole_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``align(messages, steps, "whole").input_ids`` for any steps: the same alignment of no
-        step, which renders the episode without placing one (a trainer's row that differs from these
-        ids is not the ``whole`` rendering: its ~100 per-step renders are not needed)."""
-        return self.align(messages, [], "whole").input_ids
-
     def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
         placement = self.placer.place(msgs, sorted(steps, key=lambda s: s[1]))  # linear; rendering/placement.py
         spans = {index: (span.start, span.end) for index, span in placement.spans.items()}

@@ -135,7 +135,6 @@ class Handoff:
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
-        self._whole_ids_of: dict[int, list[int]] = {}  # an episode's whole-rendering ids, before its alignment
 
     def _take_tokenizer(self, side: RunSide, shared: Handoff | None = None) -> None:
         """The run side with its scorer's tokenizer, loaded and checked once it is not refused;
@@ -197,15 +196,6 @@ class Handoff:
             self._episodes[ep_id] = (messages, [(int(a), int(b)) for a, b in steps], {})
         return self._episodes[ep_id]
 
-    def _whole_ids(self, ep_id: int) -> list[int]:
-        """The ``whole`` alignment's ids (that alignment's own when it was made)."""
-        messages, _, done = self._episode(ep_id)
-        if "whole" in done:
-            return done["whole"].input_ids
-        if ep_id not in self._whole_ids_of:
-            self._whole_ids_of[ep_id] = self.renderer.whole_ids(messages)
-        return self._whole_ids_of[ep_id]
-
     def _alignment(self, ep_id: int, rendering: str) -> Alignment:
         messages, steps, done = self._episode(ep_id)
         if rendering not in done:
@@ -221,8 +211,6 @@ class Handoff:
         ep_id = self.episode_id(episode)
         ids = [int(t) for t in token_ids]
         for rendering in ("turns", "whole"):
-            if rendering == "whole" and self._whole_ids(ep_id) != ids:
-                continue  # not this rendering: its per-step placing (~100 renders) is not needed
             al = self._alignment(ep_id, rendering)
             if al.input_ids == ids:
                 if al.refused and strict:
@@ -234,13 +222,12 @@ class Handoff:
 
     def _search(self, ep_id: int, ids: list[int], refused: dict[int, str] | None) -> dict[int, tuple[int, int]]:
         name = self._names[ep_id]
-        turns = self._alignment(ep_id, "turns")
+        turns, whole = self._alignment(ep_id, "turns"), self._alignment(ep_id, "whole")
         spans: dict[int, tuple[int, int]] = {}
         pos = 0
         for index, _ in self._episode(ep_id)[1]:
             found = None
-            for rendering in ("turns", "whole"):  # the whole one only for a step the turns do not place here
-                al = turns if rendering == "turns" else self._alignment(ep_id, "whole")
+            for al in (turns, whole):
                 if index not in al.spans:
                     continue
                 a, b = al.spans[index]
@@ -250,7 +237,7 @@ class Handoff:
                 if found is not None:
                     break
             if found is None:
-                why = turns.refused.get(index) or self._alignment(ep_id, "whole").refused.get(index)
+                why = turns.refused.get(index) or whole.refused.get(index)
                 text_ = (
                     self.tokenizer.decode(turns.input_ids[slice(*turns.spans[index])]) if index in turns.spans else ""
                 )
