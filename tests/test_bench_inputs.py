@@ -3,27 +3,16 @@ as new episodes (new ids, new hashes) and keep the samples' shape. No timing her
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _bench import BENCH, bench_module
 from _forked_runs import Forks
 from sqlalchemy import text
 
 from hcapo_store.ingestion.pipeline import ingest
 
-BENCH_INGEST = Path(__file__).resolve().parent.parent / "bench" / "ingest.py"
-
-
-def _bench_ingest():
-    spec = importlib.util.spec_from_file_location("bench_ingest", BENCH_INGEST)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_real_shaped_copies_ingest_as_new_episodes_of_the_samples_size(tmp_path, store):
-    bench = _bench_ingest()
+    bench = bench_module("ingest")
     if not bench.SAMPLES.is_dir():
         pytest.skip(f"no long samples at {bench.SAMPLES}")
     samples = sorted(p for p in bench.SAMPLES.iterdir() if (p / "pi_session.jsonl").is_file())
@@ -47,7 +36,7 @@ def test_real_shaped_copies_ingest_as_new_episodes_of_the_samples_size(tmp_path,
 def test_synthetic_copies_ingest_as_new_episodes(tmp_path, store):
     # The synthetic baseline reuses 8 generated sessions; each copy needs its own session id,
     # or ingest refuses the copies as conflicting versions of one episode.
-    bench = _bench_ingest()
+    bench = bench_module("ingest")
     n = 10
     bench.write_synthetic_episodes(tmp_path / "eps", n)
     report = ingest(store, [tmp_path / "eps"])
@@ -58,7 +47,7 @@ def test_bookkeeping_bench_runs_against_its_server(forks: Forks):
     # The bench drives the real runner with prebuilt prompts against its own zero-latency
     # server: when the runner grows a new call (the vocabulary probe, grouping), the bench must
     # still score every step, or its numbers measure failures.
-    bench = BENCH_INGEST.parent / "bookkeeping.py"
+    bench = BENCH / "bookkeeping.py"
     args = ["--input", "synthetic", "--episodes", "1", "--repeat", "1", "--only-bookkeeping", "--no-timers"]
     out = forks.run(str(bench), *args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -74,7 +63,7 @@ def test_the_budget_input_is_the_budgets_shape_and_scores_end_to_end(forks: Fork
 
     from _shared import TOKENIZERS
 
-    bench = BENCH_INGEST.parent / "bookkeeping.py"
+    bench = BENCH / "bookkeeping.py"
     args = ["--input", "budget", "--episodes", "1", "--prompt-layout", "episode", "--no-timers", "--json"]
     out = forks.run(str(bench), *args, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -98,7 +87,7 @@ def test_the_ascii_bpe_bench_checks_both_strategies_agree_before_timing(forks: F
 
     if not (TOKENIZERS / "qwen3").is_dir():
         pytest.skip(f"no Qwen3 tokenizer at {TOKENIZERS / 'qwen3'}")
-    bench = BENCH_INGEST.parent / "ascii_bpe.py"
+    bench = BENCH / "ascii_bpe.py"
     args = ["--input", "budget", "--episodes", "1", "--rounds", "1", "--tokenizer", str(TOKENIZERS / "qwen3"), "--json"]
     out = forks.run(str(bench), *args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

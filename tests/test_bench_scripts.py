@@ -3,20 +3,18 @@ end to end at a small size with their own numeric cross-checks. No timing is ass
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _bench import BENCH, bench_module
 from _forked_runs import Forks
 from _shared import SHARED
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(BENCH.glob("*.py"))
 
 
@@ -142,15 +140,6 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
 
 
-def _bench_module(name: str) -> Any:
-    """bench/NAME.py imported as a module (its entry point is guarded)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gpu_all_commands() -> list[list[str]]:
     """Each ``python3 bench/*.py ...`` command of bench/gpu_all.sh, its lines joined and its shell
     values (``$out``, ``$((...))``) put in as words."""
@@ -175,7 +164,7 @@ def test_gpu_all_commands_parse(demo_tokenizer_dir: Path, monkeypatch: pytest.Mo
     assert [c[0] for c in commands] == ["bench/gpu.py", "bench/gpu.py", "bench/gpu_trl.py"]
     parsed = []
     for script, *args in commands:
-        module = _bench_module(Path(script).stem)
+        module = bench_module(Path(script).stem)
         monkeypatch.setattr(sys, "argv", [script, *args, "--tokenizer", str(demo_tokenizer_dir)])
         parsed.append(module.parse_args())
         assert parsed[-1].tokenizer == str(demo_tokenizer_dir)
@@ -190,7 +179,7 @@ def test_gpu_path_row_reads_a_graphed_window() -> None:
     body's, and the checks the policy's rate gives the window's replays, beside the ones it held."""
     from hcapo_store.rendering import verify
 
-    gpu = _bench_module("gpu")
+    gpu = bench_module("gpu")
     floor = {"1000": {"seconds": 0.1}, "4000": {"seconds": 0.4}}  # linear: 1e-4 s a token
     every = verify.CUDA_GRAPHS.every
     run = {

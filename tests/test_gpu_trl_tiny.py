@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _bench import BENCH
 from _shared import TOKENIZERS
 
 pytest.importorskip("trl")
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.mark.slow  # TRL's trainer and the Qwen3 vocabulary on a CPU: ~1-3 min on a loaded 2-core machine

@@ -9,9 +9,9 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _bench import BENCH as BENCH_DIR
 from _shared import SHARED
 from _tokenizers import episode, real_tokenizer
 from test_verify import _always_the_shortest
@@ -21,7 +21,7 @@ from hcapo_store.rendering.ascii_bpe import AsciiBpe, AsciiEncoding
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.turn_windows import TurnWindows
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "verify_cost.py"
+BENCH = BENCH_DIR / "verify_cost.py"
 
 
 @pytest.fixture
