@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 from _tokenizers import SHARED_TOKENIZERS, real_tokenizer
 
-from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, prefix_digests
+from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer
+from hcapo_store.rendering.kept_renders import message_digests, prefix_digests
 from hcapo_store.rendering.own_tokens import NotOwn
 from hcapo_store.rendering.prompts import normalize_messages
 
 
 def reference_turns(renderer: EpisodeRenderer, msgs: list[dict], steps: list[tuple[int, int]]) -> Alignment:
-    """``EpisodeRenderer._align_turns`` as it was before the pieces were kept (commit 5476412)."""
+    """``EpisodeRenderer._align_turns`` as it was before the pieces were kept (commit 5476412;
+    its helpers given no digests: every render made anew)."""
     ids: list[int] = []
     out = Alignment(ids, flattened=False)
     previous: int | None = None
@@ -31,12 +33,12 @@ def reference_turns(renderer: EpisodeRenderer, msgs: list[dict], steps: list[tup
         if previous is None:
             context = prompt
         else:
-            end = renderer._turn_end(msgs[:m], previous, prompt)
+            end = renderer._turn_end(msgs[:m], None, previous, prompt)
             if end is None:
                 out.refused[index] = "alignment: the end of the previous turn is not found in this step's prompt"
                 continue
             context = prompt[end:]
-        turn = renderer._turn_text(msgs, m, prompt)
+        turn = renderer._turn_text(msgs, None, m, prompt)
         if turn is None:
             out.refused[index] = "alignment: the turn's generation prompt is not found in its rendering"
             continue
@@ -104,7 +106,8 @@ def test_kept_pieces_give_the_alignment_the_code_before_gave(name: str, prompt: 
     reference = [reference_turns(EpisodeRenderer(tok), normalize_messages(ep), steps_of(ep)) for ep in episodes]
     assert all(r.spans for r in reference) and not reference[0].refused
     shared = EpisodeRenderer(tok)
-    before = len(shared._pieces)
+    assert shared.kept is not None
+    before = len(shared.kept.pieces)
     for order in (range(len(episodes)), reversed(range(len(episodes)))):  # new pieces, then all kept
         for i in order:
             got = shared.align(episodes[i], steps_of(episodes[i]), "turns")
@@ -112,19 +115,20 @@ def test_kept_pieces_give_the_alignment_the_code_before_gave(name: str, prompt: 
     # the first row's pieces serve the rows that share its prompt: only the new turns were kept
     # (kept per tokenizer object: counted from what other tests' renderers of it had put)
     steps = len(steps_of(episodes[0]))
-    assert len(shared._pieces) - before < 3 * steps, len(shared._pieces) - before
+    assert len(shared.kept.pieces) - before < 3 * steps, len(shared.kept.pieces) - before
 
 
 class Counting(EpisodeRenderer):
-    """Counts the ``turns`` pieces it renders (kept pieces are not rendered again)."""
+    """Counts the ``turns`` pieces it renders (kept pieces are not rendered again; a kept piece
+    made again to check it, without kept renders, is the run-time check's and not counted)."""
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self.rendered = 0
 
-    def _turn_piece(self, msgs: list[dict], m: int, previous: int | None) -> Any:
-        self.rendered += 1
-        return super()._turn_piece(msgs, m, previous)
+    def _turn_piece(self, msgs: list[dict], m: int, previous: int | None, digests: Any) -> Any:
+        self.rendered += digests is not None
+        return super()._turn_piece(msgs, m, previous, digests)
 
 
 def test_pieces_are_kept_across_renderers_of_one_tokenizer(prompt: list[dict[str, Any]]) -> None:
@@ -161,8 +165,9 @@ def test_prefix_digests_follow_the_prefix_and_stop_at_data_that_is_not_plain() -
     a = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "1"}]
     b = [{"role": "user", "content": "x"}, {"role": "assistant", "content": 1}]
     c = [{"content": "x", "role": "user"}, {"role": "assistant", "content": "1"}]
-    da, db_, dc = prefix_digests(a), prefix_digests(b), prefix_digests(c)
+    da, db_, dc = (prefix_digests(message_digests(x)) for x in (a, b, c))
     assert da[0] == db_[0] and da[1] != db_[1]  # same first message; "1" and 1 differ
     assert da[0] != dc[0]  # the keys' order is part of what a template renders
-    odd = prefix_digests([{"role": "user", "content": ("x",)}, {"role": "assistant", "content": "1"}])
-    assert odd == [None, None]
+    odd = [{"role": "user", "content": ("x",)}, {"role": "assistant", "content": "1"}]
+    assert prefix_digests(message_digests(odd)) == [None, None]
+    assert message_digests(odd)[1] is not None  # one message that is not plain data: only it unkept

@@ -30,6 +30,12 @@ Two renderings (``RENDERINGS``):
   template), across renderers: a trainer makes a hand-off per step over the one tokenizer it
   keeps, and its steps' prompts share their history too.
 
+Both renderings render through the tokenizer object's kept renders (``kept_renders.py``: by a
+digest of the messages), so a row that differs from the rows before it only in its last turn
+renders its history's four renders of that turn, the skeleton and the per-step local renders
+once for the group; the kept pieces and renders are checked against fresh ones at run time
+(``verify.KEPT_RENDERS``).
+
 A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
 ``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
 ``render(messages[:m + 1])``, which must be a prefix of the whole episode.
@@ -37,12 +43,20 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
 from hcapo_store.errors import ExportError
+from hcapo_store.rendering import verify
+from hcapo_store.rendering.kept_renders import (
+    EMPTY_DIGEST,
+    Digests,
+    KeptRenders,
+    kept_renders,
+    message_digests,
+    prefix_digests,
+)
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
 from hcapo_store.rendering.placement import Placer
 from hcapo_store.rendering.prompts import (
@@ -51,32 +65,13 @@ from hcapo_store.rendering.prompts import (
 )
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected, render_chat
-from hcapo_store.rendering.tokenizers import PerTokenizer
 
 RENDERINGS = ("turns", "whole")
-# ``turns`` pieces an ``EpisodeRenderer`` keeps (see ``_align_turns``): a GRPO batch's rows share
-# their prompt's ~100 steps, so its rows after the first render only their own last turn
-TURN_PIECES = 4096
-Pieces = dict[tuple[bool, int | None, int, bytes], tuple[list[int], list[int], int, int] | str]
-_PIECES = PerTokenizer()  # each tokenizer object's pieces
 
 
-def kept_pieces(tokenizer: Any) -> Pieces:
-    """The ``turns`` pieces kept for ``tokenizer``: a new dict when its chat template, size or added
-    tokens changed since (a test or a trainer may change the object), or when it cannot be weakly
-    referenced (then the caller's own). Values are never changed once put: renderers in several
-    threads share the dict."""
-    added = getattr(tokenizer, "added_tokens_encoder", None)
-    state = (getattr(tokenizer, "chat_template", None), _size(tokenizer), dict(added) if added else None)
-    pieces: Pieces = _PIECES.get(tokenizer, state, dict)
-    return pieces
-
-
-def _size(tokenizer: Any) -> int | None:
-    try:
-        return len(tokenizer)
-    except TypeError:
-        return None
+# a step's piece of a ``turns`` alignment: (context ids, turn ids up to its end, span start, end),
+# or why it cannot be placed
+Piece = tuple[list[int], list[int], int, int] | str
 
 
 @dataclass
@@ -90,19 +85,22 @@ class Alignment:
 
 
 class EpisodeRenderer:
-    """Renders a whole episode with a chat template and places each step's own tokens in it."""
+    """Renders a whole episode with a chat template and places each step's own tokens in it.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``kept``: keep renders and ``turns`` pieces across episodes and renderers of this tokenizer
+    object (``kept_renders.py``; False: every render made anew, as in reference mode)."""
+
+    def __init__(self, tokenizer: Any, *, kept: bool = True) -> None:
         self.tokenizer = tokenizer
         self.encoder = SegmentEncoder(tokenizer)
         self.locator = OwnTokenLocator(tokenizer, self.encoder)
-        self.placer = Placer(tokenizer, encoder=self.encoder)
-        # (flattened, previous turn's message index, this turn's, digest of msgs[: m + 1]) -> the
-        # step's piece of a ``turns`` alignment: (context ids, turn ids up to its end, span) or why
-        # refused; shared by the renderers of this tokenizer object (kept_pieces)
-        self._pieces: Pieces = kept_pieces(tokenizer)
+        # the renders and pieces shared by the renderers of this tokenizer object
+        self.kept: KeptRenders | None = kept_renders(tokenizer) if kept else None
+        self.placer = Placer(tokenizer, encoder=self.encoder, renders=self.kept)
 
-    def _render(self, messages: list[dict], generation: bool) -> str:
+    def _render(self, messages: list[dict], generation: bool, digests: Digests | None = None) -> str:
+        if self.kept is not None and digests is not None:
+            return self.kept.render(self.tokenizer, messages, digests, generation=generation)
         return render_chat(self.tokenizer, messages, generation=generation)
 
     def align(
@@ -125,8 +123,12 @@ class EpisodeRenderer:
         except TemplateRejected as exc:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
+    def _digests(self, msgs: list[dict]) -> list[bytes | None] | None:
+        return message_digests(msgs) if self.kept is not None else None
+
     def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
-        placement = self.placer.place(msgs, sorted(steps, key=lambda s: s[1]))  # linear; rendering/placement.py
+        ordered = sorted(steps, key=lambda s: s[1])
+        placement = self.placer.place(msgs, ordered, digests=self._digests(msgs))  # linear; placement.py
         spans = {index: (span.start, span.end) for index, span in placement.spans.items()}
         return Alignment(placement.ids, spans, dict(placement.refused), flattened=flattened)
 
@@ -136,20 +138,19 @@ class EpisodeRenderer:
         previous: int | None = None  # message index of the last turn in the row
         # a step's piece reads msgs[: m + 1] only (every render below is of a prefix of it): kept by
         # that prefix's digest, it is rendered once for all the episodes that share the prefix
-        digests = prefix_digests(msgs)
+        digests = self._digests(msgs)
+        prefixes = prefix_digests(digests) if digests is not None else None
         for index, m in sorted(steps, key=lambda s: s[1]):
             if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant" or m == previous:
                 out.refused[index] = f"message {m} is not an assistant message after the first message"
                 continue
-            digest = digests[m]
+            digest = prefixes[m] if prefixes is not None else None
             key = None if digest is None else (flattened, previous, m, digest)
-            piece = self._pieces.get(key) if key is not None else None
+            piece = self._kept_piece(key, msgs, m, previous)
             if piece is None:
-                piece = self._turn_piece(msgs, m, previous)
-                if key is not None:
-                    if len(self._pieces) >= TURN_PIECES:
-                        self._pieces.clear()
-                    self._pieces[key] = piece
+                piece = self._turn_piece(msgs, m, previous, digests)
+                if key is not None and self.kept is not None:
+                    self.kept.put_piece(key, piece)
             if isinstance(piece, str):
                 out.refused[index] = piece
                 continue
@@ -160,21 +161,34 @@ class EpisodeRenderer:
             previous = m
         return out
 
-    def _turn_piece(
-        self, msgs: list[dict], m: int, previous: int | None
-    ) -> tuple[list[int], list[int], int, int] | str:
+    def _kept_piece(self, key: Any, msgs: list[dict], m: int, previous: int | None) -> Piece | None:
+        """The piece kept under ``key``, made again (no kept render) and compared when the
+        strategy's policy checks this hit (verify.KEPT_RENDERS); None when none is kept."""
+        if key is None or self.kept is None:
+            return None
+        piece = self.kept.piece(key)
+        if piece is not None and verify.due(verify.KEPT_RENDERS):
+            fresh = self._turn_piece(msgs, m, previous, None)
+            if fresh != piece:
+                self.kept.switch_off(f"the kept piece of message {m} differs from the one made now")
+                return fresh
+        return piece
+
+    def _turn_piece(self, msgs: list[dict], m: int, previous: int | None, digests: Digests | None) -> Piece:
         """Step ``m``'s piece of a ``turns`` alignment after the turn at ``previous``: the ids
         between the previous turn's end and this turn's own tokens, the turn's ids up to its end
-        and its own tokens' span in them; or why it cannot be placed."""
-        prompt = self._render(msgs[:m], generation=True)
+        and its own tokens' span in them; or why it cannot be placed. ``digests``: the messages'
+        (their renders kept by them; None: rendered anew)."""
+        history = None if digests is None else digests[:m]
+        prompt = self._render(msgs[:m], True, history)
         if previous is None:
             context = prompt
         else:
-            end = self._turn_end(msgs[:m], previous, prompt)
+            end = self._turn_end(msgs[:m], history, previous, prompt)
             if end is None:
                 return "alignment: the end of the previous turn is not found in this step's prompt"
             context = prompt[end:]
-        turn = self._turn_text(msgs, m, prompt)
+        turn = self._turn_text(msgs, digests, m, prompt)
         if turn is None:
             return "alignment: the turn's generation prompt is not found in its rendering"
         turn_text, turn_empty = turn
@@ -187,17 +201,18 @@ class EpisodeRenderer:
         context_ids, _ = self.locator.offsets(context)
         return list(context_ids), list(turn_ids[: span.end]), span.start, span.end
 
-    def _turn_text(self, msgs: list[dict], m: int, prompt: str) -> tuple[str, str] | None:
+    def _turn_text(self, msgs: list[dict], digests: Digests | None, m: int, prompt: str) -> tuple[str, str] | None:
         """Turn ``m`` as rendered when it is the last message, from the end of its generation
         prompt, and the same for an empty turn. The turn starts at the last occurrence of the
         generation prompt before its own text (earlier turns may render differently here than in
         ``prompt``: Qwen3 wraps only the last assistant turn in an empty think block)."""
-        base = self._render(msgs[:m], generation=False)
+        history = None if digests is None else digests[:m]
+        base = self._render(msgs[:m], False, history)
         if not prompt.startswith(base):
             return None
         generation = prompt[len(base) :]
-        text = self._render(msgs[: m + 1], generation=False)
-        empty = self._render([*msgs[:m], EMPTY_TURN], generation=False)
+        text = self._render(msgs[: m + 1], False, None if digests is None else digests[: m + 1])
+        empty = self._render([*msgs[:m], EMPTY_TURN], False, None if history is None else [*history, EMPTY_DIGEST])
         own_start, _ = own_char_range(text, empty)
         begin = text.rfind(generation, 0, own_start + 1) if generation else len(base)
         if begin < 0 or not empty.startswith(text[:begin]):
@@ -205,10 +220,11 @@ class EpisodeRenderer:
         begin += len(generation)
         return text[begin:], empty[begin:]
 
-    def _turn_end(self, msgs: list[dict], m: int, prompt: str) -> int | None:
+    def _turn_end(self, msgs: list[dict], digests: Digests | None, m: int, prompt: str) -> int | None:
         """Where turn ``m`` (own text + end-of-turn token) ends in ``prompt`` (a render of ``msgs``)."""
+        emptied = None if digests is None else [*digests[:m], EMPTY_DIGEST, *digests[m + 1 :]]
         try:
-            empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], generation=True)
+            empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], True, emptied)
         except TemplateRejected:
             return None
         _, own_end = own_char_range(prompt, empty)
@@ -230,34 +246,6 @@ class EpisodeRenderer:
             else:
                 out.spans[index] = (len(prefix), len(step))
         return out
-
-
-def prefix_digests(msgs: list[dict]) -> list[bytes | None]:
-    """Per message index ``m``, a digest of ``msgs[: m + 1]`` (their ``repr``s, chained), or None
-    from the first message that is not plain data (str, int, float, bool, None, lists, dicts
-    with str keys: whose ``repr`` is exact, in their order) on."""
-    out: list[bytes | None] = []
-    chain = hashlib.blake2b(digest_size=20)
-    for m in msgs:
-        if out and out[-1] is None or not _plain_data(m):
-            out.append(None)
-            continue
-        text_ = repr(m).encode("utf-8", "surrogatepass")
-        chain.update(len(text_).to_bytes(8, "little"))
-        chain.update(text_)
-        out.append(chain.copy().digest())
-    return out
-
-
-def _plain_data(value: Any) -> bool:
-    kind = type(value)
-    if kind in (str, int, float, bool) or value is None:
-        return True
-    if kind is list:
-        return all(_plain_data(v) for v in value)
-    if kind is dict:
-        return all(type(k) is str and _plain_data(v) for k, v in value.items())
-    return False
 
 
 def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hcapo_store.rendering.kept_renders import EMPTY_DIGEST, Digests, KeptRenders
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars, own_pieces
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.strings import common_prefix
@@ -106,49 +107,63 @@ class _UserTurns:
         """The user messages that :meth:`context` renders turn ``m`` between."""
         return self.before[m], self.after[m]
 
-    def context(self, m: int) -> tuple[list[dict], list[dict]]:
-        """What to render turn ``m`` between, so that a template renders it as in the whole
-        conversation: the first message and the last user message before it, and the next user
-        message after it if there is one (Qwen3 renders a turn's reasoning only after the last)."""
+    def context(self, m: int) -> tuple[list[int], list[int]]:
+        """The message indices to render turn ``m`` between, so that a template renders it as in
+        the whole conversation: the first message and the last user message before it, and the
+        next user message after it if there is one (Qwen3 renders a turn's reasoning only after
+        the last)."""
         u, q = self.before[m], self.after[m]
-        before = [self.msgs[0]] + ([self.msgs[u]] if u is not None else [])
-        return before, [self.msgs[q]] if q is not None else []
+        return [0] + ([u] if u is not None else []), [q] if q is not None else []
 
 
 class Placer:
     """Places the steps of one conversation in its whole rendering (see the module docstring)."""
 
     def __init__(
-        self, tokenizer: Any, *, reasoning_required: bool = True, encoder: SegmentEncoder | None = None
+        self,
+        tokenizer: Any,
+        *,
+        reasoning_required: bool = True,
+        encoder: SegmentEncoder | None = None,
+        renders: KeptRenders | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.locator = OwnTokenLocator(tokenizer, encoder)
         # False: a turn the template renders without its reasoning (Qwen3, before the last user
         # message) is placed as rendered, its text and tool calls, instead of refused.
         self.reasoning_required = reasoning_required
+        # renders kept by their messages' digests (kept_renders.py), used where ``place`` is
+        # given the digests: the hand-off's rows share all but their last turn
+        self.renders = renders
 
-    def _render(self, msgs: list[dict], generation: bool = False) -> str:
+    def _render(self, msgs: list[dict], generation: bool = False, digests: Digests | None = None) -> str:
+        if self.renders is not None and digests is not None:
+            return self.renders.render(self.tokenizer, msgs, digests, generation=generation)
         return render_chat(self.tokenizer, msgs, generation=generation)
 
-    def place(self, msgs: list[dict], steps: Steps) -> Placement:
-        """Raises :class:`TemplateRejected` when the template cannot render the conversation."""
-        whole = self._render(msgs)
+    def place(self, msgs: list[dict], steps: Steps, *, digests: Digests | None = None) -> Placement:
+        """Raises :class:`TemplateRejected` when the template cannot render the conversation.
+        ``digests``: each message's (``kept_renders.message_digest``), to render through the
+        kept renders."""
+        whole = self._render(msgs, digests=digests)
         ids, offsets = self.locator.offsets(whole)
         try:
-            chars = self._walk(msgs, steps, whole)
+            chars = self._walk(msgs, steps, whole, digests)
         except (_Mismatch, TemplateRejected):
-            return self._exact(msgs, steps, whole, ids, offsets)
+            return self._exact(msgs, steps, whole, ids, offsets, digests)
         return self._tokens(msgs, steps, whole, ids, offsets, chars, linear=True)
 
     def place_exact(self, msgs: list[dict], steps: Steps) -> Placement:
         """Step by step: the whole conversation rendered again with each step's turn empty."""
         whole = self._render(msgs)
         ids, offsets = self.locator.offsets(whole)
-        return self._exact(msgs, steps, whole, ids, offsets)
+        return self._exact(msgs, steps, whole, ids, offsets, None)
 
     # -- the linear walk
 
-    def _walk(self, msgs: list[dict], steps: Steps, whole: str) -> dict[int, tuple[int, int] | str]:
+    def _walk(
+        self, msgs: list[dict], steps: Steps, whole: str, digests: Digests | None
+    ) -> dict[int, tuple[int, int] | str]:
         emptied = set()
         chars: dict[int, tuple[int, int] | str] = {}
         for index, m in steps:
@@ -157,7 +172,10 @@ class Placer:
                 chars[index] = problem
             else:
                 emptied.add(m)
-        skeleton = self._render([EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)])
+        skeleton = self._render(
+            [EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)],
+            digests=None if digests is None else [EMPTY_DIGEST if i in emptied else d for i, d in enumerate(digests)],
+        )
         users = _UserTurns(msgs)
         empties: dict[tuple[int | None, int | None], str] = {}
         pw = pk = 0  # positions in whole / skeleton; everything before them is accounted for
@@ -165,10 +183,18 @@ class Placer:
             if index in chars:
                 continue
             before, after = users.context(m)
-            local = self._render([*before, msgs[m], *after])
+            local = self._render(
+                [msgs[i] for i in (*before, m, *after)],
+                digests=None if digests is None else [digests[i] for i in (*before, m, *after)],
+            )
             key = users.key(m)  # turns between the same user messages share their empty rendering
             if key not in empties:
-                empties[key] = self._render([*before, EMPTY_TURN, *after])
+                empties[key] = self._render(
+                    [*(msgs[i] for i in before), EMPTY_TURN, *(msgs[i] for i in after)],
+                    digests=None
+                    if digests is None
+                    else [*(digests[i] for i in before), EMPTY_DIGEST, *(digests[i] for i in after)],
+                )
             local_empty = empties[key]
             cs, ce = own_chars(local, local_empty, msgs[m])
             own = local[cs:ce]
@@ -194,7 +220,13 @@ class Placer:
     # -- step by step (the reference rule; the fallback)
 
     def _exact(
-        self, msgs: list[dict], steps: Steps, whole: str, ids: list[int], offsets: Sequence[tuple[int, int]]
+        self,
+        msgs: list[dict],
+        steps: Steps,
+        whole: str,
+        ids: list[int],
+        offsets: Sequence[tuple[int, int]],
+        digests: Digests | None,
     ) -> Placement:
         chars: dict[int, tuple[int, int] | str] = {}
         for index, m in steps:
@@ -203,7 +235,10 @@ class Placer:
                 chars[index] = problem
                 continue
             try:
-                empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]])
+                empty = self._render(
+                    [*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]],
+                    digests=None if digests is None else [*digests[:m], EMPTY_DIGEST, *digests[m + 1 :]],
+                )
             except TemplateRejected as exc:
                 chars[index] = f"template: the template cannot render this turn empty ({exc})"
                 continue

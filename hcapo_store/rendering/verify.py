@@ -100,8 +100,17 @@ CUDA_GRAPHS = Strategy(
     first=2,
     every=64,
 )
+KEPT_RENDERS = Strategy(
+    "kept_renders",
+    "the chat template's render now (and the turn's piece of a ``turns`` alignment made now)",
+    "the first 4 hits of each process, then one hit in 256 (rendering/kept_renders.py)",
+    "process",
+    first=4,
+    every=256,
+)
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT, CUDA_GRAPHS)
+    s.name: s
+    for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT, CUDA_GRAPHS, KEPT_RENDERS)
 }
 
 

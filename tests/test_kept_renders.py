@@ -1,0 +1,206 @@
+"""Renders kept by their messages' digest (``rendering/kept_renders.py``): the rows of a GRPO
+group share all but their last turn, and the hand-off's alignments of the second row render only
+what that turn changes. Every alignment equals the one made with nothing kept (property-based,
+over families of rows); a kept render or piece that went wrong is caught by the run-time check
+(``verify.KEPT_RENDERS``), counted, and the fresh one used; reference mode keeps nothing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _tokenizers import SHARED_TOKENIZERS, bos_tokenizer, real_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hcapo_store.rendering import verify
+from hcapo_store.rendering.alignment import EpisodeRenderer
+from hcapo_store.rendering.kept_renders import KeptRenders, list_digest, message_digests, prefix_digests
+from hcapo_store.rendering.tokenizers import load_tokenizer
+
+WORDS = "the of and to run test file path value data 42 café 東京 {} [] : ; ok".split()
+words = st.lists(st.sampled_from(WORDS), min_size=0, max_size=20).map(" ".join)
+
+
+def steps_of(messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    return [(k, m) for k, m in enumerate(i for i, x in enumerate(messages) if x.get("role") == "assistant")]
+
+
+@st.composite
+def assistant_turns(draw: Any, s: int) -> dict[str, Any]:
+    reasoning = draw(st.one_of(st.just(""), words))
+    content = draw(words) or "ok"
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content,
+    }
+    if draw(st.booleans()):
+        arguments = json.dumps({"command": draw(words)}, ensure_ascii=False)
+        message["tool_calls"] = [
+            {"id": f"c{s}", "type": "function", "function": {"name": "bash", "arguments": arguments}}
+        ]
+    return message
+
+
+@st.composite
+def families(draw: Any) -> list[list[dict[str, Any]]]:
+    """Rows of one prompt (a session up to a turn): each row the prompt and its own completion;
+    some rows with a middle message edited, some with a user turn before the completion."""
+    prompt: list[dict[str, Any]] = [{"role": "system", "content": "You act. " + draw(words)}]
+    prompt.append({"role": "user", "content": "Task: " + draw(words)})
+    for s in range(draw(st.integers(1, 4))):
+        if draw(st.booleans()) and draw(st.booleans()):
+            prompt.append({"role": "user", "content": "Continue. " + draw(words)})
+        turn = draw(assistant_turns(s))
+        prompt.append(turn)
+        if "tool_calls" in turn:
+            prompt.append({"role": "tool", "name": "bash", "tool_call_id": f"c{s}", "content": draw(words)})
+        else:
+            prompt.append({"role": "user", "content": "Next. " + draw(words)})
+    rows = []
+    for r in range(draw(st.integers(2, 4))):
+        head = [dict(m) for m in prompt]
+        if draw(st.integers(0, 3)) == 0:  # a history that differs in the middle
+            i = draw(st.integers(1, len(head) - 1))
+            head[i]["content"] = str(head[i].get("content") or "") + " edited"
+        rows.append([*head, draw(assistant_turns(100 + r))])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict[str, Any]:
+    return {name: real_tokenizer(name) for name in ("qwen3", "qwen2.5")}
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(rows=families(), name=st.sampled_from(["qwen3", "qwen2.5"]))
+def test_kept_renders_give_the_alignments_of_renders_made_anew(tokenizers, rows, name) -> None:
+    tok = tokenizers[name]
+    kept, plain = EpisodeRenderer(tok), EpisodeRenderer(tok, kept=False)
+    assert kept.kept is not None and plain.kept is None and kept.kept.on
+    before = verify.fallbacks().get("kept_renders", 0)
+    for row in rows:
+        for rendering in ("turns", "whole"):
+            assert kept.align(row, steps_of(row), rendering) == plain.align(row, steps_of(row), rendering)
+    # equal by the strategy itself, not by its run-time check switching it off
+    assert verify.fallbacks().get("kept_renders", 0) == before and kept.kept.on
+
+
+def _group(n: int = 3) -> list[list[dict[str, Any]]]:
+    prompt: list[dict[str, Any]] = [{"role": "system", "content": "You act."}, {"role": "user", "content": "Task"}]
+    for s in range(6):
+        call = {"id": f"c{s}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"n": s})}}
+        prompt.append({"role": "assistant", "content": f"step {s}", "tool_calls": [call]})
+        prompt.append({"role": "tool", "name": "bash", "tool_call_id": f"c{s}", "content": f"out {s}"})
+    return [[*prompt, {"role": "assistant", "content": f"done {r}"}] for r in range(n)]
+
+
+@pytest.fixture
+def own_qwen3() -> Any:
+    """A Qwen3 tokenizer object of this test's own: nothing else's renders are kept for it."""
+    path = SHARED_TOKENIZERS / "qwen3"
+    if not path.is_dir():
+        pytest.skip(f"real tokenizer directory {path} is absent")
+    return load_tokenizer(path)
+
+
+def test_the_groups_next_row_renders_only_what_its_turn_changes(own_qwen3) -> None:
+    rows = _group()
+    first = EpisodeRenderer(own_qwen3)
+    assert first.kept is not None
+    for rendering in ("turns", "whole"):
+        first.align(rows[0], steps_of(rows[0]), rendering)
+    made = first.kept.misses
+    assert made > 2 * len(steps_of(rows[0]))  # a new tokenizer: the history rendered
+    nxt = EpisodeRenderer(own_qwen3)  # the next hand-off over the same tokenizer object
+    got = {r: nxt.align(rows[1], steps_of(rows[1]), r) for r in ("turns", "whole")}
+    # turns: the turn as the last message (the whole rendering is the same render); whole: the
+    # turn's local render between its user turns
+    assert first.kept.misses - made == 2
+    plain = EpisodeRenderer(own_qwen3, kept=False)
+    assert got == {r: plain.align(rows[1], steps_of(rows[1]), r) for r in ("turns", "whole")}
+
+
+def test_a_wrong_kept_render_is_caught_and_the_fresh_one_used(own_qwen3, monkeypatch) -> None:
+    rows = _group()
+    renderer = EpisodeRenderer(own_qwen3)
+    kept = renderer.kept
+    assert kept is not None
+    renderer.align(rows[0], steps_of(rows[0]), "turns")
+    for key in list(kept._kept):  # planted: what a template that reads the clock would do
+        kept._kept[key] = kept._kept[key].replace("Task", "Tusk")
+    kept.pieces.clear()  # the renders, not the pieces, are under test here
+    want = EpisodeRenderer(own_qwen3, kept=False).align(rows[1], steps_of(rows[1]), "turns")
+    # not due: the planted renders are used on trust, and the alignment is wrong
+    monkeypatch.setitem(verify._uses, "kept_renders", itertools.count(verify.KEPT_RENDERS.first + 1))
+    assert EpisodeRenderer(own_qwen3).align(rows[1], steps_of(rows[1]), "turns") != want
+    kept.pieces.clear()
+    monkeypatch.setitem(verify._uses, "kept_renders", itertools.count())  # the process's first hits
+    before = verify.fallbacks().get("kept_renders", 0)
+    assert EpisodeRenderer(own_qwen3).align(rows[1], steps_of(rows[1]), "turns") == want
+    assert verify.fallbacks()["kept_renders"] == before + 1
+    assert not kept.on and len(kept) == 0 and not kept.pieces  # nothing kept from now on
+    assert EpisodeRenderer(own_qwen3).align(rows[2], steps_of(rows[2]), "turns") == EpisodeRenderer(
+        own_qwen3, kept=False
+    ).align(rows[2], steps_of(rows[2]), "turns")
+
+
+def test_a_wrong_kept_piece_is_caught_and_the_fresh_one_used(own_qwen3, monkeypatch) -> None:
+    rows = _group()
+    renderer = EpisodeRenderer(own_qwen3)
+    kept = renderer.kept
+    assert kept is not None
+    want = renderer.align(rows[0], steps_of(rows[0]), "turns")
+    for key, piece in list(kept.pieces.items()):
+        context, turn, start, end = piece
+        kept.pieces[key] = ([*context, 0], turn, start, end)  # one id too many before each turn
+    monkeypatch.setitem(verify._uses, "kept_renders", itertools.count())
+    before = verify.fallbacks().get("kept_renders", 0)
+    assert EpisodeRenderer(own_qwen3).align(rows[0], steps_of(rows[0]), "turns") == want
+    assert verify.fallbacks()["kept_renders"] == before + 1 and not kept.on
+
+
+def test_reference_mode_keeps_nothing(own_qwen3, monkeypatch) -> None:
+    monkeypatch.setenv(verify.RENDERING_ENV, "reference")
+    renderer = EpisodeRenderer(own_qwen3)
+    assert renderer.kept is None and renderer.placer.renders is None
+    rows = _group(1)
+    monkeypatch.delenv(verify.RENDERING_ENV)
+    assert renderer.align(rows[0], steps_of(rows[0]), "turns") == EpisodeRenderer(own_qwen3, kept=False).align(
+        rows[0], steps_of(rows[0]), "turns"
+    )
+
+
+def test_kept_renders_stay_within_their_characters(tmp_path: Path) -> None:
+    tok = bos_tokenizer(tmp_path)
+    lists = [[{"role": "user", "content": "x" * n}] for n in (30, 31, 32)]
+    one = len(KeptRenders().render(tok, lists[0], message_digests(lists[0]), generation=False))
+    kept = KeptRenders(budget=2 * one + 3)
+    for msgs in lists:
+        kept.render(tok, msgs, message_digests(msgs), generation=False)
+    assert len(kept) == 2 and kept._chars <= kept.budget  # the oldest dropped
+    big = [{"role": "user", "content": "y" * (3 * one)}]
+    kept.render(tok, big, message_digests(big), generation=False)
+    assert len(kept) == 2  # larger than the whole budget: never kept
+    odd = [{"role": "user", "content": "z", "extra": ("not", "plain")}]
+    assert message_digests(odd) == [None]
+    kept.render(tok, [{"role": "user", "content": "z"}], [None], generation=False)
+    assert len(kept) == 2  # a message that is not plain data: rendered, not kept
+
+
+def test_list_digests_follow_the_messages_in_order() -> None:
+    a, b = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
+    da, db_ = message_digests([a, b])
+    assert list_digest([da, db_]) != list_digest([db_, da])
+    assert list_digest([da, db_]) == prefix_digests([da, db_])[1]
+    assert list_digest([da]) == prefix_digests([da, db_])[0]
+    assert list_digest([da, None]) is None
