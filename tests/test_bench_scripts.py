@@ -56,6 +56,23 @@ def test_diagnose_bench_small(tmp_path: Path, forks: Forks) -> None:
 
 
 @pytest.mark.slow
+def test_group_alignment_bench_small(tmp_path: Path) -> None:
+    """Both sides run in their own processes on the tree named (here this one, as both)."""
+    if not (SHARED / "tokenizers" / "qwen3").is_dir():
+        pytest.skip(f"{SHARED / 'tokenizers' / 'qwen3'} is not here (../shared absent)")
+    out = tmp_path / "g.json"
+    args = ["--groups", "1", "--rows", "2", "--steps-per-subtask", "1", "--rounds", "1", "--json", str(out)]
+    r = _run(str(BENCH / "group_alignment.py"), *args, "--before", str(BENCH.parent))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["sides"]) == {"after", "before"} and set(doc["after_over_before"]) == {"first_row", "other_rows"}
+    for side in doc["sides"].values():
+        assert side["hcapo_store"] == str(BENCH.parent / "hcapo_store")
+        run = side["runs"][0]
+        assert len(run["first_row_ms"]) == 1 and len(run["other_rows_ms"]) == 1 and run["first_row_ms"][0] > 0
+
+
+@pytest.mark.slow
 def test_follow_bench_small(forks: Forks) -> None:
     samples = SHARED / "samples" / "long"
     if not samples.is_dir():
