@@ -119,16 +119,17 @@ def test_kept_pieces_give_the_alignment_the_code_before_gave(name: str, prompt: 
 
 
 class Counting(EpisodeRenderer):
-    """Counts the ``turns`` pieces it renders (kept pieces are not rendered again; a kept piece
-    made again to check it, without kept renders, is the run-time check's and not counted)."""
+    """Counts the ``turns`` pieces it makes (kept pieces are not made again; a piece made again
+    to check it, by the run-time checks, is not counted)."""
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self.rendered = 0
 
-    def _turn_piece(self, msgs: list[dict], m: int, previous: int | None, digests: Any) -> Any:
-        self.rendered += digests is not None
-        return super()._turn_piece(msgs, m, previous, digests)
+    def _turns(self, *args: Any, **kwargs: Any) -> Any:
+        out, made = super()._turns(*args, **kwargs)
+        self.rendered += len(made)
+        return out, made
 
 
 def test_pieces_are_kept_across_renderers_of_one_tokenizer(prompt: list[dict[str, Any]]) -> None:

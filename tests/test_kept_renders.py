@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _tokenizers import SHARED_TOKENIZERS, bos_tokenizer, real_tokenizer
+from _tokenizers import CHATML_WITH_BOS, SHARED_TOKENIZERS, bos_tokenizer, real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hcapo_store.rendering import verify
-from hcapo_store.rendering.alignment import EpisodeRenderer
+from hcapo_store.rendering.alignment import EpisodeRenderer, checked_pieces
 from hcapo_store.rendering.kept_renders import KeptRenders, list_digest, message_digests, prefix_digests
+from hcapo_store.rendering.messages import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer
 
 WORDS = "the of and to run test file path value data 42 café 東京 {} [] : ; ok".split()
@@ -51,7 +52,7 @@ def families(draw: Any) -> list[list[dict[str, Any]]]:
     some rows with a middle message edited, some with a user turn before the completion."""
     prompt: list[dict[str, Any]] = [{"role": "system", "content": "You act. " + draw(words)}]
     prompt.append({"role": "user", "content": "Task: " + draw(words)})
-    for s in range(draw(st.integers(1, 4))):
+    for s in range(draw(st.integers(1, 7))):
         if draw(st.booleans()) and draw(st.booleans()):
             prompt.append({"role": "user", "content": "Continue. " + draw(words)})
         turn = draw(assistant_turns(s))
@@ -85,7 +86,7 @@ def tokenizers() -> dict[str, Any]:
 @given(rows=families(), name=st.sampled_from(["qwen3", "qwen2.5"]))
 def test_kept_renders_give_the_alignments_of_renders_made_anew(tokenizers, rows, name) -> None:
     tok = tokenizers[name]
-    kept, plain = EpisodeRenderer(tok), EpisodeRenderer(tok, kept=False)
+    kept, plain = EpisodeRenderer(tok), EpisodeRenderer(tok, fast=False)
     assert kept.kept is not None and plain.kept is None and kept.kept.on
     before = verify.fallbacks().get("kept_renders", 0)
     for row in rows:
@@ -95,9 +96,9 @@ def test_kept_renders_give_the_alignments_of_renders_made_anew(tokenizers, rows,
     assert verify.fallbacks().get("kept_renders", 0) == before and kept.kept.on
 
 
-def _group(n: int = 3) -> list[list[dict[str, Any]]]:
+def _group(n: int = 3, steps: int = 6) -> list[list[dict[str, Any]]]:
     prompt: list[dict[str, Any]] = [{"role": "system", "content": "You act."}, {"role": "user", "content": "Task"}]
-    for s in range(6):
+    for s in range(steps):
         call = {"id": f"c{s}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"n": s})}}
         prompt.append({"role": "assistant", "content": f"step {s}", "tool_calls": [call]})
         prompt.append({"role": "tool", "name": "bash", "tool_call_id": f"c{s}", "content": f"out {s}"})
@@ -126,7 +127,7 @@ def test_the_groups_next_row_renders_only_what_its_turn_changes(own_qwen3) -> No
     # turns: the turn as the last message (the whole rendering is the same render); whole: the
     # turn's local render between its user turns
     assert first.kept.misses - made == 2
-    plain = EpisodeRenderer(own_qwen3, kept=False)
+    plain = EpisodeRenderer(own_qwen3, fast=False)
     assert got == {r: plain.align(rows[1], steps_of(rows[1]), r) for r in ("turns", "whole")}
 
 
@@ -139,7 +140,7 @@ def test_a_wrong_kept_render_is_caught_and_the_fresh_one_used(own_qwen3, monkeyp
     for key in list(kept._kept):  # planted: what a template that reads the clock would do
         kept._kept[key] = kept._kept[key].replace("Task", "Tusk")
     kept.pieces.clear()  # the renders, not the pieces, are under test here
-    want = EpisodeRenderer(own_qwen3, kept=False).align(rows[1], steps_of(rows[1]), "turns")
+    want = EpisodeRenderer(own_qwen3, fast=False).align(rows[1], steps_of(rows[1]), "turns")
     # not due: the planted renders are used on trust, and the alignment is wrong
     monkeypatch.setitem(verify._uses, "kept_renders", itertools.count(verify.KEPT_RENDERS.first + 1))
     assert EpisodeRenderer(own_qwen3).align(rows[1], steps_of(rows[1]), "turns") != want
@@ -150,7 +151,7 @@ def test_a_wrong_kept_render_is_caught_and_the_fresh_one_used(own_qwen3, monkeyp
     assert verify.fallbacks()["kept_renders"] == before + 1
     assert not kept.on and len(kept) == 0 and not kept.pieces  # nothing kept from now on
     assert EpisodeRenderer(own_qwen3).align(rows[2], steps_of(rows[2]), "turns") == EpisodeRenderer(
-        own_qwen3, kept=False
+        own_qwen3, fast=False
     ).align(rows[2], steps_of(rows[2]), "turns")
 
 
@@ -175,7 +176,7 @@ def test_reference_mode_keeps_nothing(own_qwen3, monkeypatch) -> None:
     assert renderer.kept is None and renderer.placer.renders is None
     rows = _group(1)
     monkeypatch.delenv(verify.RENDERING_ENV)
-    assert renderer.align(rows[0], steps_of(rows[0]), "turns") == EpisodeRenderer(own_qwen3, kept=False).align(
+    assert renderer.align(rows[0], steps_of(rows[0]), "turns") == EpisodeRenderer(own_qwen3, fast=False).align(
         rows[0], steps_of(rows[0]), "turns"
     )
 
@@ -204,3 +205,43 @@ def test_list_digests_follow_the_messages_in_order() -> None:
     assert list_digest([da, db_]) == prefix_digests([da, db_])[1]
     assert list_digest([da]) == prefix_digests([da, db_])[0]
     assert list_digest([da, None]) is None
+
+
+def test_a_long_rows_pieces_are_made_on_windows_equal_to_the_whole_historys(own_qwen3) -> None:
+    (row,) = _group(1, steps=14)
+    renderer = EpisodeRenderer(own_qwen3)
+    before = verify.fallbacks().get("windowed_turns", 0)
+    out, made = renderer._turns(
+        normalize_messages(row), steps_of(row), message_digests(normalize_messages(row)), flattened=False, windowed=True
+    )
+    assert sum(on_window for *_, on_window in made) >= 8  # all but the first few: their windows are shorter
+    assert out == EpisodeRenderer(own_qwen3, fast=False).align(row, steps_of(row), "turns")
+    assert renderer.align(row, steps_of(row), "turns") == out
+    assert verify.fallbacks().get("windowed_turns", 0) == before
+
+
+# numbers the messages that are not the policy's: a turn's context reads how many came before it
+NUMBERED = CHATML_WITH_BOS.replace(
+    "<|im_start|>{{ m.role }}\n",
+    "<|im_start|>{{ m.role }}{{ (' #' ~ loop.index) if m.role != 'assistant' else '' }}\n",
+)
+
+
+def test_a_template_that_reads_outside_the_window_is_caught_and_placed_on_whole_histories(tmp_path: Path) -> None:
+    assert NUMBERED != CHATML_WITH_BOS
+    tok = bos_tokenizer(tmp_path, template=NUMBERED)
+    (row,) = _group(1, steps=10)
+    want = EpisodeRenderer(tok, fast=False).align(row, steps_of(row), "turns")
+    assert len(want.spans) == len(steps_of(row)) and not want.refused
+    before = verify.fallbacks().get("windowed_turns", 0)
+    assert EpisodeRenderer(tok).align(row, steps_of(row), "turns") == want
+    assert verify.fallbacks()["windowed_turns"] == before + 1
+    # the windows would have placed it otherwise: the check is what kept it right
+    msgs = normalize_messages(row)
+    windowed, _ = EpisodeRenderer(tok, fast=False)._turns(msgs, steps_of(row), None, flattened=False, windowed=True)
+    assert windowed != want
+
+
+def test_checked_pieces_are_the_first_the_last_and_halving_back() -> None:
+    assert checked_pieces(0) == [] and checked_pieces(1) == [0] and checked_pieces(2) == [1, 0]
+    assert checked_pieces(98) == [97, 48, 24, 12, 6, 3, 1, 0]

@@ -34,7 +34,10 @@ Both renderings render through the tokenizer object's kept renders (``kept_rende
 digest of the messages), so a row that differs from the rows before it only in its last turn
 renders its history's four renders of that turn, the skeleton and the per-step local renders
 once for the group; the kept pieces and renders are checked against fresh ones at run time
-(``verify.KEPT_RENDERS``).
+(``verify.KEPT_RENDERS``). An episode's new ``turns`` pieces after its first are made on a window
+of their history (:class:`HistoryWindows`: the head, the last user message and the turns from
+the previous one on), in time linear in the episode; the first, the last and halving back are
+made again on the whole history and compared (``verify.WINDOWED_TURNS``).
 
 A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the scoring rule:
 ``render(messages[:m], add_generation_prompt=True)`` must be a prefix of
@@ -87,15 +90,18 @@ class Alignment:
 class EpisodeRenderer:
     """Renders a whole episode with a chat template and places each step's own tokens in it.
 
-    ``kept``: keep renders and ``turns`` pieces across episodes and renderers of this tokenizer
-    object (``kept_renders.py``; False: every render made anew, as in reference mode)."""
+    ``fast`` (default; off in reference mode): keep renders and ``turns`` pieces across episodes
+    and renderers of this tokenizer object (``kept_renders.py``) and make a ``turns`` piece on a
+    window of its history (:class:`HistoryWindows`); False: the rules only, every render made
+    anew on the whole history."""
 
-    def __init__(self, tokenizer: Any, *, kept: bool = True) -> None:
+    def __init__(self, tokenizer: Any, *, fast: bool = True) -> None:
         self.tokenizer = tokenizer
         self.encoder = SegmentEncoder(tokenizer)
         self.locator = OwnTokenLocator(tokenizer, self.encoder)
         # the renders and pieces shared by the renderers of this tokenizer object
-        self.kept: KeptRenders | None = kept_renders(tokenizer) if kept else None
+        self.kept: KeptRenders | None = kept_renders(tokenizer) if fast else None
+        self.fast = self.kept is not None
         self.placer = Placer(tokenizer, encoder=self.encoder, renders=self.kept)
 
     def _render(self, messages: list[dict], generation: bool, digests: Digests | None = None) -> str:
@@ -133,13 +139,45 @@ class EpisodeRenderer:
         return Alignment(placement.ids, spans, dict(placement.refused), flattened=flattened)
 
     def _align_turns(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+        digests = self._digests(msgs)
+        out, made = self._turns(msgs, steps, digests, flattened=flattened, windowed=self.fast)
+        windowed = [i for i, (_, _, _, _, w) in enumerate(made) if w]
+        for i in checked_pieces(len(windowed)):
+            key, m, previous, piece, _ = made[windowed[i]]
+            try:
+                rule = self._turn_piece(msgs, m, previous, digests)
+            except TemplateRejected:
+                rule = "template"  # the whole history is rejected where the window was not: not equal
+            if rule != piece:
+                verify.disagreed(verify.WINDOWED_TURNS, f"the piece of message {m} differs from its whole history's")
+                out, made = self._turns(msgs, steps, digests, flattened=flattened, windowed=False)
+                break
+        if self.kept is not None:
+            for key, _, _, piece, _ in made:
+                if key is not None:
+                    self.kept.put_piece(key, piece)
+        return out
+
+    def _turns(
+        self,
+        msgs: list[dict],
+        steps: list[tuple[int, int]],
+        digests: Digests | None,
+        *,
+        flattened: bool,
+        windowed: bool,
+    ) -> tuple[Alignment, list[tuple[Any, int, int | None, Piece, bool]]]:
+        """The ``turns`` alignment and the pieces it made (key, message, previous turn, piece,
+        whether made on a window), not yet kept: a windowed piece is kept once the episode's
+        checks passed."""
         ids: list[int] = []
         out = Alignment(ids, flattened=flattened)
+        made: list[tuple[Any, int, int | None, Piece, bool]] = []
         previous: int | None = None  # message index of the last turn in the row
         # a step's piece reads msgs[: m + 1] only (every render below is of a prefix of it): kept by
         # that prefix's digest, it is rendered once for all the episodes that share the prefix
-        digests = self._digests(msgs)
         prefixes = prefix_digests(digests) if digests is not None else None
+        windows = HistoryWindows(msgs) if windowed else None
         for index, m in sorted(steps, key=lambda s: s[1]):
             if not 0 < m < len(msgs) or msgs[m].get("role") != "assistant" or m == previous:
                 out.refused[index] = f"message {m} is not an assistant message after the first message"
@@ -148,9 +186,13 @@ class EpisodeRenderer:
             key = None if digest is None else (flattened, previous, m, digest)
             piece = self._kept_piece(key, msgs, m, previous)
             if piece is None:
-                piece = self._turn_piece(msgs, m, previous, digests)
-                if key is not None and self.kept is not None:
-                    self.kept.put_piece(key, piece)
+                # the episode's first new piece is made on its whole history: a row that adds one
+                # turn to a kept history (a GRPO group's next row) would check its one window anyway
+                piece = windows.piece(self, digests, m, previous) if windows is not None and made else None
+                on_window = piece is not None
+                if piece is None:
+                    piece = self._turn_piece(msgs, m, previous, digests)
+                made.append((key, m, previous, piece, on_window))
             if isinstance(piece, str):
                 out.refused[index] = piece
                 continue
@@ -159,7 +201,7 @@ class EpisodeRenderer:
             out.spans[index] = (len(ids) + start, len(ids) + end)
             ids.extend(turn_ids)  # the turn as the policy ended it: nothing after its end
             previous = m
-        return out
+        return out, made
 
     def _kept_piece(self, key: Any, msgs: list[dict], m: int, previous: int | None) -> Piece | None:
         """The piece kept under ``key``, made again (no kept render) and compared when the
@@ -246,6 +288,62 @@ class EpisodeRenderer:
             else:
                 out.spans[index] = (len(prefix), len(step))
         return out
+
+
+class HistoryWindows:
+    """A ``turns`` piece made on a window of its history: the piece of turn ``m`` after turn
+    ``p`` is what the template renders between and around them, so it is made on the head (the
+    messages through the first user message), the last user message before ``p`` and the messages
+    from ``p`` to ``m``: a few renders of a few messages instead of five of the whole history, so
+    an episode's pieces take time linear in its length (not its square).
+
+    The rule is the piece made on the whole history (``EpisodeRenderer._turn_piece``). A template
+    that reads messages outside the window (numbers its turns, say) makes other pieces: so each
+    episode's windowed pieces are checked (:func:`checked_pieces`: the first, the last and
+    halving back from it, made again on their whole history), and one difference makes every
+    piece of the episode on its whole history (``verify.WINDOWED_TURNS``, counted). The pieces
+    not checked are held equal by tests (tests/test_kept_renders.py, property-based), not proven."""
+
+    def __init__(self, msgs: list[dict]) -> None:
+        self.msgs = msgs
+        first_user = next((i for i, x in enumerate(msgs) if x.get("role") == "user"), None)
+        self.head_end = 1 if first_user is None else first_user + 1
+        self.last_user: list[int | None] = []  # per message, the last user message before it
+        last: int | None = None
+        for i, x in enumerate(msgs):
+            self.last_user.append(last)
+            if x.get("role") == "user":
+                last = i
+
+    def piece(self, renderer: EpisodeRenderer, digests: Digests | None, m: int, previous: int | None) -> Piece | None:
+        """Turn ``m``'s piece made on its window, or None where there is no shorter window (or
+        the template rejects it: then the whole history's piece is made)."""
+        if previous is None or previous < self.head_end:
+            return None
+        u = self.last_user[previous]
+        keep = [*range(self.head_end), *([u] if u is not None and u >= self.head_end else []), *range(previous, m + 1)]
+        if 2 * len(keep) > m + 1:  # hardly shorter than the history: the rule's piece
+            return None
+        window = [self.msgs[i] for i in keep]
+        at = len(keep) - 1 - (m - previous)  # where turn ``previous`` is in the window
+        try:
+            return renderer._turn_piece(
+                window, len(keep) - 1, at, None if digests is None else [digests[i] for i in keep]
+            )
+        except TemplateRejected:
+            return None
+
+
+def checked_pieces(n: int) -> list[int]:
+    """Which of an episode's ``n`` windowed pieces (in order) are made again on their whole history:
+    the first, the last, and halving back from the last (a template that reads far back shows it
+    latest), about log2(n) of them; descending."""
+    picks = {0} if n else set()
+    k = n - 1
+    while k > 0:
+        picks.add(k)
+        k //= 2
+    return sorted(picks, reverse=True)
 
 
 def span_problem(prefix: list[int], step: list[int], full: list[int]) -> str | None:

@@ -108,9 +108,24 @@ KEPT_RENDERS = Strategy(
     first=4,
     every=256,
 )
+WINDOWED_TURNS = Strategy(
+    "windowed_turns",
+    "the ``turns`` piece made on the turn's whole history (alignment.EpisodeRenderer._turn_piece)",
+    "the first and the last piece an episode makes on a window, and halving back from the last",
+    "episode",
+)
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
-    for s in (ASCII_BPE, TEMPLATE_SANDBOX, BOUNDED_RENDERS, TURN_WINDOWS, PLACEMENT, CUDA_GRAPHS, KEPT_RENDERS)
+    for s in (
+        ASCII_BPE,
+        TEMPLATE_SANDBOX,
+        BOUNDED_RENDERS,
+        TURN_WINDOWS,
+        PLACEMENT,
+        CUDA_GRAPHS,
+        KEPT_RENDERS,
+        WINDOWED_TURNS,
+    )
 }
 
 
