@@ -4,6 +4,7 @@ places by search: its ``turns`` and ``whole`` alignments).
     python bench/group_alignment.py                        # 3 groups of 8 rows, the 99-step prompt
     python bench/group_alignment.py --before /tmp/old      # alternating with another checkout: ratios
     python bench/group_alignment.py --json OUT
+    python bench/group_alignment.py --groups 0 --episodes ../shared/samples/long/*   # real episodes, alone
 
 Each group's prompt is bench/hindsight_pass.py's (the synthetic episode up to its last assistant turn:
 197 messages, 99 steps, ~9.1k Qwen3 tokens), its first message marked with the group's number so no
@@ -11,7 +12,8 @@ two groups share a history; each row is the prompt and a short completion of its
 tokenizer object for the run, as a trainer keeps one. Per row, the CPU seconds
 (``time.process_time``) of ``EpisodeRenderer(tok).align`` for both renderings: the group's first
 row (a history not seen before) and its other rows (the group's shared history) are reported
-apart. ``--before DIR``: each round runs this script on this tree and then on DIR's
+apart. ``--episodes``: episode folders ingested into a scratch store, each aligned whole, alone
+(every piece new: what a tokenized export or a multi-turn trainer's row costs). ``--before DIR``: each round runs this script on this tree and then on DIR's
 ``hcapo_store`` (a checkout of another commit), in fresh processes, ``--rounds`` times; medians
 per side and their ratios.
 """
@@ -33,7 +35,24 @@ HERE = Path(__file__).resolve().parent
 SHARED_TOKENIZER = HERE.parent.parent / "shared" / "tokenizers" / "qwen3"
 
 
-def measure(tokenizer: str, groups: int, rows: int, steps_per_subtask: int) -> dict[str, Any]:
+def _episodes(paths: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each episode folder's messages, as the store keeps them (ingested into a scratch store)."""
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.storage import db
+    from hcapo_store.storage.episodes import load_messages
+    from hcapo_store.storage.store import Store
+
+    out = []
+    with Store.open(str(Path(tempfile.mkdtemp(prefix="hcapo-ga-")) / "s.db")) as store:
+        if ingest(store, [Path(p) for p in paths], jobs=1).failed:
+            raise SystemExit("an episode failed to ingest")
+        with db.read(store.engine) as conn:
+            for ep_id, name in conn.exec_driver_sql("SELECT id, name FROM episodes ORDER BY name").all():
+                out.append((str(name), [dict(m) for m in load_messages(conn, int(ep_id))]))
+    return out
+
+
+def measure(tokenizer: str, groups: int, rows: int, steps_per_subtask: int, episodes: list[str]) -> dict[str, Any]:
     """One process's timings on whatever ``hcapo_store`` it imports."""
     import hcapo_store  # the one on PYTHONPATH, before _gpu_common puts this tree first on the path
     from hcapo_store.rendering.alignment import EpisodeRenderer
@@ -56,11 +75,21 @@ def measure(tokenizer: str, groups: int, rows: int, steps_per_subtask: int) -> d
             turns, whole = renderer.align(msgs, at, "turns"), renderer.align(msgs, at, "whole")
             (first if r == 0 else others).append(time.process_time() - t)
             assert len(turns.spans) == len(whole.spans) == len(at), (len(turns.spans), len(whole.spans))
+    alone = []
+    for name, msgs in _episodes(episodes) if episodes else []:
+        at = [(k, m) for k, m in enumerate(i for i, x in enumerate(msgs) if x.get("role") == "assistant")]
+        t = time.process_time()
+        renderer = EpisodeRenderer(tok)
+        turns, whole = renderer.align(msgs, at, "turns"), renderer.align(msgs, at, "whole")
+        spent = time.process_time() - t
+        placed = [len(turns.spans), len(whole.spans)]
+        alone.append({"episode": name, "steps": len(at), "placed": placed, "ms": round(spent * 1000, 2)})
     return {
         "hcapo_store": str(Path(hcapo_store.__file__).parent),
         "episode_steps": steps,
         "first_row_ms": [round(s * 1000, 2) for s in first],
         "other_rows_ms": [round(s * 1000, 2) for s in others],
+        "episodes": alone,
     }
 
 
@@ -68,6 +97,7 @@ def _run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--tokenizer", args.tokenizer]
     cmd += ["--groups", str(args.groups), "--rows", str(args.rows), "--steps-per-subtask", str(args.steps_per_subtask)]
+    cmd += ["--episodes", *args.episodes] if args.episodes else []
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -78,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--groups", type=int, default=3, help="groups, each a prompt of its own: 3")
     p.add_argument("--rows", type=int, default=8, help="rows per group: 8")
     p.add_argument("--steps-per-subtask", type=int, default=22, help="the synthetic episode's size: 22 (99 steps)")
+    p.add_argument(
+        "--episodes", nargs="+", help="episode folders (e.g. ../shared/samples/long/*): each aligned whole, alone"
+    )
     p.add_argument("--before", help="another checkout's root: alternate with it, print ratios")
     p.add_argument("--rounds", type=int, default=3, help="with --before: rounds, each side once per round: 3")
     p.add_argument("--json", dest="json_out", help="write the result here")
@@ -86,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not Path(args.tokenizer).is_dir():
         raise SystemExit(f"no tokenizer at {args.tokenizer}: pass --tokenizer DIR (a Qwen3 tokenizer)")
     if args.one:
-        print(json.dumps(measure(args.tokenizer, args.groups, args.rows, args.steps_per_subtask)))
+        print(json.dumps(measure(args.tokenizer, args.groups, args.rows, args.steps_per_subtask, args.episodes)))
         return {}
     trees = {"after": HERE.parent} | ({"before": Path(args.before).resolve()} if args.before else {})
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in trees}
@@ -103,28 +136,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sides": {},
     }
     for side, got in runs.items():
-        first = [v for run in got for v in run["first_row_ms"]]
-        others = [v for run in got for v in run["other_rows_ms"]]
-        doc["sides"][side] = {
-            "hcapo_store": got[0]["hcapo_store"],
-            "episode_steps": got[0]["episode_steps"],
-            "first_row_ms_median": round(statistics.median(first), 2),
-            "other_rows_ms_median": round(statistics.median(others), 2),
-            "runs": got,
+        row: dict[str, Any] = {"hcapo_store": got[0]["hcapo_store"], "episode_steps": got[0]["episode_steps"]}
+        for kind in ("first_row", "other_rows"):
+            values = [v for run in got for v in run[f"{kind}_ms"]]
+            row[f"{kind}_ms_median"] = round(statistics.median(values), 2) if values else None
+        row["episodes_ms_median"] = {
+            ep["episode"]: round(statistics.median(run["episodes"][i]["ms"] for run in got), 2)
+            for i, ep in enumerate(got[0]["episodes"])
         }
+        row["runs"] = got
+        doc["sides"][side] = row
         print(
-            f"{side:6s} first row {doc['sides'][side]['first_row_ms_median']:8.1f} ms   "
-            f"other rows {doc['sides'][side]['other_rows_ms_median']:7.1f} ms   ({got[0]['hcapo_store']})"
+            f"{side:6s} ({row['hcapo_store']}): rows {row['first_row_ms_median']} ms first, {row['other_rows_ms_median']} ms others"
         )
+        for ep in got[0]["episodes"]:
+            print(
+                f"{side:6s} {ep['episode']}: {ep['steps']} steps, placed {ep['placed']}, {row['episodes_ms_median'][ep['episode']]} ms"
+            )
     if args.before:
         a, b = doc["sides"]["after"], doc["sides"]["before"]
-        doc["after_over_before"] = {
-            "first_row": round(a["first_row_ms_median"] / b["first_row_ms_median"], 3),
-            "other_rows": round(a["other_rows_ms_median"] / b["other_rows_ms_median"], 3),
+        ratios: dict[str, Any] = {
+            kind: round(a[f"{kind}_ms_median"] / b[f"{kind}_ms_median"], 3)
+            for kind in ("first_row", "other_rows")
+            if a[f"{kind}_ms_median"] and b[f"{kind}_ms_median"]
         }
-        print(
-            f"after / before: first row ×{doc['after_over_before']['first_row']}, other rows ×{doc['after_over_before']['other_rows']}"
-        )
+        ratios["episodes"] = {
+            name: round(ms / b["episodes_ms_median"][name], 3) for name, ms in a["episodes_ms_median"].items()
+        }
+        doc["after_over_before"] = ratios
+        print(f"after / before: {ratios}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1), encoding="utf-8")
     return doc

@@ -62,14 +62,20 @@ def test_group_alignment_bench_small(tmp_path: Path) -> None:
         pytest.skip(f"{SHARED / 'tokenizers' / 'qwen3'} is not here (../shared absent)")
     out = tmp_path / "g.json"
     args = ["--groups", "1", "--rows", "2", "--steps-per-subtask", "1", "--rounds", "1", "--json", str(out)]
+    episode = SHARED / "samples" / "trajectories" / "episode_001"
+    args += ["--episodes", str(episode)] if episode.is_dir() else []
     r = _run(str(BENCH / "group_alignment.py"), *args, "--before", str(BENCH.parent))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert set(doc["sides"]) == {"after", "before"} and set(doc["after_over_before"]) == {"first_row", "other_rows"}
+    assert set(doc["sides"]) == {"after", "before"}
+    assert set(doc["after_over_before"]) == {"first_row", "other_rows", "episodes"}
     for side in doc["sides"].values():
         assert side["hcapo_store"] == str(BENCH.parent / "hcapo_store")
         run = side["runs"][0]
         assert len(run["first_row_ms"]) == 1 and len(run["other_rows_ms"]) == 1 and run["first_row_ms"][0] > 0
+        for ep in run["episodes"]:
+            assert ep["steps"] > 0 and ep["placed"][0] == ep["steps"] and ep["ms"] > 0
+        assert len(run["episodes"]) == episode.is_dir()
 
 
 @pytest.mark.slow
