@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,21 +182,24 @@ def test_reference_mode_keeps_nothing(own_qwen3, monkeypatch) -> None:
     )
 
 
-def test_kept_renders_stay_within_their_characters(tmp_path: Path) -> None:
+def test_kept_renders_stay_within_their_bytes(tmp_path: Path) -> None:
     tok = bos_tokenizer(tmp_path)
     lists = [[{"role": "user", "content": "x" * n}] for n in (30, 31, 32)]
-    one = len(KeptRenders().render(tok, lists[0], message_digests(lists[0]), generation=False))
+    one = sys.getsizeof(KeptRenders().render(tok, lists[-1], message_digests(lists[-1]), generation=False))
     kept = KeptRenders(budget=2 * one + 3)
     for msgs in lists:
         kept.render(tok, msgs, message_digests(msgs), generation=False)
-    assert len(kept) == 2 and kept._chars <= kept.budget  # the oldest dropped
+    assert len(kept) == 2 and kept._bytes <= kept.budget  # the oldest dropped
+    wide = [{"role": "user", "content": "東" * 30}]  # 4 bytes a character in memory: more than two
+    kept.render(tok, wide, message_digests(wide), generation=False)
+    assert len(kept) == 1 and kept._bytes <= kept.budget
     big = [{"role": "user", "content": "y" * (3 * one)}]
     kept.render(tok, big, message_digests(big), generation=False)
-    assert len(kept) == 2  # larger than the whole budget: never kept
+    assert len(kept) == 1  # larger than the whole budget: never kept
     odd = [{"role": "user", "content": "z", "extra": ("not", "plain")}]
     assert message_digests(odd) == [None]
     kept.render(tok, [{"role": "user", "content": "z"}], [None], generation=False)
-    assert len(kept) == 2  # a message that is not plain data: rendered, not kept
+    assert len(kept) == 1  # a message that is not plain data: rendered, not kept
 
 
 def test_list_digests_follow_the_messages_in_order() -> None:

@@ -9,8 +9,8 @@ renders are kept here, so the group's second row renders only what its own turn 
 A render is kept under the digest of its messages (each message's ``repr``, exact for plain JSON
 data in its key order; a message that is not plain data is never kept, nor any list holding one)
 and the generation flag, per tokenizer object while its chat template, special tokens, size and
-added tokens stay the same (``tokenizer_state``). What is kept is bounded by its characters, the
-oldest dropped first.
+added tokens stay the same (``tokenizer_state``). What is kept is bounded by its size in memory
+(``RENDER_BYTES``), the oldest dropped first.
 
 A template is a function of its messages, except one that reads the clock (``strftime_now``).
 So the kept render is the strategy :data:`verify.KEPT_RENDERS` and the template's render now is
@@ -22,6 +22,7 @@ object from then on. ``HCAPO_RENDERING=reference`` keeps nothing.
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,9 +33,9 @@ from hcapo_store.rendering.own_tokens import EMPTY_TURN
 from hcapo_store.rendering.template import render_chat
 from hcapo_store.rendering.tokenizers import PerTokenizer
 
-# characters of kept renders per tokenizer object (~2 MB of renders per prompt of a 99-step,
-# 9k-token episode: the groups of a few training steps)
-RENDER_CHARS = 64 * 1024 * 1024
+# bytes of kept renders per tokenizer object (sys.getsizeof: a text outside Latin-1 takes 2 or 4
+# bytes a character); a 99-step, 9k-token prompt's first row keeps ~2 MB: a few training steps' groups
+RENDER_BYTES = 64 * 1024 * 1024
 # ``turns`` pieces kept (alignment.py): a GRPO batch's rows share their prompt's ~100 steps, so
 # its rows after the first render only their own last turn
 TURN_PIECES = 4096
@@ -119,13 +120,13 @@ class KeptRenders:
     alignment's pieces (``alignment.py``: kept by the digest of the messages up to the turn, never
     changed once put); thread-safe."""
 
-    def __init__(self, budget: int = RENDER_CHARS) -> None:
+    def __init__(self, budget: int = RENDER_BYTES) -> None:
         self.budget = budget
         self.on = True  # False once a kept render or piece differed from the one made now
         self.hits = 0
         self.misses = 0
         self._kept: OrderedDict[tuple[bytes, bool], str] = OrderedDict()
-        self._chars = 0
+        self._bytes = 0
         self._lock = threading.Lock()
         self.pieces: dict[Any, Any] = {}
 
@@ -165,13 +166,14 @@ class KeptRenders:
     def _put(self, key: tuple[bytes, bool], text: str) -> None:
         with self._lock:
             self.misses += 1
-            if not self.on or key in self._kept or len(text) > self.budget:
+            size = sys.getsizeof(text)
+            if not self.on or key in self._kept or size > self.budget:
                 return
             self._kept[key] = text
-            self._chars += len(text)
-            while self._chars > self.budget:
+            self._bytes += size
+            while self._bytes > self.budget:
                 _, old = self._kept.popitem(last=False)
-                self._chars -= len(old)
+                self._bytes -= sys.getsizeof(old)
 
     def switch_off(self, detail: str) -> None:
         """A kept render or piece differed from the one made now: counted, nothing kept from now on."""
@@ -179,7 +181,7 @@ class KeptRenders:
         with self._lock:
             self.on = False
             self._kept.clear()
-            self._chars = 0
+            self._bytes = 0
             self.pieces.clear()
 
     def __len__(self) -> int:
