@@ -249,3 +249,33 @@ def test_a_template_that_reads_outside_the_window_is_caught_and_placed_on_whole_
 def test_checked_pieces_are_the_first_the_last_and_halving_back() -> None:
     assert checked_pieces(0) == [] and checked_pieces(1) == [0] and checked_pieces(2) == [1, 0]
     assert checked_pieces(98) == [97, 48, 24, 12, 6, 3, 1, 0]
+
+
+def test_the_shared_samples_align_as_with_nothing_kept(tmp_path: Path) -> None:
+    """Real sessions (the trajectories and the long samples: up to 101k tokens), each aligned in
+    both renderings with the strategies on and with the rules only: the same alignments."""
+    from _shared import SHARED
+
+    from hcapo_store.ingestion.pipeline import ingest
+    from hcapo_store.storage import db
+    from hcapo_store.storage.episodes import load_messages
+    from hcapo_store.storage.store import Store
+
+    folders = sorted((SHARED / "samples" / "trajectories").glob("episode_*")) + sorted(
+        (SHARED / "samples" / "long").glob("episode_*")
+    )
+    if not folders:
+        pytest.skip(f"{SHARED / 'samples'} is not here (../shared absent)")
+    tok = real_tokenizer("qwen3")
+    with Store.open(str(tmp_path / "s.db")) as store:
+        assert not ingest(store, folders, jobs=1).failed
+        with db.read(store.engine) as conn:
+            ids = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes ORDER BY id")]
+            episodes = [[dict(m) for m in load_messages(conn, i)] for i in ids]
+    before = {k: verify.fallbacks().get(k, 0) for k in ("kept_renders", "windowed_turns")}
+    for msgs in episodes:
+        for rendering in ("turns", "whole"):
+            fast = EpisodeRenderer(tok).align(msgs, steps_of(msgs), rendering)
+            assert fast == EpisodeRenderer(tok, fast=False).align(msgs, steps_of(msgs), rendering)
+            assert fast.spans  # something placed: the comparison is not of two empty alignments
+    assert {k: verify.fallbacks().get(k, 0) for k in before} == before
