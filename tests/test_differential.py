@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from _hypothesis import session_settings
 from _tokenizers import real_tokenizer
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hcapo_store.rendering import verify
@@ -118,13 +119,7 @@ def tokenizers():
     return {name: real_tokenizer(name) for name in ("qwen3", "qwen2.5")}
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@session_settings(30)
 @given(
     session=sessions(),
     name=st.sampled_from(["qwen3", "qwen2.5"]),

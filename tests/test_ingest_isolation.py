@@ -15,9 +15,10 @@ from typing import Any
 
 import pg
 import pytest
+from _hypothesis import session_settings
 from builders import EpisodeBuilder
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 from sqlalchemy import text
 
@@ -245,18 +246,7 @@ def _assert_isolated(report, store: Store, names_file: str, good: list[str]) -> 
         assert _stored(store, marker) == 1, marker
 
 
-SETTINGS = settings(
-    max_examples=4,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.large_base_example,
-    ],
-)
+SETTINGS = session_settings(4, HealthCheck.large_base_example)
 
 
 @pytest.mark.parametrize("path,kind", JSONL_FIELDS, ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v)

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _hypothesis import session_settings
 from _tokenizers import CHATML_WITH_BOS, SHARED_TOKENIZERS, bos_tokenizer, real_tokenizer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hcapo_store.rendering import verify
@@ -77,13 +78,7 @@ def tokenizers() -> dict[str, Any]:
     return {name: real_tokenizer(name) for name in ("qwen3", "qwen2.5")}
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@session_settings(25)
 @given(rows=families(), name=st.sampled_from(["qwen3", "qwen2.5"]))
 def test_kept_renders_give_the_alignments_of_renders_made_anew(tokenizers, rows, name) -> None:
     tok = tokenizers[name]

@@ -146,18 +146,17 @@ class Placer:
         ``digests``: each message's (``kept_renders.message_digest``), to render through the
         kept renders."""
         whole = self._render(msgs, digests=digests)
-        ids, offsets = self.locator.offsets(whole)
+        out = Placement(whole, *self.locator.offsets(whole))  # its spans and refusals filled below
         try:
             chars = self._walk(msgs, steps, whole, digests)
         except (_Mismatch, TemplateRejected):
-            return self._exact(msgs, steps, whole, ids, offsets, digests)
-        return self._tokens(msgs, steps, whole, ids, offsets, chars, linear=True)
+            return self._exact(msgs, steps, out, digests)
+        return self._tokens(msgs, steps, out, chars, linear=True)
 
     def place_exact(self, msgs: list[dict], steps: Steps) -> Placement:
         """Step by step: the whole conversation rendered again with each step's turn empty."""
         whole = self._render(msgs)
-        ids, offsets = self.locator.offsets(whole)
-        return self._exact(msgs, steps, whole, ids, offsets, None)
+        return self._exact(msgs, steps, Placement(whole, *self.locator.offsets(whole)), None)
 
     # -- the linear walk
 
@@ -219,15 +218,7 @@ class Placer:
 
     # -- step by step (the reference rule; the fallback)
 
-    def _exact(
-        self,
-        msgs: list[dict],
-        steps: Steps,
-        whole: str,
-        ids: list[int],
-        offsets: Sequence[tuple[int, int]],
-        digests: Digests | None,
-    ) -> Placement:
+    def _exact(self, msgs: list[dict], steps: Steps, out: Placement, digests: Digests | None) -> Placement:
         chars: dict[int, tuple[int, int] | str] = {}
         for index, m in steps:
             problem = _check_step(msgs, m)
@@ -242,21 +233,15 @@ class Placer:
             except TemplateRejected as exc:
                 chars[index] = f"template: the template cannot render this turn empty ({exc})"
                 continue
-            chars[index] = own_chars(whole, empty, msgs[m])
-        return self._tokens(msgs, steps, whole, ids, offsets, chars, linear=False)
+            chars[index] = own_chars(out.text, empty, msgs[m])
+        return self._tokens(msgs, steps, out, chars, linear=False)
 
     def _tokens(
-        self,
-        msgs: list[dict],
-        steps: Steps,
-        whole: str,
-        ids: list[int],
-        offsets: Sequence[tuple[int, int]],
-        chars: dict[int, tuple[int, int] | str],
-        *,
-        linear: bool,
+        self, msgs: list[dict], steps: Steps, out: Placement, chars: dict[int, tuple[int, int] | str], *, linear: bool
     ) -> Placement:
-        out = Placement(whole, ids, offsets, linear=linear)
+        """``out`` (the whole rendering, its ids and offsets) with each step's span or refusal."""
+        whole, ids, offsets = out.text, out.ids, out.offsets
+        out.linear = linear
         search_from = 0
         for index, m in steps:
             where = chars[index]
