@@ -5,6 +5,7 @@
     export PYTHONPATH=/tmp/hcapo/site-packages
     PYTHONUNBUFFERED=1 python3 bench/gpu.py --out "$OUT/gpu.json"
     python bench/gpu.py --size tiny --tokenizer DIR --out /tmp/gpu.json # the CPU check (tests)
+    python bench/gpu.py --summary gpu-8b.json gpu-small.json           # a saved run's lines (no torch)
 
 Per model shape (random bf16 weights of Qwen3-0.6B, -1.7B and -8B shapes, built on the GPU:
 meta init, ``to_empty`` on the device, normal init; no download), it measures
@@ -57,6 +58,11 @@ __all__ = ["VOCAB", "build_model", "save", "sync"]  # gpu_gaps.py reads them her
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--summary"]:  # a saved run's lines, no GPU and no torch needed
+        for name in sys.argv[2:]:
+            print(f"{name}:")
+            print("\n".join(summary(json.loads(Path(name).read_text(encoding="utf-8")))))
+        return
     args = parse_args()
     started = time.monotonic()
     deadline = started + args.budget_s
@@ -572,6 +578,12 @@ def summary(doc: dict[str, Any]) -> list[str]:
                 busy = f", busy {row['gpu_busy_share']}" if "gpu_busy_share" in row else ""
                 busy += f", forwards x{row['busy_over_floor']} the body's" if "busy_over_floor" in row else ""
                 busy += f", replays x{row['replay_over_floor']}" if "replay_over_floor" in row else ""
+                kinds = row.get("forward_kinds") or {}
+                busy += f", forwards {kinds}" if kinds else ""
+                if "checks_at_policy_rate" in row:  # the window's checks against the policy's one in 64
+                    busy += f" (checks at the policy's rate: {row['checks_at_policy_rate']})"
+                borrowed = (row.get("graphs") or {}).get("borrowed")
+                busy += f", borrowed {borrowed}" if borrowed else ""
                 parts.append(f"{key} {row['conversation_tokens_per_s']} tok/s ({row['share_of_floor']} of floor{busy})")
             else:
                 parts.append(f"{key} {row.get('skipped') or row.get('error')}")

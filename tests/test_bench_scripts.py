@@ -161,6 +161,9 @@ def test_gpu_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) 
     assert per_step["sent_tokens"] / per_step["episodes"] > 2 * episode["sent_tokens"] / episode["episodes"]
     drift = shape["drift"]
     assert drift["scored"] > 0 and 0 < drift["mean_abs_nats"] <= drift["max_abs_nats"] < 0.5
+    again = _run(str(BENCH / "gpu.py"), "--summary", str(out))  # the saved run read back, no torch needed
+    assert again.returncode == 0, again.stderr
+    assert "tiny: floor" in again.stdout and all(key in again.stdout for key in shape["paths"])
 
 
 def _gpu_all_commands() -> list[list[str]]:
@@ -217,6 +220,11 @@ def test_gpu_path_row_reads_a_graphed_window() -> None:
     assert "sequence_tokens" not in row and "replay_s" not in row
     eager = gpu.path_row({**run, "forward_kinds": {"eager": 2 * every}, "replay_sequence_tokens": []}, floor)
     assert "checks_at_policy_rate" not in eager and "replay_over_floor" not in eager
+    # the summary line a GPU call prints (and `gpu.py --summary FILE` prints again) names them
+    row["graphs"] = {"borrowed": 7}
+    doc = {"shapes": [{"shape": "8b", "floor": {"2048": {"tokens_per_s": 1}}, "paths": {"episode/c4": row}}]}
+    (line,) = gpu.summary(doc)
+    assert "replays x1.05" in line and "'check': 1" in line and "policy's rate: 1.0" in line and "borrowed 7" in line
 
 
 def test_gpu_gaps_bench_tiny(demo_tokenizer_dir: Path, tmp_path: Path, forks: Forks) -> None:
