@@ -143,7 +143,7 @@ class EpisodeRenderer:
         out, made = self._turns(msgs, steps, digests, flattened=flattened, windowed=self.fast)
         windowed = [i for i, (_, _, _, _, w) in enumerate(made) if w]
         for i in checked_pieces(len(windowed)):
-            key, m, previous, piece, _ = made[windowed[i]]
+            _, m, previous, piece, _ = made[windowed[i]]
             try:
                 rule = self._turn_piece(msgs, m, previous, digests)
             except TemplateRejected:
