@@ -2,7 +2,9 @@
 group share all but their last turn, and the hand-off's alignments of the second row render only
 what that turn changes. Every alignment equals the one made with nothing kept (property-based,
 over families of rows); a kept render or piece that went wrong is caught by the run-time check
-(``verify.KEPT_RENDERS``), counted, and the fresh one used; reference mode keeps nothing."""
+(``verify.KEPT_RENDERS``, ``verify.KEPT_PIECES``), counted, and the fresh one used; a template
+that reads outside a ``turns`` piece's window is caught (``verify.WINDOWED_TURNS``); reference
+mode keeps nothing."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from hcapo_store.rendering.kept_renders import KeptRenders, list_digest, message
 from hcapo_store.rendering.messages import normalize_messages
 from hcapo_store.rendering.tokenizers import load_tokenizer
 
+STRATEGIES = ("kept_renders", "kept_pieces", "windowed_turns")  # the hand-off's alignments' fast strategies
 WORDS = "the of and to run test file path value data 42 café 東京 {} [] : ; ok".split()
 words = st.lists(st.sampled_from(WORDS), min_size=0, max_size=20).map(" ".join)
 
@@ -84,12 +87,12 @@ def test_kept_renders_give_the_alignments_of_renders_made_anew(tokenizers, rows,
     tok = tokenizers[name]
     kept, plain = EpisodeRenderer(tok), EpisodeRenderer(tok, fast=False)
     assert kept.kept is not None and plain.kept is None and kept.kept.on
-    before = verify.fallbacks().get("kept_renders", 0)
+    before = {k: verify.fallbacks().get(k, 0) for k in STRATEGIES}
     for row in rows:
         for rendering in ("turns", "whole"):
             assert kept.align(row, steps_of(row), rendering) == plain.align(row, steps_of(row), rendering)
-    # equal by the strategy itself, not by its run-time check switching it off
-    assert verify.fallbacks().get("kept_renders", 0) == before and kept.kept.on
+    # equal by the strategies themselves, not by their run-time checks switching them off
+    assert {k: verify.fallbacks().get(k, 0) for k in STRATEGIES} == before and kept.kept.on
 
 
 def _group(n: int = 3, steps: int = 6) -> list[list[dict[str, Any]]]:
@@ -160,10 +163,10 @@ def test_a_wrong_kept_piece_is_caught_and_the_fresh_one_used(own_qwen3, monkeypa
     for key, piece in list(kept.pieces.items()):
         context, turn, start, end = piece
         kept.pieces[key] = ([*context, 0], turn, start, end)  # one id too many before each turn
-    monkeypatch.setitem(verify._uses, "kept_renders", itertools.count())
-    before = verify.fallbacks().get("kept_renders", 0)
+    monkeypatch.setitem(verify._uses, "kept_pieces", itertools.count())  # the process's first hits
+    before = verify.fallbacks().get("kept_pieces", 0)
     assert EpisodeRenderer(own_qwen3).align(rows[0], steps_of(rows[0]), "turns") == want
-    assert verify.fallbacks()["kept_renders"] == before + 1 and not kept.on
+    assert verify.fallbacks()["kept_pieces"] == before + 1 and not kept.on
 
 
 def test_reference_mode_keeps_nothing(own_qwen3, monkeypatch) -> None:
@@ -267,7 +270,7 @@ def test_the_shared_samples_align_as_with_nothing_kept(tmp_path: Path) -> None:
         with db.read(store.engine) as conn:
             ids = [int(r[0]) for r in conn.exec_driver_sql("SELECT id FROM episodes ORDER BY id")]
             episodes = [[dict(m) for m in load_messages(conn, i)] for i in ids]
-    before = {k: verify.fallbacks().get(k, 0) for k in ("kept_renders", "windowed_turns")}
+    before = {k: verify.fallbacks().get(k, 0) for k in STRATEGIES}
     for msgs in episodes:
         for rendering in ("turns", "whole"):
             fast = EpisodeRenderer(tok).align(msgs, steps_of(msgs), rendering)

@@ -205,14 +205,14 @@ class EpisodeRenderer:
 
     def _kept_piece(self, key: Any, msgs: list[dict], m: int, previous: int | None) -> Piece | None:
         """The piece kept under ``key``, made again (no kept render) and compared when the
-        strategy's policy checks this hit (verify.KEPT_RENDERS); None when none is kept."""
+        strategy's policy checks this hit (verify.KEPT_PIECES); None when none is kept."""
         if key is None or self.kept is None:
             return None
         piece = self.kept.piece(key)
-        if piece is not None and verify.due(verify.KEPT_RENDERS):
+        if piece is not None and verify.due(verify.KEPT_PIECES):
             fresh = self._turn_piece(msgs, m, previous, None)
             if fresh != piece:
-                self.kept.switch_off(f"the kept piece of message {m} differs from the one made now")
+                self.kept.switch_off(verify.KEPT_PIECES, f"the kept piece of message {m} differs from the one made now")
                 return fresh
         return piece
 

@@ -14,9 +14,10 @@ added tokens stay the same (``tokenizer_state``). What is kept is bounded by its
 
 A template is a function of its messages, except one that reads the clock (``strftime_now``).
 So the kept render is the strategy :data:`verify.KEPT_RENDERS` and the template's render now is
-its rule: the first hits of each process and one in 256 after are rendered again and compared;
-a difference is counted, the fresh render is used, and nothing is kept for that tokenizer
-object from then on. ``HCAPO_RENDERING=reference`` keeps nothing.
+its rule: the first hits of each process and one in 1024 after are rendered again and compared
+(a kept piece, :data:`verify.KEPT_PIECES`: the first 2 and one in 4096, each five renders of a
+whole history); a difference is counted, the fresh one is used, and nothing is kept for that
+tokenizer object from then on. ``HCAPO_RENDERING=reference`` keeps nothing.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ class KeptRenders:
         if verify.due(verify.KEPT_RENDERS):
             fresh = render_chat(tokenizer, msgs, generation=generation)
             if fresh != text:
-                self.switch_off(f"a kept render of {len(msgs)} message(s) differs from the render now")
+                self.switch_off(
+                    verify.KEPT_RENDERS, f"a kept render of {len(msgs)} message(s) differs from the render now"
+                )
                 return fresh
         return text
 
@@ -175,9 +178,10 @@ class KeptRenders:
                 _, old = self._kept.popitem(last=False)
                 self._bytes -= sys.getsizeof(old)
 
-    def switch_off(self, detail: str) -> None:
-        """A kept render or piece differed from the one made now: counted, nothing kept from now on."""
-        verify.disagreed(verify.KEPT_RENDERS, detail)
+    def switch_off(self, strategy: verify.Strategy, detail: str) -> None:
+        """A kept render or piece differed from the one made now: counted as ``strategy``'s
+        fallback, nothing kept from now on."""
+        verify.disagreed(strategy, detail)
         with self._lock:
             self.on = False
             self._kept.clear()

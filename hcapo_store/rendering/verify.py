@@ -100,13 +100,24 @@ CUDA_GRAPHS = Strategy(
     first=2,
     every=64,
 )
+# A hand-off row of a GRPO group hits ~100 kept renders and ~100 kept pieces (99 steps); a check
+# costs a render (a piece: five renders of its whole history, ~17 ms here). One in 256 of each cost
+# ~30 % of such a row's CPU (bench/group_alignment.py); these rates ~4 %.
 KEPT_RENDERS = Strategy(
     "kept_renders",
-    "the chat template's render now (and the turn's piece of a ``turns`` alignment made now)",
-    "the first 4 hits of each process, then one hit in 256 (rendering/kept_renders.py)",
+    "the chat template's render now",
+    "the first 4 hits of each process, then one hit in 1024 (rendering/kept_renders.py)",
     "process",
     first=4,
-    every=256,
+    every=1024,
+)
+KEPT_PIECES = Strategy(
+    "kept_pieces",
+    "the turn's piece of a ``turns`` alignment made now on its whole history",
+    "the first 2 hits of each process, then one hit in 4096 (rendering/alignment.py)",
+    "process",
+    first=2,
+    every=4096,
 )
 WINDOWED_TURNS = Strategy(
     "windowed_turns",
@@ -124,6 +135,7 @@ STRATEGIES: dict[str, Strategy] = {
         PLACEMENT,
         CUDA_GRAPHS,
         KEPT_RENDERS,
+        KEPT_PIECES,
         WINDOWED_TURNS,
     )
 }
