@@ -53,21 +53,22 @@ from typing import Any
 from hcapo_store.errors import ExportError
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.kept_renders import (
-    EMPTY_DIGEST,
     Digests,
     KeptRenders,
     kept_renders,
     message_digests,
+    pick,
     prefix_digests,
+    render_kept,
 )
-from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnTokenLocator, own_char_range
-from hcapo_store.rendering.placement import Placer
+from hcapo_store.rendering.own_tokens import NotOwn, OwnTokenLocator, own_char_range
+from hcapo_store.rendering.placement import Placer, UserTurns
 from hcapo_store.rendering.prompts import (
     flatten_messages,
     normalize_messages,
 )
 from hcapo_store.rendering.segments import SegmentEncoder
-from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.template import TemplateRejected
 
 RENDERINGS = ("turns", "whole")
 
@@ -101,13 +102,10 @@ class EpisodeRenderer:
         self.locator = OwnTokenLocator(tokenizer, self.encoder)
         # the renders and pieces shared by the renderers of this tokenizer object
         self.kept: KeptRenders | None = kept_renders(tokenizer) if fast else None
-        self.fast = self.kept is not None
         self.placer = Placer(tokenizer, encoder=self.encoder, renders=self.kept)
 
     def _render(self, messages: list[dict], generation: bool, digests: Digests | None = None) -> str:
-        if self.kept is not None and digests is not None:
-            return self.kept.render(self.tokenizer, messages, digests, generation=generation)
-        return render_chat(self.tokenizer, messages, generation=generation)
+        return render_kept(self.kept, self.tokenizer, messages, digests, generation=generation)
 
     def align(
         self, messages: list[dict[str, Any]], steps: list[tuple[int, int]], rendering: str = "whole"
@@ -140,7 +138,7 @@ class EpisodeRenderer:
 
     def _align_turns(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
         digests = self._digests(msgs)
-        out, made = self._turns(msgs, steps, digests, flattened=flattened, windowed=self.fast)
+        out, made = self._turns(msgs, steps, digests, flattened=flattened, windowed=self.kept is not None)
         windowed = [i for i, (_, _, _, _, w) in enumerate(made) if w]
         for i in checked_pieces(len(windowed)):
             _, m, previous, piece, _ = made[windowed[i]]
@@ -254,7 +252,8 @@ class EpisodeRenderer:
             return None
         generation = prompt[len(base) :]
         text = self._render(msgs[: m + 1], False, None if digests is None else digests[: m + 1])
-        empty = self._render([*msgs[:m], EMPTY_TURN], False, None if history is None else [*history, EMPTY_DIGEST])
+        emptied, emptied_digests = pick(msgs, digests, [*range(m), None])
+        empty = self._render(emptied, False, emptied_digests)
         own_start, _ = own_char_range(text, empty)
         begin = text.rfind(generation, 0, own_start + 1) if generation else len(base)
         if begin < 0 or not empty.startswith(text[:begin]):
@@ -264,9 +263,9 @@ class EpisodeRenderer:
 
     def _turn_end(self, msgs: list[dict], digests: Digests | None, m: int, prompt: str) -> int | None:
         """Where turn ``m`` (own text + end-of-turn token) ends in ``prompt`` (a render of ``msgs``)."""
-        emptied = None if digests is None else [*digests[:m], EMPTY_DIGEST, *digests[m + 1 :]]
+        emptied, emptied_digests = pick(msgs, digests, (None if i == m else i for i in range(len(msgs))))
         try:
-            empty = self._render([*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]], True, emptied)
+            empty = self._render(emptied, True, emptied_digests)
         except TemplateRejected:
             return None
         _, own_end = own_char_range(prompt, empty)
@@ -308,12 +307,7 @@ class HistoryWindows:
         self.msgs = msgs
         first_user = next((i for i, x in enumerate(msgs) if x.get("role") == "user"), None)
         self.head_end = 1 if first_user is None else first_user + 1
-        self.last_user: list[int | None] = []  # per message, the last user message before it
-        last: int | None = None
-        for i, x in enumerate(msgs):
-            self.last_user.append(last)
-            if x.get("role") == "user":
-                last = i
+        self.last_user = UserTurns(msgs).before  # per message, the last user message before it
 
     def piece(self, renderer: EpisodeRenderer, digests: Digests | None, m: int, previous: int | None) -> Piece | None:
         """Turn ``m``'s piece made on its window, or None where there is no shorter window (or
@@ -324,12 +318,10 @@ class HistoryWindows:
         keep = [*range(self.head_end), *([u] if u is not None and u >= self.head_end else []), *range(previous, m + 1)]
         if 2 * len(keep) > m + 1:  # hardly shorter than the history: the rule's piece
             return None
-        window = [self.msgs[i] for i in keep]
+        window, window_digests = pick(self.msgs, digests, keep)
         at = len(keep) - 1 - (m - previous)  # where turn ``previous`` is in the window
         try:
-            return renderer._turn_piece(
-                window, len(keep) - 1, at, None if digests is None else [digests[i] for i in keep]
-            )
+            return renderer._turn_piece(window, len(keep) - 1, at, window_digests)
         except TemplateRejected:
             return None
 

@@ -26,12 +26,12 @@ import hashlib
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.own_tokens import EMPTY_TURN
-from hcapo_store.rendering.template import render_chat
+from hcapo_store.rendering.template import plain_data, render_chat
 from hcapo_store.rendering.tokenizers import PerTokenizer
 
 # bytes of kept renders per tokenizer object (sys.getsizeof: a text outside Latin-1 takes 2 or 4
@@ -48,7 +48,7 @@ Digests = Sequence[bytes | None]
 def message_digest(message: Any) -> bytes | None:
     """The digest of one message's ``repr``, or None when it is not plain data (str, int, float,
     bool, None, lists, dicts with str keys: whose ``repr`` is exact, in their order)."""
-    if not _plain_data(message):
+    if not plain_data(message):
         return None
     return hashlib.blake2b(repr(message).encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES).digest()
 
@@ -82,18 +82,24 @@ def prefix_digests(digests: Digests) -> list[bytes | None]:
     return out
 
 
-def _plain_data(value: Any) -> bool:
-    kind = type(value)
-    if kind in (str, int, float, bool) or value is None:
-        return True
-    if kind is list:
-        return all(_plain_data(v) for v in value)
-    if kind is dict:
-        return all(type(k) is str and _plain_data(v) for k, v in value.items())
-    return False
-
-
 EMPTY_DIGEST = message_digest(EMPTY_TURN)
+
+
+def pick(msgs: Sequence[dict], digests: Digests | None, at: Iterable[int | None]) -> tuple[list[dict], Digests | None]:
+    """The messages at the indices ``at`` (None: an empty assistant turn in its place) and their
+    digests (None when ``digests`` is)."""
+    at = list(at)
+    chosen = [EMPTY_TURN if i is None else msgs[i] for i in at]
+    return chosen, None if digests is None else [EMPTY_DIGEST if i is None else digests[i] for i in at]
+
+
+def render_kept(
+    kept: KeptRenders | None, tokenizer: Any, msgs: list[dict], digests: Digests | None, *, generation: bool
+) -> str:
+    """``render_chat``, through ``kept`` where there is one and the messages' digests are given."""
+    if kept is not None and digests is not None:
+        return kept.render(tokenizer, msgs, digests, generation=generation)
+    return render_chat(tokenizer, msgs, generation=generation)
 
 
 def tokenizer_state(tokenizer: Any) -> tuple[Any, ...]:
@@ -124,8 +130,7 @@ class KeptRenders:
     def __init__(self, budget: int = RENDER_BYTES) -> None:
         self.budget = budget
         self.on = True  # False once a kept render or piece differed from the one made now
-        self.hits = 0
-        self.misses = 0
+        self.misses = 0  # renders made because none was kept
         self._kept: OrderedDict[tuple[bytes, bool], str] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -152,7 +157,6 @@ class KeptRenders:
             text = self._kept.get(key)
             if text is not None:
                 self._kept.move_to_end(key)
-                self.hits += 1
         if text is None:
             text = render_chat(tokenizer, msgs, generation=generation)
             self._put(key, text)

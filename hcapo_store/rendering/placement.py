@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hcapo_store.rendering.kept_renders import EMPTY_DIGEST, Digests, KeptRenders
+from hcapo_store.rendering.kept_renders import Digests, KeptRenders, pick, render_kept
 from hcapo_store.rendering.own_tokens import EMPTY_TURN, NotOwn, OwnSpan, OwnTokenLocator, own_chars, own_pieces
 from hcapo_store.rendering.segments import SegmentEncoder
 from hcapo_store.rendering.strings import common_prefix
-from hcapo_store.rendering.template import TemplateRejected, render_chat
+from hcapo_store.rendering.template import TemplateRejected
 
 # How many characters after a step's own text must agree in W and K to resume the walk there.
 RESYNC_CHARS = 64
@@ -83,7 +83,7 @@ def _check_step(msgs: list[dict], m: int) -> str | None:
     return None
 
 
-class _UserTurns:
+class UserTurns:
     """Per message index, the last user message before it and the next one after it (one pass
     each way, so finding them for every step stays linear)."""
 
@@ -137,9 +137,7 @@ class Placer:
         self.renders = renders
 
     def _render(self, msgs: list[dict], generation: bool = False, digests: Digests | None = None) -> str:
-        if self.renders is not None and digests is not None:
-            return self.renders.render(self.tokenizer, msgs, digests, generation=generation)
-        return render_chat(self.tokenizer, msgs, generation=generation)
+        return render_kept(self.renders, self.tokenizer, msgs, digests, generation=generation)
 
     def place(self, msgs: list[dict], steps: Steps, *, digests: Digests | None = None) -> Placement:
         """Raises :class:`TemplateRejected` when the template cannot render the conversation.
@@ -171,29 +169,21 @@ class Placer:
                 chars[index] = problem
             else:
                 emptied.add(m)
-        skeleton = self._render(
-            [EMPTY_TURN if i in emptied else msg for i, msg in enumerate(msgs)],
-            digests=None if digests is None else [EMPTY_DIGEST if i in emptied else d for i, d in enumerate(digests)],
-        )
-        users = _UserTurns(msgs)
+        emptied_msgs, emptied_digests = pick(msgs, digests, (None if i in emptied else i for i in range(len(msgs))))
+        skeleton = self._render(emptied_msgs, digests=emptied_digests)
+        users = UserTurns(msgs)
         empties: dict[tuple[int | None, int | None], str] = {}
         pw = pk = 0  # positions in whole / skeleton; everything before them is accounted for
         for index, m in steps:
             if index in chars:
                 continue
             before, after = users.context(m)
-            local = self._render(
-                [msgs[i] for i in (*before, m, *after)],
-                digests=None if digests is None else [digests[i] for i in (*before, m, *after)],
-            )
+            window, window_digests = pick(msgs, digests, (*before, m, *after))
+            local = self._render(window, digests=window_digests)
             key = users.key(m)  # turns between the same user messages share their empty rendering
             if key not in empties:
-                empties[key] = self._render(
-                    [*(msgs[i] for i in before), EMPTY_TURN, *(msgs[i] for i in after)],
-                    digests=None
-                    if digests is None
-                    else [*(digests[i] for i in before), EMPTY_DIGEST, *(digests[i] for i in after)],
-                )
+                window, window_digests = pick(msgs, digests, (*before, None, *after))
+                empties[key] = self._render(window, digests=window_digests)
             local_empty = empties[key]
             cs, ce = own_chars(local, local_empty, msgs[m])
             own = local[cs:ce]
@@ -226,10 +216,8 @@ class Placer:
                 chars[index] = problem
                 continue
             try:
-                empty = self._render(
-                    [*msgs[:m], EMPTY_TURN, *msgs[m + 1 :]],
-                    digests=None if digests is None else [*digests[:m], EMPTY_DIGEST, *digests[m + 1 :]],
-                )
+                emptied, emptied_digests = pick(msgs, digests, (None if i == m else i for i in range(len(msgs))))
+                empty = self._render(emptied, digests=emptied_digests)
             except TemplateRejected as exc:
                 chars[index] = f"template: the template cannot render this turn empty ({exc})"
                 continue

@@ -122,7 +122,7 @@ def render_chat(
     try:
         direct = _DirectRenderer.of(tokenizer, tools)
         plain = _plain_messages(messages, known) if direct is not None else None
-        if direct is not None and plain is not None and (tools is None or _plain(tools)):
+        if direct is not None and plain is not None and (tools is None or plain_data(tools)):
             return direct.render(tokenizer, messages, plain, generation, tools)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, tools=tools)
     except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
@@ -166,19 +166,21 @@ def _plain_message(m: Any) -> dict | None:
             continue
         if type(key) is not str or key in _REASONING_FIELDS:
             return None
-        if type(value) is not str and not _plain(value):
+        if type(value) is not str and not plain_data(value):
             return None
         kept[key] = value
     return kept
 
 
-def _plain(value: Any) -> bool:
+def plain_data(value: Any) -> bool:
+    """Whether ``value`` is plain JSON data: str, int, float, bool, None, lists, dicts with str keys
+    (whose ``repr`` is exact, in their order)."""
     if type(value) in _SCALARS:
         return True
     if type(value) is list:
-        return all(_plain(v) for v in value)
+        return all(plain_data(v) for v in value)
     if type(value) is dict:
-        return all(type(k) is str and _plain(v) for k, v in value.items())
+        return all(type(k) is str and plain_data(v) for k, v in value.items())
     return False
 
 
@@ -228,7 +230,7 @@ class _DirectRenderer:
         try:
             source = dict(_special_source(tokenizer))  # a copy: the tokenizer's map changes in place
             variables = dict(tokenizer.special_tokens_map)
-            if not _plain(variables):  # transformers would copy them into plain data: its own path
+            if not plain_data(variables):  # transformers would copy them into plain data: its own path
                 return None
             renderer = cls(template, compile_template(template), variables)
             renderer.source = source
