@@ -30,7 +30,7 @@ from typing import Any
 
 from hcapo_store.rendering.hindsight import inject_hindsight
 from hcapo_store.rendering.messages import flatten_messages, own_text
-from hcapo_store.rendering.prompt_rule import Render, RenderedStep, head_end_of, render_pair, window_starts
+from hcapo_store.rendering.prompt_rule import Pair, Render, RenderedStep, head_end_of, render_pair, window_starts
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected
 
@@ -109,8 +109,11 @@ class _Memo:
 class BoundedRenders:
     """The bounded renders of one episode's steps at a time (``start_episode``)."""
 
-    def __init__(self, render: Render, encoder: SegmentEncoder, max_context: int) -> None:
+    def __init__(self, render: Render, encoder: SegmentEncoder, max_context: int, pair: Pair | None = None) -> None:
         self._render = render
+        # a step's two renders of its window: whole (the rule), or edited from the previous
+        # step's (step_edits.py)
+        self._pair: Pair = pair or (lambda window, head_end, flattened: render_pair(render, window, flattened))
         self.encoder = encoder
         self.max_context = max_context
         self._probe_state: RenderState = encoder.new_state()
@@ -204,10 +207,10 @@ class BoundedRenders:
         chain.last = m
         step = BoundedStep(messages, head_end, m, hindsight, flattened, chain)
         if chain.start <= head_end:
-            rendered = render_pair(self._render, inject_hindsight(messages[: m + 1], hindsight), flattened)
+            rendered = self._pair(inject_hindsight(messages[: m + 1], hindsight), head_end, flattened)
         else:
             head = inject_hindsight(messages[:head_end], hindsight)
-            rendered = render_pair(self._render, [*head, *messages[chain.start : m + 1]], flattened)
+            rendered = self._pair([*head, *messages[chain.start : m + 1]], head_end, flattened)
             rendered.visible_from = self._visible_from(rendered.prefix_text, head, hindsight, flattened, chain.start)
             rendered.hidden = chain.hidden
         rendered.bounded = step

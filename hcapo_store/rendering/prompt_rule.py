@@ -60,6 +60,11 @@ def render_pair(render: Render, messages: list[dict], flattened: bool) -> Render
     return RenderedStep(render(messages[:-1], generation=True), render(messages, generation=False), messages, flattened)
 
 
+# How a fast path makes a step's two renders of its window (the action last, its head
+# ``head_end`` messages long): equal to render_pair's (step_edits.py edits the previous step's)
+Pair = Callable[[list[dict], int, bool], RenderedStep]
+
+
 def check_step(raw: Sequence[Mapping[str, Any]], m: int) -> None:
     if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
         raise TemplateRejected(f"message {m} is not an assistant message after the first message")
@@ -69,15 +74,24 @@ def check_step(raw: Sequence[Mapping[str, Any]], m: int) -> None:
 
 
 def whole_history(
-    render: Render, raw: Sequence[Mapping[str, Any]], normalized: Sequence[dict], m: int, hindsight: str | None
+    render: Render,
+    raw: Sequence[Mapping[str, Any]],
+    normalized: Sequence[dict],
+    m: int,
+    hindsight: str | None,
+    pair: Pair | None = None,
 ) -> RenderedStep:
     """The rule of ``sliding`` and ``window``: the step's whole history, the hindsight block in
-    the first message; flattened (tool traffic as text) when the template rejects it."""
+    the first message; flattened (tool traffic as text) when the template rejects it. ``pair``:
+    a fast path's two renders of it (None: render_pair)."""
     check_step(raw, m)
+    if pair is None:
+        pair = lambda window, head_end, flattened: render_pair(render, window, flattened)  # noqa: E731
     try:
-        return render_pair(render, inject_hindsight(normalized[: m + 1], hindsight), False)
+        return pair(inject_hindsight(normalized[: m + 1], hindsight), head_end_of(normalized), False)
     except TemplateRejected:
-        return render_pair(render, flatten_messages(inject_hindsight(raw[: m + 1], hindsight)), True)
+        flat = flatten_messages(inject_hindsight(raw[: m + 1], hindsight))
+        return pair(flat, head_end_of(flat), True)
 
 
 # --------------------------------------------------------------------------- turns

@@ -13,11 +13,13 @@ Two implementations, meant to produce the same ids:
   ``sliding`` (minus its bugs, see below);
 * :meth:`PromptBuilder.build_episode` reaches the texts and ids through the fast
   strategies: :class:`~hcapo_store.rendering.bounded.BoundedRenders` (long sessions in
-  ``sliding``/``window``), :class:`~hcapo_store.rendering.turn_windows.TurnWindows`
+  ``sliding``/``window``), :class:`~hcapo_store.rendering.step_edits.StepEdits` (a step's
+  renders edited from the previous step's), :class:`~hcapo_store.rendering.turn_windows.TurnWindows`
   (``turns``), :class:`SegmentEncoder`'s cached pieces (reusing the ids of the text shared
   with the previous render, ASCII pieces through ascii_bpe.py) and the template sandbox.
   Each is held to its rule by verify.py's check policy (the last step of every bounded
-  chain; the step where a ``turns`` session first crosses the budget and a sample after; the
+  chain; the first edited step of an episode and the last of every line of edits; the step
+  where a ``turns`` session first crosses the budget and a sample after; the
   first ASCII pieces of a process and a sample after; a template's first render): where one
   differs, the rule's prompts are what the episode gets, and the fallback is counted. Steps
   not sampled are not compared at run time; tests compare them on sampled sessions
@@ -65,6 +67,7 @@ from hcapo_store.rendering.prompt_rule import TRUNCATION_MARKER as TRUNCATION_MA
 from hcapo_store.rendering.prompt_rule import RenderedStep, check_step, whole_history, whole_turns
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
+from hcapo_store.rendering.step_edits import StepEdits
 from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_by_rule, render_chat
 from hcapo_store.rendering.tokenizers import PerTokenizer
 from hcapo_store.rendering.turn_windows import TurnWindows
@@ -170,7 +173,8 @@ class PromptBuilder:
             return self._render(messages, generation=generation)
 
         self._turns = TurnWindows(render, self.encoder, max_context)
-        self._bounded = BoundedRenders(render, self.encoder, max_context)
+        self._edits = StepEdits(render, checks)
+        self._bounded = BoundedRenders(render, self.encoder, max_context, pair=self._edits.pair)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         # sliding/window: whether a long session's steps may render bounded windows (their ids
         # are counted piece by piece between added tokens, which needs the fast path)
@@ -181,6 +185,7 @@ class PromptBuilder:
         # with the whole one, or could not be made): their preparation grows with the square
         self.whole_history_episodes = 0
         self.bounded_steps = 0  # steps whose prompt came from a bounded render (checked: _check_bounded)
+        self.edited_steps = 0  # steps whose two renders were edited from the previous step's (step_edits.py)
         self._locator = OwnTokenLocator(tokenizer, self.encoder)
         if action_span == "policy" and not self._locator.available:
             raise ValueError("action_span 'policy' needs a fast tokenizer (character offsets)")
@@ -236,7 +241,7 @@ class PromptBuilder:
             return self._turns.render(raw, normalized, m, hindsight)
         if not whole and self._bounded.on:
             return self._bounded.render(raw, normalized, m, hindsight)
-        return whole_history(self._render, raw, normalized, m, hindsight)
+        return whole_history(self._render, raw, normalized, m, hindsight, pair=self._edits.pair)
 
     def _rule_texts(
         self,
@@ -325,8 +330,8 @@ class PromptBuilder:
         self._known = {}
         try:
             self._turns.start_episode()
-            self._bounded.start_episode(on=self._can_bound)
-            results, bounded = self._build_steps(messages, normalized, outcome, steps)
+            edits = True
+            results, bounded, edits = self._build_edited(messages, normalized, outcome, steps, self._can_bound, edits)
             reason = self._bounded.unbounded
             checked = bounded and self.checks.on
             mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if checked else None
@@ -334,8 +339,7 @@ class PromptBuilder:
                 # Never store a prompt on trust: build every step on its whole history.
                 verify.disagreed(verify.BOUNDED_RENDERS, mismatch)
                 reason = mismatch
-                self._bounded.start_episode(on=False)
-                results, bounded = self._build_steps(messages, normalized, outcome, steps)
+                results, bounded, edits = self._build_edited(messages, normalized, outcome, steps, False, edits)
             self.bounded_steps += len(bounded)
             if self.truncation == "turns" and self.checks.on:
                 mismatch = self._check_turns(messages, normalized, outcome, steps, results)
@@ -350,7 +354,33 @@ class PromptBuilder:
             self._known = None
             self._turns.start_episode()
             self._bounded.start_episode(on=False)
+            self._edits.start_episode(on=False)
         return results
+
+    def _build_edited(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        normalized: list[dict],
+        outcome: Any,
+        steps: Sequence[Any],
+        bounded_on: bool,
+        edits: bool,
+    ) -> tuple[list[StepPrompt | PromptFailure], list[tuple[int, int]], bool]:
+        """:meth:`_build_steps` with edited renders where ``edits`` (step_edits.py), held to
+        verify.EDITED_RENDERS: a difference builds the episode again with every window rendered
+        whole. Returns the results, the bounded steps and whether edits stayed on."""
+        self._bounded.start_episode(on=bounded_on)
+        self._edits.start_episode(on=edits)
+        results, bounded = self._build_steps(messages, normalized, outcome, steps)
+        mismatch = self._edits.finish()  # the policy's checks (step_edits.py)
+        if mismatch is not None:
+            verify.disagreed(verify.EDITED_RENDERS, mismatch)
+            edits = False
+            self._bounded.start_episode(on=bounded_on)
+            self._edits.start_episode(on=False)
+            results, bounded = self._build_steps(messages, normalized, outcome, steps)
+        self.edited_steps += self._edits.edited_steps
+        return results, bounded, edits
 
     def _build_steps(
         self, messages: Sequence[Mapping[str, Any]], normalized: list[dict], outcome: Any, steps: Sequence[Any]

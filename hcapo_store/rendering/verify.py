@@ -125,6 +125,12 @@ WINDOWED_TURNS = Strategy(
     "the first and the last piece an episode makes on a window, and halving back from the last",
     "episode",
 )
+EDITED_RENDERS = Strategy(
+    "edited_renders",
+    "the step's window rendered whole (prompt_rule.render_pair)",
+    "the first edited step of an episode and the last of every line of edits (rendering/step_edits.py)",
+    "episode",
+)
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -137,6 +143,7 @@ STRATEGIES: dict[str, Strategy] = {
         KEPT_RENDERS,
         KEPT_PIECES,
         WINDOWED_TURNS,
+        EDITED_RENDERS,
     )
 }
 
