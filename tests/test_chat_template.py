@@ -109,6 +109,13 @@ class _Sub(dict):
     role = "class attribute"
 
 
+class _Loop:
+    """An object whose attributes a template reads (``loop.index0``)."""
+
+    index0 = 4
+    _hidden = "private"
+
+
 @pytest.mark.parametrize(
     "obj",
     [
@@ -118,8 +125,10 @@ class _Sub(dict):
         "a string",
         ["a", "list"],
         None,
+        _Loop(),  # judged safe once, then read directly
+        chat_template._TemplateNamespace(last_query_index=3),
     ],
-    ids=["dict", "empty", "subclass", "str", "list", "none"],
+    ids=["dict", "empty", "subclass", "str", "list", "none", "object", "namespace"],
 )
 def test_the_fast_dict_lookup_answers_as_the_sandbox_does(obj):
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
@@ -127,6 +136,7 @@ def test_the_fast_dict_lookup_answers_as_the_sandbox_does(obj):
     env = ImmutableSandboxedEnvironment()  # jinja2's own, the reference
     ours = chat_template.ChatSandbox()
     names = ["role", "content", "missing", "items", "keys", "get", "_private", "__class__", "__init__", "format"]
+    names += ["index0", "last_query_index", "_hidden", "__dict__"]
     for name in [*names, "upper", "startswith", "split", "format_map", "mro", "append", 3, ("t",)]:
         for _ in range(2):  # the second lookup reads the memoized verdicts
             try:

@@ -33,8 +33,9 @@ from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompt_rule import Render, RenderedStep, render_pair
 from hcapo_store.rendering.template import TemplateRejected
 
-# the short window starts at most this many actions back; past it, it moves to the previous action
-# (two more short renders that step): about 2.5 short renders per step, of a few messages each
+# the short window serves this many steps from one start; then it moves up to the message before the
+# previous action (two more short renders that step): about 2.5 short renders per step, of a few
+# messages each
 CONTEXT_ACTIONS = 4
 _CONTINUING = ("assistant", "tool")
 

@@ -368,7 +368,8 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     * ``getattr``: ``message.role`` on a plain dict goes to the key directly for every name
       a dict has no attribute of (the sandbox first tries the attribute, which raises
       AttributeError: about a third of a render); a str's safe methods are looked up once
-      per name, not checked each time;
+      per name, not checked each time; an attribute whose (type, name) was judged safe before
+      (``loop.index0``, a namespace's fields: a third of the lookups left) is read directly;
     * ``call``: a str's own methods (``content.split('</think>')``: nearly every call a Qwen3
       render makes) are called directly. The sandbox's verdict on them is always yes (a
       builtin method carries no ``unsafe_callable`` / ``alters_data`` mark) and Jinja's
@@ -410,6 +411,13 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
                     return self.undefined(obj=obj, name=attribute)
             if type(obj) is str and attribute in self._safe_str:
                 return getattr(obj, attribute)
+            if self._verdicts.get((type(obj), attribute)):
+                # judged safe before (``loop.index0``, ``ns.last_query_index``): the sandbox would
+                # read the attribute and return it; only a missing one goes its longer way
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    pass
         return _sandboxed_getattr(self, obj, attribute)
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
