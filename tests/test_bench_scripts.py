@@ -78,6 +78,23 @@ def test_group_alignment_bench_small(tmp_path: Path) -> None:
         assert len(run["episodes"]) == episode.is_dir()
 
 
+def test_step_prompts_bench_small(tmp_path: Path) -> None:
+    """Both sides in their own processes on the tree named; the steps are edited, none falls back."""
+    episode = SHARED / "samples" / "trajectories" / "episode_001"
+    if not (SHARED / "tokenizers" / "qwen3").is_dir() or not episode.is_dir():
+        pytest.skip(f"{SHARED} is not here (../shared absent)")
+    out = tmp_path / "s.json"
+    args = ["--episodes", str(episode), "--passes", "1", "--rounds", "1", "--max-context", "4096", "--json", str(out)]
+    r = _run(str(BENCH / "step_prompts.py"), *args, "--before", str(BENCH.parent))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["sides"]) == {"after", "before"} and set(doc["after_over_before"]) == {"checked", "unchecked"}
+    for side in doc["sides"].values():
+        assert side["hcapo_store"] == str(BENCH.parent / "hcapo_store")
+        assert side["checked_ms_per_step_median"] > 0 and side["unchecked_ms_per_step_median"] > 0
+        assert side["edited_steps_first_pass"] > 0 and side["fallbacks"] == [{}]
+
+
 @pytest.mark.slow
 def test_follow_bench_small(forks: Forks) -> None:
     samples = SHARED / "samples" / "long"
