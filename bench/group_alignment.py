@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SHARED_TOKENIZER = HERE.parent.parent / "shared" / "tokenizers" / "qwen3"
+sys.path.insert(0, str(HERE))
+import _paired as paired  # noqa: E402
 
 
 def _episodes(paths: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -93,15 +93,6 @@ def measure(tokenizer: str, groups: int, rows: int, steps_per_subtask: int, epis
     }
 
 
-def _run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--tokenizer", args.tokenizer]
-    cmd += ["--groups", str(args.groups), "--rows", str(args.rows), "--steps-per-subtask", str(args.steps_per_subtask)]
-    cmd += ["--episodes", *args.episodes] if args.episodes else []
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", default=str(SHARED_TOKENIZER), help="a Qwen3 tokenizer directory")
@@ -121,20 +112,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.one:
         print(json.dumps(measure(args.tokenizer, args.groups, args.rows, args.steps_per_subtask, args.episodes)))
         return {}
-    trees = {"after": HERE.parent} | ({"before": Path(args.before).resolve()} if args.before else {})
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in trees}
-    for _ in range(args.rounds if args.before else 1):
-        for side, tree in trees.items():
-            runs[side].append(_run(tree, args))
-    doc: dict[str, Any] = {
-        "command": "python bench/group_alignment.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": os.uname().nodename,
-        "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "groups": args.groups,
-        "rows": args.rows,
-        "sides": {},
-    }
+    child = ["--tokenizer", args.tokenizer, "--groups", str(args.groups), "--rows", str(args.rows)]
+    child += [
+        "--steps-per-subtask",
+        str(args.steps_per_subtask),
+        *(["--episodes", *args.episodes] if args.episodes else []),
+    ]
+    runs = paired.alternate(Path(__file__).resolve(), child, args.before, args.rounds)
+    doc: dict[str, Any] = {**paired.header(Path(__file__), argv), "groups": args.groups, "rows": args.rows, "sides": {}}
     for side, got in runs.items():
         row: dict[str, Any] = {"hcapo_store": got[0]["hcapo_store"], "episode_steps": got[0]["episode_steps"]}
         for kind in ("first_row", "other_rows"):
@@ -153,9 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(
                 f"{side:6s} {ep['episode']}: {ep['steps']} steps, placed {ep['placed']}, {row['episodes_ms_median'][ep['episode']]} ms"
             )
+    ratios: dict[str, Any] | None = None
     if args.before:
         a, b = doc["sides"]["after"], doc["sides"]["before"]
-        ratios: dict[str, Any] = {
+        ratios = {
             kind: round(a[f"{kind}_ms_median"] / b[f"{kind}_ms_median"], 3)
             for kind in ("first_row", "other_rows")
             if a[f"{kind}_ms_median"] and b[f"{kind}_ms_median"]
@@ -163,11 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios["episodes"] = {
             name: round(ms / b["episodes_ms_median"][name], 3) for name, ms in a["episodes_ms_median"].items()
         }
-        doc["after_over_before"] = ratios
-        print(f"after / before: {ratios}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    return doc
+    return paired.finish(doc, ratios, args.json_out)
 
 
 if __name__ == "__main__":

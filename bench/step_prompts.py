@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent.parent / "shared"
+sys.path.insert(0, str(HERE))
+import _paired as paired  # noqa: E402
 
 
 def _episodes(paths: list[str]) -> list[Any]:
@@ -87,14 +87,6 @@ def measure(tokenizer: str, episodes: list[str], max_context: int, passes: int) 
     }
 
 
-def _run(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--tokenizer", args.tokenizer]
-    cmd += ["--max-context", str(args.max_context), "--passes", str(args.passes), "--episodes", *args.episodes]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", default=str(SHARED / "tokenizers" / "qwen3"), help="a tokenizer directory")
@@ -112,19 +104,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.one:
         print(json.dumps(measure(args.tokenizer, args.episodes, args.max_context, args.passes)))
         return {}
-    trees = {"after": HERE.parent} | ({"before": Path(args.before).resolve()} if args.before else {})
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in trees}
-    for _ in range(args.rounds if args.before else 1):
-        for side, tree in trees.items():
-            runs[side].append(_run(tree, args))
-    doc: dict[str, Any] = {
-        "command": "python bench/step_prompts.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": os.uname().nodename,
-        "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "max_context": args.max_context,
-        "sides": {},
-    }
+    child = ["--tokenizer", args.tokenizer, "--max-context", str(args.max_context), "--passes", str(args.passes)]
+    runs = paired.alternate(Path(__file__).resolve(), [*child, "--episodes", *args.episodes], args.before, args.rounds)
+    doc: dict[str, Any] = {**paired.header(Path(__file__), argv), "max_context": args.max_context, "sides": {}}
     for side, got in runs.items():
         row: dict[str, Any] = {"hcapo_store": got[0]["hcapo_store"], "episodes": got[0]["episodes"]}
         for name in ("checked", "unchecked"):
@@ -143,16 +125,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"steps edited {row['edited_steps_first_pass']}, bounded {row['bounded_steps_first_pass']}; "
             f"fallbacks {row['fallbacks']}"
         )
+    ratios = None
     if args.before:
         a, b = doc["sides"]["after"], doc["sides"]["before"]
-        doc["after_over_before"] = {
+        ratios = {
             name: round(a[f"{name}_ms_per_step_median"] / b[f"{name}_ms_per_step_median"], 3)
             for name in ("checked", "unchecked")
         }
-        print(f"after / before: {doc['after_over_before']}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    return doc
+    return paired.finish(doc, ratios, args.json_out)
 
 
 if __name__ == "__main__":
