@@ -93,7 +93,10 @@ class SegmentEncoder:
 
     def encode(self, text: str, state: RenderState) -> list[int]:
         if self._splitter is None:
-            return self.encode_whole(text) if self.fast_path_off_reason else self._encode_pieces([text])
+            if self.fast_path_off_reason:
+                return self.encode_whole(text)
+            self._cache_pieces([text])
+            return list(self.pieces[text])
         reused_pairs, pos = state.match(text)
         pairs: list[tuple[str, str]] = []
         start = pos
@@ -101,7 +104,7 @@ class SegmentEncoder:
             pairs.append((text[start : match.start()], match.group()))
             start = match.end()
         tail = text[start:]
-        self._encode_pieces([p for p, _ in pairs] + [tail])
+        self._cache_pieces([p for p, _ in pairs] + [tail])
         ids = state.ids[: state.counts[reused_pairs - 1]] if reused_pairs else []
         state.truncate(reused_pairs)
         for piece, token in pairs:
@@ -199,12 +202,12 @@ class SegmentEncoder:
                 ids.append(tokens[n][2])
         return ids, PieceOffsets(encodings, tokens)
 
-    def _encode_pieces(self, pieces: list[str]) -> list[int]:
+    def _cache_pieces(self, pieces: list[str]) -> None:
+        """Encode the pieces not cached yet, in one batch."""
         missing = list({p for p in pieces if p not in self.pieces})
         if missing:
             for piece, enc in zip(missing, self._encode_all(missing)):
                 self.pieces[piece] = enc.ids
-        return [i for p in pieces for i in self.pieces[p]]
 
     def _encode_all(self, texts: list[str]) -> list[Any]:
         """Each text's encoding (``.ids``, ``.offsets``), as ``encode_batch`` makes them; the
