@@ -271,7 +271,7 @@ class PromptBuilder:
         history; a chain starts with such a pair of renders anyway, so the check adds at most
         that much again, plus about four for the halving. Returns what differed, or None."""
 
-        encode = self._fresh_encode
+        encode = self._rule_encoder()
         for n in checked_positions([chain for _, chain in bounded]):
             position = bounded[n][0]
             exact = self._exact_step(messages, normalized, outcome, steps[position], encode)
@@ -279,15 +279,20 @@ class PromptBuilder:
                 return f"step {read_field(steps[position], 'step_index')} differs from its whole-history build"
         return None
 
-    def _fresh_encode(self, text: str) -> list[int]:
-        """``text``'s ids through the episode's cached pieces (a rule's texts, checked)."""
-        return self.encoder.encode(text, self.encoder.new_state())
+    def _rule_encoder(self) -> Callable[[str], list[int]]:
+        """Texts' ids through the episode's cached pieces (a rule's texts, checked), each text's
+        pieces and added tokens shared with the text before it taken from that one's ids: the
+        whole histories checked from the latest step back share most of their text. Exact as
+        every per-step encode (segments.py: pieces between added tokens are tokenized alone)."""
+        state = self.encoder.new_state()
+        return lambda text: self.encoder.encode(text, state)
 
     def _rule_steps(
         self, messages: Sequence[Mapping[str, Any]], normalized: list[dict], outcome: Any, steps: Sequence[Any]
     ) -> list[StepPrompt | PromptFailure]:
         """Every step built by the rule (a strategy disagreed for this episode)."""
-        return [self._exact_step(messages, normalized, outcome, step, self._fresh_encode) for step in steps]
+        encode = self._rule_encoder()
+        return [self._exact_step(messages, normalized, outcome, step, encode) for step in steps]
 
     def _check_turns(
         self,
@@ -310,7 +315,7 @@ class PromptBuilder:
                 if read_field(step, "message_index") > TURN_CHECK_MESSAGES or not self.checks.due(verify.TURN_WINDOWS):
                     continue
             crossed = True
-            if self._exact_step(messages, normalized, outcome, step, self._fresh_encode) != result:
+            if self._exact_step(messages, normalized, outcome, step, self._rule_encoder()) != result:
                 return f"step {read_field(step, 'step_index')} differs from the whole-turns rule's build"
         return None
 
