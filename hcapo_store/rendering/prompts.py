@@ -335,8 +335,7 @@ class PromptBuilder:
         self._known = {}
         try:
             self._turns.start_episode()
-            edits = True
-            results, bounded, edits = self._build_edited(messages, normalized, outcome, steps, self._can_bound, edits)
+            results, bounded, edits = self._build_edited(messages, normalized, outcome, steps, self._can_bound, True)
             reason = self._bounded.unbounded
             checked = bounded and self.checks.on
             mismatch = self._check_bounded(messages, normalized, outcome, steps, results, bounded) if checked else None
