@@ -4,6 +4,8 @@ CPU, in both prompt layouts; the pool is kept for the next run; the default is t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from _shared import TOKENIZERS
 from faultserver import stored_scores
@@ -81,3 +83,37 @@ def test_an_in_memory_store_gets_no_pool() -> None:
     assert preparing.shared_pool("sqlite://", recipe, 2) is None
     assert preparing.shared_pool("sqlite:///:memory:", recipe, 2) is None
     assert preparing.shared_pool("sqlite:////tmp/a.db", recipe, 0) is None
+
+
+@pytest.mark.slow  # worker processes start (imports, the tokenizer)
+def test_score_prepare_workers_from_the_cli_stores_the_threads_numbers(tmp_path, tiny_model_dir) -> None:
+    """``score --prepare-workers 2`` against an HTTP server prepares in worker processes (a pool is
+    started) and stores what ``--prepare-workers 0`` (threads) stores, bit for bit."""
+    from click.testing import CliRunner
+    from conftest import EXAMPLES, SAMPLES
+
+    from hcapo_store.cli import cli
+    from hcapo_store.devkit.refserver import make_server
+
+    samples = SAMPLES if SAMPLES.exists() else EXAMPLES
+    preparing.close_pools()  # a pool an earlier test kept would answer for this one
+    server = make_server(tiny_model_dir).start()
+    runner = CliRunner()
+    scored = {}
+    try:
+        for workers in ("0", "2"):
+            db = tmp_path / f"w{workers}.db"
+            assert runner.invoke(cli, ["--db", str(db), "ingest", str(samples)]).exit_code == 0
+            args = ["--db", str(db), "score", "--server", server.url, "--tokenizer", str(tiny_model_dir)]
+            args += ["--max-context", "1024", "--prepare-workers", workers, "--json"]
+            r = runner.invoke(cli, args, catch_exceptions=False)
+            assert r.exit_code == 0 and json.loads(r.output)["failed"] == 0, r.output
+            with Store.open(str(db)) as store:
+                (scorer_id,) = [row[0] for row in store.query("SELECT id FROM scorers")[1]]
+                scored[workers] = stored_scores(store, scorer_id)
+            if workers == "2":
+                assert any(pool.workers == 2 and not pool.broken for pool in preparing._pools.values())
+    finally:
+        server.shutdown()
+        preparing.close_pools()
+    assert scored["0"] and scored["2"] == scored["0"]

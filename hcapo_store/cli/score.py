@@ -68,6 +68,15 @@ SCORER_OPTIONS = [
         help="Episodes in flight at once (each sends its steps in order).",
     ),
     click.option(
+        "--prepare-workers",
+        type=int_range(0, 256),
+        default=None,
+        help=f"Worker processes that load, render and tokenize the claimed episodes (0: threads of this "
+        f"process, under its one GIL). Default: {defaults.PREPARE_PROCESSES} when --backend transformers "
+        "computes on a GPU, else threads. More cores for the preparation (the per-step layout's, against a "
+        "fast server): the same requests, the same stored numbers.",
+    ),
+    click.option(
         "--max-context",
         type=int_range(2, 2**24),
         default=None,
@@ -215,6 +224,7 @@ def scorer_setup(
     cuda_graphs=defaults.CUDA_GRAPHS,
     logprobs_mode=defaults.LOGPROBS_MODE,
     limit=None,
+    prepare_workers=None,
 ) -> tuple[Any, Any]:
     """The ``ScoreConfig`` and ``RunOptions`` of the scorer options (checked before any I/O)."""
     from hcapo_store.scoring.job import default_backend
@@ -282,6 +292,7 @@ def scorer_setup(
         limit=limit,
         worker_id=worker_id,
         grouping=grouping,
+        prepare_workers=prepare_workers,
     )
     return cfg, options
 
