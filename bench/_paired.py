@@ -4,6 +4,7 @@ bench/step_prompts.py). Each child is the script itself with ``--one``: it print
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -52,3 +53,7 @@ def finish(doc: dict[str, Any], ratios: dict[str, Any] | None, json_out: str | N
     if json_out:
         Path(json_out).write_text(json.dumps(doc, indent=1), encoding="utf-8")
     return doc
+
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()

@@ -64,7 +64,9 @@ def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) ->
         prep = prepare(store, cfg)
         t = time.perf_counter()
         ingest(store, [group], name_root=group.parent)
-        report = run_scoring(store, prep, RunOptions(concurrency=args.concurrency))
+        report = run_scoring(
+            store, prep, RunOptions(concurrency=args.concurrency, prepare_workers=args.prepare_workers)
+        )
         ids = [i for (i,) in store.query("SELECT id FROM episodes", read_only=True)[1]]
         compute_credits(store, episodes=ids)
         seconds = time.perf_counter() - t
@@ -92,6 +94,7 @@ def main() -> None:
         default=str(QWEN3) if QWEN3.is_dir() else None,
         help="tokenizer directory (default: the shared Qwen3 tokenizer, else the demo tokenizer)",
     )
+    ap.add_argument("--prepare-workers", type=int, help="follow's --prepare-workers (default: its own: threads here)")
     ap.add_argument("--samples", type=Path, default=SAMPLES, help="real-format episodes to copy")
     ap.add_argument("--json", action="store_true", help="print the measurement as one JSON object")
     args = ap.parse_args()
@@ -118,6 +121,7 @@ def main() -> None:
     argv += ["--tokenizer", tokenizer, "--max-context", str(args.max_context), "--group-size", str(args.group_size)]
     argv += ["--concurrency", str(args.concurrency), "--until-idle", str(max(10.0, 2 * args.every)), "--json"]
     argv += ["--prompt-layout", args.prompt_layout]
+    argv += ["--prepare-workers", str(args.prepare_workers)] if args.prepare_workers is not None else []
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     follower = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert follower.stderr is not None
