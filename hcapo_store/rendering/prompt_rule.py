@@ -10,9 +10,10 @@ prefix's ids to ``max_context`` (prompts.py, ``PromptBuilder._finish``).
 
 These are the slow reference: every candidate is rendered with the chat template and
 tokenized from scratch, and nothing is remembered between steps. The fast strategies
-(bounded.py for long ``sliding``/``window`` sessions, turn_windows.py for ``turns``,
-segments.py's cached pieces for tokenizing) are meant to give the same ids: they are tested
-against these on sampled sessions (tests/test_prompt_rule.py, tests/test_bounded_history.py,
+(bounded.py for long ``sliding``/``window`` sessions, step_edits.py for a step's renders made
+from the previous step's, turn_windows.py for ``turns``, segments.py's cached pieces for
+tokenizing) are meant to give the same ids: they are tested against these on sampled sessions
+(tests/test_prompt_rule.py, tests/test_bounded_history.py, tests/test_step_edits.py,
 tests/test_turns_truncation.py, tests/test_differential.py) and checked against them at run
 time by verify.py's policies; ``HCAPO_RENDERING=reference`` uses these alone.
 """
