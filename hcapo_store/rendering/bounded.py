@@ -30,7 +30,7 @@ from typing import Any
 
 from hcapo_store.rendering.hindsight import inject_hindsight
 from hcapo_store.rendering.messages import flatten_messages, own_text
-from hcapo_store.rendering.prompt_rule import Pair, Render, RenderedStep, head_end_of, render_pair, window_starts
+from hcapo_store.rendering.prompt_rule import Pair, Render, RenderedStep, head_end_of, whole_pair, window_starts
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
 from hcapo_store.rendering.template import TemplateRejected
 
@@ -113,7 +113,7 @@ class BoundedRenders:
         self._render = render
         # a step's two renders of its window: whole (the rule), or edited from the previous
         # step's (step_edits.py)
-        self._pair: Pair = pair or (lambda window, head_end, flattened: render_pair(render, window, flattened))
+        self._pair: Pair = pair or whole_pair(render)
         self.encoder = encoder
         self.max_context = max_context
         self._probe_state: RenderState = encoder.new_state()

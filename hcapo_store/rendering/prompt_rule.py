@@ -66,6 +66,11 @@ def render_pair(render: Render, messages: list[dict], flattened: bool) -> Render
 Pair = Callable[[list[dict], int, bool], RenderedStep]
 
 
+def whole_pair(render: Render) -> Pair:
+    """The rule as a :data:`Pair`: every window rendered whole (render_pair)."""
+    return lambda window, head_end, flattened: render_pair(render, window, flattened)
+
+
 def check_step(raw: Sequence[Mapping[str, Any]], m: int) -> None:
     if not 0 < m < len(raw) or raw[m].get("role") != "assistant":
         raise TemplateRejected(f"message {m} is not an assistant message after the first message")
@@ -86,8 +91,7 @@ def whole_history(
     the first message; flattened (tool traffic as text) when the template rejects it. ``pair``:
     a fast path's two renders of it (None: render_pair)."""
     check_step(raw, m)
-    if pair is None:
-        pair = lambda window, head_end, flattened: render_pair(render, window, flattened)  # noqa: E731
+    pair = pair or whole_pair(render)
     try:
         return pair(inject_hindsight(normalized[: m + 1], hindsight), head_end_of(normalized), False)
     except TemplateRejected:

@@ -379,10 +379,7 @@ class PromptBuilder:
         mismatch = self._edits.finish()  # the policy's checks (step_edits.py)
         if mismatch is not None:
             verify.disagreed(verify.EDITED_RENDERS, mismatch)
-            edits = False
-            self._bounded.start_episode(on=bounded_on)
-            self._edits.start_episode(on=False)
-            results, bounded = self._build_steps(messages, normalized, outcome, steps)
+            return self._build_edited(messages, normalized, outcome, steps, bounded_on, False)
         self.edited_steps += self._edits.edited_steps
         return results, bounded, edits
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompt_rule import Render, RenderedStep, render_pair
+from hcapo_store.rendering.strings import common_prefix
 from hcapo_store.rendering.template import TemplateRejected
 
 # the short window serves this many steps from one start; then it moves up to the message before the
@@ -44,25 +45,11 @@ def edited(long_before: str, short_before: str, short_now: str) -> str | None:
     """``long_before`` changed as ``short_before`` changed into ``short_now``: the text from where
     the two short ones part is replaced. None when ``long_before`` does not end as ``short_before``
     does from there (the windows disagree: render whole)."""
-    cut = _common_prefix(short_before, short_now)
+    cut = common_prefix(short_before, short_now)
     tail = len(short_before) - cut
     if not long_before.endswith(short_before[cut:]):
         return None
     return long_before[: len(long_before) - tail] + short_now[cut:]
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix (slices compared at C speed, halving)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass
@@ -106,22 +93,20 @@ class StepEdits:
         """``window`` (the action last) rendered without its last message (with a generation
         prompt) and whole: edited from the line's last step where it continues it."""
         line = self._lines.get(flattened)
-        made = self._edit(line, window, head_end) if self.on and line is not None else None
-        if made is None:
+        edited_line = self._edit(line, window, head_end) if self.on and line is not None else None
+        if edited_line is None:
             self._end_line(flattened)
             rendered = render_pair(self._render, window, flattened)
             self._lines[flattened] = _Line(
                 window, head_end, flattened, rendered.prefix_text, rendered.full_text, len(window) - 1, 1
             )
             return rendered
-        prefix_text, full_text, context, actions, short = made
-        line = _Line(window, head_end, flattened, prefix_text, full_text, context, actions, short, unchecked=True)
-        self._lines[flattened] = line
+        self._lines[flattened] = edited_line
         self.edited_steps += 1
         if not self._first_checked:
             self._first_checked = True
-            self._check(line)
-        return RenderedStep(prefix_text, full_text, window, flattened)
+            self._check(edited_line)
+        return RenderedStep(edited_line.prefix_text, edited_line.full_text, window, flattened)
 
     def finish(self) -> str | None:
         """End the episode's lines (their last steps checked); what a check found, or None."""
@@ -146,11 +131,9 @@ class StepEdits:
             self.mismatch = f"the step at message {len(line.window) - 1} of its window differs from its whole render"
             self.on = False
 
-    def _edit(
-        self, line: _Line, window: list[dict], head_end: int
-    ) -> tuple[str, str, int, int, tuple[str, str]] | None:
-        """This step's texts edited from the line's last step's, or None where the window does not
-        continue the line (or a short window is refused: the long one may not be)."""
+    def _edit(self, line: _Line, window: list[dict], head_end: int) -> _Line | None:
+        """The line's next step: this step's texts edited from the line's last step's, or None where
+        the window does not continue the line (or a short window is refused: the long one may not be)."""
         before = line.window
         p = len(before) - 1  # the previous action's position
         if head_end != line.head_end or len(window) <= len(before) or p < head_end:
@@ -186,7 +169,7 @@ class StepEdits:
         full_text = edited(line.full_text, short[1], now[1])
         if prefix_text is None or full_text is None:
             return None
-        return prefix_text, full_text, context, actions, now
+        return _Line(window, head_end, line.flattened, prefix_text, full_text, context, actions, now, unchecked=True)
 
 
 def _last_user(window: list[dict], head_end: int, before: int) -> list[dict]:
