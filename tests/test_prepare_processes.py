@@ -1,6 +1,7 @@
 """Requests prepared in worker processes (scoring/preparing.py): the stored log-probabilities are
 the threads' bit for bit, with the real Qwen3 tokenizer and a tiny Qwen3 of its vocabulary on the
-CPU, in both prompt layouts; the pool is kept for the next run; the default is threads on a CPU."""
+CPU, in both prompt layouts; the pool is kept for the next run; by default, threads for a model
+on the CPU, processes for a large run against a server."""
 
 from __future__ import annotations
 
@@ -117,3 +118,36 @@ def test_score_prepare_workers_from_the_cli_stores_the_threads_numbers(tmp_path,
         server.shutdown()
         preparing.close_pools()
     assert scored["0"] and scored["2"] == scored["0"]
+
+
+@pytest.mark.slow  # 594 steps scored twice against the reference server; worker processes start
+def test_a_large_run_against_a_server_prepares_in_processes_by_default(tmp_path, tiny_model_dir) -> None:
+    """No ``prepare_workers``: a run of ``PREPARE_PROCESSES_FROM_STEPS`` steps or more against a
+    server starts a pool (kept for the next run), uses it as its workers start, and stores what
+    threads store, bit for bit."""
+    from hcapo_store.devkit.refserver import make_server
+    from hcapo_store.scoring import defaults
+    from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
+    from hcapo_store.scoring.scheduler import RunOptions
+
+    preparing.close_pools()
+    write_standard_episodes(tmp_path / "eps", 6, steps_per_subtask=22, output_words=8)  # 6 x 99 steps
+    server = make_server(tiny_model_dir).start()
+    scored = {}
+    try:
+        for workers in (0, None):
+            with Store.open(str(tmp_path / f"{workers}.db")) as store:
+                assert not ingest(store, [tmp_path / "eps"], jobs=1).failed
+                prep = prepare(store, ScoreConfig(server=server.url, tokenizer=str(tiny_model_dir), max_context=1024))
+                report = run_scoring(store, prep, RunOptions(prepare_workers=workers))
+                assert report.failed == 0 and report.scored >= defaults.PREPARE_PROCESSES_FROM_STEPS
+                scored[workers] = stored_scores(store, prep.scorer_id)
+                pools = [pool for pool in preparing._pools.values() if not pool.broken]
+                if workers == 0 or preparing.usable_cpus() < 2:
+                    assert not pools
+                else:  # started by default, and kept
+                    assert [pool.workers for pool in pools] == [defaults.PREPARE_PROCESSES]
+    finally:
+        server.shutdown()
+        preparing.close_pools()
+    assert scored[0] and scored[None] == scored[0]

@@ -512,7 +512,14 @@ def _prepare_pool(store: Store, prep: Prepared, options: RunOptions) -> PrepareP
     ``default_prepare_workers``), or None: threads of this process."""
     workers = options.prepare_workers
     if workers is None:
-        workers = default_prepare_workers(prep.backend)
+        pending = 0
+        if not getattr(prep.backend, "in_process", False):  # a server: by the run's size
+            conv = prep.spec["conversion"]
+            limit = defaults.PREPARE_PROCESSES_FROM_STEPS
+            pending = len(
+                work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=limit)
+            )
+        workers = default_prepare_workers(prep.backend, pending)
     if workers < 1 or prep.tokenizer_dir is None or prep.builder_options is None:
         return None
     return shared_pool(store.url, BuilderRecipe.of(prep.tokenizer_dir, prep.builder_options, prep.builder), workers)

@@ -9,7 +9,9 @@ that many worker processes (:class:`PreparePool`): each opens the store and buil
 ``PromptBuilder`` (the tokenizer from its directory, the same settings and rendering mode), and
 sends back the same requests, so the ids, and the stored log-probabilities, are the thread's.
 ``None`` (the default) chooses in one place, :func:`default_prepare_workers`: processes when the
-in-process model computes on a GPU, threads otherwise (see there why).
+in-process model computes on a GPU, or for a large run against a server; threads otherwise (see
+there why). A run that chose processes by default does not wait for them to start (~1-4 s each):
+its threads prepare the episodes claimed meanwhile. A run given a number waits for its workers.
 
 A pool outlives its run: the next run with the same store and builder (``score_live`` at every
 training step) finds its workers started. :func:`close_pools` ends them (and at exit).
@@ -21,6 +23,7 @@ import asyncio
 import atexit
 import contextlib
 import multiprocessing
+import os
 import signal
 import threading
 from collections import Counter
@@ -34,7 +37,7 @@ from typing import Any
 
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import PromptBuilder
-from hcapo_store.rendering.requests import GroupPrompt, PromptFailure
+from hcapo_store.rendering.requests import GroupPrompt, PackedIds, PromptFailure
 from hcapo_store.scoring import defaults
 from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
 from hcapo_store.storage import db
@@ -69,22 +72,35 @@ def requests_for(
     ], floor
 
 
-def default_prepare_workers(backend: Any) -> int:
-    """Worker processes when ``RunOptions.prepare_workers`` is None: ``defaults.PREPARE_PROCESSES``
-    when the backend is an in-process model on a GPU, else 0 (threads). On a GPU the model's
-    thread launches each kernel under the GIL, so preparation beside it in threads starves the
-    GPU; on a CPU a forward spends its time in torch's own threads without the GIL, and worker
-    processes would take cores from it and cost more to start (~1 s each: imports, tokenizer)
-    than a small run (a test, a ``follow`` batch) spends preparing. An HTTP backend's model
-    runs elsewhere: the GIL here does not hold it up."""
-    computes_in = getattr(backend, "computes_in", None)
-    if not callable(computes_in):
-        return 0
+def default_prepare_workers(backend: Any, pending_steps: int = 0, cpus: int | None = None) -> int:
+    """Worker processes when ``RunOptions.prepare_workers`` is None, else 0 (threads).
+
+    * An in-process model: ``defaults.PREPARE_PROCESSES`` on a GPU, 0 on a CPU. On a GPU the
+      model's thread launches each kernel under the GIL, so preparation beside it in threads
+      starves the GPU; on a CPU a forward spends its time in torch's own threads without the GIL,
+      and worker processes would take cores from it.
+    * A server (a backend without ``in_process``): ``defaults.PREPARE_PROCESSES`` when the run
+      has at least ``defaults.PREPARE_PROCESSES_FROM_STEPS`` steps to score (``pending_steps``)
+      and this process may use two CPUs or more (``cpus``; None: :func:`usable_cpus`). The model
+      runs elsewhere, but the client's event loop (sending the requests, reading the answers)
+      shares this process's GIL with the threads that prepare: a per-step batch took ×0.70 the
+      time with two workers (bench/follow.py). A smaller run spends less preparing than its
+      workers' start costs."""
+    if not getattr(backend, "in_process", False):
+        large = pending_steps >= defaults.PREPARE_PROCESSES_FROM_STEPS
+        return defaults.PREPARE_PROCESSES if large and (cpus or usable_cpus()) >= 2 else 0
     try:
-        where = computes_in().get("device")
+        where = backend.computes_in().get("device")
     except RuntimeError:  # not started: nothing known of its device
         return 0
     return defaults.PREPARE_PROCESSES if where == "cuda" else 0
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -123,7 +139,22 @@ def _prepare_in_worker(
 ) -> tuple[Requests, int, dict[str, int]]:
     before = verify.fallbacks()
     requests, floor = requests_for(_worker["store"], _worker["builder"], episode_id, wanted, grouping, key)
-    return requests, floor, verify.since(before)
+    return packed(requests), floor, verify.since(before)
+
+
+def packed(requests: Requests) -> Requests:
+    """The requests with each list of ids as PackedIds: sent to the parent as buffers, not one
+    object per id (IdsPrefix windows are sent once per window already)."""
+    return [
+        r
+        if isinstance(r, PromptFailure)
+        else GroupPrompt(
+            tuple(
+                replace(m, input_ids=PackedIds.of(m.input_ids)) if type(m.input_ids) is list else m for m in r.members
+            )
+        )
+        for r in requests
+    ]
 
 
 def _ready() -> bool:
@@ -149,20 +180,27 @@ class PreparePool:
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
             max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(url, recipe)
         )
-        for _ in range(workers):  # start them now, while the run starts: not on its first episode
-            self._pool.submit(_ready)
+        # start them now, while the run starts: not on its first episode
+        self._starting = [self._pool.submit(_ready) for _ in range(workers)]
         self.fallbacks: Counter[str] = Counter()  # rendering fallbacks counted in the workers
+        self.prepared = 0  # episodes its workers prepared, over its runs
+
+    @property
+    def started(self) -> bool:
+        """Whether a worker has started (opened the store, built the builder)."""
+        return any(f.done() for f in self._starting)
 
     @property
     def broken(self) -> bool:
         return self._pool is None
 
     async def prepare(
-        self, episode_id: int, wanted: set[int], grouping: Grouping, key: str
+        self, episode_id: int, wanted: set[int], grouping: Grouping, key: str, *, wait: bool = True
     ) -> tuple[Requests, int] | None:
         """The episode's requests and floor from a worker; None when the pool is broken (a worker
-        was killed): the caller then prepares in a thread, as without a pool."""
-        if self._pool is None:
+        was killed), or when no worker has started yet and not ``wait``: the caller then prepares
+        in a thread, as without a pool (the same requests: tests/test_prepare_processes.py)."""
+        if self._pool is None or (not wait and not self.started):
             return None
         loop = asyncio.get_running_loop()
         try:
@@ -173,6 +211,7 @@ class PreparePool:
             self.close()
             return None
         self.fallbacks.update(fallbacks)
+        self.prepared += 1
         return requests, floor
 
     def close(self) -> None:
@@ -225,6 +264,8 @@ __all__: Sequence[str] = (
     "PreparePool",
     "close_pools",
     "default_prepare_workers",
+    "packed",
     "requests_for",
     "shared_pool",
+    "usable_cpus",
 )

@@ -74,7 +74,8 @@ class RunOptions:
     stop_grace_seconds: float = 10.0  # after a stop, in-flight requests get this long, then are cancelled
     down_after: int = 8  # consecutive transport failures (any episodes) before the server is probed
     # worker processes that load, render and tokenize the claimed episodes (preparing.py); 0: threads
-    # of this process; None: preparing.default_prepare_workers (processes for a model on a GPU)
+    # of this process; None: preparing.default_prepare_workers (processes for a model on a GPU or a
+    # large run against a server, used as they start: threads prepare meanwhile)
     prepare_workers: int | None = None
 
     def __post_init__(self) -> None:
@@ -328,7 +329,9 @@ class Scheduler:
         if self.pool is not None:
             wanted = {lease.step_index for lease in claim.leases}
             key = routing_key(claim.episode_id)
-            prepared = await self.pool.prepare(claim.episode_id, wanted, self.options.grouping, key)
+            # a pool the run was given waits for its workers; one chosen by default does not
+            wait = self.options.prepare_workers is not None
+            prepared = await self.pool.prepare(claim.episode_id, wanted, self.options.grouping, key, wait=wait)
         requests, floor = prepared if prepared is not None else await asyncio.to_thread(self._requests_for, claim)
         self.writer.floor(claim.episode_id, floor)
         leases = {lease.step_index: lease for lease in claim.leases}

@@ -42,6 +42,7 @@ class InProcessBackend:
     each forward shape replayed as a CUDA graph (scoring/graphs.py; the same values)."""
 
     kind = "transformers"
+    in_process = True  # the model computes in this process (scoring/preparing.py chooses by it)
     top_k = 0  # ``score --top-k K``: set by ``prepare``; the same forward keeps each row's top K
 
     def __init__(

@@ -31,7 +31,7 @@ from hcapo_store.scoring.backends.base import (
     precision_identity,
     routing_headers,
 )
-from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
+from hcapo_store.scoring.backends.http import HttpBackend, HttpClient, wire_ids
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def build_payload(prompt: StepPrompt, *, max_new_tokens: int = 0) -> dict[str, A
     if max_new_tokens:
         sampling["temperature"] = 0.0  # old servers: generate one greedy token, ignored
     return {
-        "input_ids": list(prompt.input_ids),
+        "input_ids": wire_ids(prompt.input_ids),
         "return_logprob": True,
         "logprob_start_len": prompt.first_scored - 1,
         "sampling_params": sampling,

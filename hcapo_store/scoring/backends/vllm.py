@@ -27,7 +27,7 @@ from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring import defaults
 from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens, routing_headers
-from hcapo_store.scoring.backends.http import HttpBackend, HttpClient
+from hcapo_store.scoring.backends.http import HttpBackend, HttpClient, wire_ids
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
 # vLLM's --logprobs-mode (since vllm #47680 prompt_logprobs follow it): only raw log-probabilities
@@ -45,7 +45,7 @@ def build_payload(
     if prompt.first_scored < 1:
         raise ValueError("the first scored token needs at least one token of context")
     payload: dict[str, Any] = {
-        "prompt": list(prompt.input_ids),
+        "prompt": wire_ids(prompt.input_ids),
         "max_tokens": 1,
         "temperature": 0.0,
         "prompt_logprobs": prompt_logprobs,
