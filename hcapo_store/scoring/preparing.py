@@ -174,7 +174,7 @@ class PreparePool:
         if "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
             # its server imports these once (when it is not running yet); each worker forks from it
-            multiprocessing.set_forkserver_preload(["hcapo_store.scoring.preparing"])
+            multiprocessing.set_forkserver_preload(["hcapo_store.scoring.worker_imports"])
         else:
             context = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
