@@ -9,6 +9,8 @@ stored shape and normalized (arguments as mappings).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from _tokenizers import bos_tokenizer, episode, named_tokenizer
 
@@ -94,12 +96,42 @@ def test_messages_checked_once_per_episode_render_as_fresh_ones(tmp_path, demo_t
     holds one entry per message object (inject_hindsight copies only the first message)."""
     tok = load_tokenizer(demo_tokenizer_dir)
     messages = normalize_messages(episode(4, steps=8, tool_chars=200)[0])
-    known: chat_template.PlainCache = {}
+    known = chat_template.RenderMemo()
     for end in range(2, len(messages) + 1):
         step = inject_hindsight(messages[:end], f"Outcome for {end}\n")
         assert render_chat(tok, step, generation=False, known=known) == render_chat(tok, step, generation=False)
     # messages[1:] once each, and one copy of the first message per render
-    assert len(known) == 2 * (len(messages) - 1)
+    assert len(known.plain) == 2 * (len(messages) - 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_tool_arguments_serialized_once_per_episode_render_as_fresh_ones(name, tmp_path, demo_tokenizer_dir):
+    """The memo's ``tojson`` texts (a tool call's arguments, once per episode) give the texts an
+    uncached render gives, every window of a session, twice over."""
+    tok = named_tokenizer(name, tmp_path, demo_tokenizer_dir)
+    messages = normalize_messages(episode(7, steps=10, tool_chars=120)[0])
+    assert any(m.get("tool_calls") for m in messages)
+    known = chat_template.RenderMemo()
+    for _ in range(2):
+        for end in range(2, len(messages) + 1):
+            for generation in (False, True):
+                fresh = render_chat(tok, messages[:end], generation=generation)
+                assert render_chat(tok, messages[:end], generation=generation, known=known) == fresh
+    assert known.json  # the arguments were kept, each beside its object
+    assert all(key[0] == id(value) for key, (value, _) in known.json.items())
+
+
+def test_tojson_options_are_part_of_the_memo(tmp_path):
+    template = (
+        "{{ messages[0].data | tojson }}|{{ messages[0].data | tojson(indent=2) }}|{{ messages[0].data | tojson }}"
+    )
+    tok = bos_tokenizer(tmp_path, template=template)
+    data = {"b": [1, "é"], "a": {"c": None}}
+    known = chat_template.RenderMemo()
+    text = render_chat(tok, [{"role": "user", "content": "x", "data": data}], generation=False, known=known)
+    compact, indented = json.dumps(data, ensure_ascii=False), json.dumps(data, ensure_ascii=False, indent=2)
+    assert text == f"{compact}|{indented}|{compact}"
+    assert sorted(t for _, t in known.json.values()) == sorted([compact, indented])
 
 
 # --- our sandbox: the same answers as jinja2's, in less work ---------------------------------

@@ -68,7 +68,7 @@ from hcapo_store.rendering.prompt_rule import RenderedStep, check_step, whole_hi
 from hcapo_store.rendering.requests import FailureReason, PromptFailure, StepPrompt
 from hcapo_store.rendering.segments import RenderState, SegmentEncoder
 from hcapo_store.rendering.step_edits import StepEdits
-from hcapo_store.rendering.template import PlainCache, TemplateRejected, render_by_rule, render_chat
+from hcapo_store.rendering.template import RenderMemo, TemplateRejected, render_by_rule, render_chat
 from hcapo_store.rendering.tokenizers import PerTokenizer
 from hcapo_store.rendering.turn_windows import TurnWindows
 
@@ -165,7 +165,7 @@ class PromptBuilder:
         self.reference = verify.reference_mode() if rendering is None else rendering == "reference"
         self.checks = checks  # the strategies held to their rules (verify.py); UNCHECKED: measuring only
         self.encoder = SegmentEncoder(tokenizer, reference=self.reference, checks=checks)
-        self._known: PlainCache | None = None  # set while build_episode renders one episode
+        self._known: RenderMemo | None = None  # set while build_episode renders one episode
 
         # the fast strategies (each tested equal to the rule: prompt_rule.py)
         # (they render through the builder's _render as it is when they call it)
@@ -332,7 +332,7 @@ class PromptBuilder:
             return [self._exact_step(messages, normalized, outcome, step, self.encoder.encode_whole) for step in steps]
         # Each message is rendered again for every later step: whether it is plain JSON data
         # is checked once per episode (the normalized messages do not change meanwhile).
-        self._known = {}
+        self._known = RenderMemo()
         try:
             self._turns.start_episode()
             results, bounded, edits = self._build_edited(messages, normalized, outcome, steps, self._can_bound, True)

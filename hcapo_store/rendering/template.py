@@ -101,8 +101,18 @@ class _BoundedRange:
         return out
 
 
-# message id -> (the message, what is rendered of it): see render_chat's ``known``
-PlainCache = dict[int, tuple[dict, dict]]
+class RenderMemo:
+    """What renders of the same message objects share (a per-step layout renders each message once
+    per later step): ``plain``, message id -> (the message, what is rendered of it); ``json``,
+    (value id, tojson's options) -> (the value, its text). Each entry keeps its object alive, so
+    its id is not reused; the messages must not change while the memo is kept (the sandbox lets
+    no template change them)."""
+
+    __slots__ = ("json", "plain")
+
+    def __init__(self) -> None:
+        self.plain: dict[int, tuple[dict, dict]] = {}
+        self.json: dict[tuple[Any, ...], tuple[Any, str]] = {}
 
 
 def render_chat(
@@ -110,20 +120,19 @@ def render_chat(
     messages: list[dict],
     *,
     generation: bool,
-    known: PlainCache | None = None,
+    known: RenderMemo | None = None,
     tools: list[dict] | None = None,
 ) -> str:
     """The chat template's text for ``messages`` (and ``tools``, the JSON schemas a template
     may list); :class:`TemplateRejected` when it refuses them.
 
-    ``known`` remembers which messages are plain JSON data across renders of the same message
-    objects (a per-step layout renders each message once per later step); the messages must
-    not change while it is kept."""
+    ``known`` remembers which messages are plain JSON data, and the ``tojson`` text of their
+    values, across renders of the same message objects (:class:`RenderMemo`)."""
     try:
         direct = _DirectRenderer.of(tokenizer, tools)
         plain = _plain_messages(messages, known) if direct is not None else None
         if direct is not None and plain is not None and (tools is None or plain_data(tools)):
-            return direct.render(tokenizer, messages, plain, generation, tools)
+            return direct.render(tokenizer, messages, plain, generation, tools, known)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, tools=tools)
     except Exception as exc:  # templates raise anything (TypeError, TemplateError, ...)
         raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
@@ -137,14 +146,14 @@ def render_by_rule(tokenizer: Any, messages: list[dict], *, generation: bool) ->
         raise TemplateRejected(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _plain_messages(messages: list[dict], known: PlainCache | None = None) -> list[dict] | None:
+def _plain_messages(messages: list[dict], known: RenderMemo | None = None) -> list[dict] | None:
     """The messages as transformers would hand them to the template (keys whose value is None
     dropped), or None when they are not plain JSON data in the shape rendered directly."""
     if not messages:  # transformers refuses an empty conversation with its own message
         return None
     out = []
     for m in messages:
-        hit = known.get(id(m)) if known is not None else None
+        hit = known.plain.get(id(m)) if known is not None else None
         if hit is not None and hit[0] is m:  # the entry keeps m alive: its id is not reused
             out.append(hit[1])
             continue
@@ -152,7 +161,7 @@ def _plain_messages(messages: list[dict], known: PlainCache | None = None) -> li
         if kept is None:
             return None
         if known is not None:
-            known[id(m)] = (m, kept)
+            known.plain[id(m)] = (m, kept)
         out.append(kept)
     return out
 
@@ -239,16 +248,22 @@ class _DirectRenderer:
             return None
 
     def render(
-        self, tokenizer: Any, messages: list[dict], plain: list[dict], generation: bool, tools: list[dict] | None
+        self,
+        tokenizer: Any,
+        messages: list[dict],
+        plain: list[dict],
+        generation: bool,
+        tools: list[dict] | None,
+        memo: RenderMemo | None = None,
     ) -> str:
         if self.timed_out is not None:
             raise RenderTimeout(self.timed_out)
         if self.agreed:
-            return self._render(plain, generation, tools)
+            return self._render(plain, generation, tools, memo)
         # ours first, under the time bound: a template that never ends is refused before
         # apply_chat_template (which has none) is asked
         try:
-            ours: str | None = self._render(plain, generation, tools)
+            ours: str | None = self._render(plain, generation, tools, memo)
         except RenderTimeout:
             raise
         except Exception:
@@ -264,8 +279,9 @@ class _DirectRenderer:
                 verify.disagreed(verify.TEMPLATE_SANDBOX, "the first render differs from apply_chat_template's")
         return reference
 
-    def _render(self, plain: list[dict], generation: bool, tools: list[dict] | None) -> str:
+    def _render(self, plain: list[dict], generation: bool, tools: list[dict] | None, memo: RenderMemo | None) -> str:
         _clock.deadline = time.monotonic() + RENDER_SECONDS
+        _clock.json = None if memo is None else memo.json
         try:
             return self.compiled.render(
                 messages=plain, tools=tools, documents=None, add_generation_prompt=generation, **self.variables
@@ -274,7 +290,7 @@ class _DirectRenderer:
             self.timed_out = str(exc)
             raise
         finally:
-            _clock.deadline = None
+            _clock.deadline = _clock.json = None
 
 
 # --------------------------------------------------------------------------- our sandbox
@@ -295,7 +311,26 @@ def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
     # transformers' tojson: no HTML escaping (Jinja's own filter escapes), with json.dumps' options
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    memo = getattr(_clock, "json", None)  # a render's RenderMemo.json: a tool call's arguments once per episode
+    if memo is None or type(x) not in (dict, list):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    key: tuple[Any, ...] | None = (
+        id(x),
+        ensure_ascii,
+        indent,
+        tuple(separators) if type(separators) in (list, tuple) else separators,
+        sort_keys,
+    )
+    try:
+        hit = memo.get(key)
+    except TypeError:  # options that cannot be a key: not kept
+        hit, key = None, None
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    text = json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if key is not None:
+        memo[key] = (x, text)
+    return text
 
 
 def _strftime_now(format: str) -> str:
