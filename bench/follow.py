@@ -75,6 +75,14 @@ def _by_hand(group: Path, url: str, tokenizer: str, args: argparse.Namespace) ->
     return seconds
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's children that have ended and been waited for."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -123,6 +131,7 @@ def main() -> None:
     argv += ["--prompt-layout", args.prompt_layout]
     argv += ["--prepare-workers", str(args.prepare_workers)] if args.prepare_workers is not None else []
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    children_cpu = _children_cpu()
     follower = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert follower.stderr is not None
     started = ""  # its first look is done (the live line): start-up is not lag
@@ -145,11 +154,12 @@ def main() -> None:
             time.sleep(args.every)
     out, err = follower.communicate(timeout=3600)
     server_cpu = _cpu_seconds(server.pid) - server_cpu  # the server's own work for every batch
+    follow_cpu = _children_cpu() - children_cpu  # follow's, with the worker processes it waited for
     by_hand = _by_hand(root / "step_0000", url, tokenizer, args)
     server.terminate()
     if follower.returncode != 0:
         raise SystemExit(f"follow exited {follower.returncode}:\n{err[-3000:]}")
-    batches = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    batches = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda b: b["key"])
     lags, ready = [], []
     for b in batches:
         at = dt.datetime.fromisoformat(b["ready_at"]).timestamp()
@@ -166,6 +176,9 @@ def main() -> None:
         "lag_p50_s": round(statistics.median(lags), 2),
         "lag_p95_s": round(_percentile(lags, 0.95), 2),
         "lag_max_s": round(max(lags), 2),
+        "lags_s": [round(x, 2) for x in lags],  # in landing order: the first pays the workers' start
+        "lag_p50_after_first_s": round(statistics.median(lags[1:] or lags), 2),
+        "follow_cpu_per_batch_s": round(follow_cpu / len(batches), 2),  # start-up and idle cycles included
         "steps_per_s": round(steps / (max(ready) - first), 1),
         "server_cpu_per_batch_s": round(server_per_batch, 2),
         "lag_p50_beyond_server_s": round(statistics.median(lags) - server_per_batch, 2),
@@ -181,7 +194,9 @@ def main() -> None:
             f"follow: {result['batches']} batches of {args.group_size} real-size episodes ({steps} steps), one "
             f"every {args.every} s: lag p50 {result['lag_p50_s']} s, p95 {result['lag_p95_s']} s, max "
             f"{result['lag_max_s']} s ({result['lag_p50_beyond_server_s']} s beyond the server's own "
-            f"{result['server_cpu_per_batch_s']} CPU-s per batch); {result['steps_per_s']} steps/s sustained; the same group by hand "
+            f"{result['server_cpu_per_batch_s']} CPU-s per batch; after the first batch p50 "
+            f"{result['lag_p50_after_first_s']} s; follow's CPU {result['follow_cpu_per_batch_s']} s per batch); "
+            f"{result['steps_per_s']} steps/s sustained; the same group by hand "
             f"(ingest + score + credits, one process): {result['by_hand_first_group_s']} s "
             f"(lag p50 / by hand = {result['lag_p50_over_by_hand']})"
         )

@@ -73,8 +73,9 @@ SCORER_OPTIONS = [
         default=None,
         help=f"Worker processes that load, render and tokenize the claimed episodes (0: threads of this "
         f"process, under its one GIL). Default: {defaults.PREPARE_PROCESSES} when --backend transformers "
-        "computes on a GPU, else threads. More cores for the preparation (the per-step layout's, against a "
-        "fast server): the same requests, the same stored numbers.",
+        f"computes on a GPU, or against a server for a run of {defaults.PREPARE_PROCESSES_FROM_STEPS} steps or "
+        "more on two CPUs or more (threads prepare while they start); else threads. The same requests, the same "
+        "stored numbers.",
     ),
     click.option(
         "--max-context",

@@ -10,7 +10,7 @@ that many worker processes (:class:`PreparePool`): each opens the store and buil
 sends back the same requests, so the ids, and the stored log-probabilities, are the thread's.
 ``None`` (the default) chooses in one place, :func:`default_prepare_workers`: processes when the
 in-process model computes on a GPU, or for a large run against a server; threads otherwise (see
-there why). A run that chose processes by default does not wait for them to start (~1-4 s each):
+there why). A run that chose processes by default does not wait for them to start (~4 s):
 its threads prepare the episodes claimed meanwhile. A run given a number waits for its workers.
 
 A pool outlives its run: the next run with the same store and builder (``score_live`` at every
@@ -83,8 +83,8 @@ def default_prepare_workers(backend: Any, pending_steps: int = 0, cpus: int | No
       has at least ``defaults.PREPARE_PROCESSES_FROM_STEPS`` steps to score (``pending_steps``)
       and this process may use two CPUs or more (``cpus``; None: :func:`usable_cpus`). The model
       runs elsewhere, but the client's event loop (sending the requests, reading the answers)
-      shares this process's GIL with the threads that prepare: a per-step batch took ×0.70 the
-      time with two workers (bench/follow.py). A smaller run spends less preparing than its
+      shares this process's GIL with the threads that prepare: a per-step batch took ×0.64–0.70
+      the time with two workers (bench/follow.py). A smaller run spends less preparing than its
       workers' start costs."""
     if not getattr(backend, "in_process", False):
         large = pending_steps >= defaults.PREPARE_PROCESSES_FROM_STEPS
