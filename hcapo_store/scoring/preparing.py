@@ -83,7 +83,7 @@ def default_prepare_workers(backend: Any, pending_steps: int = 0, cpus: int | No
       has at least ``defaults.PREPARE_PROCESSES_FROM_STEPS`` steps to score (``pending_steps``)
       and this process may use two CPUs or more (``cpus``; None: :func:`usable_cpus`). The model
       runs elsewhere, but the client's event loop (sending the requests, reading the answers)
-      shares this process's GIL with the threads that prepare: a per-step batch took ×0.64–0.70
+      shares this process's GIL with the threads that prepare: a per-step batch took ×0.55–0.71
       the time with two workers (bench/follow.py). A smaller run spends less preparing than its
       workers' start costs."""
     if not getattr(backend, "in_process", False):
