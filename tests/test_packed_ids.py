@@ -1,7 +1,8 @@
 """PackedIds (rendering/requests.py): the ids worker processes send back as one buffer
 (scoring/preparing.py ``packed``) read exactly as the list they were made from, go out on the
 wire as the same JSON text, and score the same numbers through SGLang's and vLLM's paths
-against the reference server; and the default choice of worker processes against a server."""
+against the reference server and in process; and the default choice of worker processes
+against a server."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hcapo_store.devkit.refserver import make_server
 from hcapo_store.rendering.requests import GroupPrompt, IdsPrefix, PackedIds, PromptFailure, StepPrompt
 from hcapo_store.scoring import defaults, preparing
 from hcapo_store.scoring.backends.http import _DUMPS_OPTIONS, wire_ids
+from hcapo_store.scoring.backends.inprocess import InProcessBackend
 from hcapo_store.scoring.backends.sglang import SGLangBackend, build_payload
 from hcapo_store.scoring.backends.vllm import VLLMBackend
 
@@ -80,7 +82,9 @@ def test_the_sglang_payload_is_the_same_text() -> None:
     assert orjson.dumps(as_packed, option=_DUMPS_OPTIONS) == orjson.dumps(as_list)
 
 
-def test_packed_prompts_score_the_lists_numbers_through_sglang_and_vllm(tiny_model_dir: Path, chat_ids) -> None:
+def test_packed_prompts_score_the_lists_numbers_through_sglang_vllm_and_in_process(
+    tiny_model_dir: Path, chat_ids
+) -> None:
     ids = list(chat_ids)
     prompts = [_step(ids, len(ids) - 4), _step(ids[:-3], 5, 1)]
 
@@ -97,7 +101,8 @@ def test_packed_prompts_score_the_lists_numbers_through_sglang_and_vllm(tiny_mod
             await backend.close()
 
     with make_server(tiny_model_dir) as server:
-        for backend in (SGLangBackend(server.url), VLLMBackend(server.url)):
+        # in process: a worker's PackedIds become the model's tensor through their buffer
+        for backend in (SGLangBackend(server.url), VLLMBackend(server.url), InProcessBackend(tiny_model_dir)):
             got = asyncio.run(scores(backend))
             for a, b in zip(got[0::2], got[1::2]):
                 assert a == b and len(a[0]) > 0, backend.kind  # the same floats, bit for bit

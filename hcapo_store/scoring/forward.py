@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hcapo_store.errors import MissingExtra, ScoringError
+from hcapo_store.rendering.requests import PackedIds
 from hcapo_store.scoring import defaults
 
 try:
@@ -236,7 +237,10 @@ class LogprobModel:
             if not 1 <= start <= end <= n:
                 raise ValueError(f"span [{start}, {end}) is outside [1, {n}]")
         try:
-            tokens = torch.tensor(input_ids, dtype=torch.long)
+            if isinstance(input_ids, PackedIds):  # from a worker process: its buffer, not an int at a time
+                tokens = torch.frombuffer(input_ids.as_array, dtype=torch.int32).to(torch.long)
+            else:
+                tokens = torch.tensor(input_ids, dtype=torch.long)
         except (TypeError, RuntimeError, OverflowError) as exc:
             raise ValueError(f"input_ids must be integers: {exc}") from None
         low, high = int(tokens.min()), int(tokens.max())
