@@ -16,7 +16,29 @@ FailureReason = Literal["alignment", "empty_action", "template"]
 T = TypeVar("T")
 
 
-class IdsPrefix(Sequence[int]):
+class IdsView(Sequence[int]):
+    """Ids held otherwise than in a list of their own, read as one: an index is an int, a slice
+    a list (as a list's are). Not hashable, as a list is not."""
+
+    __slots__ = ()
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._slice(index) if isinstance(index, slice) else self._item(index)
+
+    def _item(self, index: int) -> int:
+        raise NotImplementedError
+
+    def _slice(self, index: slice) -> list[int]:
+        raise NotImplementedError
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class IdsPrefix(IdsView):
     """The first ``end`` ids of a shared list, without a copy: the steps of one episode-layout
     window all end inside the window's ids, and copying them per step would be quadratic."""
 
@@ -30,16 +52,13 @@ class IdsPrefix(Sequence[int]):
     def __len__(self) -> int:
         return self._end
 
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            return self._ids[slice(*index.indices(self._end))]
+    def _item(self, index: int) -> int:
         if not -self._end <= index < self._end:
             raise IndexError("IdsPrefix index out of range")
         return self._ids[index % self._end]
+
+    def _slice(self, index: slice) -> list[int]:
+        return self._ids[slice(*index.indices(self._end))]
 
     def __iter__(self) -> Iterator[int]:
         return islice(self._ids, self._end)
@@ -49,13 +68,11 @@ class IdsPrefix(Sequence[int]):
             return NotImplemented
         return len(other) == self._end and all(a == b for a, b in zip(self, other))
 
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"IdsPrefix({self._end} of {len(self._ids)} ids)"
 
 
-class PackedIds(Sequence[int]):
+class PackedIds(IdsView):
     """A request's ids as one buffer of 32-bit integers, read as the list they were made from:
     what worker processes send back (scoring/preparing.py). A list pickles and unpickles one
     object per id (a real-size per-step episode's requests: ~2.7M ids, ~0.1 s in the parent's
@@ -84,14 +101,11 @@ class PackedIds(Sequence[int]):
     def __len__(self) -> int:
         return len(self._ids)
 
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            return self._ids[index].tolist()
+    def _item(self, index: int) -> int:
         return self._ids[index]
+
+    def _slice(self, index: slice) -> list[int]:
+        return self._ids[index].tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
@@ -104,8 +118,6 @@ class PackedIds(Sequence[int]):
         if isinstance(other, IdsPrefix):
             return other == self._ids.tolist()
         return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[type[PackedIds], tuple[array]]:
         return (PackedIds, (self._ids,))
