@@ -497,7 +497,10 @@ class _json_codec:
 
         self.saved = http.orjson
         if self.stdlib:  # orjson is a hard dependency now: swap in a stand-in with its two calls
-            http.orjson = types.SimpleNamespace(dumps=lambda obj: json.dumps(obj).encode(), loads=json.loads)
+            # option: orjson's flags (its numpy support: ids from worker processes come as arrays)
+            http.orjson = types.SimpleNamespace(
+                dumps=lambda obj, option=0: json.dumps(obj, default=lambda a: a.tolist()).encode(), loads=json.loads
+            )
 
     def __exit__(self, *exc: object) -> None:
         from hcapo_store.scoring.backends import http
