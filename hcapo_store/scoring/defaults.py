@@ -37,7 +37,8 @@ CUDA_GRAPHS: Final = True
 LM_HEAD_ROWS: Final = 512  # rows of the LM head computed at once (its logits are rows x vocabulary)
 # Worker processes that prepare a run's requests (load, render, tokenize each claimed episode) when
 # the in-process model computes on a GPU (scoring/preparing.py: off the model thread's GIL), or for
-# a large run against a server (off the client's event loop); threads of the scoring process otherwise. RunOptions.prepare_workers / score_live(prepare_workers=) override.
+# a large run against a server (off the client's event loop); threads of the scoring process
+# otherwise. RunOptions.prepare_workers / score_live(prepare_workers=) override.
 PREPARE_PROCESSES: Final = 2
 # Against a server, worker processes prepare a run of at least this many steps to score (a per-step
 # follow batch of 8 real-size episodes has 792); a smaller one prepares in threads.

@@ -507,18 +507,11 @@ def run_scoring(
     return run_sync(lambda: run_scoring_async(store, prep, options, retry_failed=retry_failed, on_progress=on_progress))
 
 
-def _prepare_pool(store: Store, prep: Prepared, options: RunOptions) -> PreparePool | None:
+def _prepare_pool(store: Store, prep: Prepared, options: RunOptions, pending: int) -> PreparePool | None:
     """The worker processes that prepare this run's requests (``options.prepare_workers``; None:
-    ``default_prepare_workers``), or None: threads of this process."""
+    ``default_prepare_workers``, by the ``pending`` steps to score), or None: threads of this process."""
     workers = options.prepare_workers
     if workers is None:
-        pending = 0
-        if not getattr(prep.backend, "in_process", False):  # a server: by the run's size
-            conv = prep.spec["conversion"]
-            limit = defaults.PREPARE_PROCESSES_FROM_STEPS
-            pending = len(
-                work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=limit)
-            )
         workers = default_prepare_workers(prep.backend, pending)
     if workers < 1 or prep.tokenizer_dir is None or prep.builder_options is None:
         return None
@@ -535,13 +528,16 @@ async def run_scoring_async(
 ) -> ScoreReport:
     """``run_scoring`` for async code: ``report = await run_scoring_async(store, prep, options)``."""
     conv = prep.spec["conversion"]
+    # steps to score, counted up to what decides the default's worker processes (0: nothing new)
+    limit = defaults.PREPARE_PROCESSES_FROM_STEPS
+    pending = len(work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=limit))
     await prep.backend.start()  # idempotent: reopens an HTTP client closed by prepare()
-    pool = _prepare_pool(store, prep, options)
+    pool = _prepare_pool(store, prep, options, pending)
     scheduler = Scheduler(
         store, prep.scorer_id, prep.backend, prep.builder, options, on_progress=on_progress, pool=pool
     )
     try:
-        if retry_failed or work_queue.unscored_steps(store, prep.scorer_id, **conv, filters=options.filters, limit=1):
+        if retry_failed or pending:
             await check_vocabulary(prep)  # before anything is written
         register(store, prep.spec)
         if prep.tokenizer_dir is not None:

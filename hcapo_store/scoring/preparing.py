@@ -183,7 +183,6 @@ class PreparePool:
         # start them now, while the run starts: not on its first episode
         self._starting = [self._pool.submit(_ready) for _ in range(workers)]
         self.fallbacks: Counter[str] = Counter()  # rendering fallbacks counted in the workers
-        self.prepared = 0  # episodes its workers prepared, over its runs
 
     @property
     def started(self) -> bool:
@@ -211,7 +210,6 @@ class PreparePool:
             self.close()
             return None
         self.fallbacks.update(fallbacks)
-        self.prepared += 1
         return requests, floor
 
     def close(self) -> None:
