@@ -31,6 +31,17 @@ from hcapo_store.errors import InferenceError
 from hcapo_store.scoring.backends.http import BAD_ENCODING, WRITE_PIECE, HttpClient, transport_for
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # (request head, writer) -> keep open?
+KIND = "auto"  # the transport every client here uses: each test runs over each kind
+
+
+@pytest.fixture(autouse=True, params=["auto", "anyio", "httpx"])
+def transport_kind(request: pytest.FixtureRequest) -> str:
+    """auto: the origin pool on the event loop's sockets (http; TLS on anyio's streams); anyio:
+    the origin pool on httpcore's anyio streams; httpx: httpx's own transport (used through a
+    proxy). Each must behave as the others on every answer here."""
+    global KIND
+    KIND = request.param
+    return KIND
 
 
 def _ok(body: bytes, *extra: bytes) -> bytes:
@@ -90,7 +101,7 @@ def _run(answers: list[bytes | Answer], body: Callable[[Scripted, HttpClient], A
     async def main() -> Any:
         async with Scripted(answers) as server:
             kw.setdefault("timeout", HANG_GUARD_S)  # a hostile answer must end the request by itself
-            client = HttpClient(kw.pop("url", None) or server.url, **kw)
+            client = HttpClient(kw.pop("url", None) or server.url, transport=KIND, **kw)
             try:
                 return await body(server, client)
             finally:
@@ -257,7 +268,7 @@ def test_credentials_in_the_url_are_sent_as_basic_auth_else_the_key_as_bearer() 
         for url_auth, key in ((True, None), (True, "k3y"), (False, "k3y")):
             async with Scripted([_ok(b"{}")]) as server:
                 url = server.url.replace("://", "://us%40er:p%3Ass@") if url_auth else server.url
-                client = HttpClient(url, api_key=key)
+                client = HttpClient(url, api_key=key, transport=KIND)
                 await body(server, client)
                 await client.close()
                 heads.append(server.requests[0][1])
@@ -294,6 +305,36 @@ def test_at_most_max_connections_requests_at_once() -> None:
     _run([slow] * 5, body, max_connections=2)
 
 
+def test_a_request_ended_by_its_deadline_or_cancelled_frees_its_connection() -> None:
+    """One connection allowed: a request whose answer never comes ends by the deadline, another
+    is cancelled by its caller while waiting; each gives its slot back (its connection, its
+    exchange unfinished, is closed), so the next request gets a new connection and its answer."""
+    hang = asyncio.Event()  # never set: these answers never come
+    arrived: list[int] = []
+
+    async def never(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        arrived.append(1)
+        await hang.wait()
+        return False
+
+    async def body(server: Scripted, client: HttpClient) -> None:
+        with pytest.raises(InferenceError) as info:
+            await client.post_json("/generate", {})
+        assert info.value.kind == "timeout"
+        assert await client.post_json("/generate", {}) == {"n": 1}
+        waiting = asyncio.ensure_future(client.post_json("/generate", {}))
+        while len(arrived) < 2:
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await client.post_json("/generate", {}) == {"n": 3}
+        assert [c for c, _ in server.requests] == [1, 2, 2, 3]  # nothing sent on a closed one
+        assert server.connections == client.connections_opened == 3
+
+    _run([never, _later_ok(1), never, _later_ok(3)], body, max_connections=1, timeout=2.0)
+
+
 def test_a_proxy_from_the_environment_goes_through_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (
         "http_proxy",
@@ -307,21 +348,29 @@ def test_a_proxy_from_the_environment_goes_through_httpx(monkeypatch: pytest.Mon
     ):
         monkeypatch.delenv(name, raising=False)
 
-    def pool(url: str) -> str:  # httpcore's pool class, by name (httpcore is httpx's, not ours to import)
-        return type(transport_for(url, max_connections=4)._pool).__name__
+    def pool(url: str) -> str:  # the transport, and httpx's pool class under it (by name)
+        transport = transport_for(url, max_connections=4)
+        return type(getattr(transport, "_pool", transport)).__name__
 
-    assert pool("http://10.0.0.1:30000") == "AsyncConnectionPool"
+    assert pool("http://10.0.0.1:30000") == "OriginPool"
+    assert pool("https://10.0.0.1:30000") == "OriginPool"
     monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
     assert pool("http://10.0.0.1:30000") == "AsyncHTTPProxy"
+    assert pool("https://10.0.0.1:30000") == "OriginPool"  # https_proxy is not set
     monkeypatch.setenv("no_proxy", "10.0.0.1")
-    assert pool("http://10.0.0.1:30000") == "AsyncConnectionPool"
+    assert pool("http://10.0.0.1:30000") == "OriginPool"
+    assert type(transport_for("http://10.0.0.1:1", max_connections=1, kind="httpx")._pool).__name__ == (
+        "AsyncConnectionPool"
+    )
+    with pytest.raises(ValueError, match="one of auto"):
+        transport_for("http://10.0.0.1:1", max_connections=1, kind="h2")
 
 
 def test_a_refused_connection_is_a_connect_failure() -> None:
     async def main() -> None:
         async with Scripted([]) as server:
             url = server.url
-        client = HttpClient(url)  # the server is gone: nothing listens there now
+        client = HttpClient(url, transport=KIND)  # the server is gone: nothing listens there now
         with pytest.raises(InferenceError) as info:
             await client.get_json("/health")
         assert info.value.kind == "connect" and info.value.retryable
@@ -393,7 +442,7 @@ def test_https_with_the_certificate_checked(trusted: bool, tmp_path: Path, monke
     async def main() -> None:
         scripted = Scripted([_ok(b'{"tls": true}')] * 2)
         scripted.server = await asyncio.start_server(scripted._serve, "127.0.0.1", 0, ssl=server_context)
-        client = HttpClient(scripted.url.replace("http://", "https://"))
+        client = HttpClient(scripted.url.replace("http://", "https://"), transport=KIND)
         try:
             if trusted:
                 assert await client.post_json("/generate", {}) == {"tls": True}
@@ -574,7 +623,7 @@ def test_an_early_answer_is_taken_without_waiting(ids: int, close: bool) -> None
         server = await asyncio.start_server(early, "127.0.0.1", 0)
         scripted = Scripted([])
         scripted.server = server
-        client = HttpClient(scripted.url, timeout=HANG_GUARD_S)
+        client = HttpClient(scripted.url, timeout=HANG_GUARD_S, transport=KIND)
         try:
             await body(scripted, client)
         finally:
@@ -650,7 +699,9 @@ def test_a_server_that_stops_reading_the_body_fails_the_write_not_the_deadline()
             accepted.append(conn)  # held open, never read
 
         server = asyncio.ensure_future(accept())
-        client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=0.5)
+        client = HttpClient(
+            f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=0.5, transport=KIND
+        )
         try:
             with pytest.raises(InferenceError) as info:
                 await client.post_json("/generate", payload)
@@ -712,7 +763,9 @@ def test_a_slow_body_that_progresses_is_not_a_stall() -> None:
             conn.close()
 
         server = asyncio.ensure_future(serve())
-        client = HttpClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=write_stall)
+        client = HttpClient(
+            f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=600.0, write_stall=write_stall, transport=KIND
+        )
         try:
             answer = await client.post_json("/generate", payload)
         finally:

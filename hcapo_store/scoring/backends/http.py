@@ -1,8 +1,9 @@
 """The HTTP side of every server backend: requests, timeouts, and error classification.
 
-Backends build payloads and parse responses; this module sends them through httpx's own
-transport (httpcore and h11: HTTP/1.1 parsing is security-boundary work a well-kept library
-does, so none of it is written here) and turns transport failures and HTTP statuses into
+Backends build payloads and parse responses; this module sends them through a transport
+(``connections.OriginPool`` over httpcore's HTTP/1.1 connections, or httpx's own through a
+proxy: httpcore and h11 parse HTTP/1.1, security-boundary work a well-kept library does, so
+none of it is written here) and turns transport failures and HTTP statuses into
 ``InferenceError`` with a ``retryable`` flag (docs/SCORING.md: retry connect errors,
 timeouts, 408/429/5xx and "queue full"; fail fast on other 4xx). The retry loop itself lives
 in the scheduler, which records every failed attempt.
@@ -43,6 +44,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import httpcore
 import httpx
 import numpy as np
 import orjson  # 3-4x faster than json on the large id lists and logprob arrays
@@ -50,6 +52,7 @@ import orjson  # 3-4x faster than json on the large id lists and logprob arrays
 from hcapo_store.errors import InferenceError
 from hcapo_store.masking import mask_credentials, mask_url, register_secret, register_url_secrets, split_query_token
 from hcapo_store.rendering.requests import GroupPrompt, PackedIds
+from hcapo_store.scoring.backends import connections
 from hcapo_store.scoring.backends.base import BackendScore, split_score
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -95,17 +98,30 @@ def overall_deadline(timeout: httpx.Timeout | float) -> float | None:
     return float(timeout)
 
 
-def transport_for(url: str, *, max_connections: int) -> httpx.AsyncHTTPTransport:
-    """httpx's transport for requests to ``url``, through the proxy the environment names for
-    it (``http_proxy`` / ``https_proxy`` / ``all_proxy``, minus ``no_proxy``), as httpx's
-    client would; ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` are honoured by the transport itself."""
+TRANSPORTS = ("auto", "sockets", "anyio", "httpx")  # transport_for's kinds; tests run each
+
+
+def transport_for(url: str, *, max_connections: int, kind: str = "auto") -> httpx.AsyncBaseTransport:
+    """The transport for requests to ``url``: the origin's own pool (``connections.OriginPool``;
+    ``kind`` "sockets" or "anyio" names its network streams, "auto" picks), or httpx's transport
+    (``kind`` "httpx", and always when the environment names a proxy for ``url``: ``http_proxy`` /
+    ``https_proxy`` / ``all_proxy``, minus ``no_proxy``, as httpx's client reads them).
+    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` name the CA either way."""
+    if kind not in TRANSPORTS or (kind == "sockets" and not connections.SOCKETS):
+        raise ValueError(f"transport {kind!r}: one of {', '.join(TRANSPORTS)} (sockets: Python >= 3.11)")
     parsed = httpx.URL(url)
     proxies = urllib.request.getproxies()
     proxy = proxies.get(parsed.scheme) or proxies.get("all")
     if proxy and urllib.request.proxy_bypass(parsed.host):
         proxy = None
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncHTTPTransport(limits=limits, proxy=proxy or None, verify=_tls_context(*_ca_setting()))
+    tls = _tls_context(*_ca_setting())
+    if kind == "httpx" or proxy or parsed.scheme not in ("http", "https"):
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        return httpx.AsyncHTTPTransport(limits=limits, proxy=proxy or None, verify=tls)
+    backend = {"sockets": connections.SocketBackend, "anyio": httpcore.AnyIOBackend}.get(kind)
+    return connections.OriginPool(
+        url, max_connections=max_connections, ssl_context=tls, network_backend=None if backend is None else backend()
+    )
 
 
 def _ca_setting() -> tuple[str | None, str | None, int | None]:
@@ -170,10 +186,12 @@ class HttpClient:
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
         write_stall: float | None = WRITE_STALL_S,
+        transport: str = "auto",
     ) -> None:
         """``timeout``: its read timeout is the whole request's deadline (``--request-timeout``);
         ``write_stall``: the seconds a request body may make no progress (at most the deadline;
-        None: the deadline alone bounds it), in place of ``timeout``'s write timeout."""
+        None: the deadline alone bounds it), in place of ``timeout``'s write timeout; ``transport``:
+        ``transport_for``'s kind."""
         register_url_secrets(base_url)
         register_secret(api_key)
         base_url, query_token = split_query_token(base_url)
@@ -197,9 +215,9 @@ class HttpClient:
             limits["write"] = write_stall if self.deadline is None else min(write_stall, self.deadline)
         self.write_stall = limits["write"]
         self._extensions = {"timeout": limits, "trace": self._trace}
-        # Requests go straight to httpx's transport: its client layer (URL merging, cookies,
+        # Requests go straight to a transport: httpx's client layer (URL merging, cookies,
         # auth and redirect hooks) cost 0.5 ms per request and none of it is used here.
-        self._transport = transport_for(self._root, max_connections=max_connections)
+        self._transport = transport_for(self._root, max_connections=max_connections, kind=transport)
 
     async def close(self) -> None:
         await self._transport.aclose()
