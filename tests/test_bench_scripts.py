@@ -55,6 +55,18 @@ def test_diagnose_bench_small(tmp_path: Path, forks: Forks) -> None:
     assert out["steps"] == 240 and out["abs_diff_std_vs_numpy"] < 1e-12
 
 
+def test_http_client_bench_small(forks: Forks) -> None:
+    """Every transport answers every request with its logprobs (the script checks each answer)."""
+    r = forks.run(
+        str(BENCH / "http_client.py"),
+        *("--requests", "24", "--rounds", "2", "--concurrency", "4", "--ids", "100", "300", "--json"),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout[r.stdout.index("{") :])
+    assert {row["transport"] for row in out["rows"]} == {"auto", "anyio", "httpx"} and len(out["rows"]) == 6
+    assert all(row["cpu_ms_per_request"] > 0 for row in out["rows"])
+
+
 @pytest.mark.slow
 def test_group_alignment_bench_small(tmp_path: Path) -> None:
     """Both sides run in their own processes on the tree named (here this one, as both)."""
