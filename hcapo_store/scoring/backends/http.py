@@ -40,9 +40,10 @@ import functools
 import json
 import os
 import ssl
+import sys
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -75,6 +76,7 @@ BAD_ENCODING = "bad_encoding"  # InferenceError kind: a Content-Encoding the cli
 _JSON = {"Content-Type": "application/json"}
 # a request's PackedIds go out as the numpy view of their buffer: the same JSON text, no int objects
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+T = TypeVar("T")
 _IDENTITY = {"Accept-Encoding": "identity"}  # bodies as sent: nothing to inflate past a cap
 
 
@@ -84,6 +86,15 @@ def wire_ids(ids: Sequence[int]) -> list[int] | np.ndarray:
     if isinstance(ids, PackedIds):
         return np.frombuffer(ids.as_array, dtype=np.int32)
     return list(ids)
+
+
+async def _within(deadline: float | None, work: Coroutine[Any, Any, T]) -> T:
+    """``work`` under one overall deadline (``asyncio.TimeoutError`` past it). Python >= 3.11:
+    in this task (``asyncio.timeout``); before: ``wait_for``, which runs it in a task of its own."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(deadline):
+            return await work
+    return await asyncio.wait_for(work, deadline)
 
 
 def response_cap(request_bytes: int) -> int:
@@ -250,7 +261,7 @@ class HttpClient:
     ) -> Any:
         where = f"{method} {self.display_url}{path}"
         try:
-            status, headers, body = await asyncio.wait_for(self._exchange(method, path, payload, extra), self.deadline)
+            status, headers, body = await _within(self.deadline, self._exchange(method, path, payload, extra))
         except asyncio.TimeoutError as exc:  # the overall deadline, not httpx's per-read timeout
             raise InferenceError(
                 "timeout", f"{where}: no complete answer within {self.deadline:g} s", retryable=True
