@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hcapo_store.rendering import step_edits, verify
 from hcapo_store.rendering.hindsight import inject_hindsight
 from hcapo_store.rendering.messages import normalize_messages
+from hcapo_store.rendering.own_tokens import EMPTY_TURN
 from hcapo_store.rendering.prompt_rule import head_end_of, render_pair
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import StepPrompt
@@ -108,14 +109,28 @@ IN_A_ROW = [
 
 
 @session_settings(60)
-@given(messages=sessions(), name=st.sampled_from(TEMPLATES), start=st.integers(0, 6), skip=st.integers(0, 3))
-@example(messages=IN_A_ROW, name="qwen3", start=0, skip=1)
-@example(messages=IN_A_ROW, name="qwen2.5", start=0, skip=1)
+@given(
+    messages=sessions(),
+    name=st.sampled_from(TEMPLATES),
+    start=st.integers(0, 6),
+    skip=st.integers(0, 3),
+    empty_turns=st.booleans(),
+)
+@example(messages=IN_A_ROW, name="qwen3", start=0, skip=1, empty_turns=True)
+@example(messages=IN_A_ROW, name="qwen2.5", start=0, skip=1, empty_turns=True)
 def test_every_edited_step_equals_its_window_rendered_whole(
-    messages: list[dict[str, Any]], name: str, start: int, skip: int, module_tmp: Path, demo_tokenizer_dir: Path
+    messages: list[dict[str, Any]],
+    name: str,
+    start: int,
+    skip: int,
+    empty_turns: bool,
+    module_tmp: Path,
+    demo_tokenizer_dir: Path,
 ) -> None:
     """``start``: the windows' first message after the head (0: whole histories); ``skip``: the
-    chain's first actions left out (a run that resumes, or a line started by another head)."""
+    chain's first actions left out (a run that resumes, or a line started by another head);
+    ``empty_turns`` (--action-span policy): an edited step's empty-turn text too equals its
+    window rendered whole with the action an empty turn."""
     tok = named_tokenizer(name, module_tmp, demo_tokenizer_dir)
     msgs = normalize_messages(messages)
 
@@ -130,8 +145,9 @@ def test_every_edited_step_equals_its_window_rendered_whole(
     while begin < len(msgs) and msgs[begin]["role"] == "tool":
         begin += 1
     chain = [m for m in actions if m >= begin][skip:]
-    edits = StepEdits(render)
+    edits = StepEdits(render, empty_turns=empty_turns)
     edits.start_episode(on=True)
+    empties = 0
     for m in chain:
         window = [*head, *msgs[begin : m + 1]]
         try:
@@ -142,9 +158,16 @@ def test_every_edited_step_equals_its_window_rendered_whole(
             continue
         got = edits.pair(window, head_end, False)
         assert (got.prefix_text, got.full_text) == (want.prefix_text, want.full_text), m
+        if got.empty_text is not None:
+            empties += 1
+            assert got.empty_text == render([*window[:-1], EMPTY_TURN], generation=False), m
     assert edits.finish() is None  # and the run-time checks found nothing either
     if _continuing(msgs, chain):
         assert edits.edited_steps > 0  # the steps were edited, not rendered whole
+        if empty_turns and name != "qwen3":  # (Qwen3 refuses some empty turns: renders then whole)
+            assert empties > 0  # and their empty-turn texts too
+    if not empty_turns:
+        assert empties == 0
 
 
 def _reference(builder: PromptBuilder, messages: list, outcome: Any, steps: list) -> list:
@@ -189,6 +212,47 @@ def test_a_template_that_reads_outside_the_short_window_is_caught(tmp_path: Path
         got, want = edits.pair(window, 1, False), render_pair(builder.render, window, False)
         differs |= (got.prefix_text, got.full_text) != (want.prefix_text, want.full_text)
     assert differs
+
+
+# marks an empty turn with the conversation's length: a short window counts fewer messages
+EMPTY_COUNTED = CHATML_WITH_BOS.replace(
+    "\n{{ m.content }}", "\n{% if not m.content %}[{{ loop.length }}]{% endif %}{{ m.content }}"
+)
+
+
+@pytest.mark.parametrize("template", ["chatml-bos", "empty-counted"])
+def test_policy_spans_on_edited_empty_turns_equal_the_rule_and_a_wrong_one_is_caught(
+    template: str, tmp_path: Path
+) -> None:
+    """--action-span policy: each edited step's empty-turn text comes from a short render, not the
+    window's whole one, and the spans equal the rule's. A template whose empty turn reads outside
+    the short window (its message count) gives a wrong one: the check sees it, and the episode is
+    built again on whole renders."""
+    tok = bos_tokenizer(tmp_path, template=EMPTY_COUNTED if template == "empty-counted" else CHATML_WITH_BOS)
+    messages, outcome, steps = episode(0, steps=30, tool_chars=100, extra_user_turns=False)
+    builder = PromptBuilder(tok, max_context=1_000_000, max_logprob_tokens=0, action_span="policy")
+    empty_turns: list[int] = []  # the messages of every window rendered with an empty turn
+    real = builder._render
+
+    def counted(window: list[dict], *, generation: bool) -> str:
+        if window[-1] is EMPTY_TURN:
+            empty_turns.append(len(window))
+        return real(window, generation=generation)
+
+    builder._render = counted  # type: ignore[method-assign]
+    before = verify.fallbacks().get("edited_renders", 0)
+    built = builder.build_episode(messages, outcome, steps)
+    fast = sum(empty_turns)
+    assert built == _reference(builder, messages, outcome, steps)
+    if template == "empty-counted":
+        assert verify.fallbacks()["edited_renders"] == before + 1
+        assert builder.edited_steps == 0  # the episode was built again on whole renders
+    else:
+        assert verify.fallbacks().get("edited_renders", 0) == before
+        assert all(isinstance(p, StepPrompt) for p in built) and builder.edited_steps > 20
+        # rendered whole, the empty turns would have been every step's whole history: 853 messages
+        # here; short windows and the checks' whole renders are 324
+        assert fast < 0.5 * sum(step["message_index"] + 1 for step in steps)
 
 
 def test_an_edit_gone_wrong_mid_line_is_caught_at_the_line_end(

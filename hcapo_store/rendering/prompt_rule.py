@@ -54,6 +54,9 @@ class RenderedStep:
     hidden: int = 0
     visible_from: int = 0
     bounded: Any = None  # bounded.BoundedStep: what moves its chain on once the ids are known
+    # the messages rendered with the action an empty assistant turn (own_tokens.EMPTY_TURN), when a
+    # fast path made it beside the two texts (step_edits.py); None: the caller renders it
+    empty_text: str | None = None
 
 
 def render_pair(render: Render, messages: list[dict], flattened: bool) -> RenderedStep:

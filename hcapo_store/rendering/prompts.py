@@ -173,7 +173,7 @@ class PromptBuilder:
             return self._render(messages, generation=generation)
 
         self._turns = TurnWindows(render, self.encoder, max_context)
-        self._edits = StepEdits(render, checks)
+        self._edits = StepEdits(render, checks, empty_turns=action_span == "policy")
         self._bounded = BoundedRenders(render, self.encoder, max_context, pair=self._edits.pair)
         self._marker_ids = tokenizer.encode(TRUNCATION_MARKER, add_special_tokens=False)
         # sliding/window: whether a long session's steps may render bounded windows (their ids
@@ -479,10 +479,12 @@ class PromptBuilder:
         if self.action_span != "policy":
             return None
         messages, prefix_text, full_text = rendered.messages, rendered.prefix_text, rendered.full_text
-        try:
-            empty = self._render([*messages[:-1], EMPTY_TURN], generation=False)
-        except TemplateRejected as exc:
-            return f"template: the template cannot render this turn empty ({exc})"
+        empty = rendered.empty_text  # edited beside the step's texts (step_edits.py), checked there
+        if empty is None:
+            try:
+                empty = self._render([*messages[:-1], EMPTY_TURN], generation=False)
+            except TemplateRejected as exc:
+                return f"template: the template cannot render this turn empty ({exc})"
         if not (full_text.startswith(prefix_text) and empty.startswith(prefix_text)):
             return "the prompt with a generation prompt is not a prefix of the rendered turn"
         action_text = full_text[len(prefix_text) :]

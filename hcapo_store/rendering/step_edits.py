@@ -16,7 +16,14 @@ previous one and more assistant turns and tool results: any other message restar
 may render earlier turns anew after a user message: Qwen3 drops their reasoning), as does a window
 that starts elsewhere (a bounded chain moved) or another head (another hindsight block).
 
-The rule is the window rendered whole (``prompt_rule.render_pair``); the strategy is
+For ``--action-span policy`` (``empty_turns``) an edited step carries a third text: its window
+with the action an empty assistant turn (``own_tokens.EMPTY_TURN``), edited from its full text as
+the short window's full render changes into the short window's empty-turn render (one short
+render more per step, instead of the window's whole render). Each step's is made anew from its
+own texts, so the checks below sample it (the steps they compare), not the whole line.
+
+The rule is the window rendered whole (``prompt_rule.render_pair``, and the empty turn's render
+of the window); the strategy is
 :data:`verify.EDITED_RENDERS`. An error made at one step stays in every later text of its line
 (each is the last one, cut at its end and extended), so the last edited step of every line is
 rendered whole and compared (its texts are kept until the line ends), and the episode's first
@@ -30,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hcapo_store.rendering import verify
+from hcapo_store.rendering.own_tokens import EMPTY_TURN
 from hcapo_store.rendering.prompt_rule import Render, RenderedStep, render_pair
 from hcapo_store.rendering.strings import common_prefix
 from hcapo_store.rendering.template import TemplateRejected
@@ -66,16 +74,19 @@ class _Line:
     # the short window's renders as this step (prefix, full), for the next step's edit
     short: tuple[str, str] | None = None
     unchecked: bool = False  # edited and not yet compared with its whole render
+    empty_text: str | None = None  # empty_turns: the window with the action an empty turn (edited)
 
 
 class StepEdits:
     """The steps of one episode at a time (``start_episode``); ``pair`` gives a step's texts,
     ``finish`` ends the episode's lines and says whether a check found a difference.
-    ``checks``: verify.UNCHECKED edits on trust (measuring only)."""
+    ``checks``: verify.UNCHECKED edits on trust (measuring only). ``empty_turns``: edited steps
+    carry their empty-turn text too (``RenderedStep.empty_text``)."""
 
-    def __init__(self, render: Render, checks: verify.Checks = verify.CHECKED) -> None:
+    def __init__(self, render: Render, checks: verify.Checks = verify.CHECKED, *, empty_turns: bool = False) -> None:
         self._render = render
         self._checks = checks
+        self.empty_turns = empty_turns
         self.on = False
         self._lines: dict[bool, _Line] = {}  # the current line, by flattened
         self._first_checked = False
@@ -106,7 +117,9 @@ class StepEdits:
         if not self._first_checked:
             self._first_checked = True
             self._check(edited_line)
-        return RenderedStep(edited_line.prefix_text, edited_line.full_text, window, flattened)
+        return RenderedStep(
+            edited_line.prefix_text, edited_line.full_text, window, flattened, empty_text=edited_line.empty_text
+        )
 
     def finish(self) -> str | None:
         """End the episode's lines (their last steps checked); what a check found, or None."""
@@ -127,7 +140,13 @@ class StepEdits:
         if not self._checks.on or self.mismatch is not None:
             return
         whole = render_pair(self._render, line.window, line.flattened)
-        if (whole.prefix_text, whole.full_text) != (line.prefix_text, line.full_text):
+        differs = (whole.prefix_text, whole.full_text) != (line.prefix_text, line.full_text)
+        if not differs and line.empty_text is not None:
+            try:
+                differs = self._render([*line.window[:-1], EMPTY_TURN], generation=False) != line.empty_text
+            except TemplateRejected:  # the short window took the empty turn, the whole one does not
+                differs = True
+        if differs:
             self.mismatch = f"the step at message {len(line.window) - 1} of its window differs from its whole render"
             self.on = False
 
@@ -169,7 +188,15 @@ class StepEdits:
         full_text = edited(line.full_text, short[1], now[1])
         if prefix_text is None or full_text is None:
             return None
-        return _Line(window, head_end, line.flattened, prefix_text, full_text, context, actions, now, unchecked=True)
+        empty_text = None
+        if self.empty_turns:  # None (refused, or the windows disagree): the caller renders it whole
+            try:
+                short_empty = self._render([*base, *window[context:m], EMPTY_TURN], generation=False)
+            except TemplateRejected:
+                short_empty = None
+            if short_empty is not None:
+                empty_text = edited(full_text, now[1], short_empty)
+        return _Line(window, head_end, line.flattened, prefix_text, full_text, context, actions, now, True, empty_text)
 
 
 def _last_user(window: list[dict], head_end: int, before: int) -> list[dict]:

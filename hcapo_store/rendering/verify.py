@@ -127,7 +127,7 @@ WINDOWED_TURNS = Strategy(
 )
 EDITED_RENDERS = Strategy(
     "edited_renders",
-    "the step's window rendered whole (prompt_rule.render_pair)",
+    "the step's window rendered whole (prompt_rule.render_pair; --action-span policy: and with its action an empty turn)",
     "the first edited step of an episode and the last of every line of edits (rendering/step_edits.py)",
     "episode",
 )
