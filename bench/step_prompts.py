@@ -47,7 +47,9 @@ def _episodes(paths: list[str]) -> list[Any]:
             return [load_episode(conn, i) for i in ids]
 
 
-def measure(tokenizer: str, episodes: list[str], max_context: int, passes: int) -> dict[str, Any]:
+def measure(
+    tokenizer: str, episodes: list[str], max_context: int, passes: int, action_span: str = "rendered"
+) -> dict[str, Any]:
     """One process's timings on whatever ``hcapo_store`` it imports."""
     import hcapo_store
     from hcapo_store.rendering import verify
@@ -58,8 +60,8 @@ def measure(tokenizer: str, episodes: list[str], max_context: int, passes: int) 
     eps = _episodes(episodes)
     steps = sum(len(ep.steps) for ep in eps)
     builders = {
-        "checked": PromptBuilder(tok, max_context=max_context),
-        "unchecked": PromptBuilder(tok, max_context=max_context, checks=verify.UNCHECKED),
+        "checked": PromptBuilder(tok, max_context=max_context, action_span=action_span),
+        "unchecked": PromptBuilder(tok, max_context=max_context, checks=verify.UNCHECKED, action_span=action_span),
     }
     before = verify.fallbacks()
 
@@ -93,6 +95,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--episodes", nargs="+", help="episode folders: ../shared/samples/long/*")
     p.add_argument("--max-context", type=int, default=32768)
     p.add_argument("--passes", type=int, default=4, help="measured passes per builder in a process: 4")
+    p.add_argument(
+        "--action-span",
+        choices=["rendered", "policy"],
+        default="rendered",
+        help="the builders' action span (policy: the log-ratio family's trainer path)",
+    )
     p.add_argument("--before", help="another checkout's root: alternate with it, print ratios")
     p.add_argument("--rounds", type=int, default=3, help="with --before: rounds, each side once per round: 3")
     p.add_argument("--json", dest="json_out", help="write the result here")
@@ -102,11 +110,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not Path(args.tokenizer).is_dir() or not args.episodes:
         raise SystemExit("needs a tokenizer (--tokenizer DIR) and episode folders (--episodes DIR ...)")
     if args.one:
-        print(json.dumps(measure(args.tokenizer, args.episodes, args.max_context, args.passes)))
+        print(json.dumps(measure(args.tokenizer, args.episodes, args.max_context, args.passes, args.action_span)))
         return {}
     child = ["--tokenizer", args.tokenizer, "--max-context", str(args.max_context), "--passes", str(args.passes)]
+    child += ["--action-span", args.action_span]
     runs = paired.alternate(Path(__file__).resolve(), [*child, "--episodes", *args.episodes], args.before, args.rounds)
-    doc: dict[str, Any] = {**paired.header(Path(__file__), argv), "max_context": args.max_context, "sides": {}}
+    doc: dict[str, Any] = {
+        **paired.header(Path(__file__), argv),
+        "max_context": args.max_context,
+        "action_span": args.action_span,
+        "sides": {},
+    }
     for side, got in runs.items():
         row: dict[str, Any] = {"hcapo_store": got[0]["hcapo_store"], "episodes": got[0]["episodes"]}
         for name in ("checked", "unchecked"):
