@@ -167,11 +167,12 @@ class SocketBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
-def _stray_bytes(connection: httpcore.AsyncHTTP11Connection) -> bool:
+def stray_bytes(connection: Any) -> bool:
     """Do bytes past the end of the last answer wait in the connection's h11 parser? Bytes
     that came in the same packet as the answer are off the socket, so the readability check
-    cannot see them, and h11 would read them as the next answer's first line. (httpcore has no
-    public handle on the parser: tests/test_wire.py fails if this stops finding it.)"""
+    cannot see them, and h11 would read them as the next answer's first line. Any of httpcore's
+    HTTP/1.1 connections: this pool's, or httpx's transport's (``http._with_stray_bytes``).
+    (httpcore has no public handle on the parser: tests/test_wire.py fails if this stops finding it.)"""
     parser = getattr(connection, "_h11_state", None)
     return parser is not None and bool(parser.trailing_data[0])
 
@@ -287,7 +288,7 @@ class OriginPool(httpx.AsyncBaseTransport):
 
     async def _returned(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         """An answer was closed: its connection is idle again (kept) or not (closed)."""
-        keep = not self._closed and connection.is_idle() and not _stray_bytes(connection)
+        keep = not self._closed and connection.is_idle() and not stray_bytes(connection)
         if keep:
             self._idle.append(connection)
         self._slots.release()

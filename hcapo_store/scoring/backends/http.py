@@ -173,19 +173,12 @@ async def _pieces(content: bytes) -> AsyncIterator[bytes]:
 
 def _with_stray_bytes(response: httpx.Response) -> Any | None:
     """Through httpx's transport (a proxy): the HTTP/1.1 connection of ``response``, read to its
-    end, when bytes past that end wait in its h11 parser, else None (always None from
-    ``connections.OriginPool``, which closes such a connection itself). httpcore reuses an idle
-    connection unless its socket is readable; bytes that came in the same packet as the answer
-    are already off the socket, in the parser, and would fail the next request as its answer's
-    first line. (httpx has no public handle on the parser: tests/test_wire.py fails if this path
-    stops finding it.)"""
+    end, when bytes past that end wait in its h11 parser (``connections.stray_bytes``), else None
+    (always None from ``connections.OriginPool``, which closes such a connection itself). (httpx
+    has no public handle on the connection: tests/test_wire.py fails if this path stops finding it.)"""
     pooled = getattr(response.stream, "_httpcore_stream", None)  # httpx's wrapper -> the pool's stream
     connection = getattr(getattr(pooled, "_stream", None), "_connection", None)  # -> its HTTP/1.1 connection
-    parser = getattr(connection, "_h11_state", None)
-    if parser is None:
-        return None
-    data, _closed = parser.trailing_data
-    return connection if data else None
+    return connection if connection is not None and connections.stray_bytes(connection) else None
 
 
 class HttpClient:
