@@ -34,6 +34,7 @@ edited step too. One difference sends the whole episode back to whole renders, c
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from hcapo_store.rendering import verify
@@ -188,14 +189,12 @@ class StepEdits:
         full_text = edited(line.full_text, short[1], now[1])
         if prefix_text is None or full_text is None:
             return None
-        empty_text = None
-        if self.empty_turns:  # None (refused, or the windows disagree): the caller renders it whole
-            try:
-                short_empty = self._render([*base, *window[context:m], EMPTY_TURN], generation=False)
-            except TemplateRejected:
-                short_empty = None
-            if short_empty is not None:
-                empty_text = edited(full_text, now[1], short_empty)
+        empty_text = None  # None (refused, or the windows disagree): the caller renders it whole
+        if self.empty_turns:
+            with contextlib.suppress(TemplateRejected):
+                empty_text = edited(
+                    full_text, now[1], self._render([*base, *window[context:m], EMPTY_TURN], generation=False)
+                )
         return _Line(window, head_end, line.flattened, prefix_text, full_text, context, actions, now, True, empty_text)
 
 
