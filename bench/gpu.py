@@ -598,4 +598,8 @@ def summary(doc: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":  # ingest may start worker processes that import this module
+    from hcapo_store import worker_processes
+
+    # the application names its workers' imports (the library never sets the forkserver's list)
+    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
     main()

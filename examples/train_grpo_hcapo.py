@@ -163,4 +163,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from hcapo_store import worker_processes
+
+    # On a GPU, score_live prepares in worker processes: they fork with transformers loaded.
+    # The forkserver's list is the application's to set; the library leaves it alone.
+    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
     main()

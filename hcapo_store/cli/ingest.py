@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from hcapo_store import worker_processes
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import compaction_option, conversion_options
 from hcapo_store.ingestion.sources import INPUT_FORMATS, ConvertOptions
@@ -74,6 +75,7 @@ def ingest(
     from hcapo_store.ingestion.sources import count_inputs
     from hcapo_store.progress import EpisodeProgress
 
+    worker_processes.preload(worker_processes.INGEST)
     store = state.store()
     options = ConvertOptions(
         include_thinking=include_thinking, max_tool_result_chars=max_tool_result_chars, compaction=compaction

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from hcapo_store import formatting
+from hcapo_store import formatting, worker_processes
 from hcapo_store.cli import log_ratio
 from hcapo_store.cli.credits import CREDIT_KEYWORDS, credit_options, credit_params
 from hcapo_store.cli.log_ratio import log_ratio_options
@@ -133,6 +133,8 @@ def follow(
         )
     except UsageError as exc:  # an option's value: refused like any other bad option, before any work
         raise click.UsageError(str(exc)) from exc
+    # each batch ingests and scores: the forkserver imports for both kinds of worker at once
+    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
     store = state.store()
     prep = prepare(store, cfg)
     student = log_ratio.follow_student(store, cfg, prep, follow_cfg)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from hcapo_store import formatting
+from hcapo_store import formatting, worker_processes
 from hcapo_store.cli.main import EXIT_INTERRUPTED, Ctx, Group, cli, echo_json, pass_ctx
 from hcapo_store.cli.params import Device, FiniteFloat, ServerURL, apply_options, conversion_options, int_range
 from hcapo_store.rendering.prompts import DEFAULT_MAX_LOGPROB_TOKENS
@@ -342,6 +342,7 @@ def score(
     from hcapo_store.scoring.work_queue import Filters
     from hcapo_store.storage.episodes import resolve_episodes
 
+    worker_processes.preload(worker_processes.PREPARE)
     # Options are checked (e.g. --worker-id) before anything touches the database.
     cfg, options = scorer_setup(**scorer_kw, limit=limit)
     if top_k:

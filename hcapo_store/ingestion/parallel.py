@@ -11,7 +11,6 @@ the chunk was read): a wrong guess costs one parse, never a different result. Sm
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 from collections import deque
@@ -20,8 +19,8 @@ from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from itertools import islice
-from multiprocessing.context import BaseContext
 
+from hcapo_store import worker_processes
 from hcapo_store.errors import IngestError
 from hcapo_store.ingestion.discovery import Source
 from hcapo_store.ingestion.parsing import ParsedEpisode
@@ -64,15 +63,7 @@ def _ignore_interrupts() -> None:
 
 
 def _start(jobs: int) -> ProcessPoolExecutor:
-    # forkserver, not fork: the parent holds database connections and may run threads
-    # (spawn where there is no forkserver, e.g. Windows).
-    context: BaseContext
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        multiprocessing.set_forkserver_preload(["hcapo_store.ingestion.discovery"])
-    else:
-        context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_ignore_interrupts)
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=worker_processes.context(), initializer=_ignore_interrupts)
 
 
 def parse_ahead(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import multiprocessing
 import os
 import signal
 import threading
@@ -32,9 +31,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from multiprocessing.context import BaseContext
 from typing import Any
 
+from hcapo_store import worker_processes
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import GroupPrompt, PackedIds, PromptFailure
@@ -169,16 +168,11 @@ class PreparePool:
 
     def __init__(self, url: str, recipe: BuilderRecipe, workers: int) -> None:
         self.url, self.recipe, self.workers = url, recipe, workers
-        context: BaseContext
-        # forkserver, not fork: the parent holds database connections, threads, maybe a CUDA context
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            context = multiprocessing.get_context("forkserver")
-            # its server imports these once (when it is not running yet); each worker forks from it
-            multiprocessing.set_forkserver_preload(["hcapo_store.scoring.worker_imports"])
-        else:
-            context = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            max_workers=workers, mp_context=context, initializer=_start_worker, initargs=(url, recipe)
+            max_workers=workers,
+            mp_context=worker_processes.context(),
+            initializer=_start_worker,
+            initargs=(url, recipe),
         )
         # start them now, while the run starts: not on its first episode
         self._starting = [self._pool.submit(_ready) for _ in range(workers)]
