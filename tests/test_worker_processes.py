@@ -84,9 +84,9 @@ def test_without_a_list_a_worker_imports_only_what_it_needs(tmp_path) -> None:
 
 
 @pytest.mark.slow  # the forkserver imports transformers and torch: several seconds on a loaded machine
-def test_follows_list_gives_prepare_workers_their_imports_when_ingest_starts_the_server(tmp_path) -> None:
+def test_one_list_serves_both_kinds_when_ingest_starts_the_server(tmp_path) -> None:
     pytest.importorskip("transformers")
-    # what `follow` sets: its first batch ingests (starting the forkserver) before it scores
+    # an application that ingests with workers (starting the forkserver) and then scores
     found = _in_fresh_interpreter(
         tmp_path,
         """
@@ -109,7 +109,6 @@ def test_follows_list_gives_prepare_workers_their_imports_when_ingest_starts_the
 
 
 INGEST_ONLY = {"hcapo_store.ingestion.discovery": True, "hcapo_store.scoring.worker_imports": False}
-BOTH = {"hcapo_store.ingestion.discovery": True, "hcapo_store.scoring.worker_imports": True}
 
 
 @pytest.mark.parametrize(
@@ -124,9 +123,8 @@ BOTH = {"hcapo_store.ingestion.discovery": True, "hcapo_store.scoring.worker_imp
         ),
         pytest.param(
             ["follow", "{empty}", "--group-size", "1", "--server", "http://127.0.0.1:9", "--tokenizer", "{empty}"],
-            BOTH,
+            INGEST_ONLY,
             id="follow",
-            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -133,8 +133,11 @@ def follow(
         )
     except UsageError as exc:  # an option's value: refused like any other bad option, before any work
         raise click.UsageError(str(exc)) from exc
-    # each batch ingests and scores: the forkserver imports for both kinds of worker at once
-    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
+    # Ingest's workers only: a batch ingests before it scores, so the forkserver starts for
+    # ingest, and a server importing transformers and torch first held up every first batch
+    # (bench/follow.py: 13.6-16.7 s against 12.3-13.1). The prepare workers import them beside
+    # the run's threads, which prepare the batch until a worker has started.
+    worker_processes.preload(worker_processes.INGEST)
     store = state.store()
     prep = prepare(store, cfg)
     student = log_ratio.follow_student(store, cfg, prep, follow_cfg)

@@ -1,6 +1,6 @@
 """Imported once by the forkserver of the prepare pools (scoring/preparing.py), before it forks
 any worker, when the application asks for it (``worker_processes.preload(PREPARE)``: ``score``
-and ``follow`` do): the modules every worker needs before its first episode.
+does): the modules every worker needs before its first episode.
 ``load_tokenizer`` imports transformers' tokenizer classes, and torch under them, on first use
 (~3 s of CPU on a 2-core machine); imported here, each worker starts with them loaded and pays
 only the tokenizer's own files (~0.8 s). A module missing here is imported by the worker as
