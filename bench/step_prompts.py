@@ -10,7 +10,8 @@ ingested into a scratch store and loaded back as ``score`` does. In one process,
 deployed (every strategy checked by its policy) and one with the checks off (``verify.UNCHECKED``,
 which nothing that stores a score uses: it measures what the checks cost) each build every
 episode's prompts once unmeasured, then ``--passes`` times in turn; CPU ms per step
-(``time.process_time``) per pass, and medians. Counted too, where the code has them: the steps
+(``time.process_time``) per pass, and medians; beside them, packing the deployed builder's ids
+as a worker process does (``PackedIds.of``). Counted too, where the code has them: the steps
 built on bounded renders and on edited renders, and the strategy fallbacks (none expected).
 ``--before DIR``: each round runs this script on this tree and then on DIR's ``hcapo_store`` (a
 checkout of another commit), in fresh processes, ``--rounds`` times; medians per side and their
@@ -71,18 +72,34 @@ def measure(
             builder.build_episode(ep.messages, ep.outcome, ep.steps)
         return (time.process_time() - t) * 1000 / steps
 
+    # what a worker process does next (scoring/preparing.py ``packed``): each request's ids packed
+    from hcapo_store.rendering.requests import PackedIds
+
+    prompts = [p for ep in eps for p in builders["checked"].build_episode(ep.messages, ep.outcome, ep.steps)]
+    ids = [p.input_ids for p in prompts if type(getattr(p, "input_ids", None)) is list]
+
+    def pack() -> float:
+        t = time.process_time()
+        for one in ids:
+            PackedIds.of(one)
+        return (time.process_time() - t) * 1000 / steps
+
     first = {name: round(build(b), 3) for name, b in builders.items()}  # template checks, caches: apart
     counted = {name: (getattr(b, "edited_steps", None), b.bounded_steps) for name, b in builders.items()}
     ms: dict[str, list[float]] = {name: [] for name in builders}
+    packing: list[float] = []
     for _ in range(passes):
         for name, b in builders.items():
             ms[name].append(round(build(b), 3))
+        packing.append(round(pack(), 3))
     return {
         "hcapo_store": str(Path(hcapo_store.__file__).parent),
         "episodes": [f"{len(ep.steps)} steps" for ep in eps],
         "steps": steps,
         "first_pass_ms_per_step": first,
         "ms_per_step": ms,
+        "packing_ms_per_step": packing,
+        "ids_packed_per_step": round(sum(map(len, ids)) / steps),
         "edited_steps_first_pass": {name: c[0] for name, c in counted.items()},
         "bounded_steps_first_pass": {name: c[1] for name, c in counted.items()},
         "fallbacks": verify.since(before),
@@ -127,6 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row[f"{name}_ms_per_step_median"] = round(
                 statistics.median(v for run in got for v in run["ms_per_step"][name]), 3
             )
+        row["packing_ms_per_step_median"] = round(
+            statistics.median(v for run in got for v in run.get("packing_ms_per_step", [])), 3
+        )
+        row["ids_packed_per_step"] = got[0].get("ids_packed_per_step")
         row["checks_share"] = round(1 - row["unchecked_ms_per_step_median"] / row["checked_ms_per_step_median"], 3)
         row["edited_steps_first_pass"] = got[0]["edited_steps_first_pass"]["checked"]
         row["bounded_steps_first_pass"] = got[0]["bounded_steps_first_pass"]["checked"]
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{side:6s} ({row['hcapo_store']}): {row['checked_ms_per_step_median']} ms/step as deployed, "
             f"{row['unchecked_ms_per_step_median']} unchecked (checks {100 * row['checks_share']:.0f} %); "
+            f"packing the ids {row['packing_ms_per_step_median']} ms/step ({row['ids_packed_per_step']} ids); "
             f"steps edited {row['edited_steps_first_pass']}, bounded {row['bounded_steps_first_pass']}; "
             f"fallbacks {row['fallbacks']}"
         )
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a, b = doc["sides"]["after"], doc["sides"]["before"]
         ratios = {
             name: round(a[f"{name}_ms_per_step_median"] / b[f"{name}_ms_per_step_median"], 3)
-            for name in ("checked", "unchecked")
+            for name in ("checked", "unchecked", "packing")
         }
     return paired.finish(doc, ratios, args.json_out)
 

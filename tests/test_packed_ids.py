@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from array import array
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def test_packed_ids_read_as_their_list(ids: list[int], index: int, part: slice) 
         other = [*ids[:-1], ids[-1] ^ 1]
         assert packed != other and other != packed and packed != PackedIds.of(other)
         assert packed != ids[:-1] and packed == IdsPrefix([*ids, 7], len(ids)) == packed
+
+
+@given(ids=st.lists(st.integers(min_value=-(2**33), max_value=2**33) | st.booleans(), max_size=40))
+@session_settings(300)
+def test_packing_equals_arrays_own_constructor(ids: list[int]) -> None:
+    """``PackedIds.of`` packs through struct: the plain rule is ``array("i", ids)``."""
+    try:
+        rule: array | None = array("i", ids)
+    except OverflowError:
+        rule = None
+    packed = PackedIds.of(ids)
+    if rule is None:
+        assert packed is ids
+    else:
+        assert isinstance(packed, PackedIds) and packed.as_array == rule and packed.as_array.tobytes() == rule.tobytes()
 
 
 def test_ids_beyond_32_bits_stay_a_list() -> None:
