@@ -6,7 +6,8 @@ parsing to a process pool. The pipeline still decides for each source, in order 
 its transaction, whether to load it at all, and then takes the worker's result instead of
 parsing. Which sources are parsed ahead is a guess (those not already stored unchanged when
 the chunk was read): a wrong guess costs one parse, never a different result. Small ingests
-(``follow``'s few episodes) never start the pool.
+(fewer than ``MIN_PARALLEL`` episodes to parse) never start the pool. Its processes start as
+:mod:`hcapo_store.worker_processes` says (what they import first is the application's choice).
 """
 
 from __future__ import annotations
