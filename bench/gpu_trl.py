@@ -358,5 +358,5 @@ if __name__ == "__main__":  # score_live's preparing processes and ingest's work
     from hcapo_store import worker_processes
 
     # the application names its workers' imports (the library never sets the forkserver's list)
-    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
+    worker_processes.preload(worker_processes.PREPARE)  # the hook ingests in process (jobs=1)
     main()

@@ -167,5 +167,5 @@ if __name__ == "__main__":
 
     # On a GPU, score_live prepares in worker processes: they fork with transformers loaded.
     # The forkserver's list is the application's to set; the library leaves it alone.
-    worker_processes.preload(worker_processes.INGEST, worker_processes.PREPARE)
+    worker_processes.preload(worker_processes.PREPARE)  # the hook ingests in process (jobs=1)
     main()
