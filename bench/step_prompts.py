@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a, b = doc["sides"]["after"], doc["sides"]["before"]
         ratios = {
             name: round(a[f"{name}_ms_per_step_median"] / b[f"{name}_ms_per_step_median"], 3)
+            if b[f"{name}_ms_per_step_median"]
+            else None
             for name in ("checked", "unchecked", "packing")
         }
     return paired.finish(doc, ratios, args.json_out)

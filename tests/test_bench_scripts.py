@@ -100,10 +100,12 @@ def test_step_prompts_bench_small(tmp_path: Path) -> None:
     r = _run(str(BENCH / "step_prompts.py"), *args, "--before", str(BENCH.parent))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert set(doc["sides"]) == {"after", "before"} and set(doc["after_over_before"]) == {"checked", "unchecked"}
+    assert set(doc["sides"]) == {"after", "before"}
+    assert set(doc["after_over_before"]) == {"checked", "unchecked", "packing"}
     for side in doc["sides"].values():
         assert side["hcapo_store"] == str(BENCH.parent / "hcapo_store")
         assert side["checked_ms_per_step_median"] > 0 and side["unchecked_ms_per_step_median"] > 0
+        assert side["packing_ms_per_step_median"] > 0 and side["ids_packed_per_step"] > 0
         assert side["edited_steps_first_pass"] > 0 and side["fallbacks"] == [{}]
 
 
