@@ -24,10 +24,12 @@ INGEST: tuple[str, ...] = ("hcapo_store.ingestion.discovery",)
 PREPARE: tuple[str, ...] = ("hcapo_store.scoring.worker_imports",)
 
 
+_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def context() -> BaseContext:
     """The start method of every worker pool of the package."""
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method)
+    return multiprocessing.get_context(_METHOD)
 
 
 def preload(*kinds: Sequence[str]) -> None:
@@ -35,7 +37,7 @@ def preload(*kinds: Sequence[str]) -> None:
     forkserver imports the modules of these kinds (``INGEST``, ``PREPARE``) before it forks any
     worker, so each worker starts with them loaded. Call it before the first worker of the
     process starts; it replaces the process's list, so name every kind the process will run."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
+    if _METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(list(dict.fromkeys(m for kind in kinds for m in kind)))
 
 

@@ -63,7 +63,7 @@ def test_the_library_leaves_its_applications_preload_list_alone(tmp_path) -> Non
         pool.shutdown()
         first = probe.in_a_worker(["users_own_preload"])
         # a prepare pool starts too (its workers fail to open this store; what matters is that
-        # starting it changed nothing of the list): a second ingest pool still finds the module
+        # starting it changed nothing of the list): a worker started after it still finds the module
         PreparePool("sqlite:////nonexistent/x.db", BuilderRecipe("nowhere", (), "fast"), 1).close()
         second = probe.in_a_worker(["users_own_preload"])
         print(json.dumps({"first": first["users_own_preload"], "second": second["users_own_preload"]}))
