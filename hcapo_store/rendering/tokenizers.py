@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import re
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +46,117 @@ def resolve_tokenizer_dir(path_or_name: str | Path) -> Path:
 
 
 def load_tokenizer(path_or_name: str | Path) -> Any:
+    """``path_or_name``'s tokenizer as ``AutoTokenizer`` loads it (the rule every other load is
+    held to: :func:`load_as`), remembered by class and digest for :func:`loaded_class`."""
     from transformers import AutoTokenizer
 
     directory = resolve_tokenizer_dir(path_or_name)
+    state = files_state(directory)  # read before loading: a change meanwhile is not remembered as it
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load a tokenizer from {directory}: {exc}") from exc
+    cls = type(tokenizer)
+    with _loaded_lock:
+        if len(_LOADED) >= 64:
+            _LOADED.clear()
+        _LOADED[state] = LoadedClass(cls.__module__, cls.__qualname__, load_digest(tokenizer), state)
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedClass:
+    """The class ``AutoTokenizer`` chose for a directory's tokenizer files, and the digest of what
+    it loaded (:func:`load_digest`): what lets another process load the same tokenizer through
+    the class alone (:func:`load_as`). Importing ``AutoTokenizer`` imports torch (transformers'
+    configuration classes import it): ~1.5 s of CPU and ~185 MB in each process that prepares
+    prompts and never runs a model (bench/tokenizer_load.py)."""
+
+    module: str
+    qualname: str
+    digest: str
+    files: tuple[str, tuple[tuple[str, int, int], ...]]  # files_state when it was loaded
+
+
+_LOADED: dict[tuple[str, tuple[tuple[str, int, int], ...]], LoadedClass] = {}
+_loaded_lock = threading.Lock()
+
+
+def loaded_class(path_or_name: str | Path) -> LoadedClass | None:
+    """How :func:`load_tokenizer` loaded ``path_or_name``'s current files in this process, or None
+    when it did not (or they changed since)."""
+    state = files_state(path_or_name)
+    with _loaded_lock:
+        return _LOADED.get(state)
+
+
+def load_as(path_or_name: str | Path, loaded: LoadedClass | None) -> Any:
+    """``path_or_name``'s tokenizer through the class ``AutoTokenizer`` chose for it in another
+    process (``loaded``), without importing ``AutoTokenizer``: the ``tokenizer_class`` strategy
+    (rendering/verify.py), held to its rule at every load. The tokenizer is the rule's
+    (:func:`load_tokenizer`) where there is nothing to go by (``loaded`` None, a class outside
+    transformers: remote code, or files changed since), and where the class fails to load or its
+    tokenizer's digest differs from the rule's (counted and logged as a fallback)."""
+    if loaded is None or not loaded.module.startswith("transformers.") or "." in loaded.qualname:
+        return load_tokenizer(path_or_name)
+    directory = resolve_tokenizer_dir(path_or_name)
+    if files_state(directory) != loaded.files:  # other files than the rule loaded: not this check's case
+        return load_tokenizer(path_or_name)
+    from hcapo_store.rendering import verify
+
+    try:
+        cls = getattr(importlib.import_module(loaded.module), loaded.qualname)
+        tokenizer = cls.from_pretrained(str(directory), local_files_only=True)
+    except (ImportError, AttributeError, OSError, ValueError, TypeError) as exc:
+        verify.disagreed(verify.TOKENIZER_CLASS, f"{loaded.qualname} did not load {directory}: {exc}")
+        return load_tokenizer(path_or_name)
+    if load_digest(tokenizer) != loaded.digest:
+        verify.disagreed(
+            verify.TOKENIZER_CLASS, f"{loaded.qualname}'s tokenizer of {directory} differs from AutoTokenizer's"
+        )
+        return load_tokenizer(path_or_name)
+    return tokenizer
+
+
+# Crosses the whole pipeline (normalizer, pre-tokenizer, model, post-processor): spaces, digits,
+# newlines and tabs, accents, CJK, an emoji, and (added below) the tokenizer's own special tokens.
+_PROBE = "Hello, world!  It's 2026:\n\tx = [1, 22, 333]; naïve café 東京 🙂 </s> <|im_end|>"
+
+
+def load_digest(tokenizer: Any) -> str:
+    """What a load made, in ~1 ms: its class, its settings (``init_kwargs`` but its path), its
+    size, added and special tokens, chat template, and the ids of a probe text through the
+    whole pipeline. Two loads of the same files agree where class and arguments agree; a load
+    through another class (``LlamaTokenizer`` where ``AutoTokenizer`` takes ``TokenizersBackend``)
+    differs in the class, and where it builds another pipeline, in the probe's ids."""
+    cls = type(tokenizer)
+    settings = {k: _plain(v) for k, v in sorted(tokenizer.init_kwargs.items()) if k != "name_or_path"}
+    added = sorted((int(i), repr(t)) for i, t in tokenizer.added_tokens_decoder.items())
+    special = {k: _plain(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    probe = _PROBE + "".join(sorted(str(t) for t in tokenizer.all_special_tokens))
+    parts = [
+        cls.__module__,
+        cls.__qualname__,
+        len(tokenizer),
+        settings,
+        added,
+        special,
+        getattr(tokenizer, "chat_template", None),
+        tokenizer(probe, add_special_tokens=True)["input_ids"],
+        tokenizer(probe, add_special_tokens=False)["input_ids"],
+    ]
+    return _sha256(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode())
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON that is the same in every process (no object addresses)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 def files_state(path_or_name: str | Path) -> tuple[str, tuple[tuple[str, int, int], ...]]:

@@ -131,6 +131,13 @@ EDITED_RENDERS = Strategy(
     "the first edited step of an episode and the last of every line of edits (rendering/step_edits.py)",
     "episode",
 )
+TOKENIZER_CLASS = Strategy(
+    "tokenizer_class",
+    "AutoTokenizer.from_pretrained (transformers' own choice of class for the directory)",
+    "every load: the loaded tokenizer's digest against that of AutoTokenizer's load of the same files"
+    " in the parent process (rendering/tokenizers.py ``load_as``)",
+    "process",
+)
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -144,6 +151,7 @@ STRATEGIES: dict[str, Strategy] = {
         KEPT_PIECES,
         WINDOWED_TURNS,
         EDITED_RENDERS,
+        TOKENIZER_CLASS,
     )
 }
 

@@ -37,6 +37,7 @@ from hcapo_store import worker_processes
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.prompts import PromptBuilder
 from hcapo_store.rendering.requests import GroupPrompt, PackedIds, PromptFailure
+from hcapo_store.rendering.tokenizers import LoadedClass, load_as, loaded_class
 from hcapo_store.scoring import defaults
 from hcapo_store.scoring.grouping import Grouping, plan_requests_and_floor
 from hcapo_store.storage import db
@@ -105,20 +106,24 @@ def usable_cpus() -> int:
 @dataclass(frozen=True)
 class BuilderRecipe:
     """What makes a ``PromptBuilder`` again in another process: the tokenizer's directory, the
-    builder's keyword arguments and its rendering mode (``fast`` or ``reference``)."""
+    builder's keyword arguments, its rendering mode (``fast`` or ``reference``), and the class
+    ``AutoTokenizer`` chose for the directory here (None where this process did not load it
+    with ``load_tokenizer``): a worker loads through that class, checked against this
+    process's load, and never imports ``AutoTokenizer`` and torch under it."""
 
     tokenizer: str
     options: tuple[tuple[str, Any], ...]
     rendering: str
+    loaded: LoadedClass | None = None
 
     @classmethod
     def of(cls, tokenizer: str, options: dict[str, Any], builder: PromptBuilder) -> BuilderRecipe:
-        return cls(tokenizer, tuple(sorted(options.items())), "reference" if builder.reference else "fast")
+        rendering = "reference" if builder.reference else "fast"
+        return cls(tokenizer, tuple(sorted(options.items())), rendering, loaded_class(tokenizer))
 
     def build(self) -> PromptBuilder:
-        from hcapo_store.rendering.tokenizers import load_tokenizer
-
-        return PromptBuilder(load_tokenizer(self.tokenizer), **dict(self.options), rendering=self.rendering)  # type: ignore[arg-type]
+        tokenizer = load_as(self.tokenizer, self.loaded)
+        return PromptBuilder(tokenizer, **dict(self.options), rendering=self.rendering)  # type: ignore[arg-type]
 
 
 # --- the worker processes' side -----------------------------------------------------------------
@@ -129,6 +134,7 @@ _worker: dict[str, Any] = {}  # in a worker: its store and builder
 def _start_worker(url: str, recipe: BuilderRecipe) -> None:
     # Ctrl-C reaches the process group: the parent alone decides what it means
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker["reported"] = verify.fallbacks()  # the forkserver's, if any: not this worker's
     _worker["store"] = Store.open(url, create=False)
     _worker["builder"] = recipe.build()
 
@@ -136,9 +142,11 @@ def _start_worker(url: str, recipe: BuilderRecipe) -> None:
 def _prepare_in_worker(
     episode_id: int, wanted: set[int], grouping: Grouping, key: str
 ) -> tuple[Requests, int, dict[str, int]]:
-    before = verify.fallbacks()
     requests, floor = requests_for(_worker["store"], _worker["builder"], episode_id, wanted, grouping, key)
-    return packed(requests), floor, verify.since(before)
+    # the fallbacks since the last report: the first episode's include the start's (the tokenizer's load)
+    fallbacks = verify.since(_worker["reported"])
+    _worker["reported"] = verify.fallbacks()
+    return packed(requests), floor, fallbacks
 
 
 def packed(requests: Requests) -> Requests:
