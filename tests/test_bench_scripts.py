@@ -109,6 +109,25 @@ def test_step_prompts_bench_small(tmp_path: Path) -> None:
         assert side["edited_steps_first_pass"] > 0 and side["fallbacks"] == [{}]
 
 
+def test_tokenizer_load_bench_small(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """One round on this tree: the spawned worker starts without torch, every field measured."""
+    out = tmp_path / "t.json"
+    r = _run(
+        str(BENCH / "tokenizer_load.py"),
+        "--tokenizer",
+        str(demo_tokenizer_dir),
+        "--rounds",
+        "1",
+        "--json-out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    (run,) = json.loads(out.read_text())["runs"]["after"]
+    assert run["torch"] is False
+    for field in ("cpu_s", "rss_mb", "wall_s", "forkserver_imports_cpu_s"):
+        assert run[field] > 0, field
+
+
 @pytest.mark.slow
 def test_follow_bench_small(forks: Forks) -> None:
     samples = SHARED / "samples" / "long"
