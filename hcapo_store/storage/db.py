@@ -275,18 +275,12 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return cfg
 
 
+@functools.cache
 def head_revision() -> str:
-    """The newest revision of this package's migrations. Read once per process and migrations
-    directory: the revisions are frozen files shipped with the package, and reading them is
-    ~15 ms that every store open paid again (``check_schema``)."""
-    return _head_of(_migrations_dir())
-
-
-@functools.lru_cache(maxsize=4)
-def _head_of(migrations: str) -> str:
-    cfg = Config()
-    cfg.set_main_option("script_location", migrations.replace("%", "%%"))
-    head = ScriptDirectory.from_config(cfg).get_current_head()
+    """The newest revision of this package's migrations, read once per process: the revisions
+    are frozen files shipped with the package (their directory fixed by where this module is),
+    and reading them is ~15 ms that every store open paid again (``check_schema``)."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None
     return head
 
