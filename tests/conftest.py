@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +20,12 @@ from hcapo_store.storage.store import Store
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# This run's own tokenizer class records (rendering/tokenizer_memo.py), shared by its workers and
+# the processes they start, none left in the user's cache; made by the first process (xdist's
+# controller), whose environment the others inherit
+if "HCAPO_CACHE_DIR" not in os.environ:
+    os.environ["HCAPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hcapo-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HCAPO_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

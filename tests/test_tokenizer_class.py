@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from _shared import TOKENIZERS
 from _tokenizers import bos_tokenizer
 
 from hcapo_store.rendering import verify
-from hcapo_store.rendering.tokenizers import LoadedClass, load_as, load_digest, load_tokenizer, loaded_class
+from hcapo_store.rendering.tokenizers import LoadedClass, load_as, load_by_rule, load_digest, loaded_class
 from hcapo_store.scoring.preparing import BuilderRecipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +71,7 @@ def _sources(tmp_path: Path, demo_tokenizer_dir: Path) -> dict[str, Path]:
 def test_each_class_autotokenizer_chose_loads_the_same_tokenizer(tmp_path: Path, demo_tokenizer_dir: Path) -> None:
     classes = set()
     for name, directory in _sources(tmp_path, demo_tokenizer_dir).items():
-        rule = load_tokenizer(directory)
+        rule = load_by_rule(directory)
         loaded = loaded_class(directory)
         assert loaded is not None, name
         assert (loaded.module, loaded.qualname) == (type(rule).__module__, type(rule).__qualname__), name
@@ -93,7 +94,7 @@ def test_each_class_autotokenizer_chose_loads_the_same_tokenizer(tmp_path: Path,
 
 def test_a_load_through_another_class_is_caught_and_the_rule_loaded(tmp_path: Path) -> None:
     directory = _declaring(tmp_path, "LlamaTokenizerFast")
-    rule = load_tokenizer(directory)
+    rule = load_by_rule(directory)
     loaded = loaded_class(directory)
     assert loaded is not None and loaded.qualname == "TokenizersBackend"  # not the declared Llama class
     # Llama's class on these files builds a Metaspace pipeline: another tokenizer
@@ -115,7 +116,7 @@ def test_a_load_through_another_class_is_caught_and_the_rule_loaded(tmp_path: Pa
 )
 def test_a_disagreement_is_counted_and_the_rule_loaded(tmp_path: Path, change: dict[str, str]) -> None:
     directory = _bos_dir(tmp_path)
-    rule = load_tokenizer(directory)
+    rule = load_by_rule(directory)
     loaded = loaded_class(directory)
     assert loaded is not None
     before = verify.fallbacks()
@@ -126,7 +127,7 @@ def test_a_disagreement_is_counted_and_the_rule_loaded(tmp_path: Path, change: d
 
 def test_without_the_parents_load_the_rule_loads_and_nothing_is_counted(tmp_path: Path) -> None:
     directory = _bos_dir(tmp_path)
-    loaded = load_as(directory, None)  # nothing to go by: the rule
+    loaded = load_as(directory, None)  # nothing to go by (and no record of these new files): the rule
     remembered = loaded_class(directory)
     assert remembered is not None and load_digest(loaded) == remembered.digest
     before = verify.fallbacks()
@@ -146,21 +147,21 @@ def test_without_the_parents_load_the_rule_loads_and_nothing_is_counted(tmp_path
 
 def test_the_digest_tells_apart_what_a_builder_reads(tmp_path: Path) -> None:
     directory = _bos_dir(tmp_path)
-    base = load_digest(load_tokenizer(directory))
-    changed = load_tokenizer(directory)
+    base = load_digest(load_by_rule(directory))
+    changed = load_by_rule(directory)
     changed.chat_template = changed.chat_template + "{# another #}"
     assert load_digest(changed) != base
-    added = load_tokenizer(directory)
+    added = load_by_rule(directory)
     added.add_special_tokens({"additional_special_tokens": ["<|new|>"]})
     assert load_digest(added) != base
-    assert load_digest(load_tokenizer(directory)) == base  # and a fresh load is the same again
+    assert load_digest(load_by_rule(directory)) == base  # and a fresh load is the same again
 
 
 def test_a_worker_loads_without_autotokenizer_or_torch(tmp_path: Path, demo_tokenizer_dir: Path) -> None:
     """In a fresh interpreter, as a prepare worker starts: the recipe made here carries the class;
     the worker imports neither AutoTokenizer nor torch, and its tokenizer is this process's."""
     directory = TOKENIZERS / "qwen3" if (TOKENIZERS / "qwen3").is_dir() else demo_tokenizer_dir
-    tok = load_tokenizer(directory)
+    tok = load_by_rule(directory)
 
     class _Builder:  # BuilderRecipe.of reads only whether the builder renders by the rules
         reference = False
@@ -192,7 +193,12 @@ def test_a_worker_loads_without_autotokenizer_or_torch(tmp_path: Path, demo_toke
         capture_output=True,
         text=True,
         timeout=600,
-        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={
+            "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1",
+            "PATH": "/usr/bin:/bin",
+            "HCAPO_CACHE_DIR": os.environ["HCAPO_CACHE_DIR"],
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])

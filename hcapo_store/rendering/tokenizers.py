@@ -6,12 +6,15 @@ import hashlib
 import importlib
 import json
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hcapo_store.rendering import tokenizer_memo
 
 # Files that change how text becomes ids or how messages become text.
 TOKENIZER_FILES = (
@@ -46,8 +49,30 @@ def resolve_tokenizer_dir(path_or_name: str | Path) -> Path:
 
 
 def load_tokenizer(path_or_name: str | Path) -> Any:
-    """``path_or_name``'s tokenizer as ``AutoTokenizer`` loads it (the rule every other load is
-    held to: :func:`load_as`), remembered by class and digest for :func:`loaded_class`."""
+    """``path_or_name``'s tokenizer, the one ``AutoTokenizer`` loads. Where this process has not
+    imported ``AutoTokenizer`` (whose import brings torch) and an earlier process recorded the
+    class it chose for the same files and library versions (rendering/tokenizer_memo.py),
+    through that class, held to the recorded digest (:func:`load_as`); else by the rule
+    (:func:`load_by_rule`). ``HCAPO_RENDERING=reference`` always goes by the rule."""
+    from hcapo_store.rendering import verify
+
+    directory = resolve_tokenizer_dir(path_or_name)
+    if _AUTO_MODULE not in sys.modules and not verify.reference_mode():
+        state = files_state(directory)
+        recorded = tokenizer_memo.read(state)
+        if recorded is not None:
+            loaded = LoadedClass(*recorded, files=state)
+            tokenizer = _through_class(directory, loaded)
+            if tokenizer is not None:
+                _remember(loaded)
+                return tokenizer
+    return load_by_rule(directory)
+
+
+def load_by_rule(path_or_name: str | Path) -> Any:
+    """``path_or_name``'s tokenizer as ``AutoTokenizer`` loads it: the rule every other load is
+    held to, remembered by class and digest for :func:`loaded_class` and for later processes
+    (rendering/tokenizer_memo.py)."""
     from transformers import AutoTokenizer
 
     directory = resolve_tokenizer_dir(path_or_name)
@@ -57,11 +82,15 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load a tokenizer from {directory}: {exc}") from exc
     cls = type(tokenizer)
-    with _loaded_lock:
-        if len(_LOADED) >= 64:
-            _LOADED.clear()
-        _LOADED[state] = LoadedClass(cls.__module__, cls.__qualname__, load_digest(tokenizer), state)
+    loaded = LoadedClass(cls.__module__, cls.__qualname__, load_digest(tokenizer), state)
+    _remember(loaded)
+    if _importable(loaded):
+        tokenizer_memo.write(state, loaded.module, loaded.qualname, loaded.digest)
     return tokenizer
+
+
+# Where AutoTokenizer lives: once it is imported, loading through it costs no more than a class's load.
+_AUTO_MODULE = "transformers.models.auto.tokenization_auto"
 
 
 @dataclass(frozen=True)
@@ -82,9 +111,16 @@ _LOADED: dict[tuple[str, tuple[tuple[str, int, int], ...]], LoadedClass] = {}
 _loaded_lock = threading.Lock()
 
 
+def _remember(loaded: LoadedClass) -> None:
+    with _loaded_lock:
+        if len(_LOADED) >= 64:
+            _LOADED.clear()
+        _LOADED[loaded.files] = loaded
+
+
 def loaded_class(path_or_name: str | Path) -> LoadedClass | None:
-    """How :func:`load_tokenizer` loaded ``path_or_name``'s current files in this process, or None
-    when it did not (or they changed since)."""
+    """How :func:`load_tokenizer` loaded ``path_or_name``'s current files in this process (its
+    class and the rule's digest), or None when it did not (or they changed since)."""
     state = files_state(path_or_name)
     with _loaded_lock:
         return _LOADED.get(state)
@@ -93,15 +129,28 @@ def loaded_class(path_or_name: str | Path) -> LoadedClass | None:
 def load_as(path_or_name: str | Path, loaded: LoadedClass | None) -> Any:
     """``path_or_name``'s tokenizer through the class ``AutoTokenizer`` chose for it in another
     process (``loaded``), without importing ``AutoTokenizer``: the ``tokenizer_class`` strategy
-    (rendering/verify.py), held to its rule at every load. The tokenizer is the rule's
-    (:func:`load_tokenizer`) where there is nothing to go by (``loaded`` None, a class outside
-    transformers: remote code, or files changed since), and where the class fails to load or its
-    tokenizer's digest differs from the rule's (counted and logged as a fallback)."""
-    if loaded is None or not loaded.module.startswith("transformers.") or "." in loaded.qualname:
-        return load_tokenizer(path_or_name)
+    (rendering/verify.py), held to its rule at every load. Where there is nothing to go by
+    (``loaded`` None, or files changed since) it is :func:`load_tokenizer`'s; where the class
+    fails to load, is not one of transformers' own, or its tokenizer's digest differs from the
+    rule's, the rule's (counted and logged as a fallback)."""
     directory = resolve_tokenizer_dir(path_or_name)
-    if files_state(directory) != loaded.files:  # other files than the rule loaded: not this check's case
-        return load_tokenizer(path_or_name)
+    if loaded is None or files_state(directory) != loaded.files:  # not this check's case
+        return load_tokenizer(directory)
+    tokenizer = _through_class(directory, loaded)
+    return tokenizer if tokenizer is not None else load_by_rule(directory)
+
+
+def _importable(loaded: LoadedClass) -> bool:
+    """Whether ``loaded``'s class is one of transformers' own, by module and name (remote code
+    and nested classes: the rule decides)."""
+    return loaded.module.startswith("transformers.") and "." not in loaded.qualname
+
+
+def _through_class(directory: Path, loaded: LoadedClass) -> Any:
+    """``directory``'s tokenizer loaded through ``loaded``'s class when its digest is the one
+    recorded, else None (a fallback, counted, where the class could be tried)."""
+    if not _importable(loaded):
+        return None
     from hcapo_store.rendering import verify
 
     try:
@@ -109,12 +158,12 @@ def load_as(path_or_name: str | Path, loaded: LoadedClass | None) -> Any:
         tokenizer = cls.from_pretrained(str(directory), local_files_only=True)
     except (ImportError, AttributeError, OSError, ValueError, TypeError) as exc:
         verify.disagreed(verify.TOKENIZER_CLASS, f"{loaded.qualname} did not load {directory}: {exc}")
-        return load_tokenizer(path_or_name)
+        return None
     if load_digest(tokenizer) != loaded.digest:
         verify.disagreed(
             verify.TOKENIZER_CLASS, f"{loaded.qualname}'s tokenizer of {directory} differs from AutoTokenizer's"
         )
-        return load_tokenizer(path_or_name)
+        return None
     return tokenizer
 
 

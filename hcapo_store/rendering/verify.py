@@ -135,7 +135,8 @@ TOKENIZER_CLASS = Strategy(
     "tokenizer_class",
     "AutoTokenizer.from_pretrained (transformers' own choice of class for the directory)",
     "every load: the loaded tokenizer's digest against that of AutoTokenizer's load of the same files"
-    " in the parent process (rendering/tokenizers.py ``load_as``)",
+    " in the parent process, or in an earlier process that recorded it (rendering/tokenizers.py"
+    " ``load_as``, rendering/tokenizer_memo.py)",
     "process",
 )
 STRATEGIES: dict[str, Strategy] = {
