@@ -2,7 +2,8 @@
 
 * ``template``: chat templates compiled in the project's own sandbox (the text of
   ``apply_chat_template``);
-* ``tokenizers``: loading a tokenizer and its content fingerprint;
+* ``tokenizers``: loading a tokenizer and its content fingerprint (``tokenizer_memo``: the class
+  ``AutoTokenizer`` chose, recorded for later processes, which load through it without torch);
 * ``segments``: tokenizing rendered text piece by piece between added tokens, bit-identical
   to the tokenizer;
 * ``own_tokens``: the policy's own characters of an action inside a rendering;
