@@ -14,12 +14,16 @@ Measured: what verl's driver runs in ``HcapoRewardManager.assemble_rm_scores`` f
 hand-off each round, as each step brings new uids, so every group's batch is looked up, its
 credit run loaded and each sample matched by its own ids (``cold``); and the same call again
 on the same object (``warm``: renderings cached). ``--skip-handoff`` does everything but the
-call, for a paired whole-process comparison (farm-bench --vs).
+call, for a paired whole-process comparison (farm-bench --vs). ``--ids turns``: each sample's
+ids as a multi-turn agent loop accumulates them (the template's render up to the last turn's
+end-of-turn token: the store's ``turns`` rendering) instead of the template's render of the
+whole conversation; ``matched`` reports which rendering each sample's ids were found as.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -84,8 +88,11 @@ def build(work: Path, groups: int, group_size: int, turns: int, seed: int) -> di
     return {"follow_s": round(follow_s, 3), "batches": result.batches}
 
 
-def verl_batch(work: Path) -> tuple[list[str], list[list[int]], object, object]:
-    """The step as verl holds it: uids, first prompts, right-padded responses and their masks."""
+def verl_batch(work: Path, rendering: str = "whole") -> tuple[list[str], list[list[int]], object, object]:
+    """The step as verl holds it: uids, first prompts, right-padded responses and their masks.
+    ``rendering``: each sample's ids the chat template's render of its conversation (``whole``)
+    or that render up to the last turn's end-of-turn token, as a multi-turn agent loop
+    accumulates the policy's turns (``turns``: the store's ``turns`` rendering)."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -99,6 +106,8 @@ def verl_batch(work: Path) -> tuple[list[str], list[list[int]], object, object]:
             return list(tok.apply_chat_template(m, tokenize=True, add_generation_prompt=gen, return_dict=False))
 
         full, prompt = ids(msgs, False), ids(msgs[:1], True)
+        if rendering == "turns":  # the policy's last turn ends at its end-of-turn token
+            full = full[: len(full) - full[::-1].index(tok.eos_token_id)]
         mask = [1] * (len(full) - len(prompt))
         for j in range(2, len(msgs)):
             if msgs[j]["role"] == "user":
@@ -116,11 +125,11 @@ def verl_batch(work: Path) -> tuple[list[str], list[list[int]], object, object]:
     return uids, prompts, r, m
 
 
-def measure(work: Path, repeats: int, skip: bool) -> dict:
+def measure(work: Path, repeats: int, skip: bool, rendering: str = "whole") -> dict:
     from hcapo_store.storage.store import Store
     from hcapo_store.training.verl_batch import VerlHandoff
 
-    uids, prompts, responses, masks = verl_batch(work)
+    uids, prompts, responses, masks = verl_batch(work, rendering)
     cold, warm = [], []
     ids = int(sum(len(p) for p in prompts) + (responses != 0).sum())  # every sample's prompt + response ids
     with Store.open(str(work / "store.db"), create=False) as store:
@@ -137,6 +146,7 @@ def measure(work: Path, repeats: int, skip: bool) -> dict:
             warm.append(t2 - t1)
             if len(handoff.last) != len(uids) or not out.any():
                 sys.exit("the hand-off placed no advantages: the benchmark measured nothing")
+            matched = collections.Counter(str(credit.how) for credit in handoff.last)
     if skip:
         return {"skipped": True, "samples": len(uids)}
     return {
@@ -149,6 +159,7 @@ def measure(work: Path, repeats: int, skip: bool) -> dict:
         "warm_s_median": round(statistics.median(warm), 4),
         "cold_ms_per_sample": round(1000 * statistics.median(cold) / len(uids), 2),
         "repeats": repeats,
+        "matched": dict(sorted(matched.items())),  # how the samples' ids were found: which rendering, or a search
     }
 
 
@@ -162,13 +173,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--measure-only", action="store_true", help="the store in --workdir is built already")
     parser.add_argument("--skip-handoff", action="store_true", help="everything but the hand-off call (baseline)")
+    parser.add_argument(
+        "--ids",
+        choices=("whole", "turns"),
+        default="whole",
+        help="each sample's ids: the template's render of its conversation, or as a multi-turn agent loop "
+        "accumulates them (up to the last turn's end-of-turn token)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     report: dict = {}
     if not args.measure_only:
         report.update(build(args.workdir, args.groups, args.group_size, args.turns, args.seed))
-    report.update(measure(args.workdir, args.repeats, args.skip_handoff))
+    report.update(measure(args.workdir, args.repeats, args.skip_handoff, args.ids))
+    report["sample_ids"] = args.ids
     if args.json:
         print(json.dumps(report))
     else:

@@ -153,6 +153,18 @@ def test_the_bench_runs_small(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["batches"], out["samples"], out["groups"]) == (2, 4, 2) and out["cold_s_median"] > 0
+    assert out["matched"] == {"whole": 4}  # the template's render of each conversation
+    # as a multi-turn agent loop accumulates them: the store's turns rendering, found as it
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "verl_handoff.py"), "--workdir", str(tmp_path), "--measure-only"]
+        + ["--repeats", "1", "--ids", "turns", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["matched"] == {"turns": 4} and out["sample_ids"] == "turns"
 
 
 def test_exact_refuses_a_sample_whose_tool_result_differs(step: dict, tiny_model_dir: Path) -> None:

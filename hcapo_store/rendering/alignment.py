@@ -46,6 +46,7 @@ A tokenizer without offsets (a slow, Python-only tokenizer) falls back to the sc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,7 @@ from hcapo_store.rendering.kept_renders import (
     render_kept,
 )
 from hcapo_store.rendering.own_tokens import NotOwn, OwnTokenLocator, own_char_range
-from hcapo_store.rendering.placement import Placer, UserTurns
+from hcapo_store.rendering.placement import Placement, Placer, UserTurns
 from hcapo_store.rendering.prompts import (
     flatten_messages,
     normalize_messages,
@@ -108,16 +109,24 @@ class EpisodeRenderer:
         return render_kept(self.kept, self.tokenizer, messages, digests, generation=generation)
 
     def align(
-        self, messages: list[dict[str, Any]], steps: list[tuple[int, int]], rendering: str = "whole"
+        self,
+        messages: list[dict[str, Any]],
+        steps: list[tuple[int, int]],
+        rendering: str = "whole",
+        *,
+        known: Placement | None = None,
     ) -> Alignment:
         """``steps``: (step_index, message_index). Flattens tool traffic when the template rejects it
-        (as scoring does), for the whole episode so every span lives in one rendering."""
+        (as scoring does), for the whole episode so every span lives in one rendering.
+        ``known``: the episode's :meth:`whole_rendering`, made earlier (``whole`` only)."""
         if rendering not in RENDERINGS:
             raise ExportError(f"unknown rendering {rendering!r}: use one of {', '.join(RENDERINGS)}")
         if not self.locator.available:
             place = self._align_prefix
+        elif rendering == "turns":
+            place = self._align_turns
         else:
-            place = self._align_turns if rendering == "turns" else self._align_own
+            place = functools.partial(self._align_own, known=known)
         try:
             return place(normalize_messages(messages), steps, flattened=False)
         except TemplateRejected:
@@ -127,12 +136,32 @@ class EpisodeRenderer:
         except TemplateRejected as exc:
             raise ExportError(f"the chat template cannot render this episode: {exc}") from exc
 
+    def whole_rendering(self, messages: list[dict[str, Any]]) -> Placement | None:
+        """The rendering ``align(messages, steps, "whole")`` places the steps in, without placing
+        any (~a third of its cost; its ids are that alignment's): of the normalized messages, or
+        of the flattened ones where the template rejects those, as ``align`` chooses (only that
+        rendering raises ``TemplateRejected`` in ``Placer.place``). Given back to ``align``
+        (``known``), it is not tokenized again. None where ``align`` goes another way: no
+        own-token locator (the prefix alignment), or no rendering at all (its ExportError is
+        ``align``'s to raise)."""
+        if not self.locator.available:
+            return None
+        for make in (normalize_messages, flatten_messages):
+            msgs = make(messages)
+            try:
+                return self.placer.rendering(msgs, digests=self._digests(msgs))
+            except TemplateRejected:
+                continue
+        return None
+
     def _digests(self, msgs: list[dict]) -> list[bytes | None] | None:
         return message_digests(msgs) if self.kept is not None else None
 
-    def _align_own(self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool) -> Alignment:
+    def _align_own(
+        self, msgs: list[dict], steps: list[tuple[int, int]], *, flattened: bool, known: Placement | None = None
+    ) -> Alignment:
         ordered = sorted(steps, key=lambda s: s[1])
-        placement = self.placer.place(msgs, ordered, digests=self._digests(msgs))  # linear; placement.py
+        placement = self.placer.place(msgs, ordered, digests=self._digests(msgs), known=known)  # linear; placement.py
         spans = {index: (span.start, span.end) for index, span in placement.spans.items()}
         return Alignment(placement.ids, spans, dict(placement.refused), flattened=flattened)
 

@@ -139,17 +139,31 @@ class Placer:
     def _render(self, msgs: list[dict], generation: bool = False, digests: Digests | None = None) -> str:
         return render_kept(self.renders, self.tokenizer, msgs, digests, generation=generation)
 
-    def place(self, msgs: list[dict], steps: Steps, *, digests: Digests | None = None) -> Placement:
+    def place(
+        self, msgs: list[dict], steps: Steps, *, digests: Digests | None = None, known: Placement | None = None
+    ) -> Placement:
         """Raises :class:`TemplateRejected` when the template cannot render the conversation.
         ``digests``: each message's (``kept_renders.message_digest``), to render through the
-        kept renders."""
-        whole = self._render(msgs, digests=digests)
-        out = Placement(whole, *self.locator.offsets(whole))  # its spans and refusals filled below
+        kept renders. ``known``: a :meth:`rendering` made earlier (used where its text is this one)."""
+        out = self.rendering(msgs, digests=digests, known=known)  # its spans and refusals filled below
+        whole = out.text
         try:
             chars = self._walk(msgs, steps, whole, digests)
         except (_Mismatch, TemplateRejected):
             return self._exact(msgs, steps, out, digests)
         return self._tokens(msgs, steps, out, chars, linear=True)
+
+    def rendering(
+        self, msgs: list[dict], *, digests: Digests | None = None, known: Placement | None = None
+    ) -> Placement:
+        """The whole conversation rendered and tokenized with offsets, no step placed: the
+        rendering :meth:`place` places the steps in, and the only part of it that raises
+        :class:`TemplateRejected`. ``known``: one made earlier, whose ids and offsets are taken
+        where its text is this render's (they are the tokenization of that text)."""
+        whole = self._render(msgs, digests=digests)
+        if known is not None and known.text == whole:
+            return Placement(whole, known.ids, known.offsets)
+        return Placement(whole, *self.locator.offsets(whole))
 
     def place_exact(self, msgs: list[dict], steps: Steps) -> Placement:
         """Step by step: the whole conversation rendered again with each step's turn empty."""

@@ -52,6 +52,7 @@ from hcapo_store.credits.signal import OPT_IN, CreditSignal
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
+from hcapo_store.rendering.placement import Placement
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
@@ -135,6 +136,9 @@ class Handoff:
         self._weights = {int(ep["id"]): (ep, w) for ep, w in zip(rw.episodes, rw.weights)}
         # per episode: its messages, its credited (step_index, message_index), its alignments by rendering
         self._episodes: dict[int, tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]] = {}
+        # per episode until its steps are placed in it: its ``whole`` rendering alone
+        # (EpisodeRenderer.whole_rendering), for rows compared by ids
+        self._whole: dict[int, Placement | None] = {}
 
     def _take_tokenizer(self, side: RunSide, shared: Handoff | None = None) -> None:
         """The run side with its scorer's tokenizer, loaded and checked once it is not refused;
@@ -156,7 +160,16 @@ class Handoff:
     def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
         """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
         ``whole`` rendering: what ``advantages`` places exactly, without a search."""
-        return self._alignment(self.episode_id(episode), rendering).input_ids
+        ep_id = self.episode_id(episode)
+        if rendering == "whole":  # the rendering alone, until a step is placed in it
+            messages, _, done = self._episode(ep_id)
+            if "whole" not in done:
+                if ep_id not in self._whole:
+                    self._whole[ep_id] = self.renderer.whole_rendering(messages)
+                known = self._whole[ep_id]
+                if known is not None:
+                    return known.ids
+        return self._alignment(ep_id, rendering).input_ids
 
     # ---- lookup --------------------------------------------------------------------------------
     def episode_id(self, episode: str | int) -> int:
@@ -199,7 +212,8 @@ class Handoff:
     def _alignment(self, ep_id: int, rendering: str) -> Alignment:
         messages, steps, done = self._episode(ep_id)
         if rendering not in done:
-            done[rendering] = self.renderer.align(messages, steps, rendering)
+            known = self._whole.pop(ep_id, None) if rendering == "whole" else None
+            done[rendering] = self.renderer.align(messages, steps, rendering, known=known)
         return done[rendering]
 
     # ---- placing -------------------------------------------------------------------------------
