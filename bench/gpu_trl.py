@@ -23,7 +23,7 @@ ended are trained (with 11 tokens allowed, ~95 % of 32-token completions end).
 Per ``--layouts`` entry (the prompt layout ``score_live`` is called with: StoreAdvantages calls it
 with the library's default, ``per-step``; this script's timer around it passes the step's layout)
 two steps: a warm-up (``warm_up``: kernels, and the preparing processes, which scoring ends when the
-layout changes) and the measured one. Per step:
+layout changes) and the measured one (``--no-warm-up``: the measured one only, as the CPU check runs). Per step:
 the step's wall time (a trainer callback, the GPU synchronised), TRL's generate-and-score part
 (generation, rewards and the advantage source), the advantage source, and in it ``ingest``,
 ``score_live``, ``compute_credits`` and the hand-off (the rest of the source: writing the
@@ -68,6 +68,7 @@ def main() -> None:
     doc.update(
         shape="tiny" if args.size == "tiny" else args.shape,
         rollouts=args.rollouts,
+        warm_up=args.warm_up,
         paper_hindsight_share=PAPER_HINDSIGHT_SHARE,
         steps=[],
     )
@@ -97,6 +98,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-completion-length", type=int, default=32)
     p.add_argument("--layouts", nargs="+", default=["per-step", "episode"], choices=["per-step", "episode"],
                    help="score_live's prompt layout, one measured step each (after its own warm-up step)")  # fmt: skip
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="no warm-up step before each layout's measured one (the CPU check: nothing to warm)")  # fmt: skip
     args = p.parse_args()
     if args.size == "tiny":
         args.steps_per_subtask = min(args.steps_per_subtask, 1)
@@ -171,7 +174,8 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
     flush("policy built")
 
     timers = Timers()
-    layouts = [layout for layout in args.layouts for _ in ("warm-up", "measured")]
+    kinds = ("warm-up", "measured") if args.warm_up else ("measured",)
+    layouts = [layout for layout in args.layouts for _ in kinds]
 
     def layout_of_step(kw: dict[str, Any]) -> dict[str, Any]:
         return {**kw, "prompt_layout": layouts[min(timers.step, len(layouts) - 1)]}
@@ -230,7 +234,8 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
         logged = {int(e["step"]) - 1: e for e in trainer.state.log_history if "reward_std" in e}
         doc["steps"] = []
         for step in range(timers.step):
-            row: dict[str, Any] = {"index": step, "warm_up": step % 2 == 0, "layout": layouts[step]}
+            warm_up = args.warm_up and step % 2 == 0
+            row: dict[str, Any] = {"index": step, "warm_up": warm_up, "layout": layouts[step]}
             row.update({k: round(v, 4) for k, v in timers.seconds.get(step, {}).items()})
             row["refused_rows"] = sum(1 for s, _ in source.refused if s == step)
             row["skipped_rows"] = sum(1 for s, _ in source.skipped if s == step)

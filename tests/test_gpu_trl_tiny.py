@@ -1,5 +1,5 @@
-"""bench/gpu_trl.py on the CPU (--size tiny): per prompt layout a warm-up TRL GRPO step and a
-measured one, with the store's advantages (StoreAdvantages: ingest, score_live, credits, hand-off),
+"""bench/gpu_trl.py on the CPU (--size tiny --no-warm-up: nothing to warm on a CPU, and each TRL
+step here is ~13 s): per prompt layout one TRL GRPO step, with the store's advantages (StoreAdvantages: ingest, score_live, credits, hand-off),
 the real Qwen3 tokenizer and a tiny random Qwen3 of its vocabulary; the JSON the GPU run writes. No
 timing is asserted, only that every part ran, the shares add up, and the hindsight signal reached
 the trainer on every step (zero signal is a failure: on the GPU it once was all zeros)."""
@@ -25,7 +25,8 @@ def test_gpu_trl_bench_tiny(tmp_path: Path) -> None:
         pytest.skip(f"{tokenizer} is not here (../shared absent)")
     out = tmp_path / "trl.json"
     r = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_trl.py"), "--size", "tiny", "--tokenizer", str(tokenizer), "--out", str(out)],
+        [sys.executable, str(BENCH / "gpu_trl.py"), "--size", "tiny", "--no-warm-up"]
+        + ["--tokenizer", str(tokenizer), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -34,8 +35,8 @@ def test_gpu_trl_bench_tiny(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert "error" not in doc, doc.get("traceback")
     assert doc["prompt"]["tokens"] > 100 and doc["prompt"]["episode_steps"] > 5
-    assert [s["layout"] for s in doc["steps"]] == ["per-step", "per-step", "episode", "episode"]
-    assert [s["warm_up"] for s in doc["steps"]] == [True, False, True, False]  # each layout warmed up
+    assert [s["layout"] for s in doc["steps"]] == ["per-step", "episode"] and doc["warm_up"] is False
+    assert [s["warm_up"] for s in doc["steps"]] == [False, False]  # (the GPU run warms each layout up first)
     for step in doc["steps"]:
         parts = ("score_live", "credits", "ingest", "advantages", "generate_and_score")
         assert all(step[k] > 0 for k in parts), step
@@ -48,7 +49,7 @@ def test_gpu_trl_bench_tiny(tmp_path: Path) -> None:
         assert step["reward_std"] > 0 and 1 <= step["trained_rows"] <= step["rows"], step
         assert step["advantage_abs_max"] > 0 and step["hindsight_nonzero_share"] > 0, step
     assert "zero_signal_steps" not in doc
-    assert len(doc["scorers"]) == 4 and len(set(doc["scorers"].values())) == 4  # one scorer per step's weights
+    assert len(doc["scorers"]) == 2 and len(set(doc["scorers"].values())) == 2  # one scorer per step's weights
     assert doc["paper_hindsight_share"] == 0.083
     assert sum("of the step (paper 8.3%)" in line for line in doc["summary"]) == 2
-    assert sum(": signal: advantage_abs_max " in line for line in doc["summary"]) == 4  # printed per step
+    assert sum(": signal: advantage_abs_max " in line for line in doc["summary"]) == 2  # printed per step
