@@ -19,6 +19,7 @@ from hcapo_store.credits.compute import compute_credits
 from hcapo_store.credits.equations import CreditParams
 from hcapo_store.errors import EpisodeLookupError, HandoffError
 from hcapo_store.outputs.export import export_dataset
+from hcapo_store.storage.episodes import load_messages
 from hcapo_store.storage.store import Store
 from hcapo_store.training.adapters import prime_rl_advantages, slime_advantages, verl_advantages
 from hcapo_store.training.handoff import Handoff
@@ -403,3 +404,23 @@ def test_a_read_only_credential_exports_tokenized_rows_and_hands_off(
         for row in rows:
             credit = handoff.advantages(row["episode"], row["token_ids"])
             assert np.allclose(credit.advantages, row["advantages"], atol=1e-6)
+
+
+def test_a_group_read_at_once_is_the_episodes_read_one_by_one(exported, tok_dir: Path) -> None:
+    """``prefetch`` (a trainer's hand-off reads a group's episodes in one query each) gives each
+    episode the messages and credited steps its own read gives, and so the same advantages."""
+    store, out = exported()
+    rows = _rows(out)
+    one_by_one = Handoff(store, "r", tokenizer=tok_dir)
+    grouped = Handoff(store, "r", tokenizer=tok_dir)
+    ids = [grouped.episode_id(row["episode"]) for row in rows]
+    grouped.prefetch([*ids, 10**9])  # and an id the run does not credit: skipped
+    assert sorted(grouped._episodes) == sorted(set(ids))
+    for row, ep in zip(rows, ids, strict=True):
+        messages, steps, _ = one_by_one._episode(ep)
+        assert grouped._episode(ep)[:2] == (messages, steps) and steps
+        with store.engine.connect() as conn:  # the plain read of one episode's messages
+            assert messages == load_messages(conn, ep)
+        a = grouped.advantages(row["episode"], row["token_ids"], strict=False)
+        b = one_by_one.advantages(row["episode"], row["token_ids"], strict=False)
+        assert a.spans == b.spans and np.array_equal(a.advantages, b.advantages) and a.spans

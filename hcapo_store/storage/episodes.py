@@ -60,6 +60,25 @@ def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
     return [loader_message(*r) for r in rows]
 
 
+def load_messages_of(conn: Connection, episode_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
+    """:func:`load_messages` of several episodes in one query (an episode without messages: an
+    empty list)."""
+    ids = sorted({int(i) for i in episode_ids})
+    out: dict[int, list[dict[str, Any]]] = {i: [] for i in ids}
+    if not ids:
+        return out
+    rows = conn.execute(
+        select(
+            Message.episode_id, Message.role, Message.content, Message.tool_calls, Message.name, Message.tool_call_id
+        )
+        .where(Message.episode_id.in_(ids))
+        .order_by(Message.episode_id, Message.message_index)
+    ).all()
+    for r in rows:
+        out[int(r.episode_id)].append(loader_message(r.role, r.content, r.tool_calls, r.name, r.tool_call_id))
+    return out
+
+
 def load_episode(conn: Connection, episode_id: int) -> StoredEpisode:
     ep = conn.execute(
         select(

@@ -37,13 +37,13 @@ exactly the step's own tokens (else the step is refused with the reason, never s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 
 from hcapo_store.credits.log_ratio import VARIANT as LOG_RATIO
 from hcapo_store.credits.lookup import RunInfo
@@ -54,7 +54,7 @@ from hcapo_store.online.batches import BatchInfo
 from hcapo_store.rendering.alignment import Alignment, EpisodeRenderer, span_mismatch
 from hcapo_store.rendering.placement import Placement
 from hcapo_store.storage import db
-from hcapo_store.storage.episodes import load_messages
+from hcapo_store.storage.episodes import load_messages_of
 from hcapo_store.storage.store import Store
 from hcapo_store.storage.token_values import step_token_advantages
 
@@ -197,17 +197,30 @@ class Handoff:
 
     def _episode(self, ep_id: int) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]:
         if ep_id not in self._episodes:
-            with db.read(self.store.engine) as conn:
-                messages = load_messages(conn, ep_id)
-                steps = conn.execute(
-                    text(
-                        "SELECT s.step_index, s.message_index FROM credits c JOIN steps s ON s.id = c.step_id "
-                        "WHERE c.run_id = :run AND s.episode_id = :ep ORDER BY s.step_index"
-                    ),
-                    {"run": self.run.id, "ep": ep_id},
-                ).all()
-            self._episodes[ep_id] = (messages, [(int(a), int(b)) for a, b in steps], {})
+            self.prefetch([ep_id])
         return self._episodes[ep_id]
+
+    def prefetch(self, episodes: Iterable[int]) -> None:
+        """Read these episodes' messages and credited steps now, in one query each (episode row
+        ids; those the run does not credit, or read already, are skipped): what a trainer's
+        hand-off does for a whole group before it matches the group's rows."""
+        wanted = sorted({int(e) for e in episodes if int(e) in self._names} - set(self._episodes))
+        if not wanted:
+            return
+        with db.read(self.store.engine) as conn:
+            messages = load_messages_of(conn, wanted)
+            rows = conn.execute(
+                text(
+                    "SELECT s.episode_id, s.step_index, s.message_index FROM credits c JOIN steps s ON s.id = c.step_id "
+                    "WHERE c.run_id = :run AND s.episode_id IN :eps ORDER BY s.episode_id, s.step_index"
+                ).bindparams(bindparam("eps", expanding=True)),
+                {"run": self.run.id, "eps": wanted},
+            ).all()
+        steps: dict[int, list[tuple[int, int]]] = {e: [] for e in wanted}
+        for ep, index, message in rows:
+            steps[int(ep)].append((int(index), int(message)))
+        for e in wanted:
+            self._episodes[e] = (messages[e], steps[e], {})
 
     def _alignment(self, ep_id: int, rendering: str) -> Alignment:
         messages, steps, done = self._episode(ep_id)

@@ -195,6 +195,7 @@ class VerlHandoff:
     ) -> tuple[BatchMember, TokenCredit]:
         """The member of the group whose every credited step is in ``ids`` (exact renderings first)."""
         exact: dict[int, tuple[BatchMember, TokenCredit]] = {}  # episode id -> (member, credit)
+        handoff.prefetch(m.episode_id for m in members)  # the group's episodes in one read
         for rendering in ("turns", "whole"):  # the sample is a member's rendering exactly: no search
             for m in members:
                 if m.episode_id in exact:
