@@ -421,6 +421,12 @@ def test_a_group_read_at_once_is_the_episodes_read_one_by_one(exported, tok_dir:
         assert grouped._episode(ep)[:2] == (messages, steps) and steps
         with store.engine.connect() as conn:  # the plain read of one episode's messages
             assert messages == load_messages(conn, ep)
+            stored = conn.execute(
+                text("SELECT role, content FROM messages WHERE episode_id = :e ORDER BY message_index"), {"e": ep}
+            ).all()
+        assert [(m["role"], m["content"]) for m in messages] == [
+            tuple(r) for r in stored
+        ]  # the rows, as SQL reads them
         a = grouped.advantages(row["episode"], row["token_ids"], strict=False)
         b = one_by_one.advantages(row["episode"], row["token_ids"], strict=False)
         assert a.spans == b.spans and np.array_equal(a.advantages, b.advantages) and a.spans

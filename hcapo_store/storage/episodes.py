@@ -52,17 +52,12 @@ def loader_message(
 
 
 def load_messages(conn: Connection, episode_id: int) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        select(Message.role, Message.content, Message.tool_calls, Message.name, Message.tool_call_id)
-        .where(Message.episode_id == episode_id)
-        .order_by(Message.message_index)
-    ).all()
-    return [loader_message(*r) for r in rows]
+    return load_messages_of(conn, [episode_id])[int(episode_id)]
 
 
 def load_messages_of(conn: Connection, episode_ids: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
-    """:func:`load_messages` of several episodes in one query (an episode without messages: an
-    empty list)."""
+    """Each episode's messages in the original loader's shape (:func:`loader_message`), in order,
+    read in one query (an episode without messages: an empty list)."""
     ids = sorted({int(i) for i in episode_ids})
     out: dict[int, list[dict[str, Any]]] = {i: [] for i in ids}
     if not ids:

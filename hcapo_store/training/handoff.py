@@ -197,7 +197,7 @@ class Handoff:
 
     def _episode(self, ep_id: int) -> tuple[list[dict[str, Any]], list[tuple[int, int]], dict[str, Alignment]]:
         if ep_id not in self._episodes:
-            self.prefetch([ep_id])
+            self._read([ep_id])
         return self._episodes[ep_id]
 
     def prefetch(self, episodes: Iterable[int]) -> None:
@@ -205,8 +205,10 @@ class Handoff:
         ids; those the run does not credit, or read already, are skipped): what a trainer's
         hand-off does for a whole group before it matches the group's rows."""
         wanted = sorted({int(e) for e in episodes if int(e) in self._names} - set(self._episodes))
-        if not wanted:
-            return
+        if wanted:
+            self._read(wanted)
+
+    def _read(self, wanted: list[int]) -> None:
         with db.read(self.store.engine) as conn:
             messages = load_messages_of(conn, wanted)
             rows = conn.execute(
