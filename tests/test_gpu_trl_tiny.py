@@ -1,6 +1,6 @@
 """bench/gpu_trl.py on the CPU (--size tiny --no-warm-up: nothing to warm on a CPU, and each TRL
-step here is ~13 s): per prompt layout one TRL GRPO step, with the store's advantages (StoreAdvantages: ingest, score_live, credits, hand-off),
-the real Qwen3 tokenizer and a tiny random Qwen3 of its vocabulary; the JSON the GPU run writes. No
+step here is ~13 s): per prompt layout one TRL GRPO step, with the store's advantages
+(StoreAdvantages: ingest, score_live, credits, hand-off), the real Qwen3 tokenizer and a tiny random Qwen3 of its vocabulary; the JSON the GPU run writes. No
 timing is asserted, only that every part ran, the shares add up, and the hindsight signal reached
 the trainer on every step (zero signal is a failure: on the GPU it once was all zeros)."""
 

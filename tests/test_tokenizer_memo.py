@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _shared import TOKENIZERS
-from _tokenizers import bos_tokenizer
+from test_tokenizer_class import _bos_dir
 
 from hcapo_store.rendering import tokenizer_memo
 from hcapo_store.rendering.tokenizers import files_state, load_by_rule, load_digest
@@ -53,11 +53,6 @@ _SCRIPT = textwrap.dedent(
     print(json.dumps(seen))
     """
 )
-
-
-def _bos_dir(directory: Path) -> Path:
-    bos_tokenizer(directory)
-    return directory
 
 
 def _run(cache: Path, *directories: Path, rendering: str = "fast") -> list[dict]:
