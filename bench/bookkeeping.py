@@ -136,6 +136,19 @@ def _serve(sock: socket.socket, tokenizer_path: str) -> None:
     asyncio.run(main())
 
 
+def start_server(tokenizer_path: str, backlog: int = 256) -> tuple[str, multiprocessing.process.BaseProcess]:
+    """:func:`_serve` in a forked process on a free port of 127.0.0.1: (its URL, the process;
+    terminate it when done). The listening socket is the child's alone once it has started."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer_path), daemon=True)
+    server.start()
+    sock.close()
+    return url, server
+
+
 # --------------------------------------------------------------------------- synthetic episodes
 
 
@@ -276,14 +289,7 @@ def main() -> None:
 
         tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    port = sock.getsockname()[1]
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
-    server.start()
-    sock.close()
-    url = f"http://127.0.0.1:{port}"
+    url, server = start_server(tokenizer)
 
     t = time.perf_counter()
     if args.input == "real":

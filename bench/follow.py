@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
-from bookkeeping import QWEN3, _serve  # noqa: E402
+from bookkeeping import QWEN3, start_server  # noqa: E402
 from ingest import SAMPLES, write_real_episodes  # noqa: E402
 
 
@@ -113,13 +111,7 @@ def main() -> None:
         from hcapo_store.devkit.tiny_model import build_demo_tokenizer
 
         tokenizer = str(build_demo_tokenizer(tmp / "tokenizer"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
-    server.start()
-    sock.close()
+    url, server = start_server(tokenizer)
 
     staging, root, db = tmp / "staging", tmp / "rollouts", tmp / "follow.db"
     n = args.groups * args.group_size

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -189,7 +187,7 @@ def _one_size(n: int, url: str, tokenizer: str, rounds: int, queued: bool) -> di
 def main() -> None:
     args = _args()
     sys.path.insert(0, str(BENCH))
-    from bookkeeping import _serve  # it puts this checkout first on sys.path: the measured one goes before it
+    from bookkeeping import start_server  # it puts this checkout first on sys.path: the measured one goes before it
 
     sys.path.insert(0, str(args.repo.resolve()))
     for name in [m for m in sys.modules if m == "hcapo_store" or m.startswith("hcapo_store.")]:
@@ -203,13 +201,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="hcapo-bench-cycle-tok-"))
     tokenizer = str(build_demo_tokenizer(work / "tokenizer"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
-    server.start()
-    sock.close()
+    url, server = start_server(tokenizer, backlog=64)
     try:
         for n in args.sizes:
             result = {"repo": str(args.repo), **_one_size(n, url, tokenizer, args.rounds, args.queued)}

@@ -20,11 +20,9 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import multiprocessing
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import time
@@ -36,7 +34,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from bookkeeping import QWEN3, _serve  # noqa: E402
+from bookkeeping import QWEN3, start_server  # noqa: E402
 
 KINDS = ("auto", "anyio", "httpx")
 
@@ -93,18 +91,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     tokenizer = str(QWEN3) if QWEN3.is_dir() else None
     if tokenizer is None:
         from hcapo_store.devkit.tiny_model import build_demo_tokenizer
 
         tokenizer = str(build_demo_tokenizer(Path(os.environ.get("TMPDIR", "/tmp")) / "hcapo-bench-http-tok"))
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, tokenizer), daemon=True)
-    server.start()
-    sock.close()
+    url, server = start_server(tokenizer)
     payloads = _payloads(16, *args.ids)
     rows: list[dict[str, Any]] = []
     try:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,7 +31,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from _paired import finish, header  # noqa: E402
-from bookkeeping import QWEN3, _serve  # noqa: E402
+from bookkeeping import QWEN3, start_server  # noqa: E402
 
 SAMPLES = REPO.parent / "shared" / "samples" / "trajectories"
 
@@ -63,12 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     episodes = SAMPLES if SAMPLES.is_dir() else REPO / "examples" / "trajectories"
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(sock, args.tokenizer), daemon=True)
-    server.start()
+    url, server = start_server(args.tokenizer)
     runs: dict[str, list[dict[str, float]]] = {"rule": [], "recorded": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
