@@ -424,8 +424,7 @@ def build_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         torch.manual_seed(seed)
-        # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
         with _quiet_progress():
             model.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))

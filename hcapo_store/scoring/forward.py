@@ -187,8 +187,7 @@ class LogprobModel:
                 model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=asked or "auto")
             except (OSError, ValueError) as exc:
                 raise ScoringError(f"cannot load a causal LM from {self.model_dir}: {exc}") from exc
-            # transformers wraps PreTrainedModel.to in a decorator whose stub drops nn.Module.to's signature
-            model = model.to(self.device).eval()  # type: ignore[arg-type]
+            model = model.to(self.device).eval()
         else:  # a live model (the policy being trained): used where it is, as it is
             model = loaded
             self.device = next(model.parameters()).device

@@ -149,7 +149,7 @@ class WeightedSFTTrainer(SFTTrainer):
             ),
             **kwargs,
         )
-        vocab = self.model.get_input_embeddings().num_embeddings  # type: ignore[union-attr,operator]
+        vocab = self.model.get_input_embeddings().num_embeddings
         top = max(max(ids) for ids in prepared["train"]["input_ids"])
         if top >= vocab:
             raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab}: another tokenizer's rows")
