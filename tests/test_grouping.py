@@ -138,16 +138,23 @@ async def _compare(backend: Any, groups: list[GroupPrompt]) -> int:
     return compared
 
 
-async def _compare_all(ref: ReferenceServer, model_dir: Path, groups: list[GroupPrompt]) -> None:
+async def _compare_all(
+    ref: ReferenceServer, model_dir: Path, groups: list[GroupPrompt], vllm_groups: int | None = None
+) -> None:
+    """``vllm_groups``: the vLLM backend on the first N multi-step groups only. vLLM's
+    ``prompt_logprobs`` score every position of a prompt, with its rank: over a 152k vocabulary
+    the reference server spends ~2 s a request on that, the other backends ~0.1 s."""
     backends = [SGLangBackend(ref.url), VLLMBackend(ref.url), InProcessBackend(model_dir)]
+    multi = [g for g in groups if len(g.members) > 1]
     for backend in backends:
         await backend.start()
         try:
             before = ref.requests
-            compared = await _compare(backend, groups)
-            assert compared >= 4, backend.kind
+            some = multi[:vllm_groups] if backend.kind == "vllm" and vllm_groups is not None else groups
+            compared = await _compare(backend, some)
+            assert compared >= (3 if some is not groups else 4), backend.kind
             if backend.kind != "transformers":  # one request per group, one per member
-                assert ref.requests - before == compared + sum(len(g.members) > 1 for g in groups)
+                assert ref.requests - before == compared + sum(len(g.members) > 1 for g in some)
         finally:
             await backend.close()
 
@@ -179,7 +186,7 @@ def test_grouped_equals_per_step_qwen_tokenizers(name, tmp_path_factory):
     )
     groups = _assert_exact(group_prompts(_prompts(load_tokenizer(model_dir), 4, steps=8, tool_chars=120)))
     with make_server(model_dir) as ref:
-        asyncio.run(_compare_all(ref, model_dir, groups))
+        asyncio.run(_compare_all(ref, model_dir, groups, vllm_groups=1))
 
 
 # --- end to end: the runner stores the same values either way --------------------------------

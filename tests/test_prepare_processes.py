@@ -120,18 +120,21 @@ def test_score_prepare_workers_from_the_cli_stores_the_threads_numbers(tmp_path,
     assert scored["0"] and scored["2"] == scored["0"]
 
 
-@pytest.mark.slow  # 594 steps scored twice against the reference server; worker processes start
-def test_a_large_run_against_a_server_prepares_in_processes_by_default(tmp_path, tiny_model_dir) -> None:
+@pytest.mark.slow  # 140 steps scored twice against the reference server; worker processes start
+def test_a_large_run_against_a_server_prepares_in_processes_by_default(tmp_path, tiny_model_dir, monkeypatch) -> None:
     """No ``prepare_workers``: a run of ``PREPARE_PROCESSES_FROM_STEPS`` steps or more against a
     server starts a pool (kept for the next run), uses it as its workers start, and stores what
-    threads store, bit for bit."""
+    threads store, bit for bit. The threshold is lowered to 100 steps here, for a run of 140 (the
+    default's value and the runs below it are tests/test_packed_ids.py's; 594 steps scored twice
+    took ~45 s of the suite)."""
     from hcapo_store.devkit.refserver import make_server
     from hcapo_store.scoring import defaults
     from hcapo_store.scoring.job import ScoreConfig, prepare, run_scoring
     from hcapo_store.scoring.scheduler import RunOptions
 
     preparing.close_pools()
-    write_standard_episodes(tmp_path / "eps", 6, steps_per_subtask=22, output_words=8)  # 6 x 99 steps
+    monkeypatch.setattr(defaults, "PREPARE_PROCESSES_FROM_STEPS", 100)
+    write_standard_episodes(tmp_path / "eps", 4, steps_per_subtask=6, output_words=8)  # 4 x 35 steps
     server = make_server(tiny_model_dir).start()
     scored = {}
     try:
