@@ -402,3 +402,29 @@ def test_a_held_database_lock_does_not_stop_requests(tmp_path, ref, tiny_model_d
     assert reports[0].scored == total and reports[0].failed == 0
     assert count(store, "SELECT COUNT(*) FROM scores") == total
     store.close()
+
+
+def test_a_run_leaves_the_processs_gc_freeze_as_it_found_it(tmp_path, episodes_dir, ref, tiny_model_dir):
+    """The run freezes the heap it starts with (its full collections cost more than the
+    bookkeeping) and unfreezes it after; where the process froze its own heap first (a trainer
+    before it forks), the run neither adds to that freeze nor ends it."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    for froze in (False, True):
+        store = _new_store(tmp_path / f"{froze}.db", episodes_dir)
+        prep = prepare(store, _cfg(ref, tiny_model_dir))
+        frozen_before = 0
+        if froze:
+            gc.freeze()
+            frozen_before = gc.get_freeze_count()
+            assert frozen_before > 0
+        try:
+            report = run_scoring(store, prep, RunOptions(concurrency=2))
+            assert report.scored == _steps(store) > 0 and report.failed == 0
+            # as found: none frozen, or the process's freeze still on and nothing added to it (frozen
+            # objects freed meanwhile leave it, so the count may only go down)
+            assert 0 < gc.get_freeze_count() <= frozen_before if froze else gc.get_freeze_count() == 0
+        finally:
+            gc.unfreeze()
+            store.close()

@@ -142,7 +142,11 @@ class Scheduler:
         # tokenizer) the cyclic GC's full collections then cost more than the bookkeeping
         # itself. Objects alive now (modules, tokenizer, caches) are exempted for the run.
         # No collection first: it costs ~0.15 s over that heap on every run (every batch of
-        # `follow`); garbage frozen with them is collected after the run instead.
+        # `follow`); garbage frozen with them is collected after the run instead. A process that
+        # froze its own heap (a trainer before it forks, a test session) is left as it is: the
+        # unfreeze would end its freeze too.
+        if gc.get_freeze_count():
+            return await self._run()
         gc.freeze()
         try:
             return await self._run()
