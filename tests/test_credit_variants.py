@@ -10,14 +10,19 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
+from fractions import Fraction
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from sqlalchemy import text
 from test_credits import add_scorer
 
 from hcapo_store.cli import cli
 from hcapo_store.credits.compute import compute_credits
-from hcapo_store.credits.equations import CreditParams
+from hcapo_store.credits.equations import CreditParams, grpo_advantages
 from hcapo_store.credits.lookup import get_run
 from hcapo_store.errors import CreditError, InvalidCreditParams
 from hcapo_store.outputs.export import export_dataset
@@ -28,9 +33,10 @@ from hcapo_store.storage.store import Store
 
 
 def _pop_std(xs: list[float]) -> float:
-    m = sum(xs) / len(xs)
-    s = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-    return s if s != 0 else 1.0
+    """Exact, then rounded (``statistics``); 0, or a spread at rounding's size against the values
+    (equations.NOISE_SPREAD), → 1."""
+    s = statistics.pstdev(xs)
+    return s if s > 1e-12 * max(map(abs, xs)) else 1.0
 
 
 def reference_paper(
@@ -39,13 +45,16 @@ def reference_paper(
     """trajs: {"group", "reward", "logprobs": [mean logprob per step]} → per step dict."""
     out = []
     for tr in trajs:
-        pis = [math.exp(lp / t_temp) for lp in tr["logprobs"]]
-        mean_pi = sum(pis) / len(pis)
-        T = len(pis)
+        xs = [lp / t_temp for lp in tr["logprobs"]]
+        # pi / mean(pi) as exp(x - log(mean(exp(x)))), the log of the mean exact (fsum of exps
+        # taken about the largest x): no underflow where every pi is 0 in floating point
+        top = max(xs)
+        log_mean = top + math.log(math.fsum(math.exp(x - top) for x in xs) / len(xs))
+        T = len(xs)
         steps = []
-        for t, pi in enumerate(pis):
-            rho = min(max(pi / mean_pi, c_min), c_max)
-            steps.append({"pi": pi, "rho": rho, "q": rho * gamma ** (T - 1 - t) * tr["reward"]})
+        for t, x in enumerate(xs):
+            rho = min(max(math.exp(x - log_mean), c_min), c_max)
+            steps.append({"pi": math.exp(x), "rho": rho, "q": rho * gamma ** (T - 1 - t) * tr["reward"]})
         for t, st in enumerate(steps):
             nxt = steps[t + 1]["q"] if t + 1 < T else None
             st["qs"] = st["q"] if (nxt is None or not smooth) else alpha * st["q"] + (1 - alpha) * nxt
@@ -55,15 +64,15 @@ def reference_paper(
         by_group.setdefault(tr["group"], []).append(i)
     for members in by_group.values():
         rewards = [trajs[i]["reward"] for i in members]
-        mu_r = sum(rewards) / len(rewards)
+        mu_r = Fraction(statistics.mean(map(Fraction, rewards)))  # exact
         sd_r = _pop_std(rewards)
         qs = [st["qs"] for i in members for st in out[i]]
-        mu_h = sum(qs) / len(qs)
+        mu_h = statistics.mean(map(Fraction, qs))
         sd_h = _pop_std(qs)
         for i in members:
-            a = (trajs[i]["reward"] - mu_r) / sd_r
+            a = float(Fraction(trajs[i]["reward"]) - mu_r) / sd_r
             for st in out[i]:
-                micro = (st["qs"] - mu_h) / sd_h
+                micro = float(Fraction(st["qs"]) - mu_h) / sd_h
                 if trajs[i]["reward"] >= success and micro < 0:
                     micro = 0.0
                 st.update(a_macro=a, micro=micro, advantage=a + omega * micro)
@@ -289,3 +298,78 @@ def test_original_run_stores_the_eq8_parts(tmp_path):
         assert w == pytest.approx(c / scale, abs=1e-12)
         if a > 0:
             assert m >= 0  # do-no-harm, the original's way
+
+
+@pytest.mark.parametrize("variant", ["paper", "original"])
+@pytest.mark.parametrize("reward", [0.1, 0.7, 0.3])
+def test_equal_rewards_give_no_macro_term_also_where_their_float_mean_is_off(tmp_path, variant, reward):
+    """Three equal rewards of 0.1: numpy's mean is 0.1 + 1.4e-17 and its std 1.4e-17, which divided
+    made A = ±1 on every step (a signal the data does not have). Equal rewards are no spread:
+    A = 0 exactly, and the hindsight term still carries the logprobs' signal."""
+    trajs = [{"group": 0, "reward": reward, "logprobs": lps} for lps in ([-0.5, -3.0], [-2.0, -0.1], [-1.0, -1.5])]
+    trajs += [{"group": 1, "reward": reward, "logprobs": [-1.0]} for _ in range(3)]  # identical members
+    store = _store_with(tmp_path, trajs)
+    compute_credits(store, CreditParams(variant=variant, dense=False, group_by="grp", min_reward=0.0), name="r")
+    got = _stored(store, "r")
+    assert [v["a_macro"] for v in got.values()] == [0.0] * len(got)
+    identical = [v for (ep, _t), v in got.items() if ep >= "e003"]
+    assert [(v["micro"], v["advantage"]) for v in identical] == [(0.0, 0.0)] * 3 or variant == "original"
+    if variant == "paper":
+        _compare(store, "r", trajs, reference_paper(trajs))
+        first_group = [v["advantage"] for (ep, _t), v in got.items() if ep < "e003"]
+        assert len({round(a, 9) for a in first_group}) == len(first_group) and min(map(abs, first_group)) > 0.01
+    else:  # A = 0, so each weight is its step's own clamped micro term (not A = ±1 shifting all)
+        clamped = {k: max(v["micro"], 0.0) for k, v in got.items()}
+        scale = statistics.mean(c for c in clamped.values() if c > 0)
+        assert all(v["advantage"] == pytest.approx(clamped[k] / scale, abs=1e-12) for k, v in got.items())
+        first_group = [v["advantage"] for (ep, _t), v in got.items() if ep < "e003"]
+        assert max(first_group) > 0 and min(first_group) == 0.0
+
+
+def test_pi_hind_underflow_keeps_the_ratio_and_the_order(tmp_path):
+    """Mean logprobs of -4000, -4002, -4010 at T = 5 put every π_hind under float64's smallest
+    number (exp(-800) = 0). The ratio π_t / mean π is well defined (e^0.4 ... ): taken in log
+    space it is, and the steps keep their order; before, every ρ was c_min."""
+    trajs = [
+        {"group": 0, "reward": 1.0, "logprobs": [-4000.0, -4002.0, -4010.0]},
+        {"group": 0, "reward": 0.0, "logprobs": [-4001.0, -4000.0, -4003.0]},
+    ]
+    store = _store_with(tmp_path, trajs)
+    compute_credits(store, CreditParams(variant="paper", dense=False, group_by="grp", smooth=False), name="p")
+    _compare(store, "p", trajs, reference_paper(trajs, smooth=False))
+    rows = store.query(
+        "SELECT step_index, pi_hind, rho_raw, rho FROM step_credits WHERE run = 'p' AND external_id = 'e000' "
+        "ORDER BY step_index"
+    )[1]
+    assert [r[1] for r in rows] == [0.0, 0.0, 0.0]  # the stored π_hind is exp(x) as it is
+    x = [-800.0, -800.4, -802.0]
+    log_mean = -800.0 + math.log(sum(math.exp(v + 800.0) for v in x) / 3)
+    assert [r[2] for r in rows] == pytest.approx([math.exp(v - log_mean) for v in x], rel=1e-12)
+    assert rows[0][2] > rows[1][2] > rows[2][2] and rows[0][3] == 1.2 and rows[2][3] == 0.8
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=hs.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    n=hs.integers(1, 40),
+    groups=hs.integers(1, 3),
+)
+def test_grpo_of_equal_rewards_is_zero_for_any_value(value, n, groups):
+    """A_i of equal rewards is exactly 0 whatever the value and group size (the log-ratio run's
+    --grpo term and both credit variants take it from here)."""
+    a = grpo_advantages(np.full(n, value), [k % groups for k in range(n)])
+    assert a.tolist() == [0.0] * n
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.floats(min_value=-1e3, max_value=1e3, allow_nan=False), min_size=2, max_size=30))
+def test_grpo_equals_exact_arithmetic(rewards):
+    """Against exact rational arithmetic (the std rounded once), where the rewards spread."""
+    exact_mean = statistics.mean(map(Fraction, rewards))
+    sd = statistics.pstdev(rewards)
+    got = grpo_advantages(np.asarray(rewards))
+    if sd <= 1e-12 * max(map(abs, rewards)):
+        assert np.all(np.abs(got) <= 1e-9 * max(1.0, max(map(abs, rewards))))
+    else:
+        want = [float(Fraction(r) - exact_mean) / sd for r in rewards]
+        assert got.tolist() == pytest.approx(want, rel=1e-9, abs=1e-9)

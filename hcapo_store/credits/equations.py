@@ -20,7 +20,10 @@ import numpy as np
 from hcapo_store.canonical import content_hash
 from hcapo_store.credits.params import VARIANTS, CreditParams  # noqa: F401 - re-exported
 
-PI_MEAN_FLOOR = 1e-12  # the original's guard when the episode mean of pi_hind is 0
+# A spread this small against the values' own size is rounding, not a difference: three rewards of
+# 0.1 have numpy's mean 0.1 + 1.4e-17 and std 1.4e-17, and dividing one by the other made A = ±1
+# where equal rewards mean A = 0. Such a spread is treated as none (std 0 → 1, as the original).
+NOISE_SPREAD = 1e-12
 
 
 def run_hash(scorer_id: str, params: CreditParams) -> str:
@@ -73,10 +76,15 @@ def episode_credits(batch: EpisodeBatch, p: CreditParams) -> CreditArrays:
     n = len(batch.mean_logprob)
     lengths = batch.lengths
     ep, pos = positions(batch)
-    pi_hind = np.exp(batch.mean_logprob / p.t_temp)
-    pi_mean = np.add.reduceat(pi_hind, batch.starts) / lengths if n else np.zeros(0)
-    pi_mean[pi_mean == 0] = PI_MEAN_FLOOR
-    rho_raw = pi_hind / pi_mean[ep]
+    x = batch.mean_logprob / p.t_temp
+    pi_hind = np.exp(x)
+    # rho_raw = pi_hind / mean(pi_hind) over the episode, taken in log space (each exponent less
+    # the episode's largest): exp(x) underflows to 0 below x ≈ -745 (a mean logprob of -3,725 at
+    # T = 5, or vLLM's -9999 floor on a one-token step), and an episode whose every pi_hind was 0
+    # got rho_raw 0, so c_min on every step and its order lost; the ratio itself is well defined
+    top = np.maximum.reduceat(x, batch.starts) if n else np.zeros(0)
+    shifted = np.exp(x - top[ep])  # the episode's largest is 1: the mean is at least 1/T
+    rho_raw = shifted / (np.add.reduceat(shifted, batch.starts) / lengths)[ep] if n else np.zeros(0)
     rho = np.clip(rho_raw, p.c_min, p.c_max)
     null_rewards = 0
     if p.uses_dense:
@@ -139,9 +147,18 @@ class Eq8Result:
 
 
 def _zscore_stats(x: np.ndarray) -> tuple[float, float]:
-    mu = float(x.mean()) if len(x) else 0.0
-    sigma = float(x.std()) if len(x) else 0.0  # population std, like np.std
-    return mu, (sigma if sigma != 0 else 1.0)
+    """Mean and population std (like np.std) of ``x``, the std 1 where the values do not spread:
+    0, or rounding (``NOISE_SPREAD``). Taken about the first value, so equal values have
+    deviations of exactly 0 and their mean is that value."""
+    if not len(x):
+        return 0.0, 1.0
+    first = float(x[0])
+    d = x - first
+    m = float(d.mean())
+    dev = d - m
+    scale = float(np.abs(dev).max())  # squares taken of dev / scale: no underflow of tiny values
+    sigma = scale * float(np.sqrt(np.mean((dev / scale) ** 2))) if scale > 0 else 0.0
+    return first + m, (sigma if sigma > NOISE_SPREAD * float(np.abs(x).max()) else 1.0)
 
 
 def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) -> np.ndarray:

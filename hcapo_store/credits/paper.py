@@ -6,7 +6,8 @@ Where it departs from the original scripts (``equations.py``; docs/CREDITS.md "T
 * smoothing is one step with the raw next value: Q̃_t = α·Q_t + (1−α)·Q_{t+1}; the last step
   keeps Q_T (the scripts recurse over the smoothed values);
 * the macro term A_i and the micro statistics μ_H, σ_H are taken over the trajectories of the
-  trajectory's own group (population std; 0 → 1), not over everything exported;
+  trajectory's own group (population std; 0, or a spread of rounding's size, → 1), not over
+  everything exported;
 * do-no-harm clears negative micro terms of *successful* trajectories (reward ≥ threshold),
   not of those with A_i > 0;
 * the advantage A_i + ω·micro is signed: no clamp at 0, no division by the positive mean.
@@ -24,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from hcapo_store.credits.equations import CreditParams, EpisodeBatch, episode_credits, grpo_advantages, positions
+from hcapo_store.credits.equations import (
+    NOISE_SPREAD,
+    CreditParams,
+    EpisodeBatch,
+    episode_credits,
+    grpo_advantages,
+    positions,
+)
 from hcapo_store.errors import InvalidCreditParams
 
 
@@ -92,15 +100,26 @@ def paper_advantages(
     step_group = codes[ep] if n else np.zeros(0, dtype=np.int64)
     n_groups = int(codes.max()) + 1 if len(codes) else 0
     count = np.bincount(step_group, minlength=n_groups).astype(np.float64)
-    mu = np.divide(
-        np.bincount(step_group, weights=q_s, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
+    # about each group's first value, so equal values deviate by exactly 0 (as _zscore_stats)
+    first = np.zeros(n_groups)
+    groups_seen, first_at = np.unique(step_group, return_index=True)
+    first[groups_seen] = q_s[first_at]
+    d = q_s - first[step_group]
+    mean_d = np.divide(
+        np.bincount(step_group, weights=d, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
     )
-    dev = q_s - mu[step_group]
+    mu = first + mean_d
+    dev = d - mean_d[step_group]
+    scale = np.zeros(n_groups)  # squares taken of dev / scale: no underflow of tiny values
+    np.maximum.at(scale, step_group, np.abs(dev))
+    unit = np.divide(dev, scale[step_group], where=scale[step_group] > 0, out=np.zeros(n))
     var = np.divide(
-        np.bincount(step_group, weights=dev * dev, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
+        np.bincount(step_group, weights=unit * unit, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
     )
-    sigma = np.sqrt(var)
-    sigma[sigma == 0] = 1.0
+    sigma = scale * np.sqrt(var)
+    largest = np.zeros(n_groups)
+    np.maximum.at(largest, step_group, np.abs(q_s))
+    sigma[sigma <= NOISE_SPREAD * largest] = 1.0  # no spread, or rounding's: std 0 → 1
     micro = dev / sigma[step_group]
     success = (rewards >= success_threshold)[ep] if n else np.zeros(0, dtype=bool)
     micro = np.where(success, np.maximum(micro, 0.0), micro)

@@ -10,6 +10,7 @@ the original's math without a checkout's tests.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 
@@ -32,13 +33,16 @@ def compute_ratios_and_qh(
     T = len(steps)
     if T == 0:
         return steps
-    pi_hinds = [math.exp(s["mean_logprob"] / t_temp) for s in steps]
-    pi_mean = sum(pi_hinds) / T
-    if pi_mean == 0:
-        pi_mean = 1e-12
+    xs = [s["mean_logprob"] / t_temp for s in steps]
+    pi_hinds = [math.exp(x) for x in xs]
+    # the ratio pi_hind / mean(pi_hind), with each exponent less the largest: exp underflows to 0
+    # below about -745, where the original's floor (a zero mean -> 1e-12) made every ratio 0
+    top = max(xs)
+    shifted = [math.exp(x - top) for x in xs]
+    shifted_mean = sum(shifted) / T
     rhos = []
-    for p in pi_hinds:
-        ratio = p / pi_mean
+    for e in shifted:
+        ratio = e / shifted_mean
         rhos.append(max(c_min, min(c_max, ratio)))
 
     group_last: dict[Any, int] = {}
@@ -77,12 +81,14 @@ def compute_ratios_and_qh(
 
 
 def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+    return statistics.mean(xs)  # exact, then rounded once: equal values have themselves as mean
 
 
 def _pstd(xs: list[float]) -> float:
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    """The population std, exact then rounded (``statistics``), 0 where it is at rounding's size
+    against the values (the store's rule, equations.NOISE_SPREAD)."""
+    sd = statistics.pstdev(xs)
+    return 0.0 if sd <= 1e-12 * max(abs(x) for x in xs) else sd
 
 
 def build_hcapo_rows(
