@@ -11,7 +11,11 @@ never a header or a wrapper the template inserts). If the trainer's ids are one 
 renderings the tokenized export writes (``turns`` or ``whole``), the spans are those. Otherwise
 each step's own tokens are looked up in order in the trainer's ids, right after the same
 header tokens the rendering puts before them; a step whose tokens are not there exactly is
-refused with a ``HandoffError`` naming it — never moved to a near match.
+refused with a ``HandoffError`` naming it — never moved to a near match. Where several steps
+have the same tokens (``ls`` run twice), a place goes to the step whose history agrees with
+more of the ids before it (a window of the last turns holds the last steps), and when the ids
+cannot tell the steps apart none of them is placed: one step's advantage never lands on
+another's tokens.
 
 ``run``: a credit run's name, a published batch (``BatchInfo``) or a batch id (``int``): the
 batch's own credit run.
@@ -37,6 +41,7 @@ exactly the step's own tokens (else the step is refused with the reason, never s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,27 +257,41 @@ class Handoff:
     def _search(self, ep_id: int, ids: list[int], refused: dict[int, str] | None) -> dict[int, tuple[int, int]]:
         name = self._names[ep_id]
         turns, whole = self._alignment(ep_id, "turns"), self._alignment(ep_id, "whole")
+        order = [index for index, _ in self._episode(ep_id)[1]]
+        rank = {index: k for k, index in enumerate(order)}
+        alike: dict[tuple[int, ...], set[int]] = {}  # own tokens -> the steps that have them
+        for al in (turns, whole):
+            for index, (a, b) in al.spans.items():
+                alike.setdefault(tuple(al.input_ids[a:b]), set()).add(index)
         spans: dict[int, tuple[int, int]] = {}
+        contested: dict[int, tuple[int, int]] = {}  # a later step -> (start, the step it ties with there)
         pos = 0
-        for index, _ in self._episode(ep_id)[1]:
-            found = None
-            for al in (turns, whole):
-                if index not in al.spans:
-                    continue
-                a, b = al.spans[index]
-                own = al.input_ids[a:b]
-                before = al.input_ids[max(0, a - CONTEXT_TOKENS) : a]
-                found = _find_after(ids, own, before, pos)
-                if found is not None:
-                    break
-            if found is None:
+        for k, index in enumerate(order):
+            found, where = None, None
+            for al in (turns, whole):  # the earlier place of the two renderings' (turns' on a tie)
+                place = _find_after(ids, *_pattern(al, index), pos) if index in al.spans else None
+                if place is not None and (found is None or place[0] < found[0]):
+                    found, where = place, al
+            problem = None
+            if found is not None and where is not None:
+                tie = contested.get(index)
+                if tie is not None and tie[0] == found[0]:
+                    problem = _tied(found[0], tie[1])
+                else:
+                    same = alike[tuple(ids[found[0] : found[1]])]
+                    later = sorted((j for j in same if rank[j] > k), key=rank.__getitem__)
+                    problem = self._rivalry(ids, found, index, where, later, (turns, whole), contested)
+            if found is None or problem is not None:
                 why = turns.refused.get(index) or whole.refused.get(index)
                 text_ = (
                     self.tokenizer.decode(turns.input_ids[slice(*turns.spans[index])]) if index in turns.spans else ""
                 )
                 shown = repr(text_[:60] + ("…" if len(text_) > 60 else "")) if text_ else ""
-                missing = f"own tokens {shown} are not in the given ids after position {pos}" + (
-                    f" ({why})" if why else ""
+                missing = (
+                    f"own tokens {shown} {problem}"
+                    if problem
+                    else f"own tokens {shown} are not in the given ids after position {pos}"
+                    + (f" ({why})" if why else "")
                 )
                 if refused is None:
                     raise HandoffError(
@@ -281,9 +300,58 @@ class Handoff:
                     )
                 refused[index] = f"its {missing}"
                 continue
+            assert found is not None
             spans[index] = found
             pos = found[1]
         return spans
+
+    @staticmethod
+    def _rivalry(
+        ids: list[int],
+        found: tuple[int, int],
+        index: int,
+        where: Alignment,
+        later: list[int],
+        alignments: tuple[Alignment, Alignment],
+        contested: dict[int, tuple[int, int]],
+    ) -> str | None:
+        """Why the tokens found at ``found`` for step ``index`` are not that step's, or None.
+
+        ``later``: the later steps with the same own tokens (an agent that runs ``ls`` twice).
+        Those whose header matches there too are rivals for these tokens. The step whose
+        rendering agrees with more of the ids before them has them (all of its history there
+        beats any part): ids holding the last turns only are a later step's. When the best agree
+        equally and the ids hold fewer such places than such steps, nothing tells which step
+        these are: this one is refused and so are its rivals here, never guessed; with a place
+        for every one of them, they are taken in order."""
+        start, end = found
+        mine = _agreement(ids, start, where.input_ids, where.spans[index][0])
+        best, tied = mine, []
+        for j in later:
+            theirs = -1.0
+            for al in alignments:
+                if j not in al.spans:
+                    continue
+                own, before = _pattern(al, j)
+                if ids[start:end] == own and _find_after(ids, own, before, start) == found:
+                    theirs = max(theirs, _agreement(ids, start, al.input_ids, al.spans[j][0]))
+            if theirs > best:
+                return (
+                    f"at position {start} are step {j}'s (the same tokens, the ids before them are step {j}'s context)"
+                )
+            if theirs == mine:
+                tied.append(j)
+        if best > mine or not tied:
+            return None
+        own, before = _pattern(where, index)
+        places, at = 0, start
+        while (place := _find_after(ids, own, before, at)) is not None:
+            places, at = places + 1, place[1]
+        if places >= 1 + len(later):
+            return None  # a place for every step with these tokens: in order, the first is this one's
+        for j in tied:
+            contested[j] = (start, index)
+        return _tied(start, tied[0])
 
     def advantages(self, episode: str | int, token_ids: Sequence[int], *, strict: bool = True) -> TokenCredit:
         """One float per token of ``token_ids``: each step's advantage on its own tokens.
@@ -349,6 +417,28 @@ def _run_arg(run: str | int | BatchInfo | None) -> str | int | None:
     if isinstance(run, (int, np.integer)) and not isinstance(run, bool):
         return int(run)
     raise HandoffError(f"run must be a credit run name, a BatchInfo or a batch id, got {type(run).__name__}")
+
+
+def _pattern(al: Alignment, index: int) -> tuple[list[int], list[int]]:
+    """A step's own tokens in a rendering and the header tokens before them."""
+    a, b = al.spans[index]
+    return al.input_ids[a:b], al.input_ids[max(0, a - CONTEXT_TOKENS) : a]
+
+
+def _agreement(ids: list[int], start: int, rendered: list[int], a: int) -> float:
+    """How many tokens before ``start`` in ``ids`` equal those before ``a`` in ``rendered``;
+    infinite when that is all of the rendering's (the step's whole history is in the ids)."""
+    k, n = 0, min(start, a)
+    while k < n and ids[start - 1 - k] == rendered[a - 1 - k]:
+        k += 1
+    return math.inf if k == a else float(k)
+
+
+def _tied(start: int, other: int) -> str:
+    return (
+        f"at position {start} are also step {other}'s (the same tokens and context as far as the ids go back): "
+        "the ids do not tell which step they are"
+    )
 
 
 def _find_after(ids: list[int], own: list[int], before: list[int], pos: int) -> tuple[int, int] | None:
