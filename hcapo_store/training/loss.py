@@ -24,8 +24,9 @@ def weighted_nll(
     - ``tokens``: the number of trained tokens (``num_items`` when given: the count over an
       accumulated batch, as the transformers Trainer passes it) — right for signed
       advantages (``--variant paper``);
-    - ``weights``: the sum of the advantages over trained tokens, as the original
-      ``train_hcapo.py`` does (non-negative advantages only).
+    - ``weights``: the sum of the advantages over trained tokens, at least 1, as the original
+      ``train_hcapo.py`` does (its ``clamp(min=1)``: a micro-batch whose weights sum below 1 is
+      divided by 1, not by the sum); non-negative advantages only.
 
     Token t is predicted from position t − 1, so logits, labels and advantages are shifted.
     """

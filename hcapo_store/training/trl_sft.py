@@ -76,7 +76,7 @@ class WeightedSFTTrainer(SFTTrainer):
 
     ``normalize``: ``tokens`` (divide by the number of trained tokens of the accumulated
     batch; right for signed advantages) or ``weights`` (divide by the sum of the advantages
-    of each micro-batch, as the original ``train_hcapo.py``). ``tokenizer_dir``: where the
+    of each micro-batch, at least 1, as the original ``train_hcapo.py``). ``tokenizer_dir``: where the
     tokenizer's files are, when ``processing_class.name_or_path`` is not that directory.
     ``signed``: train on negative advantages too (unlikelihood on ``negative_steps`` steps);
     without it a dataset with one is refused (``TrainingDataError``).
