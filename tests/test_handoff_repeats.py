@@ -130,3 +130,30 @@ def test_ids_that_cannot_tell_two_steps_apart_place_neither(repeated) -> None:
     assert credit.spans == {} and set(credit.refused) == {0, 1, 2}
     assert all("do not tell which step" in why for why in credit.refused.values())
     assert not credit.advantages.any()
+
+
+def test_a_stuck_agents_equal_turns_are_each_placed_on_their_own(tmp_path: Path, demo_tokenizer_dir: Path) -> None:
+    """An agent that runs the same command on the same answer 60 times, the conversation searched
+    (a system prompt before it): every step is placed on its own turn, with its own advantage
+    (the terminal discount makes each differ); each comparison with the other 59 stays short."""
+    turns = 60
+    messages = [{"role": "user", "content": "find the config"}]
+    for _ in range(turns):
+        messages += [{"role": "assistant", "content": "cat config.yaml"}, {"role": "user", "content": "not found"}]
+    messages = messages[:-1]
+    (tmp_path / "g.jsonl").write_text(json.dumps({"episode_id": "a", "reward": 0.5, "messages": messages}) + "\n")
+    store = Store.open(str(tmp_path / "s.db"))
+    assert ingest(store, [tmp_path / "g.jsonl"], tags={"grp": "g"}).failed == 0
+    tokenizer = load_tokenizer(str(demo_tokenizer_dir))
+    add_scorer(store, "sc", spec={"tokenizer": tokenizer_fingerprint(tokenizer, demo_tokenizer_dir)})
+    with db.write(store.engine) as conn:
+        for (sid,) in conn.exec_driver_sql("SELECT id FROM steps").all():
+            add_score(conn, "sc", sid, -1.0)
+    compute_credits(store, CreditParams(variant="paper", dense=False), name="p")
+    handoff = Handoff(store, "p", tokenizer=str(demo_tokenizer_dir))
+    ids = _ids(demo_tokenizer_dir, [{"role": "system", "content": "You are a shell agent."}, *messages])
+    credit = handoff.advantages("g.jsonl#a", ids)
+    assert credit.how == "search" and sorted(credit.spans) == list(range(turns))
+    values = [_value(credit, s) for s in range(turns)]
+    assert values == pytest.approx([credit.step_advantages[s] for s in range(turns)], rel=1e-6)
+    assert len({round(v, 6) for v in values}) == turns

@@ -326,22 +326,22 @@ class Handoff:
         for every one of them, they are taken in order."""
         start, end = found
         mine = _agreement(ids, start, where.input_ids, where.spans[index][0])
-        best, tied = mine, []
+        tied = []
         for j in later:
-            theirs = -1.0
+            theirs = -1.0  # compared with ``mine`` only: a stuck agent's hundred equal turns stay linear
             for al in alignments:
                 if j not in al.spans:
                     continue
                 own, before = _pattern(al, j)
-                if ids[start:end] == own and _find_after(ids, own, before, start) == found:
-                    theirs = max(theirs, _agreement(ids, start, al.input_ids, al.spans[j][0]))
-            if theirs > best:
+                if ids[start:end] == own and _header_fits(ids, start, before):
+                    theirs = max(theirs, _against(ids, start, al.input_ids, al.spans[j][0], mine))
+            if theirs > mine:
                 return (
                     f"at position {start} are step {j}'s (the same tokens, the ids before them are step {j}'s context)"
                 )
             if theirs == mine:
                 tied.append(j)
-        if best > mine or not tied:
+        if not tied:
             return None
         own, before = _pattern(where, index)
         places, at = 0, start
@@ -427,11 +427,35 @@ def _pattern(al: Alignment, index: int) -> tuple[list[int], list[int]]:
 
 def _agreement(ids: list[int], start: int, rendered: list[int], a: int) -> float:
     """How many tokens before ``start`` in ``ids`` equal those before ``a`` in ``rendered``;
-    infinite when that is all of the rendering's (the step's whole history is in the ids)."""
-    k, n = 0, min(start, a)
-    while k < n and ids[start - 1 - k] == rendered[a - 1 - k]:
-        k += 1
-    return math.inf if k == a else float(k)
+    infinite when that is all of the rendering's (the step's whole history is in the ids).
+    A binary search over slice comparisons (equal suffixes of length k are equal below k)."""
+    lo, hi = 0, min(start, a)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ids[start - mid : start] == rendered[a - mid : a]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return math.inf if lo == a else float(lo)
+
+
+def _against(ids: list[int], start: int, rendered: list[int], a: int, other: float) -> float:
+    """``_agreement`` where it is ``other`` or more, else -1 (below ``other``): at most three
+    slice comparisons."""
+    if a <= start and ids[start - a : start] == rendered[:a]:
+        return math.inf
+    if other == math.inf:
+        return -1.0
+    k = int(other)
+    if k > min(start, a) or ids[start - k : start] != rendered[a - k : a]:
+        return -1.0
+    return float(k + 1) if k + 1 <= min(start, a) and ids[start - k - 1] == rendered[a - k - 1] else other
+
+
+def _header_fits(ids: list[int], start: int, before: list[int]) -> bool:
+    """Whether ``before`` precedes ``start`` (as much of it as fits before the start of ``ids``)."""
+    k = min(len(before), start)
+    return ids[start - k : start] == before[len(before) - k :]
 
 
 def _tied(start: int, other: int) -> str:
