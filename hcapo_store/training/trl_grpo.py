@@ -83,6 +83,7 @@ class RolloutBatch:
     inputs: list[dict[str, Any]] = field(repr=False)  # the dataset rows
     model: Any = field(default=None, repr=False)  # the policy that generated them (unwrapped)
     processes: int = 1  # training processes: each holds its own rows of the generation batch
+    mode: str = "train"  # "eval" for an evaluation pass's rollouts (same step as a training batch)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +96,7 @@ class RolloutBatch:
             "groups": self.groups,
             "trl_advantages": self.trl_advantages,
             "processes": self.processes,
+            "mode": self.mode,
         }
 
 
@@ -192,6 +194,7 @@ class HCAPOGRPOTrainer(GRPOTrainer):
             inputs=list(inputs),
             model=self.accelerator.unwrap_model(self.model),
             processes=int(self.accelerator.num_processes),
+            mode=mode,
         )
         started = time.perf_counter()
         values = self.advantage_source(batch)
@@ -280,7 +283,9 @@ class StoreAdvantages(HandoffAdvantages):
 
     Per batch: each group's rollouts are written as a JSONL file under ``workdir`` (prompt
     messages + the completion's messages, TRL's reward) and ingested with the tag
-    ``group=step-N/gK`` (files and episode ids carry ``RUN``: ``run_id``, default a random one);
+    ``group=step-N/gK`` (files and episode ids carry ``RUN``: ``run_id``, default a random one;
+    an evaluation pass's batch is ``step-N-eval``, a further batch at the same step ``.K`` after
+    it: every batch's groups hold its own rollouts only);
     the policy that generated them scores them in process at weight version ``RUN/step-N``
     (``score_live``); the batch's credits are computed over exactly those episodes
     (``params``, default the paper's estimator per GRPO group); and a ``Handoff`` places
@@ -373,8 +378,27 @@ class StoreAdvantages(HandoffAdvantages):
             )
         return name
 
-    def _external_id(self, step: int, row: int) -> str:
-        return f"{self.run_id}-s{step}-r{row}"
+    def _external_id(self, label: str, row: int) -> str:
+        return f"{self.run_id}-{label}-r{row}"
+
+    def _label(self, batch: RolloutBatch) -> str:
+        """This batch's own name among the run's: ``sN`` for step N's (first) training batch,
+        ``sN-eval`` for an evaluation pass's, ``.K`` after it for the K-th more of those at that
+        step (TRL generates twice a step when steps_per_generation < gradient_accumulation_steps;
+        a restart that reuses ``run_id`` finds its folders taken). Each batch's folder, files,
+        episode ids and group tags are its own, so its groups hold its rollouts only: before, a
+        later batch of a step found the earlier one's episodes under the same file and counted
+        them into its GRPO groups."""
+        base = f"s{batch.step}" + ("" if batch.mode == "train" else f"-{batch.mode}")
+        label, k = base, 0
+        while (self.workdir / self.run_id / self._folder(batch.step, label)).exists():
+            k += 1
+            label = f"{base}.{k}"
+        return label
+
+    @staticmethod
+    def _folder(step: int, label: str) -> str:
+        return f"step_{step:06d}{label[len(f's{step}') :]}"
 
     def _messages(self, batch: RolloutBatch, i: int) -> list[dict[str, Any]]:
         prompt, completion = batch.prompts[i], batch.completions[i]
@@ -385,19 +409,20 @@ class StoreAdvantages(HandoffAdvantages):
             )
         return [dict(m) for m in prompt] + [dict(m) for m in completion]
 
-    def _write(self, batch: RolloutBatch) -> dict[int, list[tuple[int, Path]]]:
+    def _write(self, batch: RolloutBatch, label: str) -> dict[int, list[tuple[int, Path]]]:
         """Each group's rows as a JSONL file of episodes; which rows went into which file."""
-        folder = self.workdir / self.run_id / f"step_{batch.step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.workdir / self.run_id / self._folder(batch.step, label)
+        folder.mkdir(parents=True)
+        suffix = label[len(f"s{batch.step}") :]
         files: dict[int, list[tuple[int, Path]]] = {}
         lines: dict[int, list[str]] = {}
         for i, group in enumerate(batch.groups):
             if not math.isfinite(batch.rewards[i]):
                 self.skipped[(batch.step, i)] = "no reward function scored it (TRL gives it no advantage either)"
                 continue
-            path = folder / f"{self.run_id}_step{batch.step:06d}_g{group:05d}.jsonl"
+            path = folder / f"{self.run_id}_step{batch.step:06d}{suffix}_g{group:05d}.jsonl"
             episode = {
-                "episode_id": self._external_id(batch.step, i),
+                "episode_id": self._external_id(label, i),
                 "reward": batch.rewards[i],
                 "messages": self._messages(batch, i),
             }
@@ -423,14 +448,16 @@ class StoreAdvantages(HandoffAdvantages):
                 "callable that gathers the batch first"
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
-        files = self._write(batch)
+        label = self._label(batch)
+        files = self._write(batch, label)
         if not files:
             return out
         names: dict[int, str] = {}
         episode_ids: list[int] = []
         for group, rows in files.items():
             path = rows[0][1]
-            report = ingest(self.store, [path], tags={GROUP_TAG: f"step-{batch.step}/g{group}"}, jobs=1)
+            tag = f"step-{batch.step}{label[len(f's{batch.step}') :]}/g{group}"
+            report = ingest(self.store, [path], tags={GROUP_TAG: tag}, jobs=1)
             # a rollout the store refuses (e.g. an empty completion) is left at 0 and listed, never the batch
             why = {src.rsplit(":", 1)[-1]: reason for src, reason in [*report.skips, *report.failures]}
             found = self.store.query(
@@ -440,8 +467,8 @@ class StoreAdvantages(HandoffAdvantages):
             by_row = {str(ext): name for _, name, ext in found}
             episode_ids += [int(i) for i, _, _ in found]
             for line, (i, _) in enumerate(rows, 1):
-                if self._external_id(batch.step, i) in by_row:
-                    names[i] = by_row[self._external_id(batch.step, i)]
+                if self._external_id(label, i) in by_row:
+                    names[i] = by_row[self._external_id(label, i)]
                 else:
                     self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
         self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]

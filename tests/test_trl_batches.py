@@ -1,0 +1,93 @@
+"""StoreAdvantages gives each generation batch its own GRPO groups: an evaluation pass at step N,
+a second batch of a step (steps_per_generation < gradient_accumulation_steps) and a restart that
+reuses ``run_id`` never put one batch's rollouts into another's group statistics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_trl_grpo import qwen3
+from transformers import AutoTokenizer
+
+from hcapo_store.storage.store import Store
+from hcapo_store.training.trl_grpo import RolloutBatch, StoreAdvantages
+
+HISTORY = [
+    {"role": "user", "content": "Write some signs."},
+    {"role": "assistant", "content": "!!#"},
+    {"role": "user", "content": "More."},
+]
+
+
+def _batch(tok, model, step: int, texts: list[str], rewards: list[float], size: int, mode: str = "train"):
+    out = tok.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=True)
+    prompt_ids = [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    completion_ids = [tok.encode(t, add_special_tokens=False) + [end] for t in texts]
+    n = len(texts)
+    return RolloutBatch(
+        step=step,
+        prompts=[HISTORY] * n,
+        completions=[[{"role": "assistant", "content": t}] for t in texts],
+        prompt_ids=[prompt_ids] * n,
+        completion_ids=completion_ids,
+        loss_mask=[[1] * len(c) for c in completion_ids],
+        rewards=rewards,
+        groups=[i // size for i in range(n)],
+        trl_advantages=[0.0] * n,
+        inputs=[{"prompt": HISTORY}] * n,
+        model=model,
+        mode=mode,
+    )
+
+
+@pytest.fixture
+def tok(demo_tokenizer_dir: Path):
+    return AutoTokenizer.from_pretrained(str(demo_tokenizer_dir))
+
+
+def _alone(tmp_path: Path, batch: RolloutBatch, tok_dir: Path) -> list[np.ndarray]:
+    """The batch's advantages in a store of its own."""
+    with Store.open(str(tmp_path / "alone.db")) as store:
+        return StoreAdvantages(store, tokenizer=tok_dir, workdir=tmp_path / "alone", run_id="R")(batch)
+
+
+@pytest.mark.parametrize("first_mode", ["eval", "train"])
+def test_a_second_batch_at_one_step_has_groups_of_its_own(tmp_path: Path, tok, demo_tokenizer_dir: Path, first_mode):
+    model = qwen3(tok).eval()
+    first = _batch(
+        tok, model, 1, ["!!!!", "#", "!", "##", "!!", "$", "!!!", "%"], [4, 0, 1, 0, 2, 0, 3, 0], 8, first_mode
+    )
+    second = _batch(tok, model, 1, ["!", "#", "!!", "$", "!!!", "(", "!!!!", "+"], [1, 0, 2, 0, 3, 0, 4, 0], 4)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "rollouts", run_id="R")
+        source(first)
+        got = source(second)
+        run = source.runs[1]
+        credited = store.query(
+            "SELECT COUNT(DISTINCT s.episode_id) FROM credits c JOIN credit_runs r ON r.id = c.run_id "
+            "JOIN steps s ON s.id = c.step_id WHERE r.name = :n",
+            {"n": run},
+        )[1][0][0]
+        names = source.episodes[1]
+        assert credited == len(second.completion_ids)  # its own eight rollouts, none of the first batch's
+        assert len(set(names)) == 8 and all(n and ("-s1.1-" in n or "-s1-" in n) for n in names)
+    want = _alone(tmp_path, second, demo_tokenizer_dir)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    assert any(np.abs(a).max() > 0.1 for a in got)  # the batch carries a signal to compare
+
+
+def test_a_restart_with_the_same_run_id_does_not_reuse_a_batch_folder(tmp_path: Path, tok, demo_tokenizer_dir: Path):
+    model = qwen3(tok).eval()
+    before = _batch(tok, model, 0, ["!!!!", "#", "!", "##"], [4, 0, 1, 0], 4)
+    after = _batch(tok, model, 0, ["!", "#", "!!", "$"], [1, 0, 2, 0], 4)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "rollouts", run_id="R")(before)
+        restarted = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "rollouts", run_id="R")
+        got = restarted(after)
+        assert all("-s0.1-" in n for n in restarted.episodes[0])
+    for a, b in zip(got, _alone(tmp_path, after, demo_tokenizer_dir), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
