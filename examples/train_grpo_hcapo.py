@@ -10,10 +10,12 @@ paper's estimator) and hands back one advantage per completion token, which
 ``HCAPOGRPOTrainer`` trains on instead of GRPO's one-per-completion advantage
 (``--advantages grpo``: TRL's own advantage instead, the same training as a plain GRPOTrainer).
 
-The toy task: write signs; the reward is the number of ``!`` in the completion. With no model
-given, the policy is a randomly initialised 2-layer Qwen3 on the demo tokenizer, writing only a
-few signs that re-tokenize to themselves (``--signs``), so the store's rendering of a completion
-is the policy's own ids. ``--json`` prints one object per step. Needs ``pip install
+The toy task: write signs; the reward is the number of ``!`` in the completion. Each prompt
+holds an earlier turn of the agent, so an episode has two steps (HCAPO's hindsight ratio compares
+an episode's own steps: single-turn episodes have none to compare, and the store refuses them as
+plain GRPO). With no model given, the policy is a randomly initialised 2-layer Qwen3 on the demo
+tokenizer, writing only a few signs that re-tokenize to themselves (``--signs``), so the store's
+rendering of a completion is the policy's own ids. ``--json`` prints one object per step. Needs ``pip install
 'hcapo-store[trl]'``.
 """
 
@@ -109,7 +111,15 @@ def main() -> None:
         disable_tqdm=args.json,
         generation_kwargs=generation or None,
     )
-    prompts = Dataset.from_list([{"prompt": [{"role": "user", "content": "Write some signs."}]}] * (4 * args.steps))
+    # An earlier turn of the agent sits in each prompt, so every episode has two steps: HCAPO's
+    # ratio is over an episode's own steps, and on one-step (single-turn) episodes it is 1, the
+    # hindsight scores reaching no advantage (the store refuses such a batch as plain GRPO).
+    conversation = [
+        {"role": "user", "content": "Write some signs."},
+        {"role": "assistant", "content": args.signs[:2] * 2},
+        {"role": "user", "content": "More."},
+    ]
+    prompts = Dataset.from_list([{"prompt": conversation}] * (4 * args.steps))
     with Store.open(str(work / "hcapo.db")) as store:
         hcapo = StoreAdvantages(store, tokenizer=tokenizer_dir, workdir=work / "rollouts")
         trainer = HCAPOGRPOTrainer(
@@ -146,6 +156,7 @@ def main() -> None:
                 result |= {
                     "steps": signal.steps,
                     "hindsight_nonzero_steps": signal.hindsight_nonzero_steps,
+                    "ratio_varying_steps": signal.ratio_varying_steps,  # where the hindsight scores reach
                     "varying_episodes": signal.varying_episodes,
                     "advantage_spread": signal.advantage_spread,
                     "signal": signal.text(),

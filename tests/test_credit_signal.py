@@ -151,3 +151,33 @@ def test_measure_counts_the_hindsight_term_and_the_spread() -> None:
     none = measure([1, 2], [0.0, 0.0], [0.0, 0.0])
     assert none.zero and not none.plain_grpo  # no reward spread: plain GRPO is 0 as well, nothing refused
     assert measure([1, 1], [1.0, float("nan")], [float("nan"), float("nan")]).steps == 0
+
+
+@pytest.mark.parametrize("variant", ["paper", "original"])
+def test_one_step_episodes_carry_no_hindsight_scores(tmp_path: Path, variant: str) -> None:
+    """The ratio is over an episode's own steps: on one-step episodes it is 1, so whatever the
+    scores say the hindsight term is the return's z-score and the advantage GRPO's. The run's
+    signal says so (no step's ratio off 1), it counts as plain GRPO, and the hand-off refuses it."""
+    from test_credit_variants import _store_with
+
+    from hcapo_store.errors import HandoffError
+    from hcapo_store.training.handoff import Handoff
+
+    trajs = [
+        {"group": 0, "reward": r, "logprobs": [lp]} for r, lp in zip((1.0, 0.0, 0.5, 1.0), (-0.1, -3.0, -1.0, -7.0))
+    ]
+    store = _store_with(tmp_path, trajs)
+    result = compute_credits(store, CreditParams(variant=variant, dense=False, min_reward=0.0), name="one")
+    signal = get_run(store, "one").credit_signal
+    assert signal is not None and signal.ratio_varying_steps == 0 and signal.hindsight_nonzero_steps > 0
+    assert signal.scores_unused and signal.plain_grpo and signal.hindsight_share == 0.0
+    assert "ratio rho is 1 on all 4 steps" in signal.text() and "ratio rho is 1" in result.message
+    with pytest.raises(HandoffError, match="one step each"):
+        Handoff(store, "one", tokenizer=None)
+    two = [dict(t, logprobs=[-1.0, t["logprobs"][0]]) for t in trajs]  # an earlier step: the ratio moves
+    (tmp_path / "two").mkdir()
+    store2 = _store_with(tmp_path / "two", two)
+    compute_credits(store2, CreditParams(variant=variant, dense=False, min_reward=0.0), name="two")
+    signal2 = get_run(store2, "two").credit_signal
+    assert signal2 is not None and signal2.ratio_varying_steps == 6 and not signal2.plain_grpo  # -1.0 twice: 1
+    assert "ratio rho off 1 on 6 of 8 steps" in signal2.text()

@@ -66,7 +66,8 @@ def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path, monkeypatch: 
     assert {s["credit_run"] for s in steps} <= runs and episodes >= 6
     for s in steps:
         # outcome-only rollouts: the hindsight term is in most steps' advantages (the library's paper
-        # defaults use the terminal return; dense returns gave 0 on every step). Each completion is one
-        # step, so its ratio is 1 and the term is the reward's z-score: the logprob dependence is held
-        # by tests/test_online_loop.py and tests/test_verl.py, whose episodes have several steps.
+        # defaults use the terminal return; dense returns gave 0 on every step), and it carries the
+        # policy's scores: each episode has two steps (an earlier turn in the prompt), so the ratio
+        # moves off 1 (single-turn episodes are refused: tests/test_trl_batches.py)
         assert s["hindsight_nonzero_steps"] > s["steps"] / 2, s
+        assert s["ratio_varying_steps"] > s["steps"] / 2, s

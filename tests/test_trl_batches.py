@@ -11,6 +11,7 @@ import pytest
 from test_trl_grpo import qwen3
 from transformers import AutoTokenizer
 
+from hcapo_store.errors import HandoffError
 from hcapo_store.storage.store import Store
 from hcapo_store.training.trl_grpo import RolloutBatch, StoreAdvantages
 
@@ -21,15 +22,17 @@ HISTORY = [
 ]
 
 
-def _batch(tok, model, step: int, texts: list[str], rewards: list[float], size: int, mode: str = "train"):
-    out = tok.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=True)
+def _batch(
+    tok, model, step: int, texts: list[str], rewards: list[float], size: int, mode: str = "train", prompt=HISTORY
+):
+    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     prompt_ids = [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
     end = tok.convert_tokens_to_ids("<|im_end|>")
     completion_ids = [tok.encode(t, add_special_tokens=False) + [end] for t in texts]
     n = len(texts)
     return RolloutBatch(
         step=step,
-        prompts=[HISTORY] * n,
+        prompts=[prompt] * n,
         completions=[[{"role": "assistant", "content": t}] for t in texts],
         prompt_ids=[prompt_ids] * n,
         completion_ids=completion_ids,
@@ -37,7 +40,7 @@ def _batch(tok, model, step: int, texts: list[str], rewards: list[float], size: 
         rewards=rewards,
         groups=[i // size for i in range(n)],
         trl_advantages=[0.0] * n,
-        inputs=[{"prompt": HISTORY}] * n,
+        inputs=[{"prompt": prompt}] * n,
         model=model,
         mode=mode,
     )
@@ -91,3 +94,40 @@ def test_a_restart_with_the_same_run_id_does_not_reuse_a_batch_folder(tmp_path: 
         assert all("-s0.1-" in n for n in restarted.episodes[0])
     for a, b in zip(got, _alone(tmp_path, after, demo_tokenizer_dir), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+) -> None:
+    """One step per episode: HCAPO's ratio (over an episode's own steps) is 1 on every step, the
+    hindsight term is the reward's z-score whatever the policy scored, and the advantages are
+    GRPO's. Such a batch is refused by name (as any plain-GRPO batch), unless asked for; two
+    policies that score the rollouts differently then give the same advantages."""
+    texts, rewards = ["!!!!", "#", "!", "##", "!!", "$", "!!!", "%"], [4.0, 0, 1, 0, 2, 0, 3, 0]
+    single = [{"role": "user", "content": "Write some signs."}]
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
+        with pytest.raises(HandoffError, match="the ratio rho is 1 on all 8 steps.*one step each"):
+            source(_batch(tok, qwen3(tok).eval(), 0, texts, rewards, 4, prompt=single))
+        outs = []
+        for seed in (0, 1):
+            plain = StoreAdvantages(
+                store,
+                tokenizer=demo_tokenizer_dir,
+                workdir=tmp_path / f"p{seed}",
+                run_id=f"P{seed}",
+                allow_zero_hindsight=True,
+            )
+            outs.append(plain(_batch(tok, qwen3(tok, seed).eval(), 0, texts, rewards, 4, prompt=single)))
+            assert plain.signals[0].scores_unused and plain.signals[0].hindsight_share == 0.0
+        for a, b in zip(*outs, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)  # the policy's scores changed nothing
+    with Store.open(str(tmp_path / "h.db")) as store:  # the same rollouts after an earlier turn: they do
+        outs = []
+        for seed in (0, 1):
+            source = StoreAdvantages(
+                store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / f"h{seed}", run_id=f"H{seed}"
+            )
+            outs.append(source(_batch(tok, qwen3(tok, seed).eval(), 0, texts, rewards, 4)))
+            assert source.signals[0].ratio_varying_steps > 0
+        assert any(not np.allclose(a, b, atol=1e-6) for a, b in zip(*outs, strict=True))

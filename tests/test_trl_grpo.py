@@ -277,12 +277,12 @@ def test_a_rollout_the_store_renders_otherwise_is_refused_by_name(
             model=qwen3(tok),
             reward_funcs=lambda completions, **_: [float(len(c[0]["content"])) for c in completions],
             args=config(tmp_path, tok, allowed="", generation_kwargs=gen, mask_truncated_completions=False),
-            train_dataset=prompts(4),
+            train_dataset=prompts(4, history=True),
             processing_class=tok,
             advantages=source,
         )
         with pytest.raises(
-            HandoffError, match=r"step 0, row \d+: episode a_step000000_g00000\.jsonl#a-s0-r\d+: step 0's own"
+            HandoffError, match=r"step 0, row \d+: episode a_step000000_g00000\.jsonl#a-s0-r\d+: step 1's own"
         ):
             trainer.train()
         lenient = StoreAdvantages(
@@ -294,7 +294,7 @@ def test_a_rollout_the_store_renders_otherwise_is_refused_by_name(
             args=config(
                 tmp_path, tok, allowed="", generation_kwargs=gen, mask_truncated_completions=False, max_steps=1
             ),
-            train_dataset=prompts(4),
+            train_dataset=prompts(4, history=True),
             processing_class=tok,
             advantages=lenient,
         )
@@ -359,7 +359,7 @@ def test_store_advantages_with_the_real_qwen3_tokenizer(tmp_path: Path) -> None:
             model=qwen3(tok),
             reward_funcs=sevens,
             args=config(tmp_path, tok, allowed="0123456789", chat_template_kwargs={"enable_thinking": False}),
-            train_dataset=prompts(8),
+            train_dataset=prompts(8, history=True),
             processing_class=tok,
             advantages=keep,
         )
@@ -402,7 +402,7 @@ def test_unrewarded_rows_are_listed_and_several_processes_refused(
             model=qwen3(tok),
             reward_funcs=some,
             args=config(tmp_path, tok, max_steps=1, per_device_train_batch_size=8, num_generations=8),
-            train_dataset=prompts(8),
+            train_dataset=prompts(8, history=True),
             processing_class=tok,
             advantages=keep,
         )

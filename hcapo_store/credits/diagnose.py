@@ -174,7 +174,7 @@ def _warnings(
     out: list[dict[str, str]] = []
     if not s.get("steps"):
         return out
-    zero = signal is not None and signal.zero and signal.steps > 0
+    zero = signal is not None and signal.hindsight_nonzero_steps == 0 and signal.steps > 0  # rho = 1 is "inert"
     if zero:
         assert signal is not None
         out.append(

@@ -10,8 +10,14 @@ equality between two trainer paths would notice. So every run measures, when it 
 - the spread of advantages within an episode (the population standard deviation of each
   episode's step advantages, averaged over episodes) and how many episodes' advantages vary.
 
-``plain_grpo``: the hindsight term is zero on every step while some advantage is not: what a
-trainer hook refuses unless its caller opts into plain GRPO by name (``allow_zero_hindsight``).
+- the steps whose ratio ρ_raw is not 1: where the stored hindsight scores reach the credit at
+  all. The ratio is over an episode's own steps, so on one-step episodes (single-turn GRPO) it
+  is 1 everywhere, and the hindsight term is then the return's z-score (GRPO's term again,
+  whatever the policy scored).
+
+``plain_grpo``: the hindsight term is zero on every step, or no step's ratio moves off 1, while
+some advantage is not: what a trainer hook refuses unless its caller opts into plain GRPO by
+name (``allow_zero_hindsight``).
 A run whose advantages are all zero (every reward of a group the same) carries no signal of
 either kind and is not refused: plain GRPO gives the same zeros.
 """
@@ -42,15 +48,24 @@ class CreditSignal:
     varying_episodes: int  # of them, those whose step advantages are not all equal
     advantage_spread: float  # mean over episodes of the std of the episode's step advantages
     note: str | None = None  # what the run chose itself (e.g. terminal rewards on outcome-only data)
+    # of the steps, those whose ratio rho_raw is not 1 (None: not measured, a record from before)
+    ratio_varying_steps: int | None = None
+
+    @property
+    def scores_unused(self) -> bool:
+        """No step's ratio moves off 1: the stored hindsight scores reach no advantage."""
+        return self.ratio_varying_steps == 0 and self.steps > 0
 
     @property
     def hindsight_share(self) -> float:
+        if self.scores_unused:
+            return 0.0
         return self.hindsight_nonzero_steps / self.steps if self.steps else 0.0
 
     @property
     def zero(self) -> bool:
-        """The hindsight term is zero on every step."""
-        return self.hindsight_nonzero_steps == 0
+        """The hindsight term is zero on every step, or carries none of the scores."""
+        return self.hindsight_nonzero_steps == 0 or self.scores_unused
 
     @property
     def plain_grpo(self) -> bool:
@@ -70,7 +85,13 @@ class CreditSignal:
         """One line: ``hindsight term non-zero on 24 of 24 steps (100%); ...`` or ``... zero ...``."""
         if not self.steps:
             return "hindsight term: no step has an advantage"
-        if self.zero:
+        if self.scores_unused and self.hindsight_nonzero_steps:
+            head = (
+                f"hindsight scores reach no advantage: the ratio rho is 1 on all {self.steps} steps (one step per "
+                "episode? the ratio is over an episode's own steps), so the hindsight term is the return's z-score"
+            )
+            head += ": the advantage is GRPO's group term alone" if self.plain_grpo else ""
+        elif self.zero:
             head = f"hindsight term zero on all {self.steps} steps"
             head += (
                 ": the advantage is GRPO's group term alone"
@@ -86,10 +107,19 @@ class CreditSignal:
             f"; advantage spread within an episode {self.advantage_spread:.4g} "
             f"({self.varying_episodes} of {self.episodes} episodes vary)"
         )
+        if self.ratio_varying_steps is not None and not self.scores_unused:
+            spread += f"; ratio rho off 1 on {self.ratio_varying_steps} of {self.steps} steps"
         return head + spread + (f"; {self.note}" if self.note else "")
 
     def refusal(self, what: str) -> str:
         """The one line a trainer hook refuses a plain-GRPO batch with."""
+        if self.scores_unused and self.hindsight_nonzero_steps:
+            return (
+                f"{what}: the ratio rho is 1 on all {self.steps} steps, so the hindsight scores reach no advantage "
+                "and it is GRPO's group term alone: HCAPO's ratio is taken over an episode's own steps, and these "
+                "episodes have one step each (single-turn rollouts); give the episodes their earlier turns (a "
+                f"multi-turn prompt or tool calls), or pass {OPT_IN}=True to train plain GRPO on purpose"
+            )
         return (
             f"{what}: hindsight term zero on all {self.steps} steps, the advantages are GRPO's group term alone "
             "(outcome-only rollouts credited with dense rewards, or omega 0?): recompute with terminal rewards "
@@ -98,16 +128,25 @@ class CreditSignal:
 
 
 def measure(
-    episode: np.ndarray, micro: np.ndarray, advantage: np.ndarray, omega: float = 1.0, note: str | None = None
+    episode: np.ndarray,
+    micro: np.ndarray,
+    advantage: np.ndarray,
+    omega: float = 1.0,
+    note: str | None = None,
+    rho_raw: np.ndarray | None = None,
 ) -> CreditSignal:
     """The signal of per-step arrays (one entry per step, ``episode`` any per-episode key, steps of
     an episode adjacent). Steps without an advantage (NaN: an original run's unselected episodes)
-    are left out."""
+    are left out. ``rho_raw``: each step's ratio before the clip (None: not counted)."""
     episode = np.asarray(episode)
     micro = np.asarray(micro, dtype=np.float64)
     advantage = np.asarray(advantage, dtype=np.float64)
     keep = np.isfinite(advantage)
     episode, micro, advantage = episode[keep], micro[keep], advantage[keep]
+    varying = None
+    if rho_raw is not None:
+        ratio = np.asarray(rho_raw, dtype=np.float64)[keep]
+        varying = int((np.abs(ratio - 1.0) > NONZERO).sum())
     hind = np.nan_to_num(omega * micro, nan=0.0)
     if len(episode):
         starts = np.flatnonzero(np.concatenate(([True], episode[1:] != episode[:-1])))
@@ -126,11 +165,12 @@ def measure(
         varying_episodes=int((std > NONZERO).sum()),
         advantage_spread=float(std.mean()) if len(std) else 0.0,
         note=note,
+        ratio_varying_steps=varying,
     )
 
 
 RUN_STEPS_SQL = """
-SELECT s.episode_id, c.micro, c.advantage FROM credits c JOIN steps s ON s.id = c.step_id
+SELECT s.episode_id, c.micro, c.advantage, c.rho_raw FROM credits c JOIN steps s ON s.id = c.step_id
 WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index
 """
 
@@ -144,7 +184,8 @@ def measure_run(conn: Connection, run_id: int, omega: float = 1.0, note: str | N
     ep = np.asarray([r[0] for r in rows], dtype=np.int64)
     micro = np.asarray([np.nan if r[1] is None else r[1] for r in rows], dtype=np.float64)
     adv = np.asarray([np.nan if r[2] is None else r[2] for r in rows], dtype=np.float64)
-    return measure(ep, micro, adv, omega, note)
+    rho = np.asarray([np.nan if r[3] is None else r[3] for r in rows], dtype=np.float64)
+    return measure(ep, micro, adv, omega, note, rho_raw=rho)
 
 
 def run_signal(conn: Connection, run_id: int, stored: str | None, omega: float = 1.0) -> CreditSignal | None:
@@ -159,6 +200,7 @@ def combine(signals: list[CreditSignal]) -> CreditSignal:
     """The signal of several runs' steps together (e.g. a training step's GRPO groups): counts
     summed, the spread averaged over all their episodes."""
     episodes = sum(s.episodes for s in signals)
+    varying = [s.ratio_varying_steps for s in signals]
     return CreditSignal(
         steps=sum(s.steps for s in signals),
         hindsight_nonzero_steps=sum(s.hindsight_nonzero_steps for s in signals),
@@ -166,4 +208,5 @@ def combine(signals: list[CreditSignal]) -> CreditSignal:
         episodes=episodes,
         varying_episodes=sum(s.varying_episodes for s in signals),
         advantage_spread=sum(s.advantage_spread * s.episodes for s in signals) / episodes if episodes else 0.0,
+        ratio_varying_steps=None if None in varying else sum(v for v in varying if v is not None),
     )

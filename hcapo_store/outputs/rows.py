@@ -47,9 +47,13 @@ def signal_warning(run: RunInfo, warnings: list[str]) -> None:
     """An export of a run whose hindsight term is zero on every step says so (credits/signal.py)."""
     signal = run.credit_signal
     if signal is not None and signal.zero and signal.steps:
+        fix = (
+            "episodes of one step each have no other step to compare: give them their earlier turns"
+            if signal.scores_unused and signal.hindsight_nonzero_steps
+            else "recompute with --no-dense-rewards or --variant paper"
+        )
         warnings.append(
-            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages "
-            "(recompute with --no-dense-rewards or --variant paper)"
+            f"credit run {run.name!r}: {signal.text()}: HCAPO's hindsight term is not in these advantages ({fix})"
         )
 
 
