@@ -15,3 +15,16 @@ SHARED = Path(os.environ.get("HCAPO_TEST_SHARED") or REPO.parent / "shared")
 SAMPLES = SHARED / "samples" / "trajectories"
 TOKENIZERS = SHARED / "tokenizers"
 EXAMPLES = REPO / "examples" / "trajectories"
+
+
+def tokenizer_dir(name: str, demo: Path) -> Path:
+    """A tokenizer parameter's directory: ``demo`` for "demo", else ../shared's tokenizer ``name``
+    (the test skips where ../shared is absent)."""
+    import pytest
+
+    if name == "demo":
+        return demo
+    path = TOKENIZERS / name
+    if not path.is_dir():
+        pytest.skip(f"{path} is not here (../shared absent)")
+    return path

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TOKENIZERS
+from _shared import tokenizer_dir
 from sqlalchemy import text
 from test_tokenized import scored_with
 
@@ -28,12 +28,7 @@ from hcapo_store.training.handoff import Handoff
 # qwen2.5 in the slow tier: the same hand-off as qwen3 on another real template (~40-70 s each loaded)
 @pytest.fixture(params=["qwen3", pytest.param("qwen2.5", marks=pytest.mark.slow), "demo"])
 def tok_dir(request, demo_tokenizer_dir: Path) -> Path:
-    if request.param == "demo":
-        return demo_tokenizer_dir
-    path = TOKENIZERS / request.param
-    if not path.is_dir():
-        pytest.skip(f"{path} is not here (../shared absent)")
-    return path
+    return tokenizer_dir(request.param, demo_tokenizer_dir)
 
 
 def _rows(path: Path) -> list[dict]:

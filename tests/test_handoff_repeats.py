@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TOKENIZERS
+from _shared import tokenizer_dir
 from test_credit_variants import add_score
 from test_credits import add_scorer
 
@@ -24,12 +24,7 @@ from hcapo_store.training.handoff import Handoff
 
 @pytest.fixture(params=["qwen3", "demo"])
 def tok_dir(request, demo_tokenizer_dir: Path) -> Path:
-    if request.param == "demo":
-        return demo_tokenizer_dir
-    path = TOKENIZERS / request.param
-    if not path.is_dir():
-        pytest.skip(f"{path} is not here (../shared absent)")
-    return path
+    return tokenizer_dir(request.param, demo_tokenizer_dir)
 
 
 def _messages(action: str, observations: tuple[str, str, str]) -> list[dict]:
@@ -147,8 +142,8 @@ def test_a_stuck_agents_equal_turns_are_each_placed_on_their_own(tmp_path: Path,
     tokenizer = load_tokenizer(str(demo_tokenizer_dir))
     add_scorer(store, "sc", spec={"tokenizer": tokenizer_fingerprint(tokenizer, demo_tokenizer_dir)})
     with db.write(store.engine) as conn:
-        for (sid,) in conn.exec_driver_sql("SELECT id FROM steps").all():
-            add_score(conn, "sc", sid, -1.0)
+        for sid, index in conn.exec_driver_sql("SELECT id, step_index FROM steps").all():
+            add_score(conn, "sc", sid, -1.0 - 0.01 * (index % 7))  # scored apart: the ratio moves
     compute_credits(store, CreditParams(variant="paper", dense=False), name="p")
     handoff = Handoff(store, "p", tokenizer=str(demo_tokenizer_dir))
     ids = _ids(demo_tokenizer_dir, [{"role": "system", "content": "You are a shell agent."}, *messages])

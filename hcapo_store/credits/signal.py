@@ -88,7 +88,8 @@ class CreditSignal:
         if self.scores_unused and self.hindsight_nonzero_steps:
             head = (
                 f"hindsight scores reach no advantage: the ratio rho is 1 on all {self.steps} steps (one step per "
-                "episode? the ratio is over an episode's own steps), so the hindsight term is the return's z-score"
+                "episode, or steps that all scored the same: the ratio compares an episode's own steps), so the "
+                "hindsight term is the return's z-score"
             )
             head += ": the advantage is GRPO's group term alone" if self.plain_grpo else ""
         elif self.zero:
@@ -116,9 +117,10 @@ class CreditSignal:
         if self.scores_unused and self.hindsight_nonzero_steps:
             return (
                 f"{what}: the ratio rho is 1 on all {self.steps} steps, so the hindsight scores reach no advantage "
-                "and it is GRPO's group term alone: HCAPO's ratio is taken over an episode's own steps, and these "
-                "episodes have one step each (single-turn rollouts); give the episodes their earlier turns (a "
-                f"multi-turn prompt or tool calls), or pass {OPT_IN}=True to train plain GRPO on purpose"
+                "and it is GRPO's group term alone: HCAPO's ratio compares an episode's own steps, and these "
+                "episodes have one step each (single-turn rollouts: give them their earlier turns, a multi-turn "
+                "prompt or tool calls) or steps that all scored the same; pass "
+                f"{OPT_IN}=True to train plain GRPO on purpose"
             )
         return (
             f"{what}: hindsight term zero on all {self.steps} steps, the advantages are GRPO's group term alone "
