@@ -14,7 +14,13 @@ SIGNS = ["!#$", "#!", "$$!(", "(+"]
 def sign_batch(tok: Any, model: Any, *, step: int = 0, prompt_text: str = "Write some signs.") -> RolloutBatch:
     from hcapo_store.training.trl_grpo import RolloutBatch
 
-    prompt = [{"role": "user", "content": prompt_text}]
+    # an earlier turn of the agent: each episode has two steps, so HCAPO's ratio has steps to compare
+    # (one-step episodes are refused as plain GRPO: tests/test_trl_batches.py)
+    prompt = [
+        {"role": "user", "content": prompt_text},
+        {"role": "assistant", "content": "!#"},
+        {"role": "user", "content": "More."},
+    ]
     prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
     completion_ids = [tok.encode(c, add_special_tokens=False) + [tok.eos_token_id] for c in SIGNS]
     return RolloutBatch(

@@ -249,3 +249,32 @@ def test_live_scores_of_two_dtypes_are_two_scorers(tmp_path: Path, tiny_model_di
         )
         assert fp32.report.scored == bf16.report.scored > 0 and fp32.scorer_id != bf16.scorer_id
         assert "bfloat16@cpu" in bf16.label and "float32@cpu" in fp32.label
+
+
+def test_a_model_whose_float16_logits_overflow_fails_its_steps_never_stores_inf(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A checkpoint with a large final-norm scale: every weight and every float32 logit finite,
+    float16's logits inf. In process the steps fail with the position named (as the HTTP backends
+    refuse such numbers): no -inf mean, no NaN the database refuses with a traceback."""
+    hot = tmp_path / "hot"
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1e6)
+    model.save_pretrained(str(hot))
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "chat_template", "special_tokens")):
+            (hot / f.name).write_bytes(f.read_bytes())
+    write_standard_episodes(tmp_path / "eps", 1, steps_per_subtask=1, output_words=6)
+    db = str(tmp_path / "s.db")
+    with Store.open(db) as store:
+        ingest(store, [tmp_path / "eps"])
+    base = ["--db", db, "score", "--backend", "transformers", "--model", str(hot), "--max-context", "2048"]
+    r = CliRunner().invoke(cli, [*base, "--device", "cpu", "--dtype", "float16", "--json"])
+    out = json.loads(r.output[r.output.index("{") :])
+    assert out["scored"] == 0 and out["failed"] > 0 and "Traceback" not in r.output
+    assert "is not a log-probability within [-10000, 0]" in json.dumps(out["first_errors"])
+    with Store.open(db) as store:
+        assert store.query("SELECT COUNT(*) FROM scores")[1][0][0] == 0
+        kinds = store.query("SELECT DISTINCT last_error_kind FROM attempts WHERE status = 'failed'")[1]
+        assert kinds == [("bad_response",)]

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hcapo_store.errors import InferenceError
 from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
 from hcapo_store.scoring import defaults
-from hcapo_store.scoring.backends.base import BackendScore, precision_identity
+from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, precision_identity
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -163,6 +165,8 @@ class InProcessBackend:
         except (RuntimeError, ValueError) as exc:  # e.g. out of memory, bad ids
             raise InferenceError("model_error", f"{type(exc).__name__}: {exc}", retryable=False) from exc
         latency = time.monotonic() - started
+        for span, v in zip(spans, values):
+            _check_logprobs(span, v)
         tops: list[list[list[tuple[int, float]]] | None] = [None] * len(values)
         if self.top_k:  # the request's rows, span by span
             ends = [sum(len(v) for v in values[: i + 1]) for i in range(len(values))]
@@ -178,6 +182,24 @@ class InProcessBackend:
             )
             for v, top in zip(values, tops)
         ]
+
+
+def _check_logprobs(span: tuple[int, int], values: Sequence[float]) -> None:
+    """Refuse what the HTTP backends refuse (sglang.py, vllm.py): a logprob that is not finite,
+    above 0 beyond rounding, or below ``LOGPROB_FLOOR``. A model in float16 whose logits overflow
+    gives -inf or NaN: stored, they made a step's mean -inf (or a NaN the database refused with a
+    traceback); a failed attempt names the position instead."""
+    array = np.asarray(values, dtype=np.float64)
+    bad = ~(np.isfinite(array) & (array <= 1e-4) & (array >= LOGPROB_FLOOR))
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise InferenceError(
+            "bad_response",
+            f"position {span[0] + j}: the model's logprob {float(array[j])!r} is not a log-probability within "
+            f"[{LOGPROB_FLOOR:g}, 0] ({int(bad.sum())} of the span's {len(array)}): its logits overflowed? "
+            "(float16 does at large activations: --dtype bfloat16 or float32)",
+            retryable=False,
+        )
 
 
 class LiveModelBackend(InProcessBackend):
