@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _rollout_batches import sign_batch
 from test_trl_grpo import qwen3
 from transformers import AutoTokenizer
 
@@ -15,34 +16,10 @@ from hcapo_store.errors import HandoffError
 from hcapo_store.storage.store import Store
 from hcapo_store.training.trl_grpo import RolloutBatch, StoreAdvantages
 
-HISTORY = [
-    {"role": "user", "content": "Write some signs."},
-    {"role": "assistant", "content": "!!#"},
-    {"role": "user", "content": "More."},
-]
 
-
-def _batch(
-    tok, model, step: int, texts: list[str], rewards: list[float], size: int, mode: str = "train", prompt=HISTORY
-):
-    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    prompt_ids = [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    completion_ids = [tok.encode(t, add_special_tokens=False) + [end] for t in texts]
-    n = len(texts)
-    return RolloutBatch(
-        step=step,
-        prompts=[prompt] * n,
-        completions=[[{"role": "assistant", "content": t}] for t in texts],
-        prompt_ids=[prompt_ids] * n,
-        completion_ids=completion_ids,
-        loss_mask=[[1] * len(c) for c in completion_ids],
-        rewards=rewards,
-        groups=[i // size for i in range(n)],
-        trl_advantages=[0.0] * n,
-        inputs=[{"prompt": prompt}] * n,
-        model=model,
-        mode=mode,
+def _batch(tok, model, step: int, texts: list[str], rewards: list[float], size: int, mode: str = "train", single=False):
+    return sign_batch(
+        tok, model, step=step, signs=texts, rewards=rewards, group_size=size, mode=mode, earlier_turn=not single
     )
 
 
@@ -104,11 +81,10 @@ def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
     GRPO's. Such a batch is refused by name (as any plain-GRPO batch), unless asked for; two
     policies that score the rollouts differently then give the same advantages."""
     texts, rewards = ["!!!!", "#", "!", "##", "!!", "$", "!!!", "%"], [4.0, 0, 1, 0, 2, 0, 3, 0]
-    single = [{"role": "user", "content": "Write some signs."}]
     with Store.open(str(tmp_path / "s.db")) as store:
         source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
         with pytest.raises(HandoffError, match="the ratio rho is 1 on all 8 steps.*one step each"):
-            source(_batch(tok, qwen3(tok).eval(), 0, texts, rewards, 4, prompt=single))
+            source(_batch(tok, qwen3(tok).eval(), 0, texts, rewards, 4, single=True))
         outs = []
         for seed in (0, 1):
             plain = StoreAdvantages(
@@ -118,7 +94,7 @@ def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
                 run_id=f"P{seed}",
                 allow_zero_hindsight=True,
             )
-            outs.append(plain(_batch(tok, qwen3(tok, seed).eval(), 0, texts, rewards, 4, prompt=single)))
+            outs.append(plain(_batch(tok, qwen3(tok, seed).eval(), 0, texts, rewards, 4, single=True)))
             assert plain.signals[0].scores_unused and plain.signals[0].hindsight_share == 0.0
         for a, b in zip(*outs, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-6)  # the policy's scores changed nothing
