@@ -378,27 +378,23 @@ class StoreAdvantages(HandoffAdvantages):
             )
         return name
 
-    def _external_id(self, label: str, row: int) -> str:
-        return f"{self.run_id}-{label}-r{row}"
+    def _external_id(self, step: int, suffix: str, row: int) -> str:
+        return f"{self.run_id}-s{step}{suffix}-r{row}"
 
-    def _label(self, batch: RolloutBatch) -> str:
-        """This batch's own name among the run's: ``sN`` for step N's (first) training batch,
-        ``sN-eval`` for an evaluation pass's, ``.K`` after it for the K-th more of those at that
-        step (TRL generates twice a step when steps_per_generation < gradient_accumulation_steps;
-        a restart that reuses ``run_id`` finds its folders taken). Each batch's folder, files,
-        episode ids and group tags are its own, so its groups hold its rollouts only: before, a
-        later batch of a step found the earlier one's episodes under the same file and counted
-        them into its GRPO groups."""
-        base = f"s{batch.step}" + ("" if batch.mode == "train" else f"-{batch.mode}")
-        label, k = base, 0
-        while (self.workdir / self.run_id / self._folder(batch.step, label)).exists():
+    def _suffix(self, batch: RolloutBatch) -> str:
+        """What tells this batch from the run's others at its step: "" for step N's (first)
+        training batch, ``-eval`` for an evaluation pass's, ``.K`` after it for the K-th more of
+        those at that step (TRL generates twice a step when steps_per_generation <
+        gradient_accumulation_steps; a restart that reuses ``run_id`` finds its folders taken).
+        In the batch's folder, files, episode ids (``sN`` + it) and group tags: its groups hold its
+        rollouts only. Before, a later batch of a step found the earlier one's episodes under the
+        same file and counted them into its GRPO groups."""
+        base = "" if batch.mode == "train" else f"-{batch.mode}"
+        suffix, k = base, 0
+        while (self.workdir / self.run_id / f"step_{batch.step:06d}{suffix}").exists():
             k += 1
-            label = f"{base}.{k}"
-        return label
-
-    @staticmethod
-    def _folder(step: int, label: str) -> str:
-        return f"step_{step:06d}{label[len(f's{step}') :]}"
+            suffix = f"{base}.{k}"
+        return suffix
 
     def _messages(self, batch: RolloutBatch, i: int) -> list[dict[str, Any]]:
         prompt, completion = batch.prompts[i], batch.completions[i]
@@ -409,11 +405,10 @@ class StoreAdvantages(HandoffAdvantages):
             )
         return [dict(m) for m in prompt] + [dict(m) for m in completion]
 
-    def _write(self, batch: RolloutBatch, label: str) -> dict[int, list[tuple[int, Path]]]:
+    def _write(self, batch: RolloutBatch, suffix: str) -> dict[int, list[tuple[int, Path]]]:
         """Each group's rows as a JSONL file of episodes; which rows went into which file."""
-        folder = self.workdir / self.run_id / self._folder(batch.step, label)
+        folder = self.workdir / self.run_id / f"step_{batch.step:06d}{suffix}"
         folder.mkdir(parents=True)
-        suffix = label[len(f"s{batch.step}") :]
         files: dict[int, list[tuple[int, Path]]] = {}
         lines: dict[int, list[str]] = {}
         for i, group in enumerate(batch.groups):
@@ -422,7 +417,7 @@ class StoreAdvantages(HandoffAdvantages):
                 continue
             path = folder / f"{self.run_id}_step{batch.step:06d}{suffix}_g{group:05d}.jsonl"
             episode = {
-                "episode_id": self._external_id(label, i),
+                "episode_id": self._external_id(batch.step, suffix, i),
                 "reward": batch.rewards[i],
                 "messages": self._messages(batch, i),
             }
@@ -448,16 +443,15 @@ class StoreAdvantages(HandoffAdvantages):
                 "callable that gathers the batch first"
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
-        label = self._label(batch)
-        files = self._write(batch, label)
+        suffix = self._suffix(batch)
+        files = self._write(batch, suffix)
         if not files:
             return out
         names: dict[int, str] = {}
         episode_ids: list[int] = []
         for group, rows in files.items():
             path = rows[0][1]
-            tag = f"step-{batch.step}{label[len(f's{batch.step}') :]}/g{group}"
-            report = ingest(self.store, [path], tags={GROUP_TAG: tag}, jobs=1)
+            report = ingest(self.store, [path], tags={GROUP_TAG: f"step-{batch.step}{suffix}/g{group}"}, jobs=1)
             # a rollout the store refuses (e.g. an empty completion) is left at 0 and listed, never the batch
             why = {src.rsplit(":", 1)[-1]: reason for src, reason in [*report.skips, *report.failures]}
             found = self.store.query(
@@ -467,8 +461,8 @@ class StoreAdvantages(HandoffAdvantages):
             by_row = {str(ext): name for _, name, ext in found}
             episode_ids += [int(i) for i, _, _ in found]
             for line, (i, _) in enumerate(rows, 1):
-                if self._external_id(label, i) in by_row:
-                    names[i] = by_row[self._external_id(label, i)]
+                if self._external_id(batch.step, suffix, i) in by_row:
+                    names[i] = by_row[self._external_id(batch.step, suffix, i)]
                 else:
                     self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
         self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
