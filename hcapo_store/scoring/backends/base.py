@@ -18,6 +18,19 @@ def routing_headers(prompt: StepPrompt) -> dict[str, str]:
 # A logprob below this is refused: e^-10000 is no probability a model computes honestly, and
 # far lower values (-1e300) would become -inf once stored as float32.
 LOGPROB_FLOOR = -1e4
+# A logprob up to this above 0 is rounding (stored as 0); beyond it, no log-probability.
+LOGPROB_ROUNDING = 1e-4
+
+
+def outside_logprobs(values: Any) -> Any:
+    """Which of ``values`` (an array's worth) are no log-probabilities a backend may store: not
+    finite, above 0 beyond ``LOGPROB_ROUNDING``, or below ``LOGPROB_FLOOR`` (a numpy bool mask).
+    numpy is imported here: the CLI loads this module without it."""
+    import numpy as np
+
+    array = np.asarray(values, dtype=np.float64)
+    return ~(np.isfinite(array) & (array <= LOGPROB_ROUNDING) & (array >= LOGPROB_FLOOR))
+
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import numpy as np
 from hcapo_store.errors import InferenceError
 from hcapo_store.rendering.requests import GroupPrompt, StepPrompt
 from hcapo_store.scoring import defaults
-from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, precision_identity
+from hcapo_store.scoring.backends.base import LOGPROB_FLOOR, BackendScore, outside_logprobs, precision_identity
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -189,14 +189,13 @@ def _check_logprobs(span: tuple[int, int], values: Sequence[float]) -> None:
     above 0 beyond rounding, or below ``LOGPROB_FLOOR``. A model in float16 whose logits overflow
     gives -inf or NaN: stored, they made a step's mean -inf (or a NaN the database refused with a
     traceback); a failed attempt names the position instead."""
-    array = np.asarray(values, dtype=np.float64)
-    bad = ~(np.isfinite(array) & (array <= 1e-4) & (array >= LOGPROB_FLOOR))
+    bad = outside_logprobs(values)
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
         raise InferenceError(
             "bad_response",
-            f"position {span[0] + j}: the model's logprob {float(array[j])!r} is not a log-probability within "
-            f"[{LOGPROB_FLOOR:g}, 0] ({int(bad.sum())} of the span's {len(array)}): its logits overflowed? "
+            f"position {span[0] + j}: the model's logprob {float(values[j])!r} is not a log-probability within "
+            f"[{LOGPROB_FLOOR:g}, 0] ({int(bad.sum())} of the span's {len(values)}): its logits overflowed? "
             "(float16 does at large activations: --dtype bfloat16 or float32)",
             retryable=False,
         )

@@ -26,8 +26,10 @@ from hcapo_store.masking import mask_url
 from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring.backends.base import (
     LOGPROB_FLOOR,
+    LOGPROB_ROUNDING,
     BackendScore,
     checked_cached_tokens,
+    outside_logprobs,
     precision_identity,
     routing_headers,
 )
@@ -109,7 +111,7 @@ _ENTRY_TYPES = frozenset((list, tuple))
 def _as_logprobs(values: list[Any]) -> list[float] | None:
     """Numbers that are all finite log-probabilities (rounding above 0 clipped), else None."""
     array = np.asarray(values, dtype=np.float64)
-    if not (np.isfinite(array).all() and (array <= 1e-4).all() and (array >= LOGPROB_FLOOR).all()):
+    if outside_logprobs(array).any():
         return None
     return np.minimum(array, 0.0).tolist()
 
@@ -204,7 +206,7 @@ def _checked_logprobs(entries: list[Any], ids: Sequence[int], start: int) -> lis
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # orjson writes -inf as null, so a null here is not a number we can store.
             raise _bad(f"position {start + j}: logprob is {value!r}")
-        if not math.isfinite(value) or value > 1e-4:
+        if not math.isfinite(value) or value > LOGPROB_ROUNDING:
             raise _bad(f"position {start + j}: logprob {value!r} is not a log-probability")
         if value < LOGPROB_FLOOR:
             raise _bad(f"position {start + j}: logprob {value!r} is below the floor {LOGPROB_FLOOR:g}")

@@ -26,7 +26,7 @@ import httpx
 from hcapo_store.errors import InferenceError, ScoringError
 from hcapo_store.rendering.requests import StepPrompt
 from hcapo_store.scoring import defaults
-from hcapo_store.scoring.backends.base import BackendScore, checked_cached_tokens, routing_headers
+from hcapo_store.scoring.backends.base import LOGPROB_ROUNDING, BackendScore, checked_cached_tokens, routing_headers
 from hcapo_store.scoring.backends.http import HttpBackend, HttpClient, wire_ids
 
 VLLM_LOGPROB_FLOOR = -9999.0  # vLLM writes -inf prompt logprobs as this value
@@ -127,7 +127,7 @@ def parse_response(prompt: StepPrompt, body: Any) -> BackendScore:
             raise _bad(f"position {i}: logprob is {value!r}")
         if value <= VLLM_LOGPROB_FLOOR:
             raise _bad(f"position {i}: logprob {value!r} is vLLM's clamp of -inf (probability 0 under the model)")
-        if not math.isfinite(value) or value > 1e-4:
+        if not math.isfinite(value) or value > LOGPROB_ROUNDING:
             raise _bad(f"position {i}: logprob {value!r} is not a log-probability")
         logprobs.append(min(float(value), 0.0))
     cached = None
