@@ -119,7 +119,9 @@ def _check_requests(builder: PromptBuilder, ep, requests) -> tuple[int, int]:
             scored = m.scored_tokens
             # the scored ids are the step's own tokens of the whole rendering (its last ones when capped)
             assert list(m.input_ids[m.first_scored :]) == placement.ids[end - scored : end]
-            assert m.total_action_tokens == end - start and scored == min(end - start, builder.max_logprob_tokens)
+            # a step longer than its window's room keeps its tail (the window starts inside it)
+            kept = end - max(start, m.truncated_prefix_tokens)
+            assert m.total_action_tokens == end - start and scored == min(kept, builder.max_logprob_tokens)
             if m.truncated_prefix_tokens:  # a later window: half its room of context before the step,
                 # or what the step leaves of the room when it is longer than half
                 head = len(m.input_ids) - end + m.truncated_prefix_tokens  # anchor + marker
@@ -340,3 +342,100 @@ def test_options_that_do_not_apply_are_refused(tmp_path, ref, tiny_model_dir):
     template.write_text("Outcome {reward} for {current_subtask}")
     r = runner.invoke(cli, [*base, "--prompt-layout", "episode", "--hindsight-template", str(template)])
     assert r.exit_code != 0 and "one hindsight block per episode" in r.output
+
+
+# --- the anchor: the hindsight block is never cut out of a window --------------------------------
+
+
+def _long_task_episode(task_words: int):
+    messages, outcome, steps = episode(7, steps=12, tool_chars=300)
+    messages = [dict(messages[0], content="task " * task_words), *messages[1:]]
+
+    class Ep:  # the stored episode's shape
+        pass
+
+    ep = Ep()
+    ep.messages, ep.outcome, ep.steps = messages, outcome, [type("S", (), s)() for s in steps]
+    return ep
+
+
+def _first_with_block(builder: PromptBuilder, ep) -> dict:
+    block = hindsight_text(ep.outcome, {}, EPISODE_HINDSIGHT_TEMPLATE) if builder.hindsight else None
+    return inject_hindsight(normalize_messages(ep.messages), block)[0]
+
+
+def test_a_first_message_over_half_the_budget_keeps_its_hindsight_block_whole(demo_tokenizer_dir):
+    """Windows past the first start with the whole anchor (the outcome is at its end) and the
+    marker, however long the first message, while they fit; a step longer than the room they
+    leave keeps its tail. The earlier rule cut the anchor at half the budget: the block went."""
+    tok = load_tokenizer(demo_tokenizer_dir)
+    ep = _long_task_episode(400)
+    builder = PromptBuilder(tok, layout="episode", max_context=1024, max_logprob_tokens=64)
+    anchor, marker = builder.anchor_ids(_first_with_block(builder, ep)), builder.marker_ids
+    assert builder.max_context // 2 < len(anchor) + len(marker) < builder.max_context - 200
+    requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+    windows = [r for r in requests if isinstance(r, GroupPrompt) and r.members[0].truncated_prefix_tokens]
+    assert len(windows) > 1
+    block_ids = tok.encode(hindsight_text(ep.outcome, {}, EPISODE_HINDSIGHT_TEMPLATE), add_special_tokens=False)
+    for g in windows:
+        assert list(g.input_ids[: len(anchor) + len(marker)]) == anchor + marker
+        head = list(g.input_ids[: len(anchor)])
+        assert any(head[i : i + len(block_ids)] == block_ids for i in range(len(head)))
+    _check_requests(builder, ep, requests)
+
+
+def test_no_room_for_the_hindsight_anchor_fails_the_windowed_steps_by_name(demo_tokenizer_dir):
+    tok = load_tokenizer(demo_tokenizer_dir)
+    ep = _long_task_episode(400)
+    probe = PromptBuilder(tok, layout="episode")
+    size = len(probe.anchor_ids(_first_with_block(probe, ep))) + len(probe.marker_ids)
+    builder = PromptBuilder(tok, layout="episode", max_context=size, max_logprob_tokens=64)
+    requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+    failed = [r for r in requests if isinstance(r, PromptFailure)]
+    scored = [m.step_index for r in requests if isinstance(r, GroupPrompt) for m in r.members]
+    assert failed and sorted(scored + [f.step_index for f in failed]) == sorted(s.step_index for s in ep.steps)
+    assert {f.reason for f in failed} == {"context"}
+    assert f"--max-context {size}" in failed[0].message and f"above {size}" in failed[0].message
+    for r in requests:  # what is scored fits whole, in the first window, hindsight block and all
+        if isinstance(r, GroupPrompt):
+            assert not r.members[0].truncated_prefix_tokens and len(r.input_ids) <= size
+
+
+def test_a_baseline_scorers_long_first_message_keeps_its_start(demo_tokenizer_dir):
+    """Without a block nothing is lost but the task's end: at most half the budget of it."""
+    tok = load_tokenizer(demo_tokenizer_dir)
+    ep = _long_task_episode(600)
+    builder = PromptBuilder(tok, layout="episode", max_context=1024, max_logprob_tokens=64, hindsight=False)
+    anchor, marker = builder.anchor_ids(_first_with_block(builder, ep)), builder.marker_ids
+    keep = builder.max_context // 2 - len(marker)
+    assert len(anchor) > keep
+    requests = EpisodeLayout(builder).requests(ep.messages, ep.outcome, ep.steps)
+    windows = [r for r in requests if isinstance(r, GroupPrompt) and r.members[0].truncated_prefix_tokens]
+    assert windows and all(list(g.input_ids[: keep + len(marker)]) == anchor[:keep] + marker for g in windows)
+
+
+@pytest.mark.parametrize("layout", ["per-step", "episode"])
+def test_score_names_a_context_too_small_for_the_hindsight_block_and_stores_no_number(
+    tmp_path, ref, tiny_model_dir, layout
+):
+    """End to end: a --max-context below the first message with its hindsight block fails the
+    steps as `context` (exit 1, the way out named once), stores no score, and the credits
+    refuse the episode; a larger --max-context (a new scorer) scores every step."""
+    write_standard_episodes(tmp_path / "eps", 1, seed=4, steps_per_subtask=2, output_words=10)
+    db = tmp_path / "x.db"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--db", str(db), "ingest", str(tmp_path / "eps")]).exit_code == 0
+    argv = ["--db", str(db), "score", "--server", ref.url, "--tokenizer", str(tiny_model_dir)]
+    r = runner.invoke(cli, [*argv, "--prompt-layout", layout, "--max-context", "64"])
+    assert r.exit_code == 1, r.output
+    assert "context: " in r.stderr and "a --max-context above" in r.stderr
+    assert "--retry-failed would build the same prompts" in r.stderr
+    with Store.open(str(db)) as store:
+        steps = store.query("SELECT COUNT(*) FROM steps")[1][0][0]
+        kinds = store.query("SELECT last_error_kind, COUNT(*) FROM attempts WHERE status = 'failed' GROUP BY 1")[1]
+        assert store.query("SELECT COUNT(*) FROM scores")[1][0][0] == 0
+    assert [tuple(k) for k in kinds] == [("context", steps)]
+    credits = runner.invoke(cli, ["--db", str(db), "credits", "compute", "--json"])
+    assert credits.exit_code == 1 and "no episode is completely scored" in credits.stderr, credits.output
+    r = runner.invoke(cli, [*argv, "--prompt-layout", layout, "--max-context", "4096", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["scored"] == steps, r.output

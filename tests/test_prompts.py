@@ -169,13 +169,17 @@ def test_qwen3_history_rewrite_is_an_alignment_failure():
 def test_bos_emitting_template_keeps_exact_spans(tmp_path):
     tok = bos_tokenizer(tmp_path)
     assert tok("a")["input_ids"][0] == tok.bos_token_id  # the tokenizer adds BOS on plain encode
-    builder = PromptBuilder(tok, max_context=400, max_logprob_tokens=0)
+    # (room for the anchor, its hindsight block 300 ids of this tiny vocabulary, and some steps cut)
+    builder = PromptBuilder(tok, max_context=700, max_logprob_tokens=0)
     assert builder.encoder.fast_path_off_reason is None
+    truncated = 0
     for seed in range(3):
         for p in _compare(builder, seed, thinking=False):
             assert isinstance(p, StepPrompt)
+            truncated += bool(p.truncated_prefix_tokens)
             if not p.truncated_prefix_tokens:
                 assert p.input_ids.count(tok.bos_token_id) == 1 and p.input_ids[0] == tok.bos_token_id
+    assert truncated
     fingerprint = tokenizer_fingerprint(tok, tmp_path)
     assert fingerprint["adds_bos"] is True and fingerprint["chat_template_sha256"]
 
@@ -262,31 +266,87 @@ def test_truncation_keeps_anchor_marker_tail_and_whole_action(tmp_path):
     assert (cut.total_action_tokens, cut.skipped_action_tokens) == (len(action), 0)
 
 
-def test_truncation_when_anchor_does_not_fit(tmp_path):
+def _anchor_and_marker(tok, first_content: str, step) -> tuple[list[int], list[int]]:
+    """The anchor (the first message with the hindsight block) and the marker, tokenized here."""
+    content = first_content + ("\n\n" + hindsight_text(OUTCOME, step) if step is not None else "")
+    anchor_text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+    return tok.encode(anchor_text, add_special_tokens=False), tok.encode(TRUNCATION_MARKER, add_special_tokens=False)
+
+
+def test_a_long_action_keeps_the_whole_hindsight_anchor_and_its_own_tail(tmp_path):
+    """No room for the anchor beside the whole action: the anchor stays whole (the outcome is
+    at its end) and the action keeps its tail, down to the last id that fits."""
     tok = bos_tokenizer(tmp_path)
     messages, step = _single_step(900, 50)
     action_len = PromptBuilder(tok).build_step(messages, OUTCOME, step).total_action_tokens
-    builder = PromptBuilder(tok, max_context=action_len + 40, max_logprob_tokens=0)
+    anchor, marker = _anchor_and_marker(tok, "task", step)
+    head = len(anchor) + len(marker)
+    whole = PromptBuilder(tok, max_context=head + action_len, max_logprob_tokens=0)
+    fits = whole.build_step(messages, OUTCOME, step)
+    assert fits == whole.build_step_reference(messages, OUTCOME, step)
+    assert fits.input_ids[:head] == anchor + marker and fits.skipped_action_tokens == 0
+    for ctx in (head + action_len - 1, head + action_len // 2, head + 1):
+        builder = PromptBuilder(tok, max_context=ctx, max_logprob_tokens=0)
+        cut = builder.build_step(messages, OUTCOME, step)
+        assert cut == builder.build_step_reference(messages, OUTCOME, step)
+        assert len(cut.input_ids) == ctx and cut.input_ids[:head] == anchor + marker
+        assert cut.first_scored == head and cut.input_ids[head:] == fits.input_ids[-(ctx - head) :]
+        assert cut.skipped_action_tokens == action_len - (ctx - head)
+
+
+def test_no_room_for_the_hindsight_anchor_fails_the_step_by_name(tmp_path):
+    """An anchor and marker that fill --max-context: a `context` failure naming the sizes and
+    the way out, never a prompt whose cut anchor lost the outcome (stored as hindsight's)."""
+    tok = bos_tokenizer(tmp_path)
+    messages, step = _single_step(900, 50)
+    anchor, marker = _anchor_and_marker(tok, "task", step)
+    head = len(anchor) + len(marker)
+    for ctx in (head, head - 1, 40):
+        builder = PromptBuilder(tok, max_context=ctx, max_logprob_tokens=0)
+        failed = builder.build_step(messages, OUTCOME, step)
+        assert failed == builder.build_step_reference(messages, OUTCOME, step)
+        assert isinstance(failed, PromptFailure) and failed.reason == "context"
+        assert f"--max-context {ctx}" in failed.message and f"above {head}" in failed.message
+        assert f"hindsight block ({len(anchor)} ids)" in failed.message and len(f"context: {failed.message}") < 300
+
+
+def test_a_baseline_scorer_cuts_its_anchor_as_the_original(tmp_path):
+    """Without a hindsight block nothing can be lost but the task's end: the original's cut."""
+    tok = bos_tokenizer(tmp_path)
+    messages, step = _single_step(900, 50)
+    action_len = PromptBuilder(tok, hindsight=False).build_step(messages, OUTCOME, step).total_action_tokens
+    builder = PromptBuilder(tok, max_context=action_len + 4, max_logprob_tokens=0, hindsight=False)
     cut = builder.build_step(messages, OUTCOME, step)
     assert cut == builder.build_step_reference(messages, OUTCOME, step)
-    marker = tok.encode(TRUNCATION_MARKER, add_special_tokens=False)
-    anchor_text = tok.apply_chat_template(
-        [{"role": "user", "content": "task\n\n" + hindsight_text(OUTCOME, step)}], tokenize=False
-    )
-    anchor = tok.encode(anchor_text, add_special_tokens=False)
-    assert cut.first_scored == 40 and len(cut.input_ids) == action_len + 40
-    assert cut.input_ids[:40] == (anchor[: max(40 - len(marker), 0)] + marker)[:40]
+    anchor, marker = _anchor_and_marker(tok, "task", None)
+    assert len(marker) > 4 and cut.first_scored == 4 and cut.input_ids[:4] == marker[:4]
+    assert len(cut.input_ids) == action_len + 4
 
 
 def test_action_alone_over_budget_keeps_its_tail_and_never_scores_position_zero(tmp_path):
+    """Without a hindsight block (a baseline scorer), the original's rule: the action's tail alone."""
     tok = bos_tokenizer(tmp_path)
     messages, step = _single_step(20, 400)
-    action_len = PromptBuilder(tok).build_step(messages, OUTCOME, step).total_action_tokens
-    cut = PromptBuilder(tok, max_context=100, max_logprob_tokens=0).build_step(messages, OUTCOME, step)
+    action_len = PromptBuilder(tok, hindsight=False).build_step(messages, OUTCOME, step).total_action_tokens
+    cut = PromptBuilder(tok, max_context=100, max_logprob_tokens=0, hindsight=False).build_step(messages, OUTCOME, step)
     assert len(cut.input_ids) == 100 and cut.first_scored == 1  # SGLang starts one earlier: position 0
     assert cut.skipped_action_tokens == action_len - 99
-    capped = PromptBuilder(tok, max_context=100, max_logprob_tokens=30).build_step(messages, OUTCOME, step)
-    assert capped.first_scored == 70 and capped.scored_tokens == 30
+    capped = PromptBuilder(tok, max_context=100, max_logprob_tokens=30, hindsight=False)
+    capped_step = capped.build_step(messages, OUTCOME, step)
+    assert capped_step.first_scored == 70 and capped_step.scored_tokens == 30
+
+
+def test_action_alone_over_budget_with_hindsight_keeps_the_anchor(tmp_path):
+    tok = bos_tokenizer(tmp_path)
+    messages, step = _single_step(20, 400)
+    anchor, marker = _anchor_and_marker(tok, "task", step)
+    head = len(anchor) + len(marker)
+    builder = PromptBuilder(tok, max_context=head + 60, max_logprob_tokens=30)
+    cut = builder.build_step(messages, OUTCOME, step)
+    assert cut == builder.build_step_reference(messages, OUTCOME, step)
+    assert cut.input_ids[:head] == anchor + marker and len(cut.input_ids) == head + 60
+    assert cut.first_scored == head + 30 and cut.scored_tokens == 30
+    assert cut.truncated_prefix_tokens >= 0
 
 
 def test_max_logprob_tokens_scores_the_suffix(tmp_path):

@@ -135,12 +135,13 @@ def test_a_template_that_rejects_tools_is_flattened_in_windows_too(tmp_path):
         "{{ raise_exception('no tools') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    builder = PromptBuilder(bos_tokenizer(tmp_path, template=template), max_context=400, truncation="turns")
+    # (room for the first message with its hindsight block: 300 ids of this tiny vocabulary)
+    builder = PromptBuilder(bos_tokenizer(tmp_path, template=template), max_context=700, truncation="turns")
     messages, outcome, steps = episode(7, steps=20, thinking=False)
     prompts = builder.build_episode(messages, outcome, steps)
     flat = [p for p in prompts if isinstance(p, StepPrompt) and p.flattened]
     assert flat and any(p.truncated_prefix_tokens for p in flat)
-    assert all(len(p.input_ids) <= 400 for p in flat)
+    assert all(len(p.input_ids) <= 700 for p in flat)
 
 
 def test_score_with_turns_is_its_own_scorer_end_to_end(tmp_path, tiny_model_dir):

@@ -433,6 +433,11 @@ def _echo_score_errors(report, scorer_id: str) -> None:
             "e.g. a smaller --max-context",
             err=True,
         )
+    elif any(kind == "context" for kind, _ in report.first_errors):
+        # The same settings build the same prompts: only another --max-context changes them.
+        click.echo(
+            f"{query}\n  --retry-failed would build the same prompts: see the --max-context named above", err=True
+        )
     else:
         click.echo(f"{query}; rerun with --retry-failed once fixed", err=True)
 

@@ -36,6 +36,7 @@ from typing import Any
 from hcapo_store.rendering import verify
 from hcapo_store.rendering.placement import Placement, Placer, Steps, place_by_rule, place_with_fallback
 from hcapo_store.rendering.prompts import (
+    HindsightDoesNotFit,
     PromptBuilder,
     flatten_messages,
     hindsight_text,
@@ -157,7 +158,11 @@ class EpisodeLayout:
             start, end = placed[j][1].start, placed[j][1].end
             if j > 0 or end > budget:  # not the first window: anchor + marker + recent ids
                 if head is None:
-                    head = self._head(first, budget)
+                    made = self._head(first, budget)
+                    if isinstance(made, HindsightDoesNotFit):  # no window past the first can hold it
+                        out += [PromptFailure(i, "context", f"episode layout: {made}") for i, _ in placed[j:]]
+                        break
+                    head = made
                 room = budget - len(head)
                 window_start = max(start - room // CONTEXT_FRACTION, end - room, 0)
                 base = head + ids[window_start : window_start + room]
@@ -172,10 +177,16 @@ class EpisodeLayout:
             out.append(GroupPrompt(tuple(members)))
         return out
 
-    def _head(self, first: dict, budget: int) -> list[int]:
-        """The anchor (the first message, hindsight block included) and the truncation marker;
-        a first message longer than half the budget keeps its start, as the per-step layout does."""
+    def _head(self, first: dict, budget: int) -> list[int] | HindsightDoesNotFit:
+        """The anchor (the first message, hindsight block included) and the truncation marker,
+        whole, as the per-step layout keeps them: cut, the anchor would lose its end first, the
+        outcome (a step longer than the room they leave keeps its tail, as there). Without a
+        block (a baseline scorer) a first message longer than half the budget keeps its start."""
         anchor, marker = self.builder.anchor_ids(first), self.builder.marker_ids
+        if self.builder.hindsight:
+            if len(anchor) + len(marker) >= budget:
+                return HindsightDoesNotFit(len(anchor), len(marker), None, budget)
+            return anchor + marker
         keep = budget // 2 - len(marker)
         return anchor[:keep] + marker if keep > 0 else []
 

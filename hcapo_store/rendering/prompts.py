@@ -104,6 +104,19 @@ class _StepTexts:
     visible_from: int = 0
 
 
+class HindsightDoesNotFit(Exception):
+    """The first message with its hindsight block and the truncation marker take the whole
+    ``max_context``: a prompt holding them has no room for the action (a ``context`` failure)."""
+
+    def __init__(self, anchor: int, marker: int, action: int | None, max_context: int) -> None:
+        what = "a step's ids" if action is None else f"the action ({action} ids)"
+        super().__init__(
+            f"first message + hindsight block ({anchor} ids) + truncation marker ({marker}) leave no room "
+            f"in --max-context {max_context} for {what}; cut, the prompt would lose the outcome: use a "
+            f"--max-context above {anchor + marker} (a new scorer) or a shorter first message or --hindsight-template"
+        )
+
+
 # each tokenizer's largest id: a trainer's every step makes a new builder of its one kept
 # tokenizer, and reading the 150k-entry vocabulary costs ~0.2 s
 _TOP_IDS = PerTokenizer()
@@ -531,6 +544,8 @@ class PromptBuilder:
             kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor, texts.hidden, texts.visible_from)
         except TemplateRejected as exc:
             return PromptFailure(index, "template", f"anchor: {exc}")
+        except HindsightDoesNotFit as exc:
+            return PromptFailure(index, "context", str(exc))
         input_ids = kept_prefix + kept_action
         own_tokens = own_end - own_start
         scored = min(own_tokens, len(kept_action))
@@ -544,7 +559,9 @@ class PromptBuilder:
             first_scored=first_scored,
             total_action_tokens=own_tokens,
             skipped_action_tokens=own_tokens - (len(input_ids) - first_scored),
-            truncated_prefix_tokens=prefix_len + texts.hidden - len(kept_prefix) + texts.dropped,
+            # the anchor and marker count as kept prefix ids; a short prefix behind an action cut
+            # to fit them could otherwise count below 0
+            truncated_prefix_tokens=max(prefix_len + texts.hidden - len(kept_prefix), 0) + texts.dropped,
             flattened=texts.flattened,
         )
 
@@ -553,6 +570,10 @@ class PromptBuilder:
     ) -> tuple[list[int], list[int]]:
         """The original's truncation, on ids: anchor + marker + recent prefix tail + action.
 
+        The anchor (the first message, the hindsight block at its end) is kept whole: an action
+        too long to leave room for it keeps its tail behind it (the original kept the action's
+        tail alone), and an anchor that cannot fit fails the step (HindsightDoesNotFit). A
+        baseline scorer's anchor (no block) is cut to its start instead.
         ``window``: the tail starts at a multiple of a block instead, so consecutive steps
         keep the same start and their prompts stay prefixes of one another (one request).
         ``hidden``: the prefix is a bounded render, ``hidden`` ids of the whole history left
@@ -563,20 +584,28 @@ class PromptBuilder:
                 raise NeedWhole
             return prefix_ids, action_ids
         max_prefix = self.max_context - len(action_ids)
-        if max_prefix <= 0:
+        if max_prefix <= 0 and not self.hindsight:
             return [], action_ids[-self.max_context :]
         anchor_ids: list[int] = anchor()
         marker = self._marker_ids
-        tail_budget = max_prefix - len(anchor_ids) - len(marker)
+        head = anchor_ids + marker
+        if self.hindsight and len(head) > max_prefix:
+            # Cut, the anchor would lose its end first: the hindsight block, and the score would
+            # be the plain policy's, stored as the hindsight one's.
+            room = self.max_context - len(head)
+            if room < 1:
+                raise HindsightDoesNotFit(len(anchor_ids), len(marker), len(action_ids), self.max_context)
+            return head, action_ids[-room:]
+        tail_budget = max_prefix - len(head)
         if tail_budget > 0:
             start = total - tail_budget
             if self.truncation == "window":
-                start = self._window_start(start, total, tail_budget, len(anchor_ids) + len(marker))
+                start = self._window_start(start, total, tail_budget, len(head))
             if hidden and start - hidden < visible_from:
                 raise NeedWhole
-            return anchor_ids + marker + prefix_ids[start - hidden :], action_ids
-        kept = anchor_ids[: max(max_prefix - len(marker), 0)] + marker
-        return kept[:max_prefix], action_ids
+            return head + prefix_ids[start - hidden :], action_ids
+        # a baseline scorer's anchor that does not fit: its start (no block to lose)
+        return (anchor_ids[: max(max_prefix - len(marker), 0)] + marker)[:max_prefix], action_ids
 
     def _window_start(self, sliding_start: int, prefix_len: int, tail_budget: int, head: int) -> int:
         """The smallest block boundary at or after the sliding start; the sliding start when

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Literal, TypeVar, overload
 
-FailureReason = Literal["alignment", "empty_action", "template"]
+# "context": the hindsight block and the action do not fit --max-context together (prompts.py)
+FailureReason = Literal["alignment", "context", "empty_action", "template"]
 
 T = TypeVar("T")
 
