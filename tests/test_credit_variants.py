@@ -11,11 +11,12 @@ import json
 import math
 import random
 import statistics
+import sys
 from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as hs
 from sqlalchemy import text
 from test_credits import add_scorer
@@ -34,9 +35,9 @@ from hcapo_store.storage.store import Store
 
 def _pop_std(xs: list[float]) -> float:
     """Exact, then rounded (``statistics``); 0, or a spread at rounding's size against the values
-    (equations.NOISE_SPREAD), → 1."""
+    (equations.NOISE_SPREAD) or subnormal (SMALLEST_SPREAD), → 1."""
     s = statistics.pstdev(xs)
-    return s if s > 1e-12 * max(map(abs, xs)) else 1.0
+    return s if s > 1e-12 * max(map(abs, xs)) and s >= sys.float_info.min else 1.0
 
 
 def reference_paper(
@@ -363,12 +364,13 @@ def test_grpo_of_equal_rewards_is_zero_for_any_value(value, n, groups):
 
 @settings(max_examples=200, deadline=None)
 @given(hs.lists(hs.floats(min_value=-1e3, max_value=1e3, allow_nan=False), min_size=2, max_size=30))
+@example([0.0, 5e-324])  # a subnormal spread: no spread (its mean rounds to one end)
 def test_grpo_equals_exact_arithmetic(rewards):
     """Against exact rational arithmetic (the std rounded once), where the rewards spread."""
     exact_mean = statistics.mean(map(Fraction, rewards))
     sd = statistics.pstdev(rewards)
     got = grpo_advantages(np.asarray(rewards))
-    if sd <= 1e-12 * max(map(abs, rewards)):
+    if sd <= 1e-12 * max(map(abs, rewards)) or sd < sys.float_info.min:
         assert np.all(np.abs(got) <= 1e-9 * max(1.0, max(map(abs, rewards))))
     else:
         want = [float(Fraction(r) - exact_mean) / sd for r in rewards]

@@ -24,6 +24,7 @@ from hcapo_store.credits.params import VARIANTS, CreditParams  # noqa: F401 - re
 # 0.1 have numpy's mean 0.1 + 1.4e-17 and std 1.4e-17, and dividing one by the other made A = ±1
 # where equal rewards mean A = 0. Such a spread is treated as none (std 0 → 1, as the original).
 NOISE_SPREAD = 1e-12
+SMALLEST_SPREAD = float(np.finfo(np.float64).tiny)  # the smallest normal float: below, no spread
 
 
 def run_hash(scorer_id: str, params: CreditParams) -> str:
@@ -146,19 +147,49 @@ class Eq8Result:
     micro: list[np.ndarray] = field(default_factory=list)  # per step, after do-no-harm, before ω
 
 
+def grouped_zscore(x: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's mean and population std (like np.std) of ``x``, ``codes[i]`` the group of
+    ``x[i]`` (0 ≤ code < ``n_groups``); the std 1 where the values do not spread: 0, rounding
+    (``NOISE_SPREAD`` of the group's largest magnitude) or a subnormal std. Taken about each group's
+    first value, so equal values deviate by exactly 0 and their mean is that value; squares
+    of deviations scaled by the largest, so tiny spreads do not underflow. An empty group: 0, 1."""
+    x = np.asarray(x, dtype=np.float64)
+    count = np.bincount(codes, minlength=n_groups).astype(np.float64)
+    first = np.zeros(n_groups)
+    seen, first_at = np.unique(codes, return_index=True)
+    first[seen] = x[first_at]
+    d = x - first[codes]
+    mean_d = np.divide(
+        np.bincount(codes, weights=d, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
+    )
+    dev = d - mean_d[codes]
+    scale = np.zeros(n_groups)
+    np.maximum.at(scale, codes, np.abs(dev))
+    unit = np.divide(dev, scale[codes], where=scale[codes] > 0, out=np.zeros(len(x)))
+    var = np.divide(
+        np.bincount(codes, weights=unit * unit, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
+    )
+    sigma = scale * np.sqrt(var)
+    largest = np.zeros(n_groups)
+    np.maximum.at(largest, codes, np.abs(x))
+    # a subnormal std has lost its precision (and NOISE_SPREAD of a subnormal value is 0)
+    sigma[(sigma <= NOISE_SPREAD * largest) | (sigma < SMALLEST_SPREAD)] = 1.0
+    return first + mean_d, sigma
+
+
+def group_codes(keys: Sequence[Any]) -> tuple[np.ndarray, int]:
+    """Each key's group number, in order of first appearance, and the number of groups."""
+    numbers: dict[Any, int] = {}
+    codes = np.asarray([numbers.setdefault(k, len(numbers)) for k in keys], dtype=np.int64)
+    return codes, len(numbers)
+
+
 def _zscore_stats(x: np.ndarray) -> tuple[float, float]:
-    """Mean and population std (like np.std) of ``x``, the std 1 where the values do not spread:
-    0, or rounding (``NOISE_SPREAD``). Taken about the first value, so equal values have
-    deviations of exactly 0 and their mean is that value."""
+    """:func:`grouped_zscore` of one group."""
     if not len(x):
         return 0.0, 1.0
-    first = float(x[0])
-    d = x - first
-    m = float(d.mean())
-    dev = d - m
-    scale = float(np.abs(dev).max())  # squares taken of dev / scale: no underflow of tiny values
-    sigma = scale * float(np.sqrt(np.mean((dev / scale) ** 2))) if scale > 0 else 0.0
-    return first + m, (sigma if sigma > NOISE_SPREAD * float(np.abs(x).max()) else 1.0)
+    mu, sigma = grouped_zscore(x, np.zeros(len(x), dtype=np.int64), 1)
+    return float(mu[0]), float(sigma[0])
 
 
 def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) -> np.ndarray:
@@ -167,13 +198,9 @@ def grpo_advantages(rewards: np.ndarray, groups: Sequence[Any] | None = None) ->
     if groups is None:
         mu, sd = _zscore_stats(rewards)
         return (rewards - mu) / sd
-    out = np.empty_like(rewards)
-    keys = np.array([str(g) if g is not None else "\0none" for g in groups], dtype=object)
-    for g in dict.fromkeys(keys):
-        mask = keys == g
-        mu, sd = _zscore_stats(rewards[mask])
-        out[mask] = (rewards[mask] - mu) / sd
-    return out
+    codes, n_groups = group_codes([str(g) if g is not None else "\0none" for g in groups])
+    mu_g, sd_g = grouped_zscore(rewards, codes, n_groups)
+    return (rewards - mu_g[codes]) / sd_g[codes]
 
 
 def hcapo_weights(

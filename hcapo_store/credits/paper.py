@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from hcapo_store.credits.equations import (
-    NOISE_SPREAD,
     CreditParams,
     EpisodeBatch,
     episode_credits,
+    group_codes,
+    grouped_zscore,
     grpo_advantages,
     positions,
 )
@@ -63,13 +64,6 @@ def one_step_smoothing(q: np.ndarray, dist_to_end: np.ndarray, alpha: float) -> 
     return out
 
 
-def _group_codes(groups: Sequence[Any] | None, n: int) -> np.ndarray:
-    if groups is None:
-        return np.zeros(n, dtype=np.int64)
-    codes: dict[Any, int] = {}
-    return np.asarray([codes.setdefault(g, len(codes)) for g in groups], dtype=np.int64)
-
-
 def paper_advantages(
     batch: EpisodeBatch,
     p: CreditParams,
@@ -96,31 +90,11 @@ def paper_advantages(
 
     rewards = batch.episode_reward.astype(np.float64)
     a_ep = grpo_advantages(rewards, None if groups is None else [str(g) if g is not None else None for g in groups])
-    codes = _group_codes(groups, len(rewards))
+    # μ_H, σ_H per group of trajectories (one group when ``groups`` is None)
+    codes, n_groups = group_codes([0] * len(rewards) if groups is None else groups)
     step_group = codes[ep] if n else np.zeros(0, dtype=np.int64)
-    n_groups = int(codes.max()) + 1 if len(codes) else 0
-    count = np.bincount(step_group, minlength=n_groups).astype(np.float64)
-    # about each group's first value, so equal values deviate by exactly 0 (as _zscore_stats)
-    first = np.zeros(n_groups)
-    groups_seen, first_at = np.unique(step_group, return_index=True)
-    first[groups_seen] = q_s[first_at]
-    d = q_s - first[step_group]
-    mean_d = np.divide(
-        np.bincount(step_group, weights=d, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
-    )
-    mu = first + mean_d
-    dev = d - mean_d[step_group]
-    scale = np.zeros(n_groups)  # squares taken of dev / scale: no underflow of tiny values
-    np.maximum.at(scale, step_group, np.abs(dev))
-    unit = np.divide(dev, scale[step_group], where=scale[step_group] > 0, out=np.zeros(n))
-    var = np.divide(
-        np.bincount(step_group, weights=unit * unit, minlength=n_groups), count, where=count > 0, out=np.zeros(n_groups)
-    )
-    sigma = scale * np.sqrt(var)
-    largest = np.zeros(n_groups)
-    np.maximum.at(largest, step_group, np.abs(q_s))
-    sigma[sigma <= NOISE_SPREAD * largest] = 1.0  # no spread, or rounding's: std 0 → 1
-    micro = dev / sigma[step_group]
+    mu, sigma = grouped_zscore(q_s, step_group, n_groups)
+    micro = (q_s - mu[step_group]) / sigma[step_group]
     success = (rewards >= success_threshold)[ep] if n else np.zeros(0, dtype=bool)
     micro = np.where(success, np.maximum(micro, 0.0), micro)
     a_macro = a_ep[ep] if n else np.zeros(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from typing import Any
 
 
@@ -86,9 +87,9 @@ def _mean(xs: list[float]) -> float:
 
 def _pstd(xs: list[float]) -> float:
     """The population std, exact then rounded (``statistics``), 0 where it is at rounding's size
-    against the values (the store's rule, equations.NOISE_SPREAD)."""
+    against the values or subnormal (the store's rule, equations.NOISE_SPREAD, SMALLEST_SPREAD)."""
     sd = statistics.pstdev(xs)
-    return 0.0 if sd <= 1e-12 * max(abs(x) for x in xs) else sd
+    return 0.0 if sd <= 1e-12 * max(abs(x) for x in xs) or sd < sys.float_info.min else sd
 
 
 def build_hcapo_rows(
