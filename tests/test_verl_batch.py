@@ -232,3 +232,72 @@ def test_two_identical_rollouts_with_two_rewards_are_refused_not_both_given_one(
         # the different member alone is placed as before
         uids, prompts, resp, mask = _arrays(rows[2:])
         assert plug.advantages(uids, prompts, resp, mask).any() and plug.last[0].external_id == "g-2"
+
+
+def _follow_group(tmp_path: Path, tiny_model_dir: Path, rollouts: list[tuple[str, float, list[dict]]]) -> Store:
+    for eid, reward, msgs in rollouts:
+        write_rollout(tmp_path / "rollouts", 1, "g", eid, reward, msgs)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    store = Store.open(str(tmp_path / "s.db"))
+    backend = LiveModelBackend(model, weight_version="v1")
+    config = ScoreConfig(backend=LiveModelBackend.kind, tokenizer=str(tiny_model_dir), weight_version="v1")
+    prep = prepare(store, config, backend)
+    cfg = FollowConfig([tmp_path / "rollouts"], len(rollouts), "field:uid", params=CreditParams(variant="paper"))
+    assert follow(Follower(store, prep, cfg, RunOptions(concurrency=1)), once=True).batches == 1
+    return store
+
+
+def _turns(task: str, actions: list[str], tools: list[str]) -> list[dict]:
+    msgs = [{"role": "user", "content": task}]
+    for k, action in enumerate(actions):
+        msgs.append({"role": "assistant", "content": action})
+        if k < len(actions) - 1:
+            msgs.append({"role": "user", "content": tools[k]})
+    return msgs
+
+
+def test_a_member_with_fewer_steps_never_takes_a_samples_place(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Rollout A = [ls, cat a.txt, submit], B = [ls, cat a.txt] (same first turns, reward 0): a
+    sample of A whose last turn verl cut (no end-of-turn token) cannot be placed as A, and B's
+    steps are all in its ids; B's advantage (of the other sign) must not land on it. Before, it
+    did (how="search"). The whole sample of A is still A."""
+    task = "Task: find the answer in the files"
+    a = _turns(task, ["ls", "cat a.txt", "submit 42 because the file says so"], ["tool: a.txt", "tool: 42"])
+    b = _turns(task, ["ls", "cat a.txt"], ["tool: a.txt"])
+    c = _turns(task, ["pwd", "ls -la"], ["tool: /"])
+    with _follow_group(tmp_path, tiny_model_dir, [("g-A", 1.0, a), ("g-B", 0.0, b), ("g-C", 0.5, c)]) as store:
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+        prompt, response, mask = _sample(tok, a)
+        plug = VerlHandoff(store, tiny_model_dir, weight_version="v1")
+        whole = plug.advantages(*_arrays([("g", "g-A", prompt, response, mask)]))
+        assert plug.last[0].external_id == "g-A" and (whole > 0).sum() > 0 and not (whole < 0).any()
+        cut = [("g", "g-A", prompt, response[:-4], mask[:-4])]
+        with pytest.raises(HandoffError) as refused:
+            plug.advantages(*_arrays(cut))
+        problem = refused.value.problems[0]  # type: ignore[attr-defined]
+        assert problem.startswith("sample 0 (uid g): no member of its group has every policy turn of its response")
+        assert "g-B leaves the policy's tokens at response positions" in problem
+
+
+def test_a_sample_of_a_member_the_batch_could_not_credit_is_refused_naming_it(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A's line was refused by ingest (a NaN reward): the batch publishes with B and C and names
+    A as failed; A's sample, whose first turns are B's, gets neither B's advantage nor a silent
+    0 on its last turn: it is refused, naming the failed member and why."""
+    task = "Task: find the answer in the files"
+    a = _turns(task, ["ls", "cat a.txt", "submit 42 because the file says so"], ["tool: a.txt", "tool: 42"])
+    b = _turns(task, ["ls", "cat a.txt"], ["tool: a.txt"])
+    c = _turns(task, ["pwd", "ls -la"], ["tool: /"])
+    rollouts = [("g-A", float("nan"), a), ("g-B", 0.0, b), ("g-C", 0.5, c)]
+    with _follow_group(tmp_path, tiny_model_dir, rollouts) as store:
+        info = find_batch(store, "g")
+        assert info is not None and [m.external_id for m in info.members] == ["g-B", "g-C"]
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+        with pytest.raises(HandoffError) as refused:
+            VerlHandoff(store, tiny_model_dir, weight_version="v1").advantages(
+                *_arrays([("g", "g-A", *_sample(tok, a))])
+            )
+        problem = refused.value.problems[0]  # type: ignore[attr-defined]
+        assert "g-B leaves the policy's tokens" in problem and "its batch could not credit 1 member(s)" in problem
+        assert "reward must be a finite number" in problem

@@ -89,6 +89,26 @@ class SampleCredit:
         return asdict(self)
 
 
+# policy tokens next to a step that its own tokens may leave out: the template's glue (a newline
+# after the end-of-turn token, an empty think block); a longer stretch is a turn of its own
+GLUE_TOKENS = 4
+
+
+def _unexplained(own: np.ndarray, valid: np.ndarray) -> tuple[int, int] | None:
+    """The first stretch [a, b) of trained response tokens (``valid``) outside the steps' own
+    tokens (``own``) that is not glue: longer than GLUE_TOKENS, or touching no step. None: the
+    steps explain the response (a sample with a policy turn the member lacks is not that member)."""
+    loose = valid.astype(bool) & ~own.astype(bool)
+    if not loose.any():
+        return None
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], loose.view(np.int8), [0]))))
+    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        touches = (a > 0 and own[a - 1]) or (b < len(own) and own[b])
+        if b - a > GLUE_TOKENS or not touches:
+            return a, b
+    return None
+
+
 class VerlBatchError(HandoffError):
     """Samples of a verl batch whose advantages cannot be given; one line per sample."""
 
@@ -191,9 +211,12 @@ class VerlHandoff:
         return found
 
     def _match(
-        self, handoff: Handoff, members: list[BatchMember], ids: list[int], where: str
+        self, handoff: Handoff, info: BatchInfo, ids: list[int], where: str, start: int, valid: np.ndarray
     ) -> tuple[BatchMember, TokenCredit]:
-        """The member of the group whose every credited step is in ``ids`` (exact renderings first)."""
+        """The member of the group whose rendering ``ids`` are; else the one whose every credited
+        step is in them and whose steps explain every policy token of the response (``valid``
+        from position ``start``: a member with fewer steps than the sample is never it)."""
+        members = info.members
         exact: dict[int, tuple[BatchMember, TokenCredit]] = {}  # episode id -> (member, credit)
         handoff.prefetch(m.episode_id for m in members)  # the group's episodes in one read
         for rendering in ("turns", "whole"):  # the sample is a member's rendering exactly: no search
@@ -229,6 +252,7 @@ class VerlHandoff:
             )
         fits: list[tuple[BatchMember, TokenCredit]] = []
         best: tuple[int, int, str] | None = None  # (steps placed, first refused step, why) of the nearest miss
+        left_out = ""  # the first member whose steps are all there but leave policy tokens unexplained
         for m in members:
             try:
                 credit = handoff.advantages(m.episode_id, ids, strict=False)
@@ -242,13 +266,27 @@ class VerlHandoff:
                 continue
             if total and credit.how in ("turns", "whole"):
                 return m, credit  # the ids are this member's rendering, exactly
+            unexplained = _unexplained(credit.mask[start : len(ids)], valid[: len(ids) - start])
+            if unexplained is not None:
+                a, b = unexplained
+                left = f"{m.external_id or m.name} leaves the policy's tokens at response positions {a}-{b - 1} unexplained"
+                left_out = left_out or left
+                continue
             fits.append((m, credit))
         if not fits:
+            # members the batch could not credit (not ingested, steps failed): the sample may be one
+            failed = "; ".join(f"{f.name}: {f.reason}" for f in info.failed_episodes[:3])
+            failed = f"; its batch could not credit {len(info.failed_episodes)} member(s) ({failed})" if failed else ""
+            if left_out:
+                raise HandoffError(
+                    f"{where}: no member of its group has every policy turn of its response ({left_out}): "
+                    f"a member with fewer steps is not this rollout{failed}"
+                )
             if best is None:
-                raise HandoffError(f"{where}: no member of its group has credited steps")
+                raise HandoffError(f"{where}: no member of its group has credited steps{failed}")
             raise HandoffError(
                 f"{where}: step {best[1]} is not in its ids for any member of its group "
-                f"(nearest: {best[2]}): the rollout's ids differ from the stored episode"
+                f"(nearest: {best[2]}): the rollout's ids differ from the stored episode{failed}"
             )
         first = fits[0][1]
         for _m, other in fits[1:]:
@@ -384,7 +422,7 @@ class VerlHandoff:
                 ids, length, valid = sample(i)
                 start = len(prompt_ids[i])
                 try:
-                    member, credit = self._match(handoff, info.members, ids, where)
+                    member, credit = self._match(handoff, info, ids, where, start, valid)
                     out[i, :length] = self._place(credit, start, valid[:length], where)
                 except HandoffError as exc:
                     problems.append(str(exc))
