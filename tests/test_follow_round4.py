@@ -275,3 +275,29 @@ def test_a_result_json_saved_again_with_the_same_content_is_no_new_version(
         assert changed.ingest is not None and changed.ingest.changed == 1
         assert len(changed.published) == 1
         assert store.query("SELECT status FROM batches ORDER BY id", read_only=True)[1] == [("superseded",), ("ready",)]
+
+
+def test_a_repeated_line_is_one_member_and_its_batch_publishes(tmp_path: Path, ref, tiny_model_dir: Path) -> None:
+    """A collector that appends a line again (a retry), or two rollouts equal byte for byte:
+    ingest keeps one episode, so the batch has one member for it, counted once toward the group,
+    and publishes once the group's other member comes (before: the ids named it twice, the
+    batch insert failed on its unique key, a traceback on every start, the credit run orphaned)."""
+    root = tmp_path / "jsonl"
+    root.mkdir()
+    a, b, c = (_line(i, r, uid="g") + "\n" for i, r in enumerate([1.0, 0.0, 0.5]))
+    (root / "eps.jsonl").write_text(a + a + b)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        follower = _follower(store, ref, tiny_model_dir, root, group_size=3, batch_by="field:uid")
+        assert follower.cycle().published == []  # two distinct members of three
+        assert follower.still_waiting() == ["batch g: 2 of 3 episode(s)"]
+        assert any("eps.jsonl:2 repeats" in n and "eps.jsonl:1" in n for n in follower.status.notices)
+        with (root / "eps.jsonl").open("a") as f:
+            f.write(c)
+        (batch,) = follower.cycle().published
+        assert (batch.key, batch.episodes, batch.status) == ("g", 3, "ready")
+        assert sorted(m.external_id for m in batch.members) == ["ep-0", "ep-1", "ep-2"]
+        runs = store.query("SELECT episodes FROM credit_runs", read_only=True)[1]
+        assert [r[0] for r in runs] == [3]
+        # a restart reads the same file: nothing new, nothing fails
+        again = _follower(store, ref, tiny_model_dir, root, group_size=3, batch_by="field:uid")
+        assert again.cycle().published == [] and again.still_waiting() == []

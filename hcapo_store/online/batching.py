@@ -101,6 +101,7 @@ class Batcher:
         """File an arrival under its batch key (found later for stored versions batched by tag
         or field: their key is in the database)."""
         self.members[location] = member
+        first = location not in self.key_of
         old = self.key_of.pop(location, None)
         if old is not None:
             self.groups.get(old, set()).discard(location)
@@ -109,7 +110,12 @@ class Batcher:
         if key is None:
             return
         self.key_of[location] = key
-        self.groups.setdefault(key, set()).add(location)
+        group = self.groups.setdefault(key, set())
+        if member.episode_id is not None and first:
+            same = sorted(o for o in group if o != location and self.members[o].episode_id == member.episode_id)
+            if same:  # ingest keeps identical repeats as one episode: one member, counted once
+                self.status.notice(f"{location} repeats {same[0]} (the same episode): one member of its batch")
+        group.add(location)
         self.open.add(key)
 
     def _key_of_location(self, location: str, member: Member) -> str | None:
@@ -181,19 +187,23 @@ class Batcher:
         return self._fields[episode_id]
 
     def episode_ids(self, key: str) -> list[int]:
-        """The stored episode versions filed under ``key``."""
-        return [m.episode_id for loc in self.groups.get(key, ()) if (m := self.members[loc]).episode_id is not None]
+        """The stored episode versions filed under ``key``, each once (repeated lines are one)."""
+        ids = (self.members[loc].episode_id for loc in sorted(self.groups.get(key, ())))
+        return list(dict.fromkeys(i for i in ids if i is not None))
 
     def publish(self, rows: dict[int, dict[str, Any]], report: CycleReport, keys: Sequence[str] | None = None) -> None:
         """Publish every complete batch of the open keys (``keys``: of those only)."""
         now = self.now()
         for key in sorted(self.open if keys is None else self.open.intersection(keys)):
-            stored, failed = [], []
+            stored, failed, seen = [], [], set()
             for loc in sorted(self.groups.get(key, ())):
                 m = self.members[loc]
                 if m.failure is not None:
                     failed.append(m)
-                elif m.episode_id in rows and rows[m.episode_id]["is_current"]:
+                elif m.episode_id in rows and rows[m.episode_id]["is_current"] and m.episode_id not in seen:
+                    # a line repeating another (a collector's retry, or two rollouts equal byte for
+                    # byte) is the same stored episode: one member, counted toward the group once
+                    seen.add(m.episode_id)
                     stored.append(rows[m.episode_id])
             if not stored and not failed:
                 self.open.discard(key)
@@ -276,7 +286,8 @@ class Batcher:
         """The batches waiting for members, by name (``batch key: n of group size``)."""
         out = []
         for key in sorted(self.open):
-            n = len(self.groups.get(key, ()))
+            members = self.groups.get(key, ())
+            n = len({loc if (i := self.members[loc].episode_id) is None else i for loc in members})
             if n:
                 out.append(f"batch {key}: {n} of {self.cfg.group_size} episode(s)")
         return out
