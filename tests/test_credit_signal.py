@@ -171,7 +171,8 @@ def test_one_step_episodes_carry_no_hindsight_scores(tmp_path: Path, variant: st
     signal = get_run(store, "one").credit_signal
     assert signal is not None and signal.ratio_varying_steps == 0 and signal.hindsight_nonzero_steps > 0
     assert signal.scores_unused and signal.plain_grpo and signal.hindsight_share == 0.0
-    assert "ratio rho is 1 on all 4 steps" in signal.text() and "ratio rho is 1" in result.message
+    assert "ratio rho is 1, or weighs a return of 0, on all 4 steps" in signal.text()
+    assert "ratio rho is 1" in result.message
     with pytest.raises(HandoffError, match="one step each"):
         Handoff(store, "one", tokenizer=None)
     two = [dict(t, logprobs=[-1.0, t["logprobs"][0]]) for t in trajs]  # an earlier step: the ratio moves
@@ -179,5 +180,38 @@ def test_one_step_episodes_carry_no_hindsight_scores(tmp_path: Path, variant: st
     store2 = _store_with(tmp_path / "two", two)
     compute_credits(store2, CreditParams(variant=variant, dense=False, min_reward=0.0), name="two")
     signal2 = get_run(store2, "two").credit_signal
-    assert signal2 is not None and signal2.ratio_varying_steps == 6 and not signal2.plain_grpo  # -1.0 twice: 1
-    assert "ratio rho off 1 on 6 of 8 steps" in signal2.text()
+    # -1.0 twice: ratio 1; reward 0 (terminal returns): the ratio weighs G = 0 on both steps
+    assert signal2 is not None and signal2.ratio_varying_steps == 4 and not signal2.plain_grpo
+    assert "ratio rho off 1 on 4 of 8 steps" in signal2.text()
+
+
+@pytest.mark.parametrize("variant", ["paper", "original"])
+def test_a_ratio_that_moves_only_on_reward_zero_episodes_carries_no_hindsight(tmp_path: Path, variant: str) -> None:
+    """One-step episodes and one three-step episode of reward 0: under terminal returns its
+    Q_H = rho * gamma^k * 0 is 0 whatever rho is, so the scores reach no advantage (two sets of
+    scores give the same advantages) although its ratio moves: plain GRPO, refused by name.
+    Before, its three steps counted as a moving ratio and the batch passed as HCAPO."""
+    from test_credit_variants import _store_with
+
+    from hcapo_store.errors import HandoffError
+    from hcapo_store.training.handoff import Handoff
+
+    def run(logprobs: list[float], where: Path):
+        trajs = [
+            {"group": 0, "reward": 1.0, "logprobs": [-0.5]},
+            {"group": 0, "reward": 0.5, "logprobs": [-2.0]},
+            {"group": 0, "reward": 0.0, "logprobs": logprobs},
+        ]
+        where.mkdir(exist_ok=True)
+        store = _store_with(where, trajs)
+        compute_credits(store, CreditParams(variant=variant, dense=False, min_reward=0.0), name="r")
+        rows = store.query("SELECT c.advantage FROM credits c JOIN steps s ON s.id = c.step_id ORDER BY s.id")[1]
+        return store, [r[0] for r in rows]
+
+    store, first = run([-0.1, -3.0, -1.0], tmp_path / "a")
+    _, second = run([-4.0, -0.2, -2.5], tmp_path / "b")
+    assert first == pytest.approx(second, abs=1e-12)  # the scores change nothing
+    signal = get_run(store, "r").credit_signal
+    assert signal is not None and signal.ratio_varying_steps == 0 and signal.scores_unused and signal.plain_grpo
+    with pytest.raises(HandoffError, match="or weighs a return of 0"):
+        Handoff(store, "r", tokenizer=None)

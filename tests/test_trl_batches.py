@@ -83,7 +83,9 @@ def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
     texts, rewards = ["!!!!", "#", "!", "##", "!!", "$", "!!!", "%"], [4.0, 0, 1, 0, 2, 0, 3, 0]
     with Store.open(str(tmp_path / "s.db")) as store:
         source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
-        with pytest.raises(HandoffError, match="the ratio rho is 1 on all 8 steps.*one step each"):
+        with pytest.raises(
+            HandoffError, match="the ratio rho is 1, or weighs a return of 0, on all 8 steps.*one step each"
+        ):
             source(_batch(tok, qwen3(tok).eval(), 0, texts, rewards, 4, single=True))
         outs = []
         for seed in (0, 1):

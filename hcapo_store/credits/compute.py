@@ -393,7 +393,7 @@ def _credit_columns(
         c = episode_credits(batch, params)  # type: ignore[assignment]
         a_macro, micro, advantage = _original_advantages(conn, params, batch, episode_ids, groups, c.q_h_smoothed)
     totals.null_rewards += c.null_rewards
-    totals.signal = measure(cols.episode, micro, advantage, params.omega, rho_raw=c.rho_raw)
+    totals.signal = measure(cols.episode, micro, advantage, params.omega, rho_raw=c.rho_raw, q_h=c.q_h)
     return [
         cols.step_id,
         cols.mean,

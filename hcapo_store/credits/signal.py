@@ -48,12 +48,13 @@ class CreditSignal:
     varying_episodes: int  # of them, those whose step advantages are not all equal
     advantage_spread: float  # mean over episodes of the std of the episode's step advantages
     note: str | None = None  # what the run chose itself (e.g. terminal rewards on outcome-only data)
-    # of the steps, those whose ratio rho_raw is not 1 (None: not measured, a record from before)
+    # of the steps, those whose ratio rho_raw is not 1 and weighs a return that is not 0 (only
+    # there can the scores move Q_H = rho * G); None: not measured, a record from before
     ratio_varying_steps: int | None = None
 
     @property
     def scores_unused(self) -> bool:
-        """No step's ratio moves off 1: the stored hindsight scores reach no advantage."""
+        """No step's ratio moves off 1 where its return is not 0: the hindsight scores reach no advantage."""
         return self.ratio_varying_steps == 0 and self.steps > 0
 
     @property
@@ -87,9 +88,10 @@ class CreditSignal:
             return "hindsight term: no step has an advantage"
         if self.scores_unused and self.hindsight_nonzero_steps:
             head = (
-                f"hindsight scores reach no advantage: the ratio rho is 1 on all {self.steps} steps (one step per "
-                "episode, or steps that all scored the same: the ratio compares an episode's own steps), so the "
-                "hindsight term is the return's z-score"
+                f"hindsight scores reach no advantage: the ratio rho is 1, or weighs a return of 0, on all "
+                f"{self.steps} steps (one step per episode, steps that all scored the same: the ratio compares an "
+                "episode's own steps, or longer episodes only where their reward is 0), so the hindsight term is "
+                "the return's z-score"
             )
             head += ": the advantage is GRPO's group term alone" if self.plain_grpo else ""
         elif self.zero:
@@ -109,17 +111,18 @@ class CreditSignal:
             f"({self.varying_episodes} of {self.episodes} episodes vary)"
         )
         if self.ratio_varying_steps is not None and not self.scores_unused:
-            spread += f"; ratio rho off 1 on {self.ratio_varying_steps} of {self.steps} steps"
+            spread += f"; ratio rho off 1 on {self.ratio_varying_steps} of {self.steps} steps (of non-zero return)"
         return head + spread + (f"; {self.note}" if self.note else "")
 
     def refusal(self, what: str) -> str:
         """The one line a trainer hook refuses a plain-GRPO batch with."""
         if self.scores_unused and self.hindsight_nonzero_steps:
             return (
-                f"{what}: the ratio rho is 1 on all {self.steps} steps, so the hindsight scores reach no advantage "
-                "and it is GRPO's group term alone: HCAPO's ratio compares an episode's own steps, and these "
-                "episodes have one step each (single-turn rollouts: give them their earlier turns, a multi-turn "
-                "prompt or tool calls) or steps that all scored the same; pass "
+                f"{what}: the ratio rho is 1, or weighs a return of 0, on all {self.steps} steps, so the hindsight "
+                "scores reach no advantage and it is GRPO's group term alone: HCAPO's ratio compares an episode's "
+                "own steps, and these episodes have one step each (single-turn rollouts: give them their earlier "
+                "turns, a multi-turn prompt or tool calls), steps that all scored the same, or more steps only where "
+                "the reward is 0; pass "
                 f"{OPT_IN}=True to train plain GRPO on purpose"
             )
         return (
@@ -136,10 +139,13 @@ def measure(
     omega: float = 1.0,
     note: str | None = None,
     rho_raw: np.ndarray | None = None,
+    q_h: np.ndarray | None = None,
 ) -> CreditSignal:
     """The signal of per-step arrays (one entry per step, ``episode`` any per-episode key, steps of
     an episode adjacent). Steps without an advantage (NaN: an original run's unselected episodes)
-    are left out. ``rho_raw``: each step's ratio before the clip (None: not counted)."""
+    are left out. ``rho_raw``: each step's ratio before the clip (None: not counted); ``q_h``: each
+    step's rho * G before smoothing (a ratio off 1 counts only where it is not 0: it weighs nothing
+    on a return of 0, e.g. every step of a reward-0 episode under terminal returns)."""
     episode = np.asarray(episode)
     micro = np.asarray(micro, dtype=np.float64)
     advantage = np.asarray(advantage, dtype=np.float64)
@@ -148,7 +154,10 @@ def measure(
     varying = None
     if rho_raw is not None:
         ratio = np.asarray(rho_raw, dtype=np.float64)[keep]
-        varying = int((np.abs(ratio - 1.0) > NONZERO).sum())
+        moves = np.abs(ratio - 1.0) > NONZERO
+        if q_h is not None:
+            moves &= np.abs(np.asarray(q_h, dtype=np.float64)[keep]) > NONZERO
+        varying = int(moves.sum())
     hind = np.nan_to_num(omega * micro, nan=0.0)
     if len(episode):
         starts = np.flatnonzero(np.concatenate(([True], episode[1:] != episode[:-1])))
@@ -172,7 +181,7 @@ def measure(
 
 
 RUN_STEPS_SQL = """
-SELECT s.episode_id, c.micro, c.advantage, c.rho_raw FROM credits c JOIN steps s ON s.id = c.step_id
+SELECT s.episode_id, c.micro, c.advantage, c.rho_raw, c.q_h FROM credits c JOIN steps s ON s.id = c.step_id
 WHERE c.run_id = :run ORDER BY s.episode_id, s.step_index
 """
 
@@ -187,7 +196,8 @@ def measure_run(conn: Connection, run_id: int, omega: float = 1.0, note: str | N
     micro = np.asarray([np.nan if r[1] is None else r[1] for r in rows], dtype=np.float64)
     adv = np.asarray([np.nan if r[2] is None else r[2] for r in rows], dtype=np.float64)
     rho = np.asarray([np.nan if r[3] is None else r[3] for r in rows], dtype=np.float64)
-    return measure(ep, micro, adv, omega, note, rho_raw=rho)
+    q_h = np.asarray([np.nan if r[4] is None else r[4] for r in rows], dtype=np.float64)
+    return measure(ep, micro, adv, omega, note, rho_raw=rho, q_h=q_h)
 
 
 def run_signal(conn: Connection, run_id: int, stored: str | None, omega: float = 1.0) -> CreditSignal | None:
