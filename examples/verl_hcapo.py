@@ -29,6 +29,10 @@ PLUG = [
     "reward.reward_manager.source=register",
     "reward.reward_manager.name=hcapo",  # writes the store's advantages into rm_scores
     "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=hcapo_store.training.verl.setup",
+    # v1 streams each rollout's scalar reward and gives no reward manager the whole batch: the
+    # replay buffer puts the store's advantages into each sampled training batch instead
+    "trainer.v1.sampler.custom_sampler.path=pkg://hcapo_store.training.verl",
+    "trainer.v1.sampler.custom_sampler.name=replay_buffer",
 ]
 
 
@@ -88,11 +92,14 @@ class Preflight:
     def run(self, config) -> dict:
         from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
         from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+        from verl.utils.import_utils import load_extern_type
 
+        sampler = config.trainer.v1.sampler.custom_sampler  # loaded as verl's v1 trainer loads it
         return {
             "pid": os.getpid(),
             "estimator": "hcapo" in ADV_ESTIMATOR_REGISTRY,
             "reward_manager": "hcapo" in REWARD_MANAGER,
+            "sampler": load_extern_type(sampler.path, sampler.name).__qualname__,
             "env": {k: v for k, v in os.environ.items() if k.startswith("HCAPO_")},
         }
 
@@ -107,14 +114,14 @@ def preflight(run_ppo, config, missing: str) -> None:
     worker = ray.remote(num_cpus=0)(Preflight)
     run_ppo(config, task_runner_class=worker)  # ray.init as verl does it, then a worker of the run
     found = ray.get(worker.remote().run.remote(config))
-    registered = found.get("estimator") and found.get("reward_manager")
+    registered = found.get("estimator") and found.get("reward_manager") and found.get("sampler") == "replay_buffer"
     print(json.dumps({"ray_worker": found}), flush=True)
     ray.shutdown()
     if not registered:
         sys.exit(f"hcapo is not registered in verl's Ray worker (pid {found.get('pid')}): {json.dumps(found)}")
     sys.exit(
-        f"verl_hcapo: {missing}: the plug is registered in a Ray worker (estimator and reward manager hcapo), "
-        "nothing is trained here; run it on a machine with a GPU"
+        f"verl_hcapo: {missing}: the plug is registered in a Ray worker (estimator and reward manager hcapo, "
+        "v1 sampler replay_buffer), nothing is trained here; run it on a machine with a GPU"
     )
 
 

@@ -235,12 +235,46 @@ def test_verl_trains_on_the_stores_advantages(
     assert "token-level reward is nan: refused" in out["nan"]["error"]
     for case_name in ("kl_in_reward", "naive_rewards"):
         e = out[case_name]["error"]
-        assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo reward manager wrote" in e, e
+        assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo plug wrote" in e, e
+        assert "custom_sampler.path=pkg://hcapo_store.training.verl" in e, e
     # last (it changes the store): the advantages follow the stored hindsight logprobs
     runs = [b["credit_run"] for b in scored["batches"].values()]
     with Store.open(str(scored["db"])) as store:
         assert_advantages_follow_hindsight(store, runs)
         assert_advantage_moves_with_logprob(store, runs)
+
+
+def test_verl_v1_trains_on_the_stores_advantages_through_its_replay_buffer(
+    verl_python: Path, scored: dict, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """verl 0.9.1's v1 trainer streams each trajectory's scalar reward into TransferQueue and calls
+    no reward manager on the whole batch (that is the colocated reward model's path only), so the
+    estimator would see scalars. The custom sampler puts the store's advantages into the sampled
+    batch's rm_scores: on a real TransferQueue, v1's own advantage step then gives every token
+    Handoff.advantages, signed, varying within a sample; a validation batch keeps its scalar."""
+    case, good = _case(scored, tiny_model_dir, tmp_path)
+    r = subprocess.run(
+        [str(verl_python), str(ROOT / "tests" / "_verl_tq_driver.py"), str(case)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_verl_venv.run_env(),
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["sampled"] == list(range(len(good["expected"])))
+    varying = 0
+    for i, want in enumerate(good["expected"]):
+        row = np.array(out["advantages"][i], dtype=np.float32)
+        n, mask = len(want["advantages"]), np.array(want["mask"], dtype=bool)
+        assert np.array_equal(row[:n], np.array(want["advantages"], dtype=np.float32)), i
+        assert not row[n:].any() and not row[:n][~mask].any()
+        varying += len(set(row[:n][mask].tolist())) > 1
+    flat = np.concatenate([np.array(r) for r in out["advantages"]])
+    assert flat.min() < 0 < flat.max() and varying > len(good["expected"]) / 2
+    assert set(out["signals"]) == {b["credit_run"] for b in scored["batches"].values()}
+    # validation is scored, not trained: its reward stays the scalar on the last token
+    assert out["val"]["keys"] and out["val"]["rm_scores"][0][-1] == 0.75 and not any(out["val"]["rm_scores"][0][:-1])
 
 
 def test_the_plug_is_refused_without_verl() -> None:

@@ -8,20 +8,29 @@ that imports this module, then calls verl's ``main``), then point it at the stor
 
     # verl config:  algorithm.adv_estimator=hcapo  algorithm.use_kl_in_reward=False
     #               reward.reward_manager.source=register  reward.reward_manager.name=hcapo
+    #               trainer.v1.sampler.custom_sampler.path=pkg://hcapo_store.training.verl
+    #               trainer.v1.sampler.custom_sampler.name=replay_buffer
 
-It registers two things, because verl's estimators see a sample's ``uid`` (its GRPO group)
-and never its turns or tokens:
+verl's estimators see a sample's ``uid`` (its GRPO group), never its turns or tokens, so the
+store's per-token advantages reach verl as the batch's rewards (``rm_scores``), written where
+verl holds the whole batch with its ids:
 
-- the reward manager ``hcapo`` (``HcapoRewardManager``): ``run_single`` is verl's naive one
-  (the scalar reward still reaches verl's metrics), and ``assemble_rm_scores``, which sees
-  the whole batch, writes each sample's per-token advantages from the store into
-  ``rm_scores`` (``verl_batch.VerlHandoff``: the group's batch by uid, the sample by its own
-  ids within it, the weight version checked);
-- the estimator ``hcapo`` (``@register_adv_est``) for the legacy ``compute_advantage`` and the
-  v1 ``compute_advantage_for_multi_trajectories`` alike: it passes those values on as
-  ``advantages`` and ``returns``, after checking that they are exactly what the reward
-  manager wrote (a KL penalty folded into the rewards, or another reward manager's scalar,
-  is refused by sample) and finite.
+- **v1 trainer** (verl's default): rollouts stream into TransferQueue, each with its scalar
+  reward, and no reward manager sees the batch (``assemble_rm_scores`` runs only with a
+  colocated reward model). The replay buffer ``replay_buffer`` (v1's custom sampler: the sync
+  or async one of the trainer's mode) writes them into each sampled training batch
+  (``write_tq_advantages``); validation batches keep their scalar rewards;
+- **legacy trainer**, with a colocated reward model (``reward.reward_model.enable=True``): the
+  reward manager ``hcapo`` (``HcapoRewardManager``, verl's naive one otherwise) writes them in
+  ``assemble_rm_scores``, which sees the whole batch. Without a reward model the legacy
+  trainer's streaming reward path never calls it, and the estimator refuses the batch;
+
+both through ``verl_batch.VerlHandoff`` (the group's batch by uid, the sample by its own ids
+within it, the weight version checked). The estimator ``hcapo`` (``@register_adv_est``), for
+the legacy ``compute_advantage`` and the v1 ``compute_advantage_for_multi_trajectories`` alike,
+passes those values on as ``advantages`` and ``returns`` after checking that they are exactly
+what the plug wrote (a KL penalty folded into the rewards, or another reward manager's scalar,
+is refused by sample) and finite.
 
 Without ``configure`` the environment names the store: ``HCAPO_STORE``, ``HCAPO_TOKENIZER``,
 ``HCAPO_WEIGHT_VERSION``, ``HCAPO_WAIT`` (seconds), ``HCAPO_EXACT`` (1: ids must be a rendering),
@@ -54,6 +63,7 @@ try:
     from verl.experimental.reward_loop.reward_manager import register
     from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
     from verl.trainer.ppo.core_algos import register_adv_est
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 except Exception as exc:  # ImportError, or an AttributeError of a moved name: version drift
     installed = None
     try:
@@ -166,6 +176,85 @@ def batch_advantages(data: DataProto) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.float32, device=responses.device)
 
 
+# What v1 holds of a trajectory (TransferQueue fields, one ragged row per key)
+TQ_FIELDS = ["uid", "prompts", "responses", "response_mask"]
+
+
+def _rows(value: Any) -> list[list[int]]:
+    """A TransferQueue field's rows (a jagged nested tensor, or one tensor of equal rows)."""
+    return [row.tolist() for row in (value.unbind() if getattr(value, "is_nested", False) else value)]
+
+
+def write_tq_advantages(keys: list[str], partition_id: str) -> np.ndarray:
+    """verl v1: each trajectory ``keys`` names in TransferQueue gets the store's per-token
+    advantages as its ``rm_scores`` (what v1's ``_compute_advantage`` reads as the rewards),
+    found as ``assemble_rm_scores`` finds them (``VerlHandoff``: its group by uid, the sample by
+    its own ids). Returns the (batch, response_length) values written."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=TQ_FIELDS)
+    uids = [str(u) for u in _leaves(data["uid"])]
+    if len(uids) != len(keys):
+        raise HandoffError(f"TransferQueue gave {len(uids)} uids for {len(keys)} trajectories of {partition_id!r}")
+    prompts, responses, masks = (_rows(data[name]) for name in ("prompts", "responses", "response_mask"))
+    lengths = [len(r) for r in responses]
+    width = max(lengths, default=0)
+    padded = np.zeros((len(keys), width), dtype=np.int64)
+    mask = np.zeros((len(keys), width), dtype=np.int64)
+    for i, (r, m) in enumerate(zip(responses, masks)):
+        padded[i, : len(r)], mask[i, : len(m)] = r, m
+    values = handoff().advantages(uids, prompts, padded, mask, lengths)
+    _remember(values)
+    rows = [torch.as_tensor(values[i, :n], dtype=torch.float32) for i, n in enumerate(lengths)]
+    scores = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    tq.kv_batch_put(
+        keys=keys, partition_id=partition_id, fields=TensorDict({"rm_scores": scores}, batch_size=len(keys))
+    )
+    return values
+
+
+def _leaves(value: Any) -> list[Any]:
+    """A non-tensor field's values in row order: TransferQueue returns a NonTensorStack, a numpy
+    array or tensordict's LinkedList (a list subclass), nested once or not, by backend."""
+    if isinstance(value, str):
+        return [value]
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+class _StoreAdvantages:
+    """verl v1's replay buffer whose training batches leave it with the store's advantages in
+    ``rm_scores``: v1 streams each trajectory's scalar reward into TransferQueue as it finishes,
+    and no reward manager sees the whole batch (``assemble_rm_scores`` runs only with a colocated
+    reward model), so the batch is completed here, once sampled: its groups are whole then.
+    Validation batches keep their scalar rewards (they are scored, not trained)."""
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict]:
+        batch, metrics = super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        if partition_id != "val" and batch.keys:
+            write_tq_advantages(list(batch.keys), batch.partition_id)
+        return batch, metrics
+
+
+class HcapoReplayBuffer(_StoreAdvantages, ReplayBuffer):
+    """The sync trainer's replay buffer with the store's advantages."""
+
+
+class HcapoReplayBufferAsync(_StoreAdvantages, ReplayBufferAsync):
+    """The async trainers' replay buffer with the store's advantages."""
+
+
+def replay_buffer(**kwargs: Any) -> ReplayBuffer:
+    """``trainer.v1.sampler.custom_sampler`` (``path=pkg://hcapo_store.training.verl``,
+    ``name=replay_buffer``): the replay buffer of the trainer's mode, with the store's advantages."""
+    cls = HcapoReplayBuffer if kwargs.get("trainer_mode") == "sync" else HcapoReplayBufferAsync
+    return cls(**kwargs)
+
+
 @register(NAME)
 class HcapoRewardManager(NaiveRewardManager):
     """verl's naive reward manager whose ``rm_scores`` are the store's per-token advantages."""
@@ -195,9 +284,11 @@ def hcapo_advantage(
             problems.append(f"sample {i}{uid}: a value falls on a token the response mask does not train")
         elif _fingerprint(row) not in _written:
             problems.append(
-                f"sample {i}{uid}: its token_level_rewards are not the advantages the hcapo reward manager wrote "
-                "(set reward.reward_manager.name=hcapo and algorithm.use_kl_in_reward=False; rewards computed in "
-                "verl's agent loop, its streaming reward path, never reach assemble_rm_scores)"
+                f"sample {i}{uid}: its token_level_rewards are not the advantages the hcapo plug wrote: the v1 "
+                "trainer needs trainer.v1.sampler.custom_sampler.path=pkg://hcapo_store.training.verl and "
+                ".name=replay_buffer (examples/verl_hcapo.py sets both), and algorithm.use_kl_in_reward=False; the "
+                "legacy trainer (trainer.use_v1=False) hands the batch to reward manager hcapo only with a colocated "
+                "reward model (its streaming reward path never reaches assemble_rm_scores)"
             )
     if problems:
         raise VerlBatchError(problems)
