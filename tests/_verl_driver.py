@@ -154,6 +154,10 @@ def main() -> None:
     attempt("no_uid_no_version", without_uid)
     hv.configure(case["db"], tokenizer=case["tokenizer"], weight_version=case["weight_version"])
 
+    def rejected(data) -> None:  # rollout correction's rejection sampling: a sample's mask zeroed
+        data.batch["response_mask"][0] = 0
+
+    attempt("rejected", lambda: estimator_sees(rejected))
     attempt("nan", lambda: estimator_sees(nan))
     attempt("kl_in_reward", lambda: estimator_sees(kl))
     attempt("naive_rewards", lambda: estimator_sees(naive))

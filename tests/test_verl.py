@@ -233,6 +233,9 @@ def test_verl_trains_on_the_stores_advantages(
     assert e.startswith("sample 0 (no uid): a row without its uid is looked up") and "give weight_version" in e, e
     # the estimator passes on nothing it did not get from the store, and never a NaN
     assert "token-level reward is nan: refused" in out["nan"]["error"]
+    # a sample rejected by verl's rollout correction (its mask zeroed since) trains on nothing; the rest as before
+    rejected = out["rejected"]["value"]
+    assert not any(rejected[0]) and rejected[1:] == out["legacy"]["value"]["advantages"][1:]
     for case_name in ("kl_in_reward", "naive_rewards"):
         e = out[case_name]["error"]
         assert e.startswith("sample 0 (uid ") and "not the advantages the hcapo plug wrote" in e, e

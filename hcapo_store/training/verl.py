@@ -274,14 +274,11 @@ def hcapo_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The store's advantages, as ``HcapoRewardManager`` wrote them into ``rm_scores``."""
     values = token_level_rewards.detach().float().cpu().numpy()
-    mask = response_mask.detach().cpu().numpy().astype(bool)
     problems = []
     for i, row in enumerate(values):
         uid = f" (uid {index[i]})" if index is not None else ""
         if not np.isfinite(row).all():
             problems.append(f"sample {i}{uid}: a token-level reward is {row[~np.isfinite(row)][0]}: refused")
-        elif (row[~mask[i]] != 0).any():
-            problems.append(f"sample {i}{uid}: a value falls on a token the response mask does not train")
         elif _fingerprint(row) not in _written:
             problems.append(
                 f"sample {i}{uid}: its token_level_rewards are not the advantages the hcapo plug wrote: the v1 "
@@ -292,6 +289,9 @@ def hcapo_advantage(
             )
     if problems:
         raise VerlBatchError(problems)
+    # Every value was checked to fall on a token the response mask trained when it was written
+    # (VerlHandoff._place); a mask narrowed since (verl's rollout-correction rejection sampling)
+    # trains fewer, as verl's own estimators do: the mask multiplies.
     advantages = token_level_rewards * response_mask
     return advantages, advantages.clone()
 
