@@ -160,9 +160,9 @@ def _case(scored: dict, tok_dir: Path, tmp: Path) -> tuple[Path, dict]:
     return path, good
 
 
-def _run_verl(verl_python: Path, case: Path) -> dict:
+def _run_verl(verl_python: Path, case: Path, driver: str = "_verl_driver.py") -> dict:
     r = subprocess.run(
-        [str(verl_python), str(ROOT / "tests" / "_verl_driver.py"), str(case)],
+        [str(verl_python), str(ROOT / "tests" / driver), str(case)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -256,15 +256,7 @@ def test_verl_v1_trains_on_the_stores_advantages_through_its_replay_buffer(
     batch's rm_scores: on a real TransferQueue, v1's own advantage step then gives every token
     Handoff.advantages, signed, varying within a sample; a validation batch keeps its scalar."""
     case, good = _case(scored, tiny_model_dir, tmp_path)
-    r = subprocess.run(
-        [str(verl_python), str(ROOT / "tests" / "_verl_tq_driver.py"), str(case)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=_verl_venv.run_env(),
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run_verl(verl_python, case, "_verl_tq_driver.py")
     assert out["sampled"] == list(range(len(good["expected"])))
     varying = 0
     for i, want in enumerate(good["expected"]):
