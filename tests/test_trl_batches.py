@@ -73,6 +73,45 @@ def test_a_restart_with_the_same_run_id_does_not_reuse_a_batch_folder(tmp_path: 
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
+def test_a_restart_with_the_same_run_id_and_another_workdir_stores_its_own_rollouts(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+):
+    """JSONL episodes are keyed by file name: a restart reusing ``run_id`` with a fresh workdir
+    (a temp dir, a cleaned folder) wrote the same file names, so the same rollouts were the
+    earlier run's episodes ("unchanged": not found by path, every row 0, nothing raised) and
+    changed ones new versions of them. Each batch now takes names no batch of the store has."""
+    model = qwen3(tok).eval()
+    texts, rewards = ["!!!!", "#", "!", "##"], [4, 0, 1, 0]
+    first = _batch(tok, model, 0, texts, rewards, 4)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "one", run_id="R")(first)
+        for k, batch in enumerate((first, _batch(tok, model, 0, ["!", "#", "!!", "$"], [1, 0, 2, 0], 4))):
+            restarted = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / f"new{k}", run_id="R")
+            got = restarted(batch)
+            assert all(f"-s0.{k + 1}-" in n for n in restarted.episodes[0]) and not restarted.skipped
+            (tmp_path / f"alone{k}").mkdir()
+            for a, b in zip(got, _alone(tmp_path / f"alone{k}", batch, demo_tokenizer_dir), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+            assert any(np.abs(a).max() > 0.1 for a in got)
+        current = store.query("SELECT COUNT(*) FROM episodes WHERE version > 1")[1][0][0]
+        assert current == 0  # no earlier run's episode got a new version
+
+
+def test_an_evaluation_batch_keeps_out_of_its_steps_records(tmp_path: Path, tok, demo_tokenizer_dir: Path):
+    """The per-step records (runs, signals, episodes) are the step's training batch's; the
+    trainer logs each batch's own signal (last_signal), never another batch's of its step."""
+    model = qwen3(tok).eval()
+    train = _batch(tok, model, 1, ["!!!!", "#", "!", "##"], [4, 0, 1, 0], 4)
+    evaluation = _batch(tok, model, 1, ["!", "#", "!!", "$"], [1, 0, 2, 0], 4, "eval")
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
+        source(train)
+        run, names, signal = source.runs[1], source.episodes[1], source.signals[1]
+        source(evaluation)
+        assert source.last_signal is not None and source.last_signal != signal
+        assert (source.runs[1], source.episodes[1], source.signals[1]) == (run, names, signal)
+
+
 def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
     tmp_path: Path, tok, demo_tokenizer_dir: Path
 ) -> None:

@@ -202,7 +202,7 @@ class HCAPOGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["hcapo/advantages_seconds"].append(time.perf_counter() - started)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         self.last_batch = batch
-        signal = getattr(self.advantage_source, "signals", {}).get(batch.step)
+        signal = getattr(self.advantage_source, "last_signal", None)  # this batch's, never another's of its step
         if signal is not None:  # StoreAdvantages: whether HCAPO's hindsight term is in this batch
             self._metrics[mode]["hcapo/hindsight_nonzero_share"].append(signal.hindsight_share)
             self._metrics[mode]["hcapo/advantage_spread"].append(signal.advantage_spread)
@@ -307,8 +307,10 @@ class StoreAdvantages(HandoffAdvantages):
     (``LogRatioParams``, whose defaults are the library's), default ``LogRatioParams(grpo=True,
     group_by="group")``: the GRPO group's advantage stays the backbone, the log-ratio the dense term.
 
-    ``signals[step]``: the batch's hindsight signal (the share of steps whose hindsight term is
-    non-zero, the spread of advantages within an episode; the trainer logs both). A batch whose
+    ``signals[step]``: the step's training batch's hindsight signal (the share of steps whose
+    hindsight term is non-zero, the spread of advantages within an episode); ``last_signal``: the
+    last batch's, of any mode, which the trainer logs. ``runs``, ``scorers`` and ``episodes`` are
+    per step as well, of its training batch (an evaluation batch's stay out of them). A batch whose
     hindsight term is zero on every step while its advantages are not is refused with a
     ``HandoffError`` unless ``allow_zero_hindsight=True`` (plain GRPO on purpose).
 
@@ -363,7 +365,9 @@ class StoreAdvantages(HandoffAdvantages):
         # the library's defaults (credits/params.py): the paper's terminal return on outcome-only rollouts
         self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
         self.allow_zero_hindsight = allow_zero_hindsight
+        # per step, its training batch's (the last one at that step): evaluation batches keep out
         self.signals: dict[int, CreditSignal] = {}  # step -> its batch's hindsight signal (credits/signal.py)
+        self.last_signal: CreditSignal | None = None  # the last batch's, of any mode (None: nothing stored)
         super().__init__(None, self.episode_name, strict=strict)  # its handoff is per batch: see __call__
         self.runs: dict[int, str] = {}  # step -> credit run name
         self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
@@ -391,10 +395,26 @@ class StoreAdvantages(HandoffAdvantages):
         same file and counted them into its GRPO groups."""
         base = "" if batch.mode == "train" else f"-{batch.mode}"
         suffix, k = base, 0
-        while (self.workdir / self.run_id / f"step_{batch.step:06d}{suffix}").exists():
+        while self._taken(batch.step, suffix):
             k += 1
             suffix = f"{base}.{k}"
         return suffix
+
+    def _taken(self, step: int, suffix: str) -> bool:
+        """Whether a batch already went by these names: its folder in the workdir, or its episodes
+        in the store (a restart reusing ``run_id`` with another workdir: JSONL episodes are keyed by
+        file name, so its rows would be the earlier run's episodes, "unchanged", or new versions of
+        them, and the batch trained on zeros)."""
+        if (self.workdir / self.run_id / f"step_{step:06d}{suffix}").exists():
+            return True
+        prefix = f"jsonl:{self._file_stem(step, suffix)}_g"
+        rows = self.store.query(
+            "SELECT 1 FROM episodes WHERE substr(source_key, 1, :n) = :p LIMIT 1", {"n": len(prefix), "p": prefix}
+        )[1]
+        return bool(rows)
+
+    def _file_stem(self, step: int, suffix: str) -> str:
+        return f"{self.run_id}_step{step:06d}{suffix}"
 
     def _messages(self, batch: RolloutBatch, i: int) -> list[dict[str, Any]]:
         prompt, completion = batch.prompts[i], batch.completions[i]
@@ -415,7 +435,7 @@ class StoreAdvantages(HandoffAdvantages):
             if not math.isfinite(batch.rewards[i]):
                 self.skipped[(batch.step, i)] = "no reward function scored it (TRL gives it no advantage either)"
                 continue
-            path = folder / f"{self.run_id}_step{batch.step:06d}{suffix}_g{group:05d}.jsonl"
+            path = folder / f"{self._file_stem(batch.step, suffix)}_g{group:05d}.jsonl"
             episode = {
                 "episode_id": self._external_id(batch.step, suffix, i),
                 "reward": batch.rewards[i],
@@ -443,6 +463,10 @@ class StoreAdvantages(HandoffAdvantages):
                 "callable that gathers the batch first"
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
+        self.last_signal = None
+        if batch.mode == "train":  # the step's records are its training batch's: none left from before
+            for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
+                records.pop(batch.step, None)
         suffix = self._suffix(batch)
         files = self._write(batch, suffix)
         if not files:
@@ -465,7 +489,9 @@ class StoreAdvantages(HandoffAdvantages):
                     names[i] = by_row[self._external_id(batch.step, suffix, i)]
                 else:
                     self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
-        self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
+        train = batch.mode == "train"  # an evaluation batch's records stay out of its step's
+        if train:
+            self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
         if not names:
             return out
         version = f"{self.run_id}/step-{batch.step}"
@@ -487,8 +513,9 @@ class StoreAdvantages(HandoffAdvantages):
             run = compute_credits(self.store, self.params, scorer=live.scorer_id, episodes=episode_ids)
         else:
             run = self._log_ratio_run(batch, version, list(names.values()), live.scorer_id, episode_ids, tokenizer)
-        self.runs[batch.step] = run.run.name
-        self.scorers[batch.step] = live.scorer_id
+        if train:
+            self.runs[batch.step] = run.run.name
+            self.scorers[batch.step] = live.scorer_id
         # a batch whose hindsight term is zero on every step is refused (plain GRPO) unless opted into
         handoff = Handoff(
             self.store,
@@ -497,7 +524,8 @@ class StoreAdvantages(HandoffAdvantages):
             allow_zero_hindsight=self.allow_zero_hindsight,
             loaded_tokenizer=tokenizer,
         )
-        if handoff.signal is not None:
+        self.last_signal = handoff.signal
+        if handoff.signal is not None and train:
             self.signals[batch.step] = handoff.signal
         for i, name in names.items():
             if not any(batch.loss_mask[i]):
@@ -534,7 +562,8 @@ class StoreAdvantages(HandoffAdvantages):
                 f"step {batch.step}: scoring the rollouts without the hindsight block failed: "
                 f"{student.report.first_errors}"
             )
-        self.students[batch.step] = student.scorer_id
+        if batch.mode == "train":
+            self.students[batch.step] = student.scorer_id
         return compute_log_ratio(
             self.store,
             self.log_ratio,
