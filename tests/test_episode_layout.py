@@ -104,7 +104,10 @@ def test_a_template_that_renders_a_turn_by_its_place_is_placed_step_by_step(demo
 def _check_requests(builder: PromptBuilder, ep, requests) -> tuple[int, int]:
     layout = EpisodeLayout(builder)
     block = hindsight_text(ep.outcome, {}, EPISODE_HINDSIGHT_TEMPLATE)
-    placement = layout.placer.place(inject_hindsight(normalize_messages(ep.messages), block), _steps(ep.steps))
+    shown = inject_hindsight(normalize_messages(ep.messages), block)
+    placement = layout.placer.place(shown, _steps(ep.steps))
+    anchor = builder.anchor_ids(shown[0])
+    head = len(anchor) + len(builder.marker_ids)  # a later window's: the anchor and the marker
     groups = [r for r in requests if isinstance(r, GroupPrompt)]
     seen = [m.step_index for g in groups for m in g.members]
     failed = [r.step_index for r in requests if isinstance(r, PromptFailure)]
@@ -119,14 +122,19 @@ def _check_requests(builder: PromptBuilder, ep, requests) -> tuple[int, int]:
             scored = m.scored_tokens
             # the scored ids are the step's own tokens of the whole rendering (its last ones when capped)
             assert list(m.input_ids[m.first_scored :]) == placement.ids[end - scored : end]
+            first_window = len(m.input_ids) == end and list(m.input_ids) == placement.ids[:end]
+            window_start = 0 if first_window else end + head - len(m.input_ids)
+            if not first_window:
+                assert list(m.input_ids[:head]) == anchor + builder.marker_ids
+            # the conversation's ids left out: the anchor stands for the first message's
+            assert m.truncated_prefix_tokens == max(window_start - len(anchor), 0)
             # a step longer than its window's room keeps its tail (the window starts inside it)
-            kept = end - max(start, m.truncated_prefix_tokens)
+            kept = end - max(start, window_start)
             assert m.total_action_tokens == end - start and scored == min(kept, builder.max_logprob_tokens)
-            if m.truncated_prefix_tokens:  # a later window: half its room of context before the step,
+            if not first_window:  # a later window: half its room of context before the step,
                 # or what the step leaves of the room when it is longer than half
-                head = len(m.input_ids) - end + m.truncated_prefix_tokens  # anchor + marker
                 room = builder.max_context - head
-                assert start - m.truncated_prefix_tokens >= min(room // 2, room - (end - start))
+                assert start - window_start >= min(room // 2, room - (end - start))
         sent += len(g.input_ids)
     return sent, conversation_tokens(builder, ep.messages, ep.outcome, ep.steps)
 

@@ -30,10 +30,14 @@ EXTRAS = {
     "trl": "trl",
     "datasets": "trl",
     "verl": "verl",
+    "transfer_queue": "verl",
 }
+# A module whose distribution is named otherwise, for when it is not installed here (TransferQueue's
+# import name is transfer_queue)
+DISTRIBUTIONS = {"transfer_queue": "transferqueue"}
 # Run by a test in an environment it builds itself, not the test extra's (tests/test_verl.py: verl pins
 # transformers<5.11).
-OWN_VENV = {"_verl_driver.py"}
+OWN_VENV = {"_verl_driver.py", "_verl_tq_driver.py"}
 
 
 def _imported_top_level_modules(sources: list[Path] = SOURCES) -> set[str]:
@@ -55,7 +59,7 @@ def _undeclared(modules: set[str], declared: set[str]) -> list[str]:
     dists = packages_distributions()
     missing = []
     for module in sorted(modules):
-        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [DISTRIBUTIONS.get(module, module)])}
         if not names & declared:
             missing.append(f"{module} (distribution {sorted(names)})")
     return missing

@@ -262,7 +262,8 @@ def test_truncation_keeps_anchor_marker_tail_and_whole_action(tmp_path):
     assert prefix_budget > len(anchor) + len(marker)
     tail = full.input_ids[: full.first_scored][-(prefix_budget - len(anchor) - len(marker)) :]
     assert cut.input_ids[: cut.first_scored] == anchor + marker + tail
-    assert cut.truncated_prefix_tokens == full.first_scored - prefix_budget
+    # the history's ids left out: the marker is none of it
+    assert cut.truncated_prefix_tokens == full.first_scored - (prefix_budget - len(marker))
     assert (cut.total_action_tokens, cut.skipped_action_tokens) == (len(action), 0)
 
 
@@ -346,7 +347,9 @@ def test_action_alone_over_budget_with_hindsight_keeps_the_anchor(tmp_path):
     assert cut == builder.build_step_reference(messages, OUTCOME, step)
     assert cut.input_ids[:head] == anchor + marker and len(cut.input_ids) == head + 60
     assert cut.first_scored == head + 30 and cut.scored_tokens == 30
-    assert cut.truncated_prefix_tokens >= 0
+    # the prefix past the anchor is left out (the task's message is the anchor, the rest is not there)
+    whole = PromptBuilder(tok, max_logprob_tokens=0).build_step(messages, OUTCOME, step)
+    assert cut.truncated_prefix_tokens == max(whole.first_scored - len(anchor), 0) > 0
 
 
 def test_max_logprob_tokens_scores_the_suffix(tmp_path):

@@ -85,16 +85,16 @@ def test_openai_logprobs_are_stored_checked_against_the_ids(tmp_path, demo_token
         f"{tok.encode(TEXTS[1], add_special_tokens=False)[2]} ({tok.decode([tok.encode(TEXTS[1], add_special_tokens=False)[2]])!r})"
     ]
     rows = store.query(
-        "SELECT e.external_id, s.step_index, sc.token_logprobs, sc.token_count, sc.total_action_tokens "
-        "FROM scores sc JOIN steps s ON s.id = sc.step_id JOIN episodes e ON e.id = s.episode_id "
-        "WHERE sc.scorer_id = :s ORDER BY 1, 2",
+        "SELECT e.external_id, s.step_index, sc.token_logprobs, sc.token_count, sc.total_action_tokens, "
+        "sc.skipped_action_tokens FROM scores sc JOIN steps s ON s.id = sc.step_id "
+        "JOIN episodes e ON e.id = s.episode_id WHERE sc.scorer_id = :s ORDER BY 1, 2",
         {"s": sid},
     )[1]
     assert len(rows) == 8
-    for ep, index, blob, n, total in rows:
+    for ep, index, blob, n, total, skipped in rows:
         assert list(struct.unpack(f"<{n}f", blob)) == pytest.approx(want[ep][index], abs=1e-6)
         assert total == len(want["with-eot"][index])  # the step's own tokens include the end of turn
-        assert n == total - (ep == "without-eot")
+        assert n == total - (ep == "without-eot") and skipped == total - n  # as every scorer's rows
     failed = store.query("SELECT last_error_kind, last_error FROM attempts WHERE status = 'failed'")[1]
     assert [f[0] for f in failed] == ["rollout_mismatch"] and "token 2" in failed[0][1]
     # the CLI: again, the same scores (replaced, not doubled), as JSON
@@ -132,7 +132,8 @@ def test_a_rollout_scorer_is_the_student_of_a_log_ratio_run(tmp_path, demo_token
             text(
                 "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, total_action_tokens, "
                 "skipped_action_tokens, truncated_prefix_tokens, input_tokens, logprob_start_len, flattened, created_at) "
-                "SELECT step_id, 'teacher', token_logprobs, token_count, mean_logprob, total_action_tokens, 0, 0, "
+                "SELECT step_id, 'teacher', token_logprobs, token_count, mean_logprob, total_action_tokens, "
+                "skipped_action_tokens, 0, "
                 "input_tokens, logprob_start_len, flattened, created_at FROM scores WHERE scorer_id = :s"
             ),
             {"s": student},

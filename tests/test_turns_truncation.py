@@ -309,3 +309,15 @@ def test_a_truncated_prompt_keeps_its_own_windows_anchor():
     assert any(isinstance(p, StepPrompt) and p.truncated_prefix_tokens for p in fast)
     for row, prompt in zip(rows, fast, strict=True):
         assert prompt == builder.build_step_reference(messages, outcome, row)
+    # a window too long even at its shortest is cut as sliding cuts: after the anchor, one marker
+    # (the head's own marker is not in the anchor), whatever the budget
+    said = "earlier trajectory context truncated"
+    cut_once = 0
+    for context in (120, 160, 200, 260):
+        builder = PromptBuilder(tok, max_context=context, truncation="turns", max_logprob_tokens=0)
+        for row, prompt in zip(rows, builder.build_episode(messages, outcome, rows), strict=True):
+            assert prompt == builder.build_step_reference(messages, outcome, row)
+            if isinstance(prompt, StepPrompt):
+                assert tok.decode(prompt.input_ids).count(said) <= 1, (context, row)
+                cut_once += tok.decode(prompt.input_ids).count(said)
+    assert cut_once

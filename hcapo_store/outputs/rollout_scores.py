@@ -233,7 +233,7 @@ def _write(
                 text(
                     "INSERT INTO scores (step_id, scorer_id, token_logprobs, token_count, mean_logprob, "
                     "total_action_tokens, skipped_action_tokens, truncated_prefix_tokens, input_tokens, "
-                    "logprob_start_len, flattened, created_at) VALUES (:s, :sc, :b, :n, :m, :total, 0, 0, :inp, "
+                    "logprob_start_len, flattened, created_at) VALUES (:s, :sc, :b, :n, :m, :total, :skipped, 0, :inp, "
                     ":start, :fl, :at)"
                 ),
                 {
@@ -243,6 +243,8 @@ def _write(
                     "n": len(values),
                     "m": float(values.astype(np.float64).mean()) if len(values) else 0.0,
                     "total": own,
+                    # own tokens the rollout gave no value for (an end-of-turn token the API left out)
+                    "skipped": max(own - len(values), 0),
                     "inp": end,
                     "start": start,
                     "fl": flattened,

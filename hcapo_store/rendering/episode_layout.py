@@ -167,12 +167,16 @@ class EpisodeLayout:
                 window_start = max(start - room // CONTEXT_FRACTION, end - room, 0)
                 base = head + ids[window_start : window_start + room]
                 offset = len(head) - window_start
+                # the conversation's ids left out: the anchor stands for the first message's
+                left_out = max(window_start - (len(head) - len(self.builder.marker_ids)), 0)
             else:
-                window_start, base, offset = 0, ids[: min(budget, len(ids))], 0
+                window_start, base, offset, left_out = 0, ids[: min(budget, len(ids))], 0, 0
             members: list[StepPrompt] = []
             while j < len(placed) and placed[j][1].end + offset <= len(base):
                 index, span = placed[j]
-                members.append(self._member(index, span.start, span.end, base, offset, window_start, flattened))
+                members.append(
+                    self._member(index, span.start, span.end, base, offset, window_start, left_out, flattened)
+                )
                 j += 1
             out.append(GroupPrompt(tuple(members)))
         return out
@@ -191,7 +195,15 @@ class EpisodeLayout:
         return anchor[:keep] + marker if keep > 0 else []
 
     def _member(
-        self, index: int, start: int, end: int, base: list[int], offset: int, window_start: int, flattened: bool
+        self,
+        index: int,
+        start: int,
+        end: int,
+        base: list[int],
+        offset: int,
+        window_start: int,
+        left_out: int,
+        flattened: bool,
     ) -> StepPrompt:
         own = end - start
         kept = end - max(start, window_start)  # a step longer than the window keeps its tail
@@ -204,7 +216,7 @@ class EpisodeLayout:
             first_scored=first_scored,
             total_action_tokens=own,
             skipped_action_tokens=own - (stop - first_scored),
-            truncated_prefix_tokens=window_start,
+            truncated_prefix_tokens=left_out,
             flattened=flattened,
         )
 

@@ -211,7 +211,16 @@ class PromptBuilder:
 
     def anchor_ids(self, first: dict) -> list[int]:
         """The first message (hindsight block included) alone: what a truncated prompt keeps."""
-        return self.encoder.encode_once(self._render([first], generation=False))
+        return self.encoder.encode_once(self._anchor_text(first))
+
+    def _anchor_text(self, first: dict) -> str:
+        """The anchor's text, without the marker ``--truncation turns`` ends a one-message head
+        with: the cut puts its own marker after the anchor (once, not twice)."""
+        content = first.get("content")
+        marked = TRUNCATION_MARKER.rstrip()
+        if isinstance(content, str) and content.endswith(marked):
+            first = dict(first, content=content[: -len(marked)])
+        return self._render([first], generation=False)
 
     @property
     def thread_safe(self) -> bool:
@@ -480,7 +489,7 @@ class PromptBuilder:
         )
         texts.own = self._own_span(rendered, texts)
         first = rendered.messages[0]
-        return self._finish(index, texts, lambda: encode(self._render([first], generation=False)))
+        return self._finish(index, texts, lambda: encode(self._anchor_text(first)))
 
     def _hindsight(self, outcome: Any, step: Any) -> str | None:
         return hindsight_text(outcome, step, self.hindsight_template) if self.hindsight else None
@@ -512,7 +521,7 @@ class PromptBuilder:
 
     def _anchor(self, anchors: dict[tuple[Any, ...], list[int]], key: tuple[Any, ...], first: dict) -> list[int]:
         # by the first message's text too: under --truncation turns a window that leaves turns
-        # out ends the head with the marker, and a head of one message carries it in its anchor
+        # out ends the head with the marker (_anchor_text takes it off again)
         key = (*key, first.get("content"))
         if key not in anchors:
             anchors[key] = self.anchor_ids(first)
@@ -541,7 +550,9 @@ class PromptBuilder:
             own_start, own_end = texts.own
             action_ids = action_ids[:own_end]
         try:
-            kept_prefix, kept_action = self._truncate(prefix_ids, action_ids, anchor, texts.hidden, texts.visible_from)
+            kept_prefix, kept_action, history = self._truncate(
+                prefix_ids, action_ids, anchor, texts.hidden, texts.visible_from
+            )
         except TemplateRejected as exc:
             return PromptFailure(index, "template", f"anchor: {exc}")
         except HindsightDoesNotFit as exc:
@@ -559,16 +570,17 @@ class PromptBuilder:
             first_scored=first_scored,
             total_action_tokens=own_tokens,
             skipped_action_tokens=own_tokens - (len(input_ids) - first_scored),
-            # the anchor and marker count as kept prefix ids; a short prefix behind an action cut
-            # to fit them could otherwise count below 0
-            truncated_prefix_tokens=max(prefix_len + texts.hidden - len(kept_prefix), 0) + texts.dropped,
+            # the history's ids left out: the anchor stands for the first message, the marker is
+            # none of the history (a short prefix behind an action cut to fit: at least 0)
+            truncated_prefix_tokens=max(prefix_len + texts.hidden - history, 0) + texts.dropped,
             flattened=texts.flattened,
         )
 
     def _truncate(
         self, prefix_ids: list[int], action_ids: list[int], anchor: Any, hidden: int = 0, visible_from: int = 0
-    ) -> tuple[list[int], list[int]]:
-        """The original's truncation, on ids: anchor + marker + recent prefix tail + action.
+    ) -> tuple[list[int], list[int], int]:
+        """The original's truncation, on ids: anchor + marker + recent prefix tail + action; and
+        how many of the kept prefix ids stand for the history (all but the marker).
 
         The anchor (the first message, the hindsight block at its end) is kept whole: an action
         too long to leave room for it keeps its tail behind it (the original kept the action's
@@ -582,10 +594,10 @@ class PromptBuilder:
         if total + len(action_ids) <= self.max_context:
             if hidden:
                 raise NeedWhole
-            return prefix_ids, action_ids
+            return prefix_ids, action_ids, len(prefix_ids)
         max_prefix = self.max_context - len(action_ids)
         if max_prefix <= 0 and not self.hindsight:
-            return [], action_ids[-self.max_context :]
+            return [], action_ids[-self.max_context :], 0
         anchor_ids: list[int] = anchor()
         marker = self._marker_ids
         head = anchor_ids + marker
@@ -595,7 +607,7 @@ class PromptBuilder:
             room = self.max_context - len(head)
             if room < 1:
                 raise HindsightDoesNotFit(len(anchor_ids), len(marker), len(action_ids), self.max_context)
-            return head, action_ids[-room:]
+            return head, action_ids[-room:], len(anchor_ids)
         tail_budget = max_prefix - len(head)
         if tail_budget > 0:
             start = total - tail_budget
@@ -603,9 +615,10 @@ class PromptBuilder:
                 start = self._window_start(start, total, tail_budget, len(head))
             if hidden and start - hidden < visible_from:
                 raise NeedWhole
-            return head + prefix_ids[start - hidden :], action_ids
+            return head + prefix_ids[start - hidden :], action_ids, len(anchor_ids) + total - start
         # a baseline scorer's anchor that does not fit: its start (no block to lose)
-        return (anchor_ids[: max(max_prefix - len(marker), 0)] + marker)[:max_prefix], action_ids
+        kept = anchor_ids[: max(max_prefix - len(marker), 0)]
+        return (kept + marker)[:max_prefix], action_ids, len(kept)
 
     def _window_start(self, sliding_start: int, prefix_len: int, tail_budget: int, head: int) -> int:
         """The smallest block boundary at or after the sliding start; the sliding start when

@@ -191,7 +191,6 @@ def write_tq_advantages(keys: list[str], partition_id: str) -> np.ndarray:
     found as ``assemble_rm_scores`` finds them (``VerlHandoff``: its group by uid, the sample by
     its own ids). Returns the (batch, response_length) values written."""
     import transfer_queue as tq
-    from tensordict import TensorDict
 
     data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=TQ_FIELDS)
     uids = [str(u) for u in _leaves(data["uid"])]
@@ -208,9 +207,8 @@ def write_tq_advantages(keys: list[str], partition_id: str) -> np.ndarray:
     _remember(values)
     rows = [torch.as_tensor(values[i, :n], dtype=torch.float32) for i, n in enumerate(lengths)]
     scores = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    tq.kv_batch_put(
-        keys=keys, partition_id=partition_id, fields=TensorDict({"rm_scores": scores}, batch_size=len(keys))
-    )
+    fields = type(data)({"rm_scores": scores}, batch_size=len(keys))  # the TensorDict class TransferQueue answers with
+    tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields)
     return values
 
 
