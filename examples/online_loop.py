@@ -18,7 +18,9 @@ Each iteration:
    response's ids and mask, 0 on tool results) gets its (B, T) advantages from the store
    (``VerlHandoff``: the group by uid, each sample by its own ids, the weight version checked).
    With ``--verl`` (verl 0.9.1 installed) they go through verl itself: the ``hcapo`` reward
-   manager's ``assemble_rm_scores`` and verl's ``compute_advantage(adv_estimator="hcapo")``.
+   manager's ``assemble_rm_scores`` and verl's ``compute_advantage(adv_estimator="hcapo")``
+   (the legacy trainer's path with a colocated reward model; verl's v1 trainer takes them from
+   the plug's replay buffer instead: tests/_verl_tq_driver.py runs that on TransferQueue).
 4. **update** — one policy-gradient step, ``-sum_t A_t log pi(token_t)`` over the action tokens.
 
 Each iteration reports whether HCAPO's hindsight term is in the advantages: the steps whose
