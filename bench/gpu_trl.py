@@ -283,12 +283,17 @@ def digit_sum(completions: list[Any], **_: Any) -> list[float]:
 
 class TimedSource:
     """``source`` (StoreAdvantages) timed as ``advantages``, with the rows the loss trains per step;
-    its ``signals`` are the source's own (the trainer logs ``hcapo/hindsight_nonzero_share`` from
-    them: a bare function in its place would hide them)."""
+    its ``signals`` and ``last_signal`` are the source's own (the trainer logs
+    ``hcapo/hindsight_nonzero_share`` from them: a bare function in its place would hide them)."""
 
     def __init__(self, timers: Timers, source: Any) -> None:
         self.timers, self.source = timers, source
         self.signals = source.signals
+
+    @property
+    def last_signal(self) -> Any:
+        """The last batch's signal (what the trainer logs), the source's own."""
+        return self.source.last_signal
 
     def __call__(self, batch: Any) -> Any:
         self.timers.rows[self.timers.step] = {

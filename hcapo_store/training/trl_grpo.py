@@ -202,7 +202,11 @@ class HCAPOGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["hcapo/advantages_seconds"].append(time.perf_counter() - started)
         output["advantages"] = advantages.to(output["completion_ids"].device)
         self.last_batch = batch
-        signal = getattr(self.advantage_source, "last_signal", None)  # this batch's, never another's of its step
+        source = self.advantage_source
+        # this batch's own (StoreAdvantages.last_signal); a wrapper that passes on only ``signals``: its step's
+        signal = (
+            source.last_signal if hasattr(source, "last_signal") else getattr(source, "signals", {}).get(batch.step)
+        )
         if signal is not None:  # StoreAdvantages: whether HCAPO's hindsight term is in this batch
             self._metrics[mode]["hcapo/hindsight_nonzero_share"].append(signal.hindsight_share)
             self._metrics[mode]["hcapo/advantage_spread"].append(signal.advantage_spread)
