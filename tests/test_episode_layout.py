@@ -447,3 +447,21 @@ def test_score_names_a_context_too_small_for_the_hindsight_block_and_stores_no_n
     assert credits.exit_code == 1 and "no episode is completely scored" in credits.stderr, credits.output
     r = runner.invoke(cli, [*argv, "--prompt-layout", layout, "--max-context", "4096", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["scored"] == steps, r.output
+
+
+def test_a_baseline_head_of_nothing_counts_every_id_before_its_window(demo_tokenizer_dir):
+    """A budget too small for even the marker beside half of it: a baseline scorer's windows have
+    no head at all, so the ids left out are exactly those before the window (not the marker's more)."""
+    tok = load_tokenizer(demo_tokenizer_dir)
+    ep = _long_task_episode(20)
+    builder = PromptBuilder(tok, layout="episode", max_context=48, max_logprob_tokens=64, hindsight=False)
+    assert builder.max_context // 2 <= len(builder.marker_ids)
+    layout = EpisodeLayout(builder)
+    placement = layout.placer.place(normalize_messages(ep.messages), _steps(ep.steps))
+    ends = {i: span.end for i, span in placement.spans.items()}
+    requests = layout.requests(ep.messages, ep.outcome, ep.steps)
+    members = [m for r in requests if isinstance(r, GroupPrompt) for m in r.members]
+    later = [m for m in members if list(m.input_ids) != placement.ids[: len(m.input_ids)]]
+    assert later
+    for m in later:  # a window of ids [start, end) alone: what is left out is everything before it
+        assert m.truncated_prefix_tokens == ends[m.step_index] - len(m.input_ids) > 0

@@ -167,8 +167,9 @@ class EpisodeLayout:
                 window_start = max(start - room // CONTEXT_FRACTION, end - room, 0)
                 base = head + ids[window_start : window_start + room]
                 offset = len(head) - window_start
-                # the conversation's ids left out: the anchor stands for the first message's
-                left_out = max(window_start - (len(head) - len(self.builder.marker_ids)), 0)
+                # the conversation's ids left out: the anchor stands for the first message's (a
+                # head of nothing, a baseline's first message too long to keep, has no marker either)
+                left_out = max(window_start - max(len(head) - len(self.builder.marker_ids), 0), 0)
             else:
                 window_start, base, offset, left_out = 0, ids[: min(budget, len(ids))], 0, 0
             members: list[StepPrompt] = []
