@@ -409,13 +409,16 @@ class StoreAdvantages(HandoffAdvantages):
         in the store (a restart reusing ``run_id`` with another workdir: JSONL episodes are keyed by
         file name, so its rows would be the earlier run's episodes, "unchanged", or new versions of
         them, and the batch trained on zeros)."""
-        if (self.workdir / self.run_id / f"step_{step:06d}{suffix}").exists():
+        if self._folder(step, suffix).exists():
             return True
         prefix = f"jsonl:{self._file_stem(step, suffix)}_g"
         rows = self.store.query(
             "SELECT 1 FROM episodes WHERE substr(source_key, 1, :n) = :p LIMIT 1", {"n": len(prefix), "p": prefix}
         )[1]
         return bool(rows)
+
+    def _folder(self, step: int, suffix: str) -> Path:
+        return self.workdir / self.run_id / f"step_{step:06d}{suffix}"
 
     def _file_stem(self, step: int, suffix: str) -> str:
         return f"{self.run_id}_step{step:06d}{suffix}"
@@ -431,7 +434,7 @@ class StoreAdvantages(HandoffAdvantages):
 
     def _write(self, batch: RolloutBatch, suffix: str) -> dict[int, list[tuple[int, Path]]]:
         """Each group's rows as a JSONL file of episodes; which rows went into which file."""
-        folder = self.workdir / self.run_id / f"step_{batch.step:06d}{suffix}"
+        folder = self._folder(batch.step, suffix)
         folder.mkdir(parents=True)
         files: dict[int, list[tuple[int, Path]]] = {}
         lines: dict[int, list[str]] = {}
@@ -468,7 +471,8 @@ class StoreAdvantages(HandoffAdvantages):
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
         self.last_signal = None
-        if batch.mode == "train":  # the step's records are its training batch's: none left from before
+        train = batch.mode == "train"  # the step's records are its training batch's, an evaluation's stay out
+        if train:  # none left from an earlier batch of the step
             for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
                 records.pop(batch.step, None)
         suffix = self._suffix(batch)
@@ -493,7 +497,6 @@ class StoreAdvantages(HandoffAdvantages):
                     names[i] = by_row[self._external_id(batch.step, suffix, i)]
                 else:
                     self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
-        train = batch.mode == "train"  # an evaluation batch's records stay out of its step's
         if train:
             self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
         if not names:

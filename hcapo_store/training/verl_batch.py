@@ -109,6 +109,11 @@ def _unexplained(own: np.ndarray, valid: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
+def _failed_members(info: BatchInfo) -> str:
+    """The first members a batch could not credit, with why ("" when none)."""
+    return "; ".join(f"{f.name}: {f.reason}" for f in info.failed_episodes[:3])
+
+
 class VerlBatchError(HandoffError):
     """Samples of a verl batch whose advantages cannot be given; one line per sample."""
 
@@ -188,7 +193,7 @@ class VerlHandoff:
                 )
                 continue
             if info.status != "ready" or not info.credit_run:
-                failed = "; ".join(f"{f.name}: {f.reason}" for f in info.failed_episodes[:3])
+                failed = _failed_members(info)
                 problems.append(
                     f"sample {first} (uid {uid}): its batch {info.id} has no credits ({info.status}: {failed or 'no member could be credited'})"
                 )
@@ -275,7 +280,7 @@ class VerlHandoff:
             fits.append((m, credit))
         if not fits:
             # members the batch could not credit (not ingested, steps failed): the sample may be one
-            failed = "; ".join(f"{f.name}: {f.reason}" for f in info.failed_episodes[:3])
+            failed = _failed_members(info)
             failed = f"; its batch could not credit {len(info.failed_episodes)} member(s) ({failed})" if failed else ""
             if left_out:
                 raise HandoffError(
