@@ -15,7 +15,7 @@
 #      b. the 0.6B and 1.7B (the rest; gpu-small.json): 64 episodes a run.
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu-*.json/.log, trl.json/.log). Each part has its own time limit.
-# GPU_ALL_DEMO=0 leaves out part 1 (~35 s; shown on the H100 on 2026-11-28, calls b and c), GPU_ALL_TRL=0
+# GPU_ALL_DEMO=0 leaves out part 1 (~35 s, at most GPU_ALL_DEMO_S=75; shown on the H100 on 2026-11-28, calls b and c), GPU_ALL_TRL=0
 # part 3 (measured with its breakdown on 2026-11-28, calls c and d). With both left out, part 2 alone:
 #   GPU_ALL_DEMO=0 GPU_ALL_TRL=0 bash bench/gpu_all.sh 560     # run with timeout_s 600: ~11.5 minutes of device time with the start
 #
@@ -30,16 +30,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .gpu/wheels/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/hcapo/site-packages" PYTHONUNBUFFERED=1
 
-if [[ "${GPU_ALL_DEMO:-1}" != 0 ]]; then
-  demo=/tmp/hcapo-demo
+demo_part() {
+  local demo=/tmp/hcapo-demo model
   mkdir -p "$demo"
-  {
-    python3 -m hcapo_store --db "$demo/demo.db" demo --dir "$demo" --json >"$demo.json" &&
-      model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_dir"])' "$demo.json")" &&
-      python3 -m hcapo_store --db "$demo/demo.db" score --backend transformers --model "$model" \
-        --device cuda --dtype bfloat16 --max-context 8192 --json &&
-      python3 -m hcapo_store --db "$demo/demo.db" scorers list
-  } 2>&1 | tail -40 | tee "$out/demo.log"
+  python3 -m hcapo_store --db "$demo/demo.db" demo --dir "$demo" --json >"$demo.json" &&
+    model="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_dir"])' "$demo.json")" &&
+    python3 -m hcapo_store --db "$demo/demo.db" score --backend transformers --model "$model" \
+      --device cuda --dtype bfloat16 --max-context 8192 --json &&
+    python3 -m hcapo_store --db "$demo/demo.db" scorers list
+}
+if [[ "${GPU_ALL_DEMO:-1}" != 0 ]]; then
+  # bounded, so that the measurements after it keep their time
+  timeout "${GPU_ALL_DEMO_S:-75}" bash -c "$(declare -f demo_part); demo_part" 2>&1 | tail -40 | tee "$out/demo.log"
 fi
 
 big_s=$((gpu_s * 3 / 4))
