@@ -7,12 +7,12 @@
 #      graphs on (capture passes first, unmeasured), forwards packed as the library does and one
 #      sequence a forward (the 8B's replays took x1.038 the body's time packed at concurrency 4,
 #      x1.015 alone at 1). Two runs of the script:
-#      a. the 8B (3/4 of GPU_SECONDS; gpu-8b.json): 128 episodes a run. Packed (~2 a forward) or
-#         not, a window then holds about 64 replays or more, so its periodic checks (one replay in
+#      a. the 8B (2/3 of GPU_SECONDS; gpu-8b.json; on an H200 2026-12-04: 184 s packed alone, ~280 s
+#         with both): 128 episodes a run. Packed (~2 a forward) or not, a window then holds about 64 replays or more, so its periodic checks (one replay in
 #         64, verify.CUDA_GRAPHS) come near the policy's rate (each run's checks_at_policy_rate
 #         beside its forward_kinds): 48 episodes (24 forwards) held one check, 4 % of that window,
 #         where a long run pays ~1.6 %;
-#      b. the 0.6B and 1.7B (the rest; gpu-small.json): 64 episodes a run.
+#      b. the 0.6B and 1.7B (the rest; gpu-small.json): 64 episodes a run (on an H200: 130 s).
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu-*.json/.log, trl.json/.log). Each part has its own time limit.
 # GPU_ALL_DEMO=0 leaves out part 1 (~35 s, at most GPU_ALL_DEMO_S=75; shown on the H100 on 2026-11-28, calls b and c), GPU_ALL_TRL=0
@@ -44,7 +44,7 @@ if [[ "${GPU_ALL_DEMO:-1}" != 0 ]]; then
   timeout "${GPU_ALL_DEMO_S:-75}" bash -c "$(declare -f demo_part); demo_part" 2>&1 | tail -40 | tee "$out/demo.log"
 fi
 
-big_s=$((gpu_s * 3 / 4))
+big_s=$((gpu_s * 2 / 3))
 timeout "$big_s" python3 bench/gpu.py --shapes 8b --layouts episode --concurrency 4 --prepare processes \
   --graphs on --pack-tokens default 0 --episodes 128 --run-episodes 128 --capture-passes 2 --no-drift \
   --budget-s $((big_s - 10)) --out "$out/gpu-8b.json" 2>&1 | tee "$out/gpu-8b.log"
