@@ -10,8 +10,8 @@
 #      a. the 8B (2/3 of GPU_SECONDS; gpu-8b.json; on an H200 2026-12-04: 184 s packed alone, ~280 s
 #         with both): 128 episodes a run. Packed (~2 a forward) or not, a window then holds about 64
 #         replays or more, so its periodic checks (one replay in 64, verify.CUDA_GRAPHS) come near
-#         the policy's rate (each run's checks_at_policy_rate beside its forward_kinds): 48 episodes (24 forwards) held one check, 4 % of that window,
-#         where a long run pays ~1.6 %;
+#         the policy's rate (each run's checks_at_policy_rate beside its forward_kinds): 48 episodes
+#         (24 forwards) held one check, 4 % of that window, where a long run pays ~1.6 %;
 #      b. the 0.6B and 1.7B (the rest; gpu-small.json): 64 episodes a run (on an H200: 130 s).
 #   3. bench/gpu_trl.py: one TRL GRPO step's hindsight share.
 # Everything lands in $OUT (demo.log, gpu-*.json/.log, trl.json/.log). Each part has its own time limit.
