@@ -115,12 +115,28 @@ class Timers:
 
     def __init__(self) -> None:
         self.step = 0
+        self.in_source = False  # inside the advantage source (watch_gc)
         self.seconds: dict[int, dict[str, float]] = {}
         self.rows: dict[int, dict[str, int]] = {}  # step -> the batch's rows and the rows the loss trains
 
     def add(self, name: str, seconds: float) -> None:
         row = self.seconds.setdefault(self.step, {})
         row[name] = row.get(name, 0.0) + seconds
+
+    def watch_gc(self) -> None:
+        """The garbage collector's pauses inside the advantage source, as ``gc_in_advantages``
+        (a full collection over a trainer's objects can take a large part of a second)."""
+        import gc
+
+        started: list[float] = []
+
+        def pause(phase: str, _info: dict[str, Any]) -> None:
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started and self.in_source:
+                self.add("gc_in_advantages", time.perf_counter() - started[0])
+
+        gc.callbacks.append(pause)
 
     def wrap(self, owner: Any, attribute: str, name: str, before: Any = None) -> None:
         """Time ``owner.attribute`` (a module function or a bound method), as ``name``."""
@@ -148,6 +164,8 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
     import hcapo_store.credits.compute as credits_module
     import hcapo_store.ingestion.pipeline as ingest_module
     import hcapo_store.scoring.live as live_module
+    import hcapo_store.training.handoff as handoff_module
+    import hcapo_store.training.trl_grpo as trl_module
     from hcapo_store.storage.store import Store
     from hcapo_store.training.trl_grpo import HCAPOGRPOTrainer, StoreAdvantages
 
@@ -183,6 +201,12 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
     timers.wrap(live_module, "score_live", "score_live", before=layout_of_step)
     timers.wrap(credits_module, "compute_credits", "credits")
     timers.wrap(ingest_module, "ingest", "ingest")
+    # the hand-off's parts (its figure is the source's rest): the rollouts' files, the Handoff's
+    # opening, the rows' placements; and the garbage collector's pauses inside the source
+    timers.wrap(trl_module.StoreAdvantages, "_write", "handoff.write_jsonl")
+    timers.wrap(handoff_module.Handoff, "__init__", "handoff.open")
+    timers.wrap(trl_module.HandoffAdvantages, "row", "handoff.rows")
+    timers.watch_gc()
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
@@ -255,7 +279,7 @@ def run(args: argparse.Namespace, device: Any, doc: dict[str, Any], flush: Any) 
             args=config,
             train_dataset=Dataset.from_list([{"prompt": prompt}] * len(layouts)),
             processing_class=tok,
-            advantages=TimedSource(timers, source),
+            advantages=TimedSource(timers, source, lambda: common.sync(device)),
             callbacks=[StepClock()],
         )
         timers.wrap(trainer, "_generate_and_score_completions", "generate_and_score")
@@ -286,8 +310,8 @@ class TimedSource:
     its ``signals`` and ``last_signal`` are the source's own (the trainer logs
     ``hcapo/hindsight_nonzero_share`` from them: a bare function in its place would hide them)."""
 
-    def __init__(self, timers: Timers, source: Any) -> None:
-        self.timers, self.source = timers, source
+    def __init__(self, timers: Timers, source: Any, sync: Any = None) -> None:
+        self.timers, self.source, self.sync = timers, source, sync
         self.signals = source.signals
 
     @property
@@ -300,10 +324,16 @@ class TimedSource:
             "rows": len(batch.completion_ids),
             "trained_rows": sum(1 for mask in batch.loss_mask if any(mask)),
         }
+        if self.sync is not None:  # the GPU's queued work (TRL's) waited for here, not inside the source
+            t = time.perf_counter()
+            self.sync()
+            self.timers.add("gpu_wait_before_advantages", time.perf_counter() - t)
         t = time.perf_counter()
+        self.timers.in_source = True
         try:
             return self.source(batch)
         finally:
+            self.timers.in_source = False
             self.timers.add("advantages", time.perf_counter() - t)
 
 
@@ -330,6 +360,9 @@ def shares(row: dict[str, Any]) -> None:
         return
     inside = row.get("ingest", 0.0) + row.get("score_live", 0.0) + row.get("credits", 0.0)
     row["handoff"] = round(max(row["advantages"] - inside, 0.0), 4)  # the source's rest: write, Handoff
+    parts = sum(row.get(k, 0.0) for k in ("handoff.write_jsonl", "handoff.open", "handoff.rows"))
+    if parts:  # the rest of the rest: the source's reads, signal, batching (and what the timers missed)
+        row["handoff.other"] = round(max(row["handoff"] - parts, 0.0), 4)
     hindsight = row.get("score_live", 0.0) + row.get("credits", 0.0) + row["handoff"]
     step = row["step_s"] = row.pop("step")
     row["hindsight_s"] = round(hindsight, 4)
@@ -356,8 +389,11 @@ def summary(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"{doc['shape']} {row['layout']}: step {row['step_s']:.2f} s, hindsight {row['hindsight_s']:.2f} s"
             f" = {row['hindsight_share']:.1%} of the step (paper {PAPER_HINDSIGHT_SHARE:.1%}); score_live"
-            f" {row.get('score_live', 0):.2f} s, credits {row.get('credits', 0):.2f} s, hand-off {row['handoff']:.2f} s,"
-            f" ingest {row.get('ingest', 0):.2f} s"
+            f" {row.get('score_live', 0):.2f} s, credits {row.get('credits', 0):.2f} s, hand-off {row['handoff']:.2f} s"
+            f" (files {row.get('handoff.write_jsonl', 0):.2f}, open {row.get('handoff.open', 0):.2f}, rows"
+            f" {row.get('handoff.rows', 0):.2f}, other {row.get('handoff.other', 0):.2f}; garbage collector"
+            f" {row.get('gc_in_advantages', 0):.2f}), ingest {row.get('ingest', 0):.2f} s; the GPU's queue before the"
+            f" source {row.get('gpu_wait_before_advantages', 0):.2f} s"
         )
     if "error" in doc:
         lines.append(f"error: {doc['error']}")

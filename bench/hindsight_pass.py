@@ -88,13 +88,23 @@ class PhaseClock:
         self.undo.clear()
 
 
-def make_batch(step: int, tok: Any, prompt: list[dict[str, Any]], prompt_ids: list[int], rows: int, model: Any) -> Any:
+def make_batch(
+    step: int, tok: Any, prompt: list[dict[str, Any]], prompt_ids: list[int], rows: int, model: Any, edges: bool = False
+) -> Any:
     """``rows`` rollouts of one prompt as TRL hands them over: digit completions ending in EOS,
-    all trained, rewards that differ (the sum of the digits), one GRPO group."""
+    all trained, rewards that differ (the sum of the digits), one GRPO group. ``edges``: the
+    first row's completion is EOS alone (trained, no text) and the second's is cut at the length
+    limit (no EOS; untrained, as ``mask_truncated_completions=True`` leaves it), as GPU steps held."""
     from hcapo_store.training.trl_grpo import RolloutBatch
 
     texts = [str(1000 + 37 * (i + 1) + 101 * step)[-(2 + i % 3) :] for i in range(rows)]
+    if edges:
+        texts[0] = ""
     completion_ids = [[*tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts]
+    loss_mask = [[1] * len(c) for c in completion_ids]
+    if edges and rows > 1:
+        completion_ids[1] = completion_ids[1][:-1]
+        loss_mask[1] = [0] * len(completion_ids[1])
     rewards = [float(sum(int(ch) for ch in t)) for t in texts]
     return RolloutBatch(
         step=step,
@@ -102,7 +112,7 @@ def make_batch(step: int, tok: Any, prompt: list[dict[str, Any]], prompt_ids: li
         completions=[[{"role": "assistant", "content": t}] for t in texts],
         prompt_ids=[list(prompt_ids) for _ in range(rows)],
         completion_ids=completion_ids,
-        loss_mask=[[1] * len(c) for c in completion_ids],
+        loss_mask=loss_mask,
         rewards=rewards,
         groups=[0] * rows,
         trl_advantages=[0.0] * rows,
@@ -152,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--profile", type=int, default=25, help="cProfile lines of a third call, as the second (0: no third call): 25"
     )
     p.add_argument("--json", dest="json_out", help="write the phases (and the profile) here")
+    p.add_argument(
+        "--edges", action="store_true", help="row 0 an empty completion (EOS alone), row 1 cut at the length limit"
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.rows, args.steps_per_subtask = min(args.rows, 2), 1
@@ -212,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 allow_zero_hindsight=True,
             )  # fmt: skip
             for step in range(3 if args.profile else 2):
-                batch = make_batch(step, tok, prompt, prompt_ids, args.rows, model)
+                batch = make_batch(step, tok, prompt, prompt_ids, args.rows, model, args.edges)
                 clock.reset()
                 profiler = cProfile.Profile() if step == 2 else None
                 w, c = time.perf_counter(), time.process_time()
