@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="hcapo-pass-"))
+    print(f"work: {work}", flush=True)  # bench/handoff_rows.py times the hand-off again over its store
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     prompt, steps = common.episode_prompt(work, args.steps_per_subtask, args.tiny)
     text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False)

@@ -324,6 +324,8 @@ class Handoff:
         equally and the ids hold fewer such places than such steps, nothing tells which step
         these are: this one is refused and so are its rivals here, never guessed; with a place
         for every one of them, they are taken in order."""
+        if not later:  # no other step has these tokens: nothing to weigh (the common case, every step)
+            return None
         start, end = found
         mine = _agreement(ids, start, where.input_ids, where.spans[index][0])
         tied = []

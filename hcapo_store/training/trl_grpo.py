@@ -534,9 +534,10 @@ class StoreAdvantages(HandoffAdvantages):
         self.last_signal = handoff.signal
         if handoff.signal is not None and train:
             self.signals[batch.step] = handoff.signal
-        for i, name in names.items():
-            if not any(batch.loss_mask[i]):
-                continue  # nothing of it is trained (e.g. a masked truncated completion)
+        # a row nothing of which is trained (a masked truncated completion) is not looked up
+        trained = {i: name for i, name in names.items() if any(batch.loss_mask[i])}
+        handoff.prefetch(handoff.episode_id(name) for name in trained.values())  # the batch's episodes in one read
+        for i, name in trained.items():
             out[i] = self.row(handoff, batch, i, name)
         return out
 
