@@ -147,7 +147,8 @@ def main() -> None:
                 "loss": log["loss"],
                 "reward": log.get("reward"),
                 "advantage_abs_max": log.get("hcapo/advantage_abs_max"),
-                "skipped": sum(1 for s, _ in hcapo.skipped if s == step),
+                "skipped": sum(1 for s, _ in hcapo.skipped if s == step),  # rows left at 0, and why: hcapo.skipped
+                "skipped_logged": log.get("hcapo/skipped_rows"),  # what the trainer logged of them
                 "step_seconds": log.get("step_time"),  # TRL's: generation, rewards, advantages, update
                 "advantages_seconds": log.get("hcapo/advantages_seconds"),  # of which the advantage source
             }

@@ -59,6 +59,7 @@ def test_grpo_example_trains_on_the_stores_credits(tmp_path: Path, monkeypatch: 
     steps = [json.loads(line) for line in out.stdout.splitlines()]
     assert [s["step"] for s in steps] == [0, 1]
     assert all(math.isfinite(s["loss"]) and s["advantage_abs_max"] > 0 for s in steps)
+    assert all(s["skipped_logged"] == s["skipped"] for s in steps)  # the trainer's log says the rows left at 0
     assert steps[0]["scorer_id"] != steps[1]["scorer_id"]  # each step scored by the policy at its own weights
     with Store.open(str(tmp_path / "hcapo.db")) as store:
         runs = {name for (name,) in store.query("SELECT name FROM credit_runs")[1]}

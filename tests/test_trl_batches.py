@@ -112,6 +112,26 @@ def test_an_evaluation_batch_keeps_out_of_its_steps_records(tmp_path: Path, tok,
         assert (source.runs[1], source.episodes[1], source.signals[1]) == (run, names, signal)
 
 
+def test_an_evaluation_batch_keeps_out_of_its_steps_skipped_rows(tmp_path: Path, tok, demo_tokenizer_dir: Path):
+    """``skipped`` / ``refused`` hold the step's training batch's rows: an evaluation pass at
+    the same step, whose row numbers are the same, neither adds to them nor overwrites them;
+    each batch's own are ``last_skipped`` / ``last_refused`` (the trainer logs their counts)."""
+    model = qwen3(tok).eval()
+    nan = float("nan")
+    train = _batch(tok, model, 1, ["!!!!", "#", "!", "##"], [4, 0, nan, 0], 4)  # row 2: no reward function scored it
+    evaluation = _batch(tok, model, 1, ["!", "#", "!!", "$"], [nan, 0, 2, 1], 4, "eval")  # row 0 this time
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
+        source(train)
+        assert list(source.skipped) == [(1, 2)] and list(source.last_skipped) == [2]
+        source(evaluation)
+        assert list(source.skipped) == [(1, 2)]  # the training batch's, untouched
+        assert list(source.last_skipped) == [0] and "no reward" in source.last_skipped[0]
+        again = _batch(tok, model, 1, ["!!", "#", "!", "##"], [2, 0, 1, 0], 4)  # a further training batch at step 1
+        source(again)
+        assert source.skipped == {} and source.last_skipped == {}  # it replaces the step's
+
+
 def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
     tmp_path: Path, tok, demo_tokenizer_dir: Path
 ) -> None:

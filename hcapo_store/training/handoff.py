@@ -393,6 +393,41 @@ class Handoff:
         return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
 
 
+# trained tokens next to a step that its own tokens leave out: the template's glue (a newline
+# after the end-of-turn token) or a wrapper it also writes (Qwen3's empty think block, 4 tokens),
+# which a policy with thinking on generates itself; a longer stretch of trained tokens that no
+# step holds is not glue (a turn, a tool result)
+GLUE_TOKENS = 4
+
+
+def with_lead_in(credit: TokenCredit, trained: np.ndarray, start: int) -> np.ndarray:
+    """``credit.advantages[start:]`` (the part of a trainer's row it generated), each step's
+    advantage also on the trained tokens just before its own tokens that no step holds: what
+    the policy wrote in that turn before its own text, at most GLUE_TOKENS of them, back to an
+    untrained token, another step's tokens or ``start``. With Qwen3 and thinking on, a policy
+    that thinks nothing writes ``<think>\n\n</think>\n\n`` itself; the store's rendering has
+    the template write it, so it is no step's own, and the trainer would train it at 0.
+    ``trained``: the loss mask over ``[start, len(ids))``. A stretch longer than GLUE_TOKENS
+    stays at 0 (not a wrapper), and so do steps with per-token values (a log-ratio run's:
+    those tokens have none)."""
+    values = credit.advantages[start:].astype(np.float64)
+    loose = np.asarray(trained, dtype=bool) & ~credit.mask[start:]
+    for index, (a, b) in credit.spans.items():
+        a, b = a - start, b - start
+        if a <= 0 or not loose[a - 1]:
+            continue
+        k = a - 1
+        while k > 0 and loose[k - 1] and a - k <= GLUE_TOKENS:
+            k -= 1
+        if a - k > GLUE_TOKENS or (k > 0 and loose[k - 1]):
+            continue  # a longer stretch: not a wrapper of this step's turn
+        value = credit.step_advantages.get(index)
+        if value is None or not np.all(values[a:b] == np.float32(value)):
+            continue  # per-token values: the wrapper has none
+        values[k:a] = values[a]
+    return values
+
+
 def float32_problem(value: float) -> str | None:
     """Why ``value`` cannot reach a trainer as float32 (NaN, inf, or beyond float32's range,
     which the cast turns into inf), or None. Checked after the cast: a float64 1e39 is finite."""

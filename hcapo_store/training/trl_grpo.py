@@ -48,6 +48,7 @@ from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import HandoffError
 from hcapo_store.rendering.tokenizers import KeptTokenizer
 from hcapo_store.storage.store import Store
+from hcapo_store.training.handoff import with_lead_in
 
 # The TRL releases whose private methods this subclass was checked against (pyproject pins the same).
 TRL_VERSIONS = ((1, 16), (1, 17))  # [low, high) as (major, minor)
@@ -207,6 +208,9 @@ class HCAPOGRPOTrainer(GRPOTrainer):
         signal = (
             source.last_signal if hasattr(source, "last_signal") else getattr(source, "signals", {}).get(batch.step)
         )
+        for key, rows in (("hcapo/skipped_rows", "last_skipped"), ("hcapo/refused_rows", "last_refused")):
+            if hasattr(source, rows):  # rows left at 0 (or partly), said in the logs, never silent
+                self._metrics[mode][key].append(float(len(getattr(source, rows))))
         if signal is not None:  # StoreAdvantages: whether HCAPO's hindsight term is in this batch
             self._metrics[mode]["hcapo/hindsight_nonzero_share"].append(signal.hindsight_share)
             self._metrics[mode]["hcapo/advantage_spread"].append(signal.advantage_spread)
@@ -225,7 +229,10 @@ class HandoffAdvantages:
     a step whose own tokens are not in the rollout's ids, or an action token the loss does not
     train, raises a ``HandoffError`` naming the row, episode and step; ``strict=False`` leaves
     that step at 0 and lists it in ``refused``. A trained row whose completion holds no step of
-    the episode (an ended completion with no text) gets 0 and is listed in ``skipped``."""
+    the episode (an ended completion with no text) gets 0 and is listed in ``skipped``.
+    ``refused`` and ``skipped`` are keyed ``(step, row)`` and hold training batches' rows (a
+    further training batch at a step replaces that step's); ``last_refused`` and
+    ``last_skipped``, keyed by row, the last batch's of any mode (an evaluation pass's too)."""
 
     def __init__(
         self,
@@ -239,10 +246,32 @@ class HandoffAdvantages:
         self.strict = strict
         self.refused: dict[tuple[int, int], dict[int, str]] = {}  # (step, row) -> {step_index: why}
         self.skipped: dict[tuple[int, int], str] = {}  # (step, row) -> why it got no advantage
+        self.last_refused: dict[int, dict[int, str]] = {}  # row -> {step_index: why}, the last batch's
+        self.last_skipped: dict[int, str] = {}  # row -> why, the last batch's
+
+    def _begin(self, batch: RolloutBatch) -> None:
+        """A new batch's records: the last batch's start empty; a training batch replaces its
+        step's (an evaluation pass at the same step keeps out of them)."""
+        self.last_refused, self.last_skipped = {}, {}
+        if batch.mode == "train":
+            for records in (self.refused, self.skipped):
+                for key in [k for k in records if k[0] == batch.step]:
+                    del records[key]
+
+    def _skip(self, batch: RolloutBatch, row: int, why: str) -> None:
+        self.last_skipped[row] = why
+        if batch.mode == "train":
+            self.skipped[(batch.step, row)] = why
+
+    def _refuse(self, batch: RolloutBatch, row: int, step: int, why: str) -> None:
+        self.last_refused.setdefault(row, {})[step] = why
+        if batch.mode == "train":
+            self.refused.setdefault((batch.step, row), {})[step] = why
 
     def __call__(self, batch: RolloutBatch) -> list[np.ndarray]:
         from hcapo_store.training.handoff import Handoff
 
+        self._begin(batch)
         handoff = self.handoff if isinstance(self.handoff, Handoff) else self.handoff(batch)
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
         for i in range(len(out)):
@@ -261,15 +290,17 @@ class HandoffAdvantages:
             cut = not completion or completion[-1] not in ends
             hint = " (its completion was cut at max_completion_length: mask_truncated_completions=True leaves such rows out)"
             raise HandoffError(f"step {batch.step}, row {i}: {exc}{hint if cut else ''}") from exc
-        if credit.refused:
-            self.refused[(batch.step, i)] = dict(credit.refused)
+        for index, why in credit.refused.items():
+            self._refuse(batch, i, index, why)
         trained = np.asarray(batch.loss_mask[i], dtype=bool)
         if trained.any() and not credit.mask[start:].any() and not credit.refused:
             # nothing of the completion is a stored step's (an ended completion with no text, say):
             # its 0 is said, not silent
-            self.skipped[(batch.step, i)] = (
+            self._skip(
+                batch,
+                i,
                 "its completion holds no step of the stored episode (no text the store keeps as a step): "
-                "no advantage to place, 0"
+                "no advantage to place, 0",
             )
         untrained = credit.mask[start:] & ~trained
         if untrained.any():
@@ -278,8 +309,10 @@ class HandoffAdvantages:
             why = f"step {step}'s token at completion position {at} is an action token the loss does not train"
             if self.strict:
                 raise HandoffError(f"step {batch.step}, row {i}, episode {episode}: {why}")
-            self.refused.setdefault((batch.step, i), {})[int(step if step is not None else -1)] = why
-        return credit.advantages[start:].astype(np.float64) * trained
+            self._refuse(batch, i, int(step if step is not None else -1), why)
+        # the policy's own wrapper before a step (Qwen3's empty think block with thinking on) is trained:
+        # it carries the step's advantage, as every completion token does in GRPO
+        return with_lead_in(credit, trained, start) * trained
 
 
 class StoreAdvantages(HandoffAdvantages):
@@ -381,9 +414,7 @@ class StoreAdvantages(HandoffAdvantages):
         """The store's name of a row's episode (after ``__call__`` stored it)."""
         name = self.episodes.get(batch.step, [])[row] if row < len(self.episodes.get(batch.step, [])) else None
         if name is None:
-            raise HandoffError(
-                f"step {batch.step}, row {row}: not in the store ({self.skipped.get((batch.step, row))})"
-            )
+            raise HandoffError(f"step {batch.step}, row {row}: not in the store ({self.last_skipped.get(row)})")
         return name
 
     def _external_id(self, step: int, suffix: str, row: int) -> str:
@@ -440,7 +471,7 @@ class StoreAdvantages(HandoffAdvantages):
         lines: dict[int, list[str]] = {}
         for i, group in enumerate(batch.groups):
             if not math.isfinite(batch.rewards[i]):
-                self.skipped[(batch.step, i)] = "no reward function scored it (TRL gives it no advantage either)"
+                self._skip(batch, i, "no reward function scored it (TRL gives it no advantage either)")
                 continue
             path = folder / f"{self._file_stem(batch.step, suffix)}_g{group:05d}.jsonl"
             episode = {
@@ -471,6 +502,7 @@ class StoreAdvantages(HandoffAdvantages):
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
         self.last_signal = None
+        self._begin(batch)
         train = batch.mode == "train"  # the step's records are its training batch's, an evaluation's stay out
         if train:  # none left from an earlier batch of the step
             for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
@@ -496,7 +528,7 @@ class StoreAdvantages(HandoffAdvantages):
                 if self._external_id(batch.step, suffix, i) in by_row:
                     names[i] = by_row[self._external_id(batch.step, suffix, i)]
                 else:
-                    self.skipped[(batch.step, i)] = f"not stored: {why.get(str(line), 'the ingest did not keep it')}"
+                    self._skip(batch, i, f"not stored: {why.get(str(line), 'the ingest did not keep it')}")
         if train:
             self.episodes[batch.step] = [names.get(i) for i in range(len(batch.completion_ids))]
         if not names:

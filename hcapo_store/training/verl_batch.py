@@ -42,7 +42,7 @@ from hcapo_store.credits.signal import CreditSignal
 from hcapo_store.errors import BatchNotReady, EpisodeLookupError, HandoffError
 from hcapo_store.online.batches import BatchInfo, BatchMember, list_batches, wait_for_batch
 from hcapo_store.storage.store import Store
-from hcapo_store.training.handoff import Handoff, TokenCredit, float32_problem
+from hcapo_store.training.handoff import GLUE_TOKENS, Handoff, TokenCredit, float32_problem, with_lead_in
 
 
 def write_rollout(
@@ -87,11 +87,6 @@ class SampleCredit:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# policy tokens next to a step that its own tokens may leave out: the template's glue (a newline
-# after the end-of-turn token, an empty think block); a longer stretch is a turn of its own
-GLUE_TOKENS = 4
 
 
 def _unexplained(own: np.ndarray, valid: np.ndarray) -> tuple[int, int] | None:
@@ -473,4 +468,6 @@ class VerlHandoff:
                 f"{where}: step {step}'s token at response position {at - start} is an action token but the "
                 "response mask leaves it out: the trainer's mask and the store's spans disagree"
             )
-        return (credit.advantages[start:] * own).astype(np.float32)
+        # a wrapper the policy wrote before a step (Qwen3's empty think block with thinking on) is
+        # trained: it carries the step's advantage (handoff.with_lead_in)
+        return with_lead_in(credit, valid, start).astype(np.float32)
