@@ -176,6 +176,8 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
         ScoreConfig(tokenizer=str(other), **base),
         ScoreConfig(tokenizer=str(tiny_model_dir), hindsight_template=HINDSIGHT_TEMPLATE + " ", **base),
         ScoreConfig(tokenizer=str(tiny_model_dir), conversion=ConvertOptions(include_thinking=False), **base),
+        ScoreConfig(tokenizer=str(tiny_model_dir), top_k=5, **base),
+        ScoreConfig(tokenizer=str(tiny_model_dir), top_k=20, **base),
     ]
     with Store.open(db) as store:
         specs = [prepare(store, cfg) for cfg in configs]
@@ -183,6 +185,7 @@ def test_scorer_labels_differ_when_scorers_differ(db, ref, tiny_model_dir, demo_
     labels = [scorer_label(p.spec) for p in specs]
     assert len(set(labels)) == len(labels), labels
     assert demo_tokenizer_dir.name in labels[1]
+    assert "top-k=5" in labels[-2] and "top-k=20" in labels[-1]  # a K's distributions are another scorer's
 
 
 @pytest.mark.parametrize(

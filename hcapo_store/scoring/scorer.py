@@ -65,6 +65,8 @@ def scorer_label(spec: dict[str, Any]) -> str:
         parts.append(f"span={spec['action_span']}")
     if spec.get("weight_version") is not None:
         parts.append(f"wv={spec['weight_version']}")
+    if spec.get("top_k"):  # `score --top-k K`: in the id, so in the name too
+        parts.append(f"top-k={spec['top_k']}")
     return " ".join(parts)
 
 
