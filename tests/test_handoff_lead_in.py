@@ -33,7 +33,7 @@ def _credit(n: int, spans: dict[int, tuple[int, int]], values: dict[int, float])
     mask = np.zeros(n, dtype=bool)
     for index, (a, b) in spans.items():
         adv[a:b], mask[a:b] = values[index], True
-    return TokenCredit("e", adv, mask, dict(spans), dict(values))
+    return TokenCredit("e", adv, mask, dict(spans), dict(values), lead_in=dict(values))
 
 
 def test_a_short_trained_stretch_before_a_step_takes_its_advantage() -> None:
@@ -58,12 +58,18 @@ def test_a_longer_stretch_an_untrained_token_and_another_step_stop_it() -> None:
     assert untrained[:4].tolist() == [0.0] * 4  # nothing trained before it: nothing given
 
 
-def test_per_token_values_give_the_wrapper_none() -> None:
-    credit = _credit(8, {0: (3, 6)}, {0: 0.5})
-    credit.advantages[3:6] = [0.1, -0.2, 0.3]  # a log-ratio run's per-token values
-    out = with_lead_in(credit, np.ones(8, dtype=bool), 0)
-    assert out[:3].tolist() == [0.0, 0.0, 0.0]
-    assert out[3:6].tolist() == pytest.approx([0.1, -0.2, 0.3])
+def test_per_token_values_give_the_wrapper_the_steps_lead_in_value() -> None:
+    """A log-ratio run: the step's tokens keep their own values; the wrapper (scored by
+    neither scorer) gets ``lead_in``, the step's A_i, whatever its d_t are (all equal or not)."""
+    for values in ([0.1, -0.2, 0.3], [0.5, 0.5, 0.5]):
+        credit = _credit(8, {0: (3, 6)}, {0: 0.5})
+        credit.advantages[3:6] = values  # per-token values
+        credit.lead_in = {0: -0.25}
+        out = with_lead_in(credit, np.ones(8, dtype=bool), 0)
+        assert out[:3].tolist() == [-0.25] * 3
+        assert out[3:6].tolist() == pytest.approx(values)
+    credit.lead_in = {}  # a step the run leaves out of training: nothing to give
+    assert with_lead_in(credit, np.ones(8, dtype=bool), 0)[:3].tolist() == [0.0] * 3
 
 
 @pytest.fixture
@@ -156,3 +162,52 @@ def test_verl_the_response_gets_the_wrapper_too(qwen3_group) -> None:
     out = VerlHandoff._place(credit, len(prompt), valid, "sample 0")
     assert out.dtype == np.float32
     assert out.tolist() == pytest.approx([credit.step_advantages[0]] * len(completion))
+
+
+def test_trl_log_ratio_the_wrapper_gets_the_grpo_backbone(tmp_path: Path, demo_tokenizer_dir: Path) -> None:
+    """A log-ratio run through StoreAdvantages (``--grpo``, the default), Qwen3 with thinking on:
+    each completion's own tokens carry A_i + g_t·d_t (varying), its empty think block A_i, the
+    group's z-scored reward computed here (TRL's GRPO gives every completion token that)."""
+    from test_trl_grpo import qwen3
+
+    from hcapo_store.training.trl_grpo import RolloutBatch, StoreAdvantages
+
+    tok_dir = tokenizer_dir("qwen3", demo_tokenizer_dir)
+    tok = load_tokenizer(str(tok_dir))
+    model = qwen3(tok).eval()
+    prompt = [
+        {"role": "user", "content": "add the digits"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "again"},
+    ]
+    texts, rewards = ["42", "7", "13", "9"], [1.0, 0.0, 0.5, 0.0]
+    text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    think = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    completion_ids = [[*think, *tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts]
+    batch = RolloutBatch(
+        step=0,
+        prompts=[prompt] * 4,
+        completions=[
+            [{"role": "assistant", "content": tok.decode(c, skip_special_tokens=True)}] for c in completion_ids
+        ],
+        prompt_ids=[prompt_ids] * 4,
+        completion_ids=completion_ids,
+        loss_mask=[[1] * len(c) for c in completion_ids],
+        rewards=rewards,
+        groups=[0] * 4,
+        trl_advantages=[0.0] * 4,
+        inputs=[{}] * 4,
+        model=model,
+    )
+    r = np.asarray(rewards)
+    backbone = (r - r.mean()) / r.std()
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(
+            store, tokenizer=tok_dir, workdir=tmp_path / "r", run_id="Q", variant="log-ratio", against="no-hindsight"
+        )
+        rows = source(batch)
+    for row, a_i in zip(rows, backbone):
+        assert row[: len(think)].tolist() == pytest.approx([a_i] * len(think), abs=1e-6)
+        own = row[len(think) :]
+        assert np.all(own != 0.0) and len(set(own.round(6).tolist())) > 1  # A_i + g_t·d_t: the log-ratio term varies

@@ -24,3 +24,13 @@ def token_advantages(conn: Connection, run_id: int, episode_id: int | None = Non
 def step_token_advantages(conn: Connection, run_id: int, episode_id: int) -> dict[int, np.ndarray]:
     """One episode's per-token advantages by step index (``token_advantages``)."""
     return {i: v for (_, i), v in token_advantages(conn, run_id, episode_id).items()}
+
+
+def step_backbones(conn: Connection, run_id: int, episode_id: int) -> dict[int, float]:
+    """One episode's A_i by step index (``credits.a_macro``: a log-ratio run's GRPO backbone,
+    0 without ``--grpo``), what a token no scorer scored gets (``handoff.with_lead_in``)."""
+    sql = (
+        "SELECT s.step_index, c.a_macro FROM credits c JOIN steps s ON s.id = c.step_id "
+        "WHERE c.run_id = :run AND s.episode_id = :ep"
+    )
+    return {int(i): float(a or 0.0) for i, a in conn.execute(text(sql), {"run": run_id, "ep": episode_id})}

@@ -61,7 +61,7 @@ from hcapo_store.rendering.placement import Placement
 from hcapo_store.storage import db
 from hcapo_store.storage.episodes import load_messages_of
 from hcapo_store.storage.store import Store
-from hcapo_store.storage.token_values import step_token_advantages
+from hcapo_store.storage.token_values import step_backbones, step_token_advantages
 
 CONTEXT_TOKENS = 3  # header tokens that must precede a step's tokens in the trainer's ids
 
@@ -78,6 +78,9 @@ class TokenCredit:
     selected: bool = True  # False: the run leaves the episode out of training (zeros)
     how: str = "turns"  # "turns" / "whole" (the ids are that rendering) or "search"
     refused: dict[int, str] = field(default_factory=dict)  # strict=False: steps left at 0, and why
+    # step_index -> the value of a wrapper the policy wrote before the step's own tokens
+    # (``with_lead_in``): the step's advantage; a log-ratio run's A_i (no d_t was scored there)
+    lead_in: dict[int, float] = field(default_factory=dict)
 
 
 class Handoff:
@@ -156,11 +159,13 @@ class Handoff:
             else EpisodeRenderer(side.tokenizer)
         )
 
-    def _token_values(self, ep_id: int) -> dict[int, np.ndarray] | None:
+    def _token_values(self, ep_id: int) -> tuple[dict[int, np.ndarray], dict[int, float]] | None:
+        """A log-ratio run's per-token advantages and A_i by step index (None: a run of one
+        value per step)."""
         if self.run.variant != LOG_RATIO:
             return None
         with db.read(self.store.engine) as conn:
-            return step_token_advantages(conn, self.run.id, ep_id)
+            return step_token_advantages(conn, self.run.id, ep_id), step_backbones(conn, self.run.id, ep_id)
 
     def rendered_ids(self, episode: str | int, rendering: str = "turns") -> list[int]:
         """The ids of the episode's ``turns`` (as a multi-turn trainer accumulates them) or
@@ -371,7 +376,9 @@ class Handoff:
         if selected:
             ep, weights = self._weights[ep_id]
             step_adv = {int(i): float(w) for i, w in zip(ep["step_indices"], weights)}
-        per_token = self._token_values(ep_id)  # a log-ratio run's per-token advantages, else None
+        token_values = self._token_values(ep_id)  # a log-ratio run's per-token advantages and A_i, else None
+        per_token, backbone = token_values if token_values is not None else (None, {})
+        lead_in: dict[int, float] = {}
         for index, (a, b) in list(spans.items()):
             value = step_adv.get(index, 0.0)
             why = float32_problem(value)
@@ -390,7 +397,9 @@ class Handoff:
                 continue
             adv[a:b] = value if values is None else values
             mask[a:b] = True
-        return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused)
+            if selected:
+                lead_in[index] = float(np.float32(value if values is None else backbone.get(index, 0.0)))
+        return TokenCredit(self._names[ep_id], adv, mask, spans, step_adv, selected, how, refused, lead_in)
 
 
 # trained tokens next to a step that its own tokens leave out: the template's glue (a newline
@@ -408,8 +417,8 @@ def with_lead_in(credit: TokenCredit, trained: np.ndarray, start: int) -> np.nda
     that thinks nothing writes ``<think>\n\n</think>\n\n`` itself; the store's rendering has
     the template write it, so it is no step's own, and the trainer would train it at 0.
     ``trained``: the loss mask over ``[start, len(ids))``. A stretch longer than GLUE_TOKENS
-    stays at 0 (not a wrapper), and so do steps with per-token values (a log-ratio run's:
-    those tokens have none)."""
+    stays at 0 (not a wrapper). The value is ``credit.lead_in``'s: a log-ratio run's wrapper
+    gets the step's A_i alone (neither scorer scored it: it has no d_t)."""
     values = credit.advantages[start:].astype(np.float64)
     loose = np.asarray(trained, dtype=bool) & ~credit.mask[start:]
     for index, (a, b) in credit.spans.items():
@@ -421,10 +430,9 @@ def with_lead_in(credit: TokenCredit, trained: np.ndarray, start: int) -> np.nda
             k -= 1
         if a - k > GLUE_TOKENS or (k > 0 and loose[k - 1]):
             continue  # a longer stretch: not a wrapper of this step's turn
-        value = credit.step_advantages.get(index)
-        if value is None or not np.all(values[a:b] == np.float32(value)):
-            continue  # per-token values: the wrapper has none
-        values[k:a] = values[a]
+        value = credit.lead_in.get(index)
+        if value is not None:
+            values[k:a] = value
     return values
 
 
