@@ -161,6 +161,44 @@ def test_refuses_other_tokens_naming_the_first_step(tmp_path):
     assert store.query("SELECT COUNT(*) FROM credit_runs")[1][0][0] == 0  # nothing stored
 
 
+def test_a_logprob_that_is_not_finite_is_one_line_naming_its_step(tmp_path):
+    """``score`` refuses such values; a store written another way gets one CreditError naming
+    the step, nothing stored (before: a NaN ran into every later step's mean through one running
+    sum, and the database refused the NULL credit)."""
+    store = _store(tmp_path)
+    with db.write(store.engine) as conn:
+        sid, n = conn.execute(
+            text(
+                "SELECT s.id, sc.token_count FROM steps s JOIN episodes e ON e.id = s.episode_id "
+                "JOIN scores sc ON sc.step_id = s.id AND sc.scorer_id = 'teacher' "
+                "WHERE e.external_id = 'e1' AND s.step_index = 0"
+            )
+        ).one()
+        blob = struct.pack(f"<{n}f", *([-1.0] * (n - 1) + [float("nan")]))  # its mean column left finite
+        conn.execute(
+            text("UPDATE scores SET token_logprobs = :b WHERE step_id = :s AND scorer_id = 'teacher'"),
+            {"b": blob, "s": sid},
+        )
+    with pytest.raises(CreditError, match=rf"step id {sid}'s stored score holds a logprob that is not finite"):
+        compute_log_ratio(store, scorer="teacher", against="student")
+    assert store.query("SELECT COUNT(*) FROM credit_runs")[1][0][0] == 0
+
+
+def test_step_means_keep_each_steps_values_to_itself() -> None:
+    from hcapo_store.credits.log_ratio import step_means
+
+    values = np.array([1.0, 2.0, 3.0, np.nan, 5.0, 6.0])
+    assert step_means(values, np.array([2, 0, 1, 2, 1])).tolist()[:3] == [1.5, 0.0, 3.0]
+    assert step_means(values, np.array([2, 0, 1, 2, 1]))[4] == 6.0  # after the NaN's step: its own
+    rng = random.Random(3)
+    for _ in range(100):
+        counts = np.array([rng.randrange(4) for _ in range(rng.randrange(8))], dtype=np.int64)
+        v = np.array([rng.gauss(0, 1) for _ in range(int(counts.sum()))])
+        starts = np.cumsum(counts) - counts
+        want = [math.fsum(v[s : s + c]) / c if c else 0.0 for s, c in zip(starts, counts)]
+        assert step_means(v, counts) == pytest.approx(want, abs=1e-12)
+
+
 def test_refuses_mixed_engines_unless_allowed_and_other_tokenizers_always(tmp_path):
     mixed = {"tokenizer": TOK, "backend": {"kind": "vllm", "model": "m", "dtype": "float16"}}
     store = _store(tmp_path, student_spec=mixed)

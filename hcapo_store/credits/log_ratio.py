@@ -149,11 +149,15 @@ class LogRatioArrays:
 
 
 def step_means(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Mean of each step's run of ``counts[i]`` values (0 where a step has none)."""
-    ends = np.cumsum(counts)
-    cs = np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
-    sums = cs[ends] - cs[ends - counts]
-    return np.divide(sums, counts, out=np.zeros(len(counts)), where=counts > 0)
+    """Mean of each step's run of ``counts[i]`` values (0 where a step has none). Each step's
+    sum is its own (``reduceat``), not a difference of one running sum: a value cannot reach
+    another step's mean, nor a long block's running sum round a short step's away."""
+    sums = np.zeros(len(counts))
+    some = counts > 0
+    if some.any():
+        starts = (np.cumsum(counts) - counts)[some]
+        sums[some] = np.add.reduceat(np.asarray(values, dtype=np.float64), starts)
+    return np.divide(sums, counts, out=np.zeros(len(counts)), where=some)
 
 
 def log_ratio_credits(
@@ -388,6 +392,13 @@ def _write_block(
     student = np.frombuffer(b"".join(s_blob), dtype="<f4")
     if len(teacher) != int(counts.sum()) or len(student) != len(teacher):
         raise CreditError("--variant log-ratio: a stored score's values do not match its token count")
+    bad = ~(np.isfinite(teacher) & np.isfinite(student))
+    if bad.any():  # the scorers refuse these; a store written otherwise gets one line, not a NULL credit
+        row = int(np.searchsorted(np.cumsum(counts), int(np.flatnonzero(bad)[0]), side="right"))
+        raise CreditError(
+            f"--variant log-ratio: step id {step_id[row]}'s stored score holds a logprob that is not finite "
+            "(`score` refuses such values: it was written another way); credit scorers whose scores are finite"
+        )
     a_step = np.fromiter((a_by_episode[e] for e in episode), dtype=np.float64, count=n_rows)
     arr = log_ratio_credits(teacher, student, counts, a_step, params)
     t_mean = np.fromiter(t_mean_col, dtype=np.float64, count=n_rows)
