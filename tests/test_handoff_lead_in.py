@@ -211,3 +211,18 @@ def test_trl_log_ratio_the_wrapper_gets_the_grpo_backbone(tmp_path: Path, demo_t
         assert row[: len(think)].tolist() == pytest.approx([a_i] * len(think), abs=1e-6)
         own = row[len(think) :]
         assert np.all(own != 0.0) and len(set(own.round(6).tolist())) > 1  # A_i + g_t·d_t: the log-ratio term varies
+
+
+def test_a_turn_begun_without_the_templates_think_block_is_refused_naming_the_header(qwen3_group) -> None:
+    """Thinking on and a policy that wrote no think block: the step's own tokens are in the
+    ids, but not after the header the template renders (its empty think block). Refused, not
+    guessed, and the reason says where they are and which header is missing."""
+    from hcapo_store.errors import HandoffError
+
+    handoff, tok, completions = qwen3_group
+    prompt, completion = _row(tok, completions, "c", thinking=True)
+    with pytest.raises(HandoffError, match=r"are not in the given ids after position 0 \(they are at position") as e:
+        handoff.advantages("g.jsonl#c", [*prompt, *completion])
+    assert "'\\n\\n</think>\\n\\n' the chat template writes before them" in str(e.value)
+    loose = handoff.advantages("g.jsonl#c", [*prompt, *completion], strict=False)
+    assert not loose.spans and "think block" in loose.refused[0]

@@ -296,7 +296,7 @@ class Handoff:
                     f"own tokens {shown} {problem}"
                     if problem
                     else f"own tokens {shown} are not in the given ids after position {pos}"
-                    + (f" ({why})" if why else "")
+                    + (f" ({why})" if why else self._header_hint(ids, index, (turns, whole), pos))
                 )
                 if refused is None:
                     raise HandoffError(
@@ -309,6 +309,23 @@ class Handoff:
             spans[index] = found
             pos = found[1]
         return spans
+
+    def _header_hint(self, ids: list[int], index: int, alignments: tuple[Alignment, ...], pos: int) -> str:
+        """Why a step's own tokens that are in the ids were not taken: not after the header the
+        chat template renders before them ("" when they are not in the ids at all)."""
+        for al in alignments:
+            if index not in al.spans:
+                continue
+            own, before = _pattern(al, index)
+            bare = _find_after(ids, own, [], pos)
+            if bare is not None and before:
+                header = self.tokenizer.decode(before)
+                return (
+                    f" (they are at position {bare[0]}, but not after the {header!r} the chat template "
+                    "writes before them: the rollout began that turn otherwise; with Qwen3 and thinking on, a "
+                    "policy that wrote no think block: the template's empty one is in that header)"
+                )
+        return ""
 
     @staticmethod
     def _rivalry(
