@@ -132,6 +132,29 @@ def test_an_evaluation_batch_keeps_out_of_its_steps_skipped_rows(tmp_path: Path,
         assert source.skipped == {} and source.last_skipped == {}  # it replaces the step's
 
 
+def test_a_trainer_with_tools_is_told_once_that_their_definitions_are_not_scored(
+    tmp_path: Path, tok, demo_tokenizer_dir: Path
+):
+    """TRL's tools= put their definitions in the policy's prompt; the store keeps the messages
+    only, so the hindsight prompts lack them: said once, never silent (and the advantages still
+    reach the trainer)."""
+    import dataclasses
+    import warnings
+
+    model = qwen3(tok).eval()
+    first = dataclasses.replace(_batch(tok, model, 1, ["!!!!", "#", "!", "##"], [4, 0, 1, 0], 4), tools=2)
+    second = dataclasses.replace(_batch(tok, model, 2, ["!", "#", "!!", "$"], [1, 0, 2, 0], 4), tools=2)
+    with Store.open(str(tmp_path / "s.db")) as store:
+        source = StoreAdvantages(store, tokenizer=demo_tokenizer_dir, workdir=tmp_path / "r", run_id="R")
+        with pytest.warns(UserWarning, match=r"the trainer has 2 tool\(s\): .* not the tool definitions"):
+            values = source(first)
+        assert any(np.any(v != 0) for v in values)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            source(second)
+        assert not [w for w in caught if "tool definitions" in str(w.message)]  # once per source
+
+
 def test_single_turn_rollouts_carry_no_hindsight_and_are_refused_as_plain_grpo(
     tmp_path: Path, tok, demo_tokenizer_dir: Path
 ) -> None:

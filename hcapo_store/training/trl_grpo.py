@@ -85,6 +85,7 @@ class RolloutBatch:
     model: Any = field(default=None, repr=False)  # the policy that generated them (unwrapped)
     processes: int = 1  # training processes: each holds its own rows of the generation batch
     mode: str = "train"  # "eval" for an evaluation pass's rollouts (same step as a training batch)
+    tools: int = 0  # TRL's tools= (how many): their definitions are not in the store's prompts
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +99,7 @@ class RolloutBatch:
             "trl_advantages": self.trl_advantages,
             "processes": self.processes,
             "mode": self.mode,
+            "tools": self.tools,
         }
 
 
@@ -196,6 +198,7 @@ class HCAPOGRPOTrainer(GRPOTrainer):
             model=self.accelerator.unwrap_model(self.model),
             processes=int(self.accelerator.num_processes),
             mode=mode,
+            tools=len(getattr(self, "tools", None) or []),
         )
         started = time.perf_counter()
         values = self.advantage_source(batch)
@@ -402,6 +405,7 @@ class StoreAdvantages(HandoffAdvantages):
         # the library's defaults (credits/params.py): the paper's terminal return on outcome-only rollouts
         self.params = params or CreditParams(variant="paper", group_by=GROUP_TAG)
         self.allow_zero_hindsight = allow_zero_hindsight
+        self._told_tools = False  # the tools warning, once
         # per step, its training batch's (the last one at that step): evaluation batches keep out
         self.signals: dict[int, CreditSignal] = {}  # step -> its batch's hindsight signal (credits/signal.py)
         self.last_signal: CreditSignal | None = None  # the last batch's, of any mode (None: nothing stored)
@@ -503,6 +507,16 @@ class StoreAdvantages(HandoffAdvantages):
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
         self.last_signal = None
         self._begin(batch)
+        if batch.tools and not self._told_tools:
+            import warnings
+
+            self._told_tools = True
+            warnings.warn(
+                f"the trainer has {batch.tools} tool(s): the store keeps the rollouts' messages but not the tool "
+                "definitions, so the hindsight scores are of prompts without them (the policy saw them); "
+                "each step is still placed on its own tokens",
+                stacklevel=2,
+            )
         train = batch.mode == "train"  # the step's records are its training batch's, an evaluation's stay out
         if train:  # none left from an earlier batch of the step
             for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
