@@ -438,17 +438,12 @@ def with_lead_in(credit: TokenCredit, trained: np.ndarray, start: int) -> np.nda
     gets the step's A_i alone (neither scorer scored it: it has no d_t)."""
     values = credit.advantages[start:].astype(np.float64)
     loose = np.asarray(trained, dtype=bool) & ~credit.mask[start:]
-    for index, (a, b) in credit.spans.items():
-        a, b = a - start, b - start
-        if a <= 0 or not loose[a - 1]:
-            continue
-        k = a - 1
-        while k > 0 and loose[k - 1] and a - k <= GLUE_TOKENS:
+    for index, (a, _) in credit.spans.items():
+        a = k = a - start
+        while k > 0 and loose[k - 1] and a - k <= GLUE_TOKENS:  # back over the stretch, one past the bound
             k -= 1
-        if a - k > GLUE_TOKENS or (k > 0 and loose[k - 1]):
-            continue  # a longer stretch: not a wrapper of this step's turn
         value = credit.lead_in.get(index)
-        if value is not None:
+        if 0 < a - k <= GLUE_TOKENS and value is not None:  # longer: not a wrapper of this step's turn
             values[k:a] = value
     return values
 

@@ -414,6 +414,15 @@ class StoreAdvantages(HandoffAdvantages):
         self.scorers: dict[int, str] = {}  # step -> scorer id (the policy at that step's weights)
         self.episodes: dict[int, list[str | None]] = {}  # step -> store episode name per row (None: left out)
 
+    def _begin(self, batch: RolloutBatch) -> None:
+        """A new batch's records, these too: no last signal yet; a training batch leaves none of
+        an earlier batch's at its step."""
+        super()._begin(batch)
+        self.last_signal = None
+        if batch.mode == "train":
+            for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
+                records.pop(batch.step, None)
+
     def episode_name(self, batch: RolloutBatch, row: int) -> str:
         """The store's name of a row's episode (after ``__call__`` stored it)."""
         name = self.episodes.get(batch.step, [])[row] if row < len(self.episodes.get(batch.step, [])) else None
@@ -505,7 +514,6 @@ class StoreAdvantages(HandoffAdvantages):
                 "callable that gathers the batch first"
             )
         out = [np.zeros(len(ids), dtype=np.float64) for ids in batch.completion_ids]
-        self.last_signal = None
         self._begin(batch)
         if batch.tools and not self._told_tools:
             import warnings
@@ -518,9 +526,6 @@ class StoreAdvantages(HandoffAdvantages):
                 stacklevel=2,
             )
         train = batch.mode == "train"  # the step's records are its training batch's, an evaluation's stay out
-        if train:  # none left from an earlier batch of the step
-            for records in (self.signals, self.runs, self.scorers, self.episodes, self.students):
-                records.pop(batch.step, None)
         suffix = self._suffix(batch)
         files = self._write(batch, suffix)
         if not files:
